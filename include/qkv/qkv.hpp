@@ -1,0 +1,9 @@
+// qkv — exact, fast scaled dot-product attention. Include this one header.
+#pragma once
+
+#include "qkv/attention.hpp"
+#include "qkv/error.hpp"
+#include "qkv/options.hpp"
+#include "qkv/softmax.hpp"
+#include "qkv/tensor.hpp"
+#include "qkv/version.hpp"

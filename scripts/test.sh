@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Sets up and runs every test: the optimized build (warnings are errors, includes the
+# install + find_package check), then the same suite under ASan + UBSan.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+cmake --preset release
+cmake --build --preset release
+ctest --preset release
+
+cmake --preset asan
+cmake --build --preset asan
+ctest --preset asan

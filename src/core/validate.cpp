@@ -1,0 +1,437 @@
+#include "core/validate.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "qkv/error.hpp"
+
+namespace qkv::detail {
+namespace {
+
+// A view reduced to what the checks need: its name, extents, strides and byte range.
+struct Described {
+  std::string name;
+  int rank = 0;
+  std::array<int64_t, 4> shape{};
+  std::array<int64_t, 4> strides{};
+  const void* data = nullptr;
+  std::size_t element_bytes = 0;
+
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int axis = 0; axis < rank; ++axis) n *= shape[axis];
+    return n;
+  }
+  // [first byte, one past the last byte) that the view can touch; empty when numel == 0.
+  std::pair<std::uintptr_t, std::uintptr_t> byte_range() const {
+    if (numel() == 0 || data == nullptr) return {0, 0};
+    int64_t last = 0;
+    for (int axis = 0; axis < rank; ++axis) last += (shape[axis] - 1) * strides[axis];
+    const auto first = reinterpret_cast<std::uintptr_t>(data);
+    return {first, first + static_cast<std::uintptr_t>(last + 1) * element_bytes};
+  }
+};
+
+template <class T, int R>
+Described describe(const std::string& name, const TensorView<T, R>& view) {
+  Described d;
+  d.name = name;
+  d.rank = R;
+  for (int axis = 0; axis < R; ++axis) {
+    d.shape[axis] = view.shape[axis];
+    d.strides[axis] = view.strides[axis];
+  }
+  d.data = view.data;
+  d.element_bytes = sizeof(T);
+  return d;
+}
+
+std::string format_index(const std::array<int64_t, 4>& index, int rank) {
+  std::ostringstream out;
+  out << '[';
+  for (int axis = 0; axis < rank; ++axis) out << (axis ? ", " : "") << index[axis];
+  out << ']';
+  return out.str();
+}
+
+class Checker {
+ public:
+  explicit Checker(std::string function) : function_(std::move(function)) {}
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw Error(function_ + ": " + what);
+  }
+
+  void expect_extent(const Described& view, int axis, const char* axis_name, int64_t expected,
+                     const std::string& because) const {
+    if (view.shape[axis] != expected) {
+      std::ostringstream out;
+      out << view.name << ".shape[" << axis << "] (" << axis_name << "): expected " << expected
+          << " (" << because << "), got " << view.shape[axis];
+      fail(out.str());
+    }
+  }
+
+  // Broadcastable axis: 1 or the full extent.
+  void expect_extent_or_one(const Described& view, int axis, const char* axis_name,
+                            int64_t expected, const std::string& because) const {
+    if (view.shape[axis] != expected && view.shape[axis] != 1) {
+      std::ostringstream out;
+      out << view.name << ".shape[" << axis << "] (" << axis_name << "): expected " << expected
+          << " (" << because << ") or 1 to broadcast, got " << view.shape[axis];
+      fail(out.str());
+    }
+  }
+
+  void expect_at_least_one(const Described& view, int axis, const char* axis_name) const {
+    if (view.shape[axis] < 1) {
+      std::ostringstream out;
+      out << view.name << ".shape[" << axis << "] (" << axis_name << "): expected >= 1, got "
+          << view.shape[axis] << " (" << axis_name << " may not be empty)";
+      fail(out.str());
+    }
+  }
+
+  // Layout rules shared by every tensor argument.
+  void expect_well_formed(const Described& view) const {
+    for (int axis = 0; axis < view.rank; ++axis) {
+      if (view.shape[axis] < 0) {
+        std::ostringstream out;
+        out << view.name << ".shape[" << axis << "]: expected >= 0, got " << view.shape[axis];
+        fail(out.str());
+      }
+      if (view.strides[axis] < 0) {
+        std::ostringstream out;
+        out << view.name << ".strides[" << axis << "]: expected >= 0, got "
+            << view.strides[axis];
+        fail(out.str());
+      }
+    }
+    const int inner = view.rank - 1;
+    if (view.shape[inner] > 1 && view.strides[inner] != 1) {
+      std::ostringstream out;
+      out << view.name << ".strides[" << inner
+          << "]: expected 1 (the innermost dimension must be contiguous), got "
+          << view.strides[inner];
+      fail(out.str());
+    }
+    if (view.data == nullptr && view.numel() > 0) {
+      fail(view.name + ": data is null but the shape " +
+           format_index(view.shape, view.rank) + " has elements");
+    }
+  }
+
+  // Outputs must not have two indices on one element: sort the axes by stride and ask
+  // each stride to step over everything the smaller axes span (sufficient condition).
+  void expect_no_self_overlap(const Described& view) const {
+    std::vector<int> axes;
+    for (int axis = 0; axis < view.rank; ++axis)
+      if (view.shape[axis] > 1) axes.push_back(axis);
+    std::sort(axes.begin(), axes.end(),
+              [&](int a, int b) { return view.strides[a] < view.strides[b]; });
+    int64_t spanned = 1;  // elements covered by the axes already visited
+    for (int axis : axes) {
+      if (view.strides[axis] < spanned) {
+        std::ostringstream out;
+        out << view.name << ": an output's elements must not overlap, but strides[" << axis
+            << "] = " << view.strides[axis] << " revisits memory already spanned by the axes"
+            << " with smaller strides (" << spanned << " elements)";
+        fail(out.str());
+      }
+      spanned = view.strides[axis] * (view.shape[axis] - 1) + spanned;
+    }
+  }
+
+  void expect_disjoint(const Described& output, const Described& other) const {
+    const auto [a_lo, a_hi] = output.byte_range();
+    const auto [b_lo, b_hi] = other.byte_range();
+    if (a_lo == a_hi || b_lo == b_hi) return;
+    if (a_lo < b_hi && b_lo < a_hi) {
+      fail(output.name + ": must not share memory with " + other.name +
+           " (outputs may not alias inputs or other outputs)");
+    }
+  }
+
+  template <class T>
+  void expect_finite(const Described& view, bool allow_minus_inf = false) const {
+    if (view.numel() == 0) return;
+    const T* base = static_cast<const T*>(view.data);
+    std::array<int64_t, 4> index{};
+    const int rank = view.rank;
+    while (true) {
+      int64_t offset = 0;
+      for (int axis = 0; axis < rank; ++axis) offset += index[axis] * view.strides[axis];
+      const T value = base[offset];
+      const bool ok = std::isfinite(value) || (allow_minus_inf && value == -INFINITY);
+      if (!ok) {
+        std::ostringstream out;
+        out << "check_finite: " << view.name << format_index(index, rank) << " is " << value;
+        fail(out.str());
+      }
+      int axis = rank - 1;
+      while (axis >= 0 && ++index[axis] == view.shape[axis]) index[axis--] = 0;
+      if (axis < 0) break;
+    }
+  }
+
+ private:
+  std::string function_;
+};
+
+double resolve_scale(const Checker& check, const AttentionOptions& options, int64_t head_dim) {
+  if (!options.scale) return 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const double scale = *options.scale;
+  if (!std::isfinite(scale) || scale <= 0.0) {
+    std::ostringstream out;
+    out << "options.scale: expected a finite value > 0, got " << scale;
+    check.fail(out.str());
+  }
+  return scale;
+}
+
+int resolve_threads(const Checker& check, const AttentionOptions& options) {
+  const int requested = options.execution.threads;
+  if (requested < 0) {
+    check.fail("options.execution.threads: expected >= 0 (0 = all hardware threads), got " +
+               std::to_string(requested));
+  }
+  if (requested > 0) return requested;
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// Checks q, k, v against each other and the options shared by forward and backward;
+// returns the extents and the mask rule with broadcast axes given stride 0.
+template <class T>
+void check_common(const Checker& check, const View4<const T>& q, const View4<const T>& k,
+                  const View4<const T>& v, const AttentionOptions& options, Extents& extents,
+                  MaskRule& mask) {
+  const Described dq = describe("q", q), dk = describe("k", k), dv = describe("v", v);
+  for (const Described* view : {&dq, &dk, &dv}) check.expect_well_formed(*view);
+
+  check.expect_at_least_one(dq, 2, "heads");
+  check.expect_at_least_one(dq, 3, "head_dim");
+  check.expect_extent(dk, 0, "batch", q.shape[0], "as q.shape[0]");
+  check.expect_extent(dk, 3, "head_dim", q.shape[3], "as q.shape[3]");
+  check.expect_at_least_one(dk, 2, "heads");
+  check.expect_extent(dv, 0, "batch", q.shape[0], "as q.shape[0]");
+  check.expect_extent(dv, 1, "seq", k.shape[1], "as k.shape[1]");
+  check.expect_extent(dv, 2, "heads", k.shape[2], "as k.shape[2]");
+  check.expect_at_least_one(dv, 3, "head_dim");
+  if (q.shape[2] % k.shape[2] != 0) {
+    std::ostringstream out;
+    out << "q.shape[2] (heads): expected a multiple of k.shape[2] (key/value heads) = "
+        << k.shape[2] << " for grouped-query attention, got " << q.shape[2];
+    check.fail(out.str());
+  }
+
+  extents.batch = q.shape[0];
+  extents.q_len = q.shape[1];
+  extents.q_heads = q.shape[2];
+  extents.head_dim = q.shape[3];
+  extents.k_len = k.shape[1];
+  extents.kv_heads = k.shape[2];
+  extents.v_dim = v.shape[3];
+
+  mask.causal = options.causal;
+  mask.q_len = extents.q_len;
+  mask.k_len = extents.k_len;
+  if (options.causal != Causal::none && options.causal != Causal::top_left &&
+      options.causal != Causal::bottom_right) {
+    check.fail("options.causal: expected none, top_left or bottom_right, got value " +
+               std::to_string(static_cast<int>(options.causal)));
+  }
+
+  if (!options.key_lengths.empty()) {
+    const auto& lengths = options.key_lengths;
+    if (static_cast<int64_t>(lengths.size()) != extents.batch) {
+      check.fail("options.key_lengths: expected one length per batch entry (" +
+                 std::to_string(extents.batch) + "), got " + std::to_string(lengths.size()));
+    }
+    for (std::size_t b = 0; b < lengths.size(); ++b) {
+      if (lengths[b] < 0 || lengths[b] > extents.k_len) {
+        check.fail("options.key_lengths[" + std::to_string(b) + "]: expected 0.." +
+                   std::to_string(extents.k_len) + " (the key length), got " +
+                   std::to_string(lengths[b]));
+      }
+    }
+    mask.key_lengths = lengths;
+  }
+
+  auto broadcast = [&](auto view, const char* name) {
+    const Described desc = describe(name, view);
+    check.expect_well_formed(desc);
+    check.expect_extent_or_one(desc, 0, "batch", extents.batch, "q.shape[0]");
+    check.expect_extent_or_one(desc, 1, "heads", extents.q_heads, "q.shape[2]");
+    check.expect_extent_or_one(desc, 2, "queries", extents.q_len, "q.shape[1]");
+    check.expect_extent(desc, 3, "keys", extents.k_len, "k.shape[1]");
+    const int64_t full[4] = {extents.batch, extents.q_heads, extents.q_len, extents.k_len};
+    for (int axis = 0; axis < 4; ++axis) {
+      if (view.shape[axis] == 1 && full[axis] != 1) view.strides[axis] = 0;
+      view.shape[axis] = full[axis];
+    }
+    return view;
+  };
+  if (!options.mask.keep.empty()) mask.keep = broadcast(options.mask.keep, "mask.keep");
+  if (!options.mask.bias.empty()) mask.bias = broadcast(options.mask.bias, "mask.bias");
+
+  if (options.execution.check_finite) {
+    check.expect_finite<T>(dq);
+    check.expect_finite<T>(dk);
+    check.expect_finite<T>(dv);
+    if (!options.mask.bias.empty())
+      check.expect_finite<float>(describe("mask.bias", options.mask.bias),
+                                 /*allow_minus_inf=*/true);
+  }
+}
+
+void check_backend(const Checker& check, const AttentionOptions& options, bool is_double,
+                   bool wants_weights) {
+  const Backend chosen = options.execution.backend;
+  if (chosen != Backend::automatic && chosen != Backend::reference && chosen != Backend::cpu) {
+    check.fail("options.execution.backend: unknown value " +
+               std::to_string(static_cast<int>(chosen)));
+  }
+  if (chosen == Backend::cpu && is_double) {
+    check.fail("options.execution.backend: cpu computes in float; double inputs need "
+               "Backend::reference or Backend::automatic");
+  }
+  if (chosen == Backend::cpu && wants_weights) {
+    check.fail("weights: the cpu backend never materializes the attention weights; use "
+               "Backend::reference or Backend::automatic to get them");
+  }
+}
+
+template <class T>
+ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOptions& options) {
+  const Checker check("qkv::attention_forward");
+  ForwardProblem<T> problem;
+  check_common<T>(check, args.q, args.k, args.v, options, problem.extents, problem.mask);
+  const Extents& e = problem.extents;
+
+  const Described out = describe("out", args.out);
+  check.expect_well_formed(out);
+  check.expect_extent(out, 0, "batch", e.batch, "as q.shape[0]");
+  check.expect_extent(out, 1, "seq", e.q_len, "as q.shape[1]");
+  check.expect_extent(out, 2, "heads", e.q_heads, "as q.shape[2]");
+  check.expect_extent(out, 3, "head_dim", e.v_dim, "as v.shape[3]");
+
+  std::vector<Described> outputs{out};
+  if (!args.lse.empty()) {
+    const Described lse = describe("lse", args.lse);
+    check.expect_well_formed(lse);
+    check.expect_extent(lse, 0, "batch", e.batch, "as q.shape[0]");
+    check.expect_extent(lse, 1, "heads", e.q_heads, "as q.shape[2]");
+    check.expect_extent(lse, 2, "seq", e.q_len, "as q.shape[1]");
+    outputs.push_back(lse);
+  }
+  if (!args.weights.empty()) {
+    const Described weights = describe("weights", args.weights);
+    check.expect_well_formed(weights);
+    check.expect_extent(weights, 0, "batch", e.batch, "as q.shape[0]");
+    check.expect_extent(weights, 1, "heads", e.q_heads, "as q.shape[2]");
+    check.expect_extent(weights, 2, "queries", e.q_len, "as q.shape[1]");
+    check.expect_extent(weights, 3, "keys", e.k_len, "as k.shape[1]");
+    outputs.push_back(weights);
+  }
+
+  std::vector<Described> inputs{describe("q", args.q), describe("k", args.k),
+                                describe("v", args.v)};
+  if (!options.mask.keep.empty()) inputs.push_back(describe("mask.keep", options.mask.keep));
+  if (!options.mask.bias.empty()) inputs.push_back(describe("mask.bias", options.mask.bias));
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    check.expect_no_self_overlap(outputs[i]);
+    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
+    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
+  }
+
+  check_backend(check, options, std::is_same_v<T, double>, !args.weights.empty());
+  problem.scale = resolve_scale(check, options, e.head_dim);
+  problem.threads = resolve_threads(check, options);
+  problem.args = args;
+  return problem;
+}
+
+template <class T>
+BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
+                                     const AttentionOptions& options) {
+  const Checker check("qkv::attention_backward");
+  BackwardProblem<T> problem;
+  check_common<T>(check, args.q, args.k, args.v, options, problem.extents, problem.mask);
+  const Extents& e = problem.extents;
+
+  auto expect_like = [&](const Described& view, int64_t seq, int64_t heads, int64_t dim,
+                         const char* like) {
+    check.expect_well_formed(view);
+    check.expect_extent(view, 0, "batch", e.batch, std::string("as ") + like + ".shape[0]");
+    check.expect_extent(view, 1, "seq", seq, std::string("as ") + like + ".shape[1]");
+    check.expect_extent(view, 2, "heads", heads, std::string("as ") + like + ".shape[2]");
+    check.expect_extent(view, 3, "head_dim", dim, std::string("as ") + like + ".shape[3]");
+  };
+
+  const Described out = describe("out", args.out);
+  expect_like(out, e.q_len, e.q_heads, e.v_dim, "the forward's out");
+  const Described dout = describe("dout", args.dout);
+  expect_like(dout, e.q_len, e.q_heads, e.v_dim, "out");
+  if (args.lse.empty() && e.batch * e.q_len > 0) {
+    check.fail("lse: required (pass the log-sum-exp that attention_forward returned)");
+  }
+  const Described lse = describe("lse", args.lse);
+  if (!args.lse.empty()) {
+    check.expect_well_formed(lse);
+    check.expect_extent(lse, 0, "batch", e.batch, "as q.shape[0]");
+    check.expect_extent(lse, 1, "heads", e.q_heads, "as q.shape[2]");
+    check.expect_extent(lse, 2, "seq", e.q_len, "as q.shape[1]");
+  }
+  const Described dq = describe("dq", args.dq), dk = describe("dk", args.dk),
+                  dv = describe("dv", args.dv);
+  expect_like(dq, e.q_len, e.q_heads, e.head_dim, "q");
+  expect_like(dk, e.k_len, e.kv_heads, e.head_dim, "k");
+  expect_like(dv, e.k_len, e.kv_heads, e.v_dim, "v");
+
+  std::vector<Described> inputs{describe("q", args.q), describe("k", args.k),
+                                describe("v", args.v), out, lse, dout};
+  if (!options.mask.keep.empty()) inputs.push_back(describe("mask.keep", options.mask.keep));
+  if (!options.mask.bias.empty()) inputs.push_back(describe("mask.bias", options.mask.bias));
+  const std::vector<Described> outputs{dq, dk, dv};
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    check.expect_no_self_overlap(outputs[i]);
+    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
+    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
+  }
+  if (options.execution.check_finite) {
+    check.expect_finite<T>(dout);
+    check.expect_finite<T>(out);
+  }
+
+  check_backend(check, options, std::is_same_v<T, double>, false);
+  problem.scale = resolve_scale(check, options, e.head_dim);
+  problem.threads = resolve_threads(check, options);
+  problem.args = args;
+  return problem;
+}
+
+}  // namespace
+
+ForwardProblem<float> validate(const ForwardArgs<float>& args, const AttentionOptions& options) {
+  return validate_forward(args, options);
+}
+ForwardProblem<double> validate(const ForwardArgs<double>& args,
+                                const AttentionOptions& options) {
+  return validate_forward(args, options);
+}
+BackwardProblem<float> validate(const BackwardArgs<float>& args,
+                                const AttentionOptions& options) {
+  return validate_backward(args, options);
+}
+BackwardProblem<double> validate(const BackwardArgs<double>& args,
+                                 const AttentionOptions& options) {
+  return validate_backward(args, options);
+}
+
+}  // namespace qkv::detail

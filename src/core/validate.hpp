@@ -1,0 +1,16 @@
+// Argument checking for the public entry points: turns a call into a Problem or throws
+// qkv::Error naming the argument, the expected and the actual value. Never writes to
+// any output.
+#pragma once
+
+#include "core/problem.hpp"
+
+namespace qkv::detail {
+
+ForwardProblem<float> validate(const ForwardArgs<float>& args, const AttentionOptions& options);
+ForwardProblem<double> validate(const ForwardArgs<double>& args, const AttentionOptions& options);
+BackwardProblem<float> validate(const BackwardArgs<float>& args, const AttentionOptions& options);
+BackwardProblem<double> validate(const BackwardArgs<double>& args,
+                                 const AttentionOptions& options);
+
+}  // namespace qkv::detail
