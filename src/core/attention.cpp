@@ -1,8 +1,10 @@
 // Public entry points: validate once, pick a backend, run it into the caller's outputs.
 #include "qkv/attention.hpp"
 
+#include <type_traits>
+
 #include "core/validate.hpp"
-#include "qkv/error.hpp"
+#include "cpu/cpu_backend.hpp"
 #include "reference/reference.hpp"
 
 namespace qkv {
@@ -10,39 +12,27 @@ namespace qkv {
 Backend resolve_backend(const AttentionOptions& options, bool is_double, bool wants_weights) {
   const Backend requested = options.execution.backend;
   if (requested != Backend::automatic) return requested;
-  (void)is_double;
-  (void)wants_weights;
-  return Backend::reference;  // the only backend until the fused cpu kernels land
+  // The fused kernels compute in float and never materialize P.
+  return is_double || wants_weights ? Backend::reference : Backend::cpu;
 }
 
 namespace {
 
-template <class Problem>
-void run_forward(const Problem& problem, Backend backend) {
-  switch (backend) {
-    case Backend::reference:
-      reference::forward(problem);
-      return;
-    case Backend::cpu:
-    case Backend::automatic:
-      break;
+// Validation has already refused cpu for double and for weights.
+template <class T>
+void run_forward(const detail::ForwardProblem<T>& problem, Backend backend) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (backend == Backend::cpu) return cpu::forward(problem);
   }
-  throw Error("qkv::attention_forward: options.execution.backend: cpu is not built into "
-              "this version of qkv");
+  reference::forward(problem);
 }
 
-template <class Problem>
-void run_backward(const Problem& problem, Backend backend) {
-  switch (backend) {
-    case Backend::reference:
-      reference::backward(problem);
-      return;
-    case Backend::cpu:
-    case Backend::automatic:
-      break;
+template <class T>
+void run_backward(const detail::BackwardProblem<T>& problem, Backend backend) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (backend == Backend::cpu) return cpu::backward(problem);
   }
-  throw Error("qkv::attention_backward: options.execution.backend: cpu is not built into "
-              "this version of qkv");
+  reference::backward(problem);
 }
 
 }  // namespace

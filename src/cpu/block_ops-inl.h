@@ -1,0 +1,187 @@
+// Vectorized block operations shared by the forward and backward kernels: packing,
+// the column-wise online softmax, finiteness checks. Score tiles are stored transposed,
+// Sᵀ[key][query], so every softmax statistic is a lane-wise operation across queries
+// (no horizontal reductions): row max over keys = elementwise Max down the tile.
+//
+// Exp is Highway's (contrib/math): max error 1 ULP in float32 over its valid range;
+// inputs below -104 give 0 (exp(-104) is below the smallest float anyway), and we keep
+// NaN inputs as NaN so a poisoned row stays visibly poisoned.
+#if defined(QKV_CPU_BLOCK_OPS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_CPU_BLOCK_OPS_INL_H_
+#undef QKV_CPU_BLOCK_OPS_INL_H_
+#else
+#define QKV_CPU_BLOCK_OPS_INL_H_
+#endif
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "hwy/aligned_allocator.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using FloatTag = hn::ScalableTag<float>;
+using FloatVec = hn::Vec<FloatTag>;
+
+inline constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+inline constexpr float kPlusInf = std::numeric_limits<float>::infinity();
+
+HWY_INLINE size_t VectorLanes() { return hn::Lanes(FloatTag()); }
+
+// Aligned scratch; Highway refuses zero-sized allocations, so ask for at least one.
+inline hwy::AlignedFreeUniquePtr<float[]> AllocateFloats(size_t count) {
+  return hwy::AllocateAligned<float>(count == 0 ? 1 : count);
+}
+
+// exp(x) with NaN kept (Highway's Exp maps NaN to 0, which would hide a bad input).
+HWY_INLINE FloatVec ExpKeepNaN(FloatTag d, FloatVec x) {
+  return hn::IfThenElse(hn::IsNaN(x), x, hn::Exp(d, x));
+}
+
+// dst[c·ld + i] = scale · src(i, c) for i < rows, c < cols; columns rows ≤ i < ld of
+// dst are zeroed. `src` rows are `src_row` floats apart and contiguous along c.
+HWY_INLINE void PackTransposed(const float* HWY_RESTRICT src, int64_t src_row, size_t rows,
+                               size_t cols, float scale, float* HWY_RESTRICT dst, size_t ld) {
+  for (size_t c = 0; c < cols; ++c) {
+    float* out = dst + c * ld;
+    for (size_t i = 0; i < rows; ++i) out[i] = scale * src[static_cast<int64_t>(i) * src_row + c];
+    for (size_t i = rows; i < ld; ++i) out[i] = 0.0f;
+  }
+}
+
+// dst[i·ld + c] = src(i, c) for i < rows, c < cols, zero-padded to ld columns.
+HWY_INLINE void PackRowsPadded(const float* HWY_RESTRICT src, int64_t src_row, size_t rows,
+                               size_t cols, float* HWY_RESTRICT dst, size_t ld) {
+  for (size_t i = 0; i < rows; ++i) {
+    const float* in = src + static_cast<int64_t>(i) * src_row;
+    float* out = dst + i * ld;
+    for (size_t c = 0; c < cols; ++c) out[c] = in[c];
+    for (size_t c = cols; c < ld; ++c) out[c] = 0.0f;
+  }
+}
+
+// True if every src(i, c), i < rows, c < cols, is finite.
+HWY_INLINE bool AllFinite(const float* HWY_RESTRICT src, int64_t src_row, size_t rows,
+                          size_t cols) {
+  const FloatTag d;
+  const size_t lanes = hn::Lanes(d);
+  // x − x is 0 for finite x and NaN for ±inf and NaN; one sum per block tells.
+  auto poison = hn::Zero(d);
+  float scalar_poison = 0.0f;
+  for (size_t i = 0; i < rows; ++i) {
+    const float* in = src + static_cast<int64_t>(i) * src_row;
+    size_t c = 0;
+    for (; c + lanes <= cols; c += lanes) {
+      const auto v = hn::LoadU(d, in + c);
+      poison = hn::Add(poison, hn::Sub(v, v));
+    }
+    for (; c < cols; ++c) scalar_poison += in[c] - in[c];
+  }
+  return std::isfinite(hn::GetLane(hn::SumOfLanes(d, poison)) + scalar_poison);
+}
+
+// Forward online-softmax step on a transposed score tile st[key][query] (keys rows,
+// `width` query columns, a multiple of the vector length): with the running max m and
+// sum l of each query,
+//   m' = max(m, max_key st),  alpha = exp(m − m'),  P = exp(st − m'),  l' = l·alpha + Σ P
+// P overwrites st; alpha is written for rescaling the output accumulator. A query whose
+// keys are all -inf so far keeps m' = -inf, P = 0, alpha = 1.
+HWY_INLINE void OnlineSoftmaxStep(float* HWY_RESTRICT st, size_t keys, size_t width,
+                                  float* HWY_RESTRICT m, float* HWY_RESTRICT l,
+                                  float* HWY_RESTRICT alpha) {
+  const FloatTag d;
+  const size_t lanes = hn::Lanes(d);
+  const auto minus_inf = hn::Set(d, kMinusInf);
+  for (size_t i = 0; i < width; i += lanes) {
+    auto block_max = minus_inf;
+    for (size_t j = 0; j < keys; ++j) block_max = hn::Max(block_max, hn::LoadU(d, st + j * width + i));
+    const auto m_old = hn::LoadU(d, m + i);
+    const auto m_new = hn::Max(m_old, block_max);
+    const auto all_masked = hn::Eq(m_new, minus_inf);
+    // Subtract 0 instead of -inf for fully masked queries: exp(-inf − 0) = 0, no NaN.
+    const auto shift = hn::IfThenZeroElse(all_masked, m_new);
+    const auto a = hn::IfThenElse(all_masked, hn::Set(d, 1.0f), ExpKeepNaN(d, hn::Sub(m_old, shift)));
+    auto sum = hn::Zero(d);
+    for (size_t j = 0; j < keys; ++j) {
+      float* row = st + j * width + i;
+      const auto p = ExpKeepNaN(d, hn::Sub(hn::LoadU(d, row), shift));
+      hn::StoreU(p, d, row);
+      sum = hn::Add(sum, p);
+    }
+    hn::StoreU(m_new, d, m + i);
+    hn::StoreU(hn::MulAdd(hn::LoadU(d, l + i), a, sum), d, l + i);
+    hn::StoreU(a, d, alpha + i);
+  }
+}
+
+// Backward: P = exp(st − lse) in place, for lse already adjusted so that masked or
+// padding queries have +inf (their P is 0).
+HWY_INLINE void ProbabilitiesFromLse(float* HWY_RESTRICT st, size_t keys, size_t width,
+                                     const float* HWY_RESTRICT lse) {
+  const FloatTag d;
+  const size_t lanes = hn::Lanes(d);
+  for (size_t i = 0; i < width; i += lanes) {
+    const auto shift = hn::LoadU(d, lse + i);
+    for (size_t j = 0; j < keys; ++j) {
+      float* row = st + j * width + i;
+      hn::StoreU(ExpKeepNaN(d, hn::Sub(hn::LoadU(d, row), shift)), d, row);
+    }
+  }
+}
+
+// dSᵀ = Pᵀ ⊙ (dPᵀ − D) in place of dpt, with dS = 0 wherever P = 0 so that a non-finite
+// value behind a removed key cannot leak through 0·NaN.
+HWY_INLINE void ScoreGradient(const float* HWY_RESTRICT pt, float* HWY_RESTRICT dpt,
+                              size_t keys, size_t width, const float* HWY_RESTRICT delta) {
+  const FloatTag d;
+  const size_t lanes = hn::Lanes(d);
+  for (size_t i = 0; i < width; i += lanes) {
+    const auto di = hn::LoadU(d, delta + i);
+    for (size_t j = 0; j < keys; ++j) {
+      const auto p = hn::LoadU(d, pt + j * width + i);
+      float* row = dpt + j * width + i;
+      const auto ds = hn::Mul(p, hn::Sub(hn::LoadU(d, row), di));
+      hn::StoreU(hn::IfThenZeroElse(hn::Eq(p, hn::Zero(d)), ds), d, row);
+    }
+  }
+}
+
+// acc[i] += Σ_j wt[j][i]·rows[j] over i < count, j < keys, skipping wt = 0 terms. The
+// slow, exact path for a masked block whose other operand holds NaN/Inf: a removed
+// key's value must not reach a query through 0·Inf.
+inline void AccumulateSkippingZeros(const float* wt, size_t width, size_t count, size_t keys,
+                                    const float* rows, int64_t row_stride, size_t cols,
+                                    float* acc, size_t ld) {
+  for (size_t i = 0; i < count; ++i)
+    for (size_t j = 0; j < keys; ++j) {
+      const float w = wt[j * width + i];
+      if (w == 0.0f) continue;
+      const float* row = rows + static_cast<int64_t>(j) * row_stride;
+      for (size_t c = 0; c < cols; ++c) acc[i * ld + c] += w * row[c];
+    }
+}
+
+// rows of acc (ld floats each, `width` used) multiplied by factor[row].
+HWY_INLINE void ScaleRows(float* HWY_RESTRICT acc, size_t rows, size_t width, size_t ld,
+                          const float* HWY_RESTRICT factor) {
+  const FloatTag d;
+  const size_t lanes = hn::Lanes(d);
+  for (size_t r = 0; r < rows; ++r) {
+    if (factor[r] == 1.0f) continue;
+    const auto f = hn::Set(d, factor[r]);
+    for (size_t c = 0; c < width; c += lanes) {
+      hn::StoreU(hn::Mul(hn::LoadU(d, acc + r * ld + c), f), d, acc + r * ld + c);
+    }
+  }
+}
+
+}  // namespace qkv::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

@@ -1,0 +1,25 @@
+// The fused fp32 CPU backend: FlashAttention-2 style forward and backward (tiled, online
+// softmax, no Nq×Nk buffer), SIMD through Highway with runtime dispatch, OpenMP threads.
+// Results are bitwise identical for every thread count: each output block has exactly
+// one writer and is computed the same way whichever thread runs it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/problem.hpp"
+
+namespace qkv::cpu {
+
+void forward(const detail::ForwardProblem<float>& problem);
+void backward(const detail::BackwardProblem<float>& problem);
+
+// Name of the SIMD target the next call will use (e.g. "AVX3", "AVX2"), for benchmarks
+// and tests.
+const char* simd_target_name();
+
+// The Highway targets compiled into qkv that this CPU supports, best first; tests run
+// every one of them through hwy::SetSupportedTargetsForTest.
+std::vector<int64_t> compiled_simd_targets();
+
+}  // namespace qkv::cpu

@@ -1,0 +1,162 @@
+// Fused forward, FlashAttention-2 style. For each (batch, head, block of 64 queries):
+//
+//   Qᵀ ← scale · Q_blockᵀ                                  packed once, d × 64
+//   for each key block the masks leave (64 keys):
+//     Sᵀ = K_blk · Qᵀ                                       micro-kernel, K read in place
+//     mask Sᵀ where needed (causal diagonal, padding edge, elementwise masks)
+//     m' = max(m, max_j Sᵀ),  P = exp(Sᵀ − m'),  l = l·e^(m−m') + Σ_j P
+//     acc = acc·e^(m−m') + P·V_blk                          micro-kernel, V read in place
+//   out = acc / l,   lse = m + log l                        (l = 0: out 0, lse -inf)
+//
+// Extra memory: per thread, Qᵀ (d × 64), Sᵀ (64 × 64), acc (64 × dv) and a few vectors;
+// nothing grows with N. Work is handed out heaviest first (causal: late query blocks),
+// dynamically; each output block has one writer, so any thread count gives the same bits.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/forward.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "hwy/aligned_allocator.h"
+#include "hwy/highway.h"
+#include "cpu/block_ops-inl.h"
+#include "cpu/gemm-inl.h"
+
+#ifndef QKV_CPU_FORWARD_ONCE_
+#define QKV_CPU_FORWARD_ONCE_
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu/block_mask.hpp"
+#include "cpu/blocking.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "cpu/work_order.hpp"
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::cpu::HWY_NAMESPACE {
+
+namespace {
+
+// Per-thread scratch, laid out once per call (sizes in floats).
+struct ForwardScratch {
+  size_t width;  // query columns of a tile: kBlockQueries rounded up to whole vectors
+  size_t dv_ld;  // row length of acc and of a padded V block
+  hwy::AlignedFreeUniquePtr<float[]> qt;     // d × width: scale·Qᵀ of the block
+  hwy::AlignedFreeUniquePtr<float[]> st;     // kBlockKeys × width: Sᵀ, then Pᵀ
+  hwy::AlignedFreeUniquePtr<float[]> acc;    // width × dv_ld: unnormalized output rows
+  hwy::AlignedFreeUniquePtr<float[]> v_pad;  // kBlockKeys × dv_ld, only for dv % lanes ≠ 0
+  hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha: 3 × width
+  std::vector<int64_t> key_end;              // width
+
+  ForwardScratch(const detail::Extents& e, size_t lanes)
+      : width(round_up(kBlockQueries, lanes)),
+        dv_ld(round_up(static_cast<size_t>(e.v_dim), lanes)),
+        qt(AllocateFloats(static_cast<size_t>(e.head_dim) * width)),
+        st(AllocateFloats(kBlockKeys * width)),
+        acc(AllocateFloats(width * dv_ld)),
+        v_pad(AllocateFloats(e.v_dim % static_cast<int64_t>(lanes) ? kBlockKeys * dv_ld : 0)),
+        stats(AllocateFloats(3 * width)),
+        key_end(width) {}
+};
+
+void ForwardBlock(const detail::ForwardProblem<float>& p, const ForwardTask& task,
+                  ForwardScratch& s) {
+  const detail::Extents& e = p.extents;
+  const auto& a = p.args;
+  const size_t lanes = VectorLanes();
+  const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
+  const int64_t kv_head = e.kv_head_of(task.head);
+
+  QueryRows rows{.batch = task.batch, .head = task.head, .first = task.first_query,
+                 .count = std::min(kBlockQueries, e.q_len - task.first_query)};
+  describe_rows(p.mask, rows, s.key_end.data());
+  const size_t count = static_cast<size_t>(rows.count);
+  const size_t width = round_up(count, lanes);  // query columns computed this block
+
+  const float* q = &a.q(task.batch, rows.first, task.head, 0);
+  PackTransposed(q, a.q.strides[1], count, d, static_cast<float>(p.scale), s.qt.get(), width);
+
+  float* m = s.stats.get();
+  float* l = m + s.width;
+  float* alpha = l + s.width;
+  std::fill(m, m + width, kMinusInf);
+  std::fill(l, l + width, 0.0f);
+  std::fill(s.acc.get(), s.acc.get() + count * s.dv_ld, 0.0f);
+
+  const int64_t k_row = a.k.strides[1], v_row = a.v.strides[1];
+  for (int64_t first_key = 0; first_key < rows.max_key_end; first_key += kBlockKeys) {
+    const int64_t keys = std::min(kBlockKeys, rows.max_key_end - first_key);
+    const float* k = &a.k(task.batch, first_key, kv_head, 0);
+    const float* v = &a.v(task.batch, first_key, kv_head, 0);
+
+    // Sᵀ = K_blk · (scale·Qᵀ)
+    Gemm(static_cast<size_t>(keys), width, d, StridedA{k, static_cast<size_t>(k_row), 1},
+         s.qt.get(), width, s.st.get(), width, /*accumulate=*/false);
+    const bool masked = needs_mask(p.mask, rows, first_key, keys);
+    if (masked) apply_mask(p.mask, rows, first_key, keys, s.st.get(), width);
+
+    OnlineSoftmaxStep(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha);
+    ScaleRows(s.acc.get(), count, s.dv_ld, s.dv_ld, alpha);
+
+    // acc += P·V_blk, with P read in place from Pᵀ.
+    if (masked && !AllFinite(v, v_row, static_cast<size_t>(keys), dv)) {
+      AccumulateSkippingZeros(s.st.get(), width, count, static_cast<size_t>(keys), v, v_row, dv,
+                              s.acc.get(), s.dv_ld);
+      continue;
+    }
+    const float* v_operand = v;
+    size_t v_ld = static_cast<size_t>(v_row);
+    if (dv % lanes != 0) {  // odd value dims: pad rows to whole vectors
+      PackRowsPadded(v, v_row, static_cast<size_t>(keys), dv, s.v_pad.get(), s.dv_ld);
+      v_operand = s.v_pad.get();
+      v_ld = s.dv_ld;
+    }
+    Gemm(count, s.dv_ld, static_cast<size_t>(keys), StridedA{s.st.get(), 1, width}, v_operand,
+         v_ld, s.acc.get(), s.dv_ld, /*accumulate=*/true);
+  }
+
+  // out = acc / l; a query that saw no key at all has l = 0: out 0, lse -inf.
+  for (size_t i = 0; i < count; ++i) {
+    const int64_t query = rows.first + static_cast<int64_t>(i);
+    float* out = &a.out(task.batch, query, task.head, 0);
+    const float* acc = s.acc.get() + i * s.dv_ld;
+    if (l[i] == 0.0f) {
+      std::fill(out, out + dv, 0.0f);
+    } else {
+      const float inverse = 1.0f / l[i];
+      for (size_t c = 0; c < dv; ++c) out[c] = acc[c] * inverse;
+    }
+    if (!a.lse.empty()) {
+      a.lse(task.batch, task.head, query) = l[i] == 0.0f ? kMinusInf : m[i] + std::log(l[i]);
+    }
+  }
+}
+
+}  // namespace
+
+void ForwardImpl(const detail::ForwardProblem<float>& p) {
+  const std::vector<ForwardTask> tasks = forward_tasks(p.extents, p.mask);
+  if (tasks.empty()) return;
+  const int threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(p.threads), tasks.size()));
+#pragma omp parallel num_threads(threads)
+  {
+    ForwardScratch scratch(p.extents, VectorLanes());
+#pragma omp for schedule(dynamic, 1)
+    for (size_t t = 0; t < tasks.size(); ++t) ForwardBlock(p, tasks[t], scratch);
+  }
+}
+
+}  // namespace qkv::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace qkv::cpu {
+HWY_EXPORT(ForwardImpl);
+
+void forward(const detail::ForwardProblem<float>& problem) {
+  HWY_DYNAMIC_DISPATCH(ForwardImpl)(problem);
+}
+}  // namespace qkv::cpu
+#endif
