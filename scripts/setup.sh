@@ -7,6 +7,7 @@ set -euo pipefail
 apt_packages=(
   g++ make ninja-build pkg-config
   libgtest-dev libgmock-dev   # GoogleTest
+  libhwy-dev                  # Google Highway: SIMD with runtime dispatch
 )
 missing=()
 for package in "${apt_packages[@]}"; do
