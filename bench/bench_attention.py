@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""qkv against PyTorch's scaled_dot_product_attention on the CPU, in one process.
+
+For every row: the same fp32 inputs go through torch SDPA (its fused flash kernel) and
+qkv's cpu backend, with the same thread count; we report the median of --repeats timed
+runs after a warm-up, GFLOP/s, the share of the machine's FMA peak (measured by
+build/release/bench/qkv_fma_peak, same threads), the speed ratio torch/qkv (> 1: qkv
+is faster) and each one's max abs error against an fp64 oracle (the same math in
+float64 through torch, materialized; tests check it agrees with qkv's reference
+backend).
+
+FLOPs: forward 4·B·H·Nq·Nk·d (half when causal); forward+backward counts the backward
+as 2.5× the forward, so fwd+bwd = 3.5× forward.
+
+Fairness: torch.set_num_threads(T) for T in --threads (PyTorch uses one thread here
+unless told); glibc malloc is told (mallopt) to keep freed large blocks instead of
+returning them to the kernel on every call, which would otherwise charge page faults
+to whoever allocates (torch allocates its outputs and buffers per call, qkv too).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import qkv
+
+
+def keep_freed_memory() -> None:
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)  # serve big blocks from the heap…
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 62)  # …and never give them back
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    kv_heads: int
+    n: int
+    d: int
+    causal: bool
+
+    def label(self) -> str:
+        heads = f"H={self.heads}" + (f"/{self.kv_heads}" if self.kv_heads != self.heads else "")
+        return f"B={self.batch} {heads} N={self.n} d={self.d}{' causal' if self.causal else ''}"
+
+    def forward_flops(self) -> float:
+        f = 4.0 * self.batch * self.heads * self.n * self.n * self.d
+        return f / 2 if self.causal else f
+
+
+def shapes(quick: bool) -> list[Shape]:
+    rows = []
+    ns = (512, 1024, 2048, 4096) if quick else (512, 1024, 2048, 4096, 8192)
+    for causal in (False, True):
+        for n in ns:
+            rows.append(Shape(1, 8, 8, n, 64, causal))
+        for n in (2048, 4096):
+            rows.append(Shape(1, 8, 8, n, 128, causal))
+        rows.append(Shape(1, 32, 8, 2048, 128, causal))
+        rows.append(Shape(8, 16, 16, 512, 64, causal))
+    return rows
+
+
+def fma_peak(threads: int) -> float:
+    exe = os.path.join(os.path.dirname(__file__), "..", "build", "release", "bench", "qkv_fma_peak")
+    out = subprocess.run([exe, str(threads)], check=True, capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        fields = dict(f.split("=") for f in line.split())
+        if int(fields["threads"]) == threads:
+            return float(fields["gflops"])
+    raise RuntimeError(out)
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def make_inputs(s: Shape, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s.batch, s.heads, s.n, s.d, generator=g)
+    k = torch.randn(s.batch, s.kv_heads, s.n, s.d, generator=g)
+    v = torch.randn(s.batch, s.kv_heads, s.n, s.d, generator=g)
+    dout = torch.randn(s.batch, s.heads, s.n, s.d, generator=g)
+    return q, k, v, dout
+
+
+def oracle(s: Shape, q, k, v, dout, backward: bool):
+    """fp64 materialized attention (and its gradients), one (batch, head) at a time."""
+    group = s.heads // s.kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)] if backward else None
+    mask = torch.ones(s.n, s.n, dtype=torch.bool).tril() if s.causal else None
+    for b in range(s.batch):
+        for h in range(s.heads):
+            qh = q[b, h].double().requires_grad_(backward)
+            kh = k[b, h // group].double().requires_grad_(backward)
+            vh = v[b, h // group].double().requires_grad_(backward)
+            logits = (qh @ kh.T) / math.sqrt(s.d)
+            if mask is not None:
+                logits = logits.masked_fill(~mask, float("-inf"))
+            o = torch.softmax(logits, dim=-1) @ vh
+            out[b, h] = o.detach()
+            if backward:
+                o.backward(dout[b, h].double())
+                grads[0][b, h] += qh.grad
+                grads[1][b, h // group] += kh.grad
+                grads[2][b, h // group] += vh.grad
+    return out, grads
+
+
+def max_error(results, reference) -> float:
+    return max(float((r.double() - ref).abs().max()) for r, ref in zip(results, reference))
+
+
+def run_torch(s: Shape, q, k, v, dout, backward: bool):
+    gqa = s.kv_heads != s.heads
+    if not backward:
+        with torch.no_grad():
+            return [F.scaled_dot_product_attention(q, k, v, is_causal=s.causal, enable_gqa=gqa)]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=s.causal, enable_gqa=gqa)
+    out.backward(dout)
+    return [t.grad for t in leaves]
+
+
+def run_qkv(s: Shape, q, k, v, dout, backward: bool, threads: int):
+    causal = "top_left" if s.causal else None
+    out, lse = qkv.attention(q, k, v, causal=causal, return_lse=True, backend="cpu", threads=threads)
+    if not backward:
+        return [out]
+    return list(qkv.attention_backward(q, k, v, out, lse, dout, causal=causal, backend="cpu",
+                                       threads=threads))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="skip N=8192")
+    parser.add_argument("--filter", default="", help="only rows whose label contains this")
+    parser.add_argument("--no-backward", action="store_true")
+    args = parser.parse_args()
+
+    keep_freed_memory()
+    peaks = {t: fma_peak(t) for t in args.threads}
+    print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus; "
+          f"torch {torch.__version__}; qkv {qkv.__version__}; FMA peak "
+          + ", ".join(f"{t} thr {p:.0f} GFLOP/s" for t, p in peaks.items()))
+    print("| shape | pass | thr | torch ms | qkv ms | qkv GFLOP/s | % peak | qkv/torch speed | "
+          "qkv err | torch err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    with torch.inference_mode(False):
+        for s in shapes(args.quick):
+            if args.filter not in s.label():
+                continue
+            q, k, v, dout = make_inputs(s)
+            for backward in ((False,) if args.no_backward else (False, True)):
+                ref_out, ref_grads = oracle(s, q, k, v, dout, backward)
+                reference = ref_grads if backward else [ref_out]
+                flops = s.forward_flops() * (3.5 if backward else 1.0)
+                for threads in args.threads:
+                    torch.set_num_threads(threads)
+                    t_torch = median_time(lambda: run_torch(s, q, k, v, dout, backward), args.repeats)
+                    t_qkv = median_time(lambda: run_qkv(s, q, k, v, dout, backward, threads), args.repeats)
+                    e_torch = max_error(run_torch(s, q, k, v, dout, backward), reference)
+                    e_qkv = max_error(run_qkv(s, q, k, v, dout, backward, threads), reference)
+                    gflops = flops / t_qkv / 1e9
+                    print(f"| {s.label()} | {'fwd+bwd' if backward else 'fwd'} | {threads} | "
+                          f"{t_torch * 1e3:.1f} | {t_qkv * 1e3:.1f} | {gflops:.1f} | "
+                          f"{100 * gflops / peaks[threads]:.0f}% | {t_torch / t_qkv:.2f}× | "
+                          f"{e_qkv:.1e} | {e_torch:.1e} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
