@@ -110,17 +110,13 @@ void PackQueryBlock(const detail::BackwardProblem<float>& p, const ForwardTask& 
   const size_t cols = std::min(round_up(count, lanes), packed.nq_ld - static_cast<size_t>(first));
   const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
 
-  // Transposed panels are written column block by column block: a column of Qᵀ for
-  // this block is nq_ld apart, so PackTransposed's ld is nq_ld with an offset.
+  // The block's columns of the transposed panels (rows of Qᵀ are nq_ld apart).
   float* qt = packed.qt_of(b, h) + first;
   float* dot = packed.dot_of(b, h) + first;
-  for (size_t c = 0; c < d; ++c)
-    for (size_t i = 0; i < cols; ++i)
-      qt[c * packed.nq_ld + i] =
-          i < count ? static_cast<float>(p.scale) * a.q(b, first + static_cast<int64_t>(i), h, c) : 0.0f;
-  for (size_t c = 0; c < dv; ++c)
-    for (size_t i = 0; i < cols; ++i)
-      dot[c * packed.nq_ld + i] = i < count ? a.dout(b, first + static_cast<int64_t>(i), h, c) : 0.0f;
+  PackTransposed(&a.q(b, first, h, 0), a.q.strides[1], count, d, static_cast<float>(p.scale), qt,
+                 packed.nq_ld, cols);
+  PackTransposed(&a.dout(b, first, h, 0), a.dout.strides[1], count, dv, 1.0f, dot, packed.nq_ld,
+                 cols);
 
   float* lse = packed.lse_of(b, h) + first;
   float* delta = packed.delta_of(b, h) + first;

@@ -44,15 +44,17 @@ HWY_INLINE FloatVec ExpKeepNaN(FloatTag d, FloatVec x) {
   return hn::IfThenElse(hn::IsNaN(x), x, hn::Exp(d, x));
 }
 
-// dst[c·ld + i] = scale · src(i, c) for i < rows, c < cols; columns rows ≤ i < ld of
-// dst are zeroed. `src` rows are `src_row` floats apart and contiguous along c.
+// dst[c·ld + i] = scale · src(i, c) for i < rows, c < cols; columns rows ≤ i < width
+// of dst are zeroed. `src` rows are `src_row` floats apart and contiguous along c.
 HWY_INLINE void PackTransposed(const float* HWY_RESTRICT src, int64_t src_row, size_t rows,
-                               size_t cols, float scale, float* HWY_RESTRICT dst, size_t ld) {
-  for (size_t c = 0; c < cols; ++c) {
-    float* out = dst + c * ld;
-    for (size_t i = 0; i < rows; ++i) out[i] = scale * src[static_cast<int64_t>(i) * src_row + c];
-    for (size_t i = rows; i < ld; ++i) out[i] = 0.0f;
+                               size_t cols, float scale, float* HWY_RESTRICT dst, size_t ld,
+                               size_t width) {
+  for (size_t i = 0; i < rows; ++i) {
+    const float* in = src + static_cast<int64_t>(i) * src_row;
+    for (size_t c = 0; c < cols; ++c) dst[c * ld + i] = scale * in[c];
   }
+  for (size_t c = 0; c < cols; ++c)
+    for (size_t i = rows; i < width; ++i) dst[c * ld + i] = 0.0f;
 }
 
 // dst[i·ld + c] = src(i, c) for i < rows, c < cols, zero-padded to ld columns.

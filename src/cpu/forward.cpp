@@ -76,7 +76,8 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const ForwardTask& tas
   const size_t width = round_up(count, lanes);  // query columns computed this block
 
   const float* q = &a.q(task.batch, rows.first, task.head, 0);
-  PackTransposed(q, a.q.strides[1], count, d, static_cast<float>(p.scale), s.qt.get(), width);
+  PackTransposed(q, a.q.strides[1], count, d, static_cast<float>(p.scale), s.qt.get(), width,
+                 width);
 
   float* m = s.stats.get();
   float* l = m + s.width;
