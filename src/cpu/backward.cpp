@@ -289,7 +289,8 @@ void BackwardImpl(const detail::BackwardProblem<float>& p) {
       AllocateFloats(packed.pad_dout_rows ? heads * nq * packed.dv_ld : 0);
 
   const size_t most_tasks = std::max(query_tasks.size(), kv_tasks.size());
-  const int threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(p.threads), most_tasks));
+  // The backward does about 3.5 forwards' worth of block products.
+  const int threads = threads_for(p.threads, most_tasks, 3.5 * forward_flops(query_tasks, e));
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(dynamic, 1)

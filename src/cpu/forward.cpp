@@ -140,7 +140,7 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const ForwardTask& tas
 void ForwardImpl(const detail::ForwardProblem<float>& p) {
   const std::vector<ForwardTask> tasks = forward_tasks(p.extents, p.mask);
   if (tasks.empty()) return;
-  const int threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(p.threads), tasks.size()));
+  const int threads = threads_for(p.threads, tasks.size(), forward_flops(tasks, p.extents));
 #pragma omp parallel num_threads(threads)
   {
     ForwardScratch scratch(p.extents, VectorLanes());

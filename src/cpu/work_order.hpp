@@ -61,6 +61,25 @@ inline int64_t first_query_seeing(const detail::MaskRule& mask, int64_t batch, i
   return lo;
 }
 
+// Threads worth starting: no more than the tasks, and each with at least
+// kMinFlopsPerThread of work — below that, waking and joining a thread (microseconds,
+// far more on a busy machine) costs more than it saves. The choice changes speed only:
+// results are the same for any thread count.
+inline constexpr double kMinFlopsPerThread = 4e6;
+
+inline int threads_for(int requested, std::size_t tasks, double flops) {
+  const double by_work = std::max(1.0, flops / kMinFlopsPerThread);
+  return static_cast<int>(std::min({static_cast<double>(requested), static_cast<double>(tasks), by_work}));
+}
+
+// Multiply-add flops of the score and value products of a list of query-block tasks.
+inline double forward_flops(const std::vector<ForwardTask>& tasks, const detail::Extents& e) {
+  double keys = 0.0;
+  for (const ForwardTask& task : tasks) keys += static_cast<double>(task.cost);
+  return 2.0 * static_cast<double>(kBlockQueries) * keys *
+         static_cast<double>(e.head_dim + e.v_dim);
+}
+
 inline std::vector<KeyTask> key_tasks(const detail::Extents& e, const detail::MaskRule& mask) {
   std::vector<KeyTask> tasks;
   for (int64_t b = 0; b < e.batch; ++b)

@@ -144,6 +144,17 @@ TEST(Errors, EmptyExtentsThatAreNotAllowed) {
   expect_forward_error(call, args, {"v.shape[3] (head_dim)", "expected >= 1", "got 0"});
 }
 
+TEST(Errors, EmptyViewsMayHaveAnyStrides) {
+  // NumPy gives empty arrays all-zero strides: an empty sequence is not a layout error.
+  ValidCall call;
+  auto args = call.forward_args();
+  args.q.shape[1] = 0;
+  args.q.strides = {0, 0, 0, 0};
+  args.out = View4<float>(call.out.data(), {2, 0, 4, 6}, {0, 0, 0, 0});
+  args.lse = View3<float>(call.lse.data(), {2, 4, 0}, {0, 0, 0});
+  EXPECT_NO_THROW(attention_forward(args, call.options));
+}
+
 TEST(Errors, NullDataForNonEmptyTensor) {
   ValidCall call;
   auto args = call.forward_args();
