@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up and runs every test: the optimized build (warnings are errors, includes the
-# install + find_package check), then the same suite under ASan + UBSan.
+# install + find_package check), the same suite under ASan + UBSan, then the Python
+# package (pip install ., pytest against PyTorch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -12,3 +13,5 @@ ctest --preset release
 cmake --preset asan
 cmake --build --preset asan
 ctest --preset asan
+
+bash scripts/test_python.sh

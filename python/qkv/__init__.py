@@ -1,0 +1,45 @@
+"""qkv — exact, fast scaled dot-product attention for NumPy and PyTorch.
+
+    out = softmax(scale·q·kᵀ + mask)·v          scale defaults to 1/sqrt(d)
+
+Functions (NumPy arrays or torch tensors, float32 or float64, CPU, never copied):
+
+    attention(q, k, v, ...)            forward; differentiable for torch tensors
+    attention_backward(q, k, v, out, lse, dout, ...)   dq, dk, dv
+    attention_weights(q, k, v, ...)    the weights P of the exact reference backend
+    softmax, log_softmax, softmax_jacobian, softmax_backward   the textbook math
+    available_backends()               which backends this build runs
+
+and ``qkv.torch.scaled_dot_product_attention``, a drop-in for
+``torch.nn.functional.scaled_dot_product_attention``. Every bad call raises TypeError
+(array type, dtype, device) or qkv.Error, a ValueError carrying the C++ library's
+message.
+"""
+
+from ._qkv import Error, __version__
+from ._attention import attention, attention_backward, attention_weights, available_backends
+from ._softmax import log_softmax, softmax, softmax_backward, softmax_jacobian
+
+Error.__module__ = "qkv"  # raised as qkv.Error (a ValueError), however deep it came from
+
+__all__ = [
+    "Error",
+    "__version__",
+    "attention",
+    "attention_backward",
+    "attention_weights",
+    "available_backends",
+    "log_softmax",
+    "softmax",
+    "softmax_backward",
+    "softmax_jacobian",
+]
+
+
+def __getattr__(name):
+    # `import qkv; qkv.torch...` works without importing torch for NumPy-only users.
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'qkv' has no attribute {name!r}")

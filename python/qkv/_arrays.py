@@ -1,0 +1,214 @@
+"""What qkv needs to know about the caller's array type: NumPy or PyTorch.
+
+Outputs are allocated in the caller's type (and, for torch, its device and dtype), and
+the [batch, heads, seq, dim] <-> [batch, seq, heads, dim] change of layout is a view
+(a transpose), never a copy. torch is imported only when the caller already has it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from ._qkv import Error
+
+LAYOUTS = ("bhsd", "bshd")
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+class NumPy:
+    name = "numpy"
+
+    @staticmethod
+    def owns(x: Any) -> bool:
+        return isinstance(x, np.ndarray)
+
+    @staticmethod
+    def empty(shape, like):
+        return np.empty(shape, dtype=like.dtype)
+
+    @staticmethod
+    def swap_axes_1_2(x):
+        return x.swapaxes(1, 2)
+
+    @staticmethod
+    def for_library(x):
+        return x
+
+    @staticmethod
+    def dtype_name(x) -> str:
+        return str(x.dtype)
+
+    @staticmethod
+    def is_bool_or_uint8(x) -> bool:
+        return x.dtype == np.bool_ or x.dtype == np.uint8
+
+    @staticmethod
+    def is_float32(x) -> bool:
+        return x.dtype == np.float32
+
+    @staticmethod
+    def is_float64(x) -> bool:
+        return x.dtype == np.float64
+
+    @staticmethod
+    def to_float32(x):
+        return x.astype(np.float32)
+
+    @staticmethod
+    def add_leading_axes(x, count: int):
+        return x.reshape((1,) * count + x.shape)
+
+    @staticmethod
+    def integer_vector(values):
+        """A contiguous int64 array of `values`, or None if they are not integers."""
+        array = np.asarray(values)
+        if array.size and array.dtype.kind not in "iu":
+            return None
+        return np.ascontiguousarray(array, dtype=np.int64)
+
+
+class Torch:
+    name = "torch"
+
+    @staticmethod
+    def owns(x: Any) -> bool:
+        return _is_torch_tensor(x)
+
+    @staticmethod
+    def empty(shape, like):
+        import torch
+
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+    @staticmethod
+    def swap_axes_1_2(x):
+        return x.transpose(1, 2)
+
+    @staticmethod
+    def for_library(x):
+        """The tensor's memory as the library will read it: for a CPU tensor, its NumPy
+        view (.numpy() shares the memory, strides included, and nanobind imports it in
+        about a microsecond, where torch's own __dlpack__ costs ~10 µs in Python per
+        tensor). Other devices go through DLPack so the library can name the device.
+        Detached first: the library records no autograd graph."""
+        x = x.detach()
+        return x.numpy() if x.device.type == "cpu" else x
+
+    @staticmethod
+    def dtype_name(x) -> str:
+        return str(x.dtype)
+
+    @staticmethod
+    def inner_contiguous(x):
+        """x, or a C-order copy when its last dimension is strided: the library reads
+        rows contiguously. (Tensors with no elements are left alone: the module gives
+        them C-order strides, as nothing is read.)"""
+        if x.numel() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1:
+            return x
+        return x.contiguous()
+
+    @staticmethod
+    def is_bool_or_uint8(x) -> bool:
+        import torch
+
+        return x.dtype in (torch.bool, torch.uint8)
+
+    @staticmethod
+    def is_float32(x) -> bool:
+        import torch
+
+        return x.dtype == torch.float32
+
+    @staticmethod
+    def is_float64(x) -> bool:
+        import torch
+
+        return x.dtype == torch.float64
+
+    @staticmethod
+    def to_float32(x):
+        import torch
+
+        return x.to(torch.float32)
+
+    @staticmethod
+    def add_leading_axes(x, count: int):
+        return x.reshape((1,) * count + tuple(x.shape))
+
+    @staticmethod
+    def integer_vector(values):
+        """A contiguous int64 CPU tensor of `values`, or None if they are not integers."""
+        import torch
+
+        tensor = torch.as_tensor(values, device="cpu")
+        if tensor.numel() and (tensor.is_floating_point() or tensor.is_complex()
+                               or tensor.dtype == torch.bool):
+            return None
+        return tensor.to(torch.int64).contiguous()
+
+
+def framework_of(function: str, **arrays):
+    """NumPy or Torch, the one framework that every given array belongs to."""
+    kinds = {}
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        if NumPy.owns(x):
+            kinds[name] = NumPy
+        elif Torch.owns(x):
+            kinds[name] = Torch
+        else:
+            raise TypeError(
+                f"{function}: {name}: expected a numpy.ndarray or a torch.Tensor, "
+                f"got {type(x).__module__}.{type(x).__qualname__}"
+            )
+    found = set(kinds.values())
+    if len(found) > 1:
+        detail = ", ".join(f"{name} is {kind.name}" for name, kind in kinds.items())
+        raise TypeError(f"{function}: every array must be of one type ({detail})")
+    return found.pop()
+
+
+def check_layout(function: str, layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise Error(f"{function}: layout: expected 'bhsd' or 'bshd', got {layout!r}")
+
+
+def axes_names(layout: str) -> str:
+    return "[batch, heads, seq, dim]" if layout == "bhsd" else "[batch, seq, heads, dim]"
+
+
+def check_rank4(function: str, layout: str, **arrays) -> None:
+    for name, x in arrays.items():
+        if x.ndim != 4:
+            raise Error(
+                f"{function}: {name}: expected 4 dimensions {axes_names(layout)} "
+                f"(layout={layout!r}), got shape {tuple(x.shape)}"
+            )
+
+
+def to_logical(fw, x, layout: str):
+    """The library's [batch, seq, heads, dim] view of a 4-D array in `layout` (no copy)."""
+    return fw.for_library(fw.swap_axes_1_2(x) if layout == "bhsd" else x)
+
+
+def dims(x, layout: str):
+    """(batch, seq, heads, dim) of a 4-D array in `layout`."""
+    b, a1, a2, d = x.shape
+    return (b, a2, a1, d) if layout == "bhsd" else (b, a1, a2, d)
+
+
+def empty_in_layout(fw, like, batch: int, seq: int, heads: int, dim: int, layout: str):
+    """A new C-order array of `like`'s kind in `layout`, and its logical view."""
+    if layout == "bhsd":
+        array = fw.empty((batch, heads, seq, dim), like)
+        return array, fw.swap_axes_1_2(array)
+    array = fw.empty((batch, seq, heads, dim), like)
+    return array, array

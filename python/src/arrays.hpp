@@ -1,0 +1,68 @@
+// Arrays from Python (NumPy, PyTorch, anything speaking DLPack) seen as qkv views.
+//
+// nanobind hands us each array as an `nb::ndarray` with no constraint on dtype, device,
+// shape or strides, so it never converts or copies: the view's pointer is the caller's
+// memory. Every check a constraint would have made is made here instead, with a message
+// that names the argument (TypeError for dtype and device, ValueError for shape).
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "qkv/tensor.hpp"
+
+namespace qkv::python {
+
+namespace nb = nanobind;
+
+using InArray = nb::ndarray<nb::ro>;  // read: also accepts read-only NumPy arrays
+using OutArray = nb::ndarray<>;       // written in place
+
+// "float32", "bool", ... for messages.
+std::string dtype_name(nb::dlpack::dtype dtype);
+
+// The checks every array passes before it becomes a view.
+void expect_cpu(const char* name, int device_type);
+void expect_rank(const char* name, std::size_t actual, int expected);
+void expect_dtype(const char* name, nb::dlpack::dtype actual, nb::dlpack::dtype expected,
+                  const char* because);
+
+// `array` as a rank-R view of T, without looking at its dtype. Strides are the array's
+// own, in elements, except for an array with no elements: NumPy and PyTorch give those
+// arbitrary strides (NumPy all 0), which mean nothing since no element is read, so the
+// view gets C-order strides instead and passes the library's layout checks.
+template <class T, int R, class Array>
+TensorView<T, R> raw_view(const char* name, const Array& array) {
+  expect_cpu(name, array.device_type());
+  expect_rank(name, array.ndim(), R);
+  typename TensorView<T, R>::Shape shape{}, strides{};
+  const int64_t* array_strides = array.stride_ptr();
+  const bool empty = array.size() == 0;
+  int64_t step = 1;  // DLPack allows null strides for C order
+  for (int axis = R - 1; axis >= 0; --axis) {
+    shape[axis] = static_cast<int64_t>(array.shape(axis));
+    strides[axis] = array_strides && !empty ? array_strides[axis] : step;
+    step *= std::max<int64_t>(shape[axis], 1);
+  }
+  auto* data = reinterpret_cast<T*>(static_cast<char*>(array.data_handle()) +
+                                    array.byte_offset());
+  return TensorView<T, R>(data, shape, strides);
+}
+
+// A view of `array` as T, rank R; `because` says where the expected dtype comes from
+// ("the dtype of q").
+template <class T, int R, class Array>
+TensorView<T, R> view_of(const char* name, const Array& array, const char* because) {
+  expect_dtype(name, array.dtype(), nb::dtype<std::remove_const_t<T>>(), because);
+  return raw_view<T, R>(name, array);
+}
+
+// A boolean or uint8 array as the uint8 view qkv's keep masks use (same bytes: NumPy
+// and PyTorch store bool as one byte holding 0 or 1).
+TensorView<const std::uint8_t, 4> byte_mask_view(const char* name, const InArray& array);
+
+}  // namespace qkv::python

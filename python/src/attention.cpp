@@ -1,0 +1,184 @@
+// The Python package allocates every output in the caller's array type and passes it
+// here with the inputs, all already in qkv's logical [batch, seq, heads, dim] order
+// (a transposed view for PyTorch's [batch, heads, seq, dim] memory: no copy). These
+// functions turn the arrays into views, release the GIL and call the library, which
+// validates everything and writes straight into the caller's outputs.
+#include "attention.hpp"
+
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include "arrays.hpp"
+#include "debug.hpp"
+#include "options.hpp"
+#include "qkv/attention.hpp"
+#include "qkv/error.hpp"
+
+namespace qkv::python {
+namespace {
+
+constexpr const char* kAsQ = "the dtype of q";
+
+template <class T>
+void forward_typed(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
+                   const std::optional<OutArray>& lse, const std::optional<OutArray>& weights,
+                   const AttentionOptions& options) {
+  ForwardArgs<T> args;
+  args.q = view_of<const T, 4>("q", q, kAsQ);
+  args.k = view_of<const T, 4>("k", k, kAsQ);
+  args.v = view_of<const T, 4>("v", v, kAsQ);
+  args.out = view_of<T, 4>("out", out, kAsQ);
+  if (lse) args.lse = view_of<T, 3>("lse", *lse, kAsQ);
+  if (weights) args.weights = view_of<T, 4>("weights", *weights, kAsQ);
+
+  debug_begin_call();
+  debug_record("q", args.q);
+  debug_record("k", args.k);
+  debug_record("v", args.v);
+  debug_record("out", args.out);
+  debug_record("lse", args.lse);
+  debug_record("weights", args.weights);
+  debug_record_options(options);
+
+  nanobind::gil_scoped_release release;
+  attention_forward(args, options);
+}
+
+template <class T>
+void backward_typed(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
+                    const InArray& lse, const InArray& dout, const OutArray& dq,
+                    const OutArray& dk, const OutArray& dv, const AttentionOptions& options) {
+  BackwardArgs<T> args;
+  args.q = view_of<const T, 4>("q", q, kAsQ);
+  args.k = view_of<const T, 4>("k", k, kAsQ);
+  args.v = view_of<const T, 4>("v", v, kAsQ);
+  args.out = view_of<const T, 4>("out", out, kAsQ);
+  args.lse = view_of<const T, 3>("lse", lse, kAsQ);
+  args.dout = view_of<const T, 4>("dout", dout, kAsQ);
+  args.dq = view_of<T, 4>("dq", dq, kAsQ);
+  args.dk = view_of<T, 4>("dk", dk, kAsQ);
+  args.dv = view_of<T, 4>("dv", dv, kAsQ);
+
+  debug_begin_call();
+  debug_record("q", args.q);
+  debug_record("k", args.k);
+  debug_record("v", args.v);
+  debug_record("out", args.out);
+  debug_record("lse", args.lse);
+  debug_record("dout", args.dout);
+  debug_record("dq", args.dq);
+  debug_record("dk", args.dk);
+  debug_record("dv", args.dv);
+  debug_record_options(options);
+
+  nanobind::gil_scoped_release release;
+  attention_backward(args, options);
+}
+
+// float32 or float64, decided by q; anything else is a TypeError naming q's dtype.
+template <class Float32, class Float64>
+void dispatch_on_q(const InArray& q, Float32&& float32, Float64&& float64) {
+  expect_cpu("q", q.device_type());
+  if (q.dtype() == nanobind::dtype<float>()) return float32();
+  if (q.dtype() == nanobind::dtype<double>()) return float64();
+  throw nanobind::type_error(("q: expected dtype float32 or float64, got " +
+                              dtype_name(q.dtype()))
+                                 .c_str());
+}
+
+void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
+             const std::optional<OutArray>& lse, const std::optional<OutArray>& weights,
+             const OptionArgs& option_args) {
+  const AttentionOptions options = make_options(option_args);
+  dispatch_on_q(
+      q, [&] { forward_typed<float>(q, k, v, out, lse, weights, options); },
+      [&] { forward_typed<double>(q, k, v, out, lse, weights, options); });
+}
+
+void backward(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
+              const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
+              const OutArray& dv, const OptionArgs& option_args) {
+  const AttentionOptions options = make_options(option_args);
+  dispatch_on_q(
+      q, [&] { backward_typed<float>(q, k, v, out, lse, dout, dq, dk, dv, options); },
+      [&] { backward_typed<double>(q, k, v, out, lse, dout, dq, dk, dv, options); });
+}
+
+// Whether `backend` can run a float32 call in this build: one 1×1×1×1 problem.
+bool backend_available(const std::string& name) {
+  AttentionOptions options;
+  options.execution.backend = parse_backend(name);
+  options.execution.threads = 1;
+  const float one = 1.0f;
+  float out = 0.0f;
+  const View4<const float> unit(&one, {1, 1, 1, 1}, {1, 1, 1, 1});
+  ForwardArgs<float> args;
+  args.q = args.k = args.v = unit;
+  args.out = View4<float>(&out, {1, 1, 1, 1}, {1, 1, 1, 1});
+  try {
+    attention_forward(args, options);
+  } catch (const Error&) {
+    return false;
+  }
+  return out == 1.0f;  // softmax over one key is 1, so out = v
+}
+
+// The option keywords shared by forward and backward, in one place.
+OptionArgs option_args(std::optional<InArray> keep, std::optional<InArray> bias,
+                       std::optional<InArray> key_lengths, std::optional<double> scale,
+                       std::string causal, std::string backend, int threads,
+                       bool check_finite) {
+  return {std::move(keep), std::move(bias), std::move(key_lengths), scale,
+          std::move(causal), std::move(backend), threads, check_finite};
+}
+
+}  // namespace
+
+void bind_attention(nanobind::module_& m) {
+  namespace nb = nanobind;
+  m.def(
+      "forward",
+      [](const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
+         std::optional<OutArray> lse, std::optional<OutArray> weights,
+         std::optional<InArray> keep, std::optional<InArray> bias,
+         std::optional<InArray> key_lengths, std::optional<double> scale, std::string causal,
+         std::string backend, int threads, bool check_finite) {
+        forward(q, k, v, out, lse, weights,
+                option_args(std::move(keep), std::move(bias), std::move(key_lengths), scale,
+                            std::move(causal), std::move(backend), threads, check_finite));
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::kw_only(),
+      nb::arg("lse").none() = nb::none(), nb::arg("weights").none() = nb::none(),
+      nb::arg("keep").none() = nb::none(), nb::arg("bias").none() = nb::none(),
+      nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(),
+      nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
+      nb::arg("check_finite") = false,
+      "qkv::attention_forward on [B, N, H, d] views of the given arrays; writes out, lse "
+      "and weights in place. The GIL is released while computing.");
+
+  m.def(
+      "backward",
+      [](const InArray& q, const InArray& k, const InArray& v, const InArray& out,
+         const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
+         const OutArray& dv, std::optional<InArray> keep, std::optional<InArray> bias,
+         std::optional<InArray> key_lengths, std::optional<double> scale, std::string causal,
+         std::string backend, int threads, bool check_finite) {
+        backward(q, k, v, out, lse, dout, dq, dk, dv,
+                 option_args(std::move(keep), std::move(bias), std::move(key_lengths), scale,
+                             std::move(causal), std::move(backend), threads, check_finite));
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"),
+      nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::kw_only(),
+      nb::arg("keep").none() = nb::none(), nb::arg("bias").none() = nb::none(),
+      nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(),
+      nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
+      nb::arg("check_finite") = false,
+      "qkv::attention_backward on [B, N, H, d] views; writes dq, dk, dv in place. The GIL "
+      "is released while computing.");
+
+  m.def("backend_available", &backend_available, nb::arg("backend"),
+        "Whether this build runs the named backend ('auto', 'reference' or 'cpu').");
+}
+
+}  // namespace qkv::python

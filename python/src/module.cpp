@@ -1,0 +1,19 @@
+// qkv._qkv: the compiled half of the Python package. The public API is in python/qkv/;
+// everything here is internal and takes caller-allocated outputs.
+#include <nanobind/nanobind.h>
+
+#include "attention.hpp"
+#include "debug.hpp"
+#include "qkv/error.hpp"
+#include "qkv/version.hpp"
+#include "softmax.hpp"
+
+NB_MODULE(_qkv, m) {
+  m.doc() = "qkv's C++ library, bound with nanobind (internal: use the qkv package).";
+  m.attr("__version__") = qkv::kVersion;
+  // qkv::Error becomes qkv.Error, a ValueError carrying the C++ message unchanged.
+  nanobind::exception<qkv::Error>(m, "Error", PyExc_ValueError);
+  qkv::python::bind_attention(m);
+  qkv::python::bind_softmax(m);
+  qkv::python::bind_debug(m);
+}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds, installs and tests the Python package (`import qkv`, qkv.torch) on Debian 12,
+# as root (or with sudo). Idempotent: what is installed already is left alone, and
+# `pip install .` reuses build/python/, so a second run recompiles only what changed.
+#
+#   bash scripts/test_python.sh              # everything
+#   bash scripts/test_python.sh -k gradcheck # extra arguments go to pytest
+#
+# Python: $PYTHON, else python3 (this machine's CPython, whose pip installs packages;
+# for a Debian system Python that refuses pip (PEP 668), point PYTHON at a venv's).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh  # compiler, CMake and the C++ libraries qkv builds against
+
+python="${PYTHON:-python3}"
+pip_install=("$python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore)
+
+# torch is pinned on purpose: 2.13.0 is the CPU build that lies on this machine's disk.
+# An unpinned `torch` would fetch a CUDA build of several GB. qkv itself does not
+# depend on torch; only its tests (and qkv.torch users) need it.
+"${pip_install[@]}" "torch==2.13.0" "numpy>=1.23" "pytest>=7"
+# The build backend and its tools, installed here so that the build below can run
+# without an isolated environment (which would move nanobind and force a full rebuild).
+"${pip_install[@]}" "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja
+
+"${pip_install[@]}" --no-build-isolation .
+
+# From the repository root, `import qkv` finds the installed package (the sources
+# live in python/qkv, which is not on sys.path), so the tests test what pip installed.
+"$python" -m pytest tests/python -q "$@"
