@@ -1,6 +1,8 @@
-// Fused backward, FlashAttention-2 style, in two passes so that both the key side and
-// the query side parallelize without atomics and without a thread-count-dependent
-// reduction (bitwise identical results for any number of threads).
+// Fused backward, FlashAttention-2 style, without atomics and without a
+// thread-count-dependent reduction (bitwise identical results for any number of
+// threads). Two schedules (work_order.hpp, backward_single_pass): with many heads, one
+// task per (batch, kv head) does passes 1 and 2 together (dQ accumulated in key-block
+// order); with few heads, the two passes below run as separate parallel loops.
 //
 // In the forward pass  Sᵀ = K·(scale·Q)ᵀ,  P = exp(S − lse),  O = P·V;  so now:
 //   prepack (per query block): scale·Qᵀ, dOᵀ, lse (−inf → +inf so masked rows give
@@ -10,8 +12,8 @@
 //     dK += dSᵀ·Q                                         (scaled once at the end)
 //   pass 2, one task per (batch, head, 64 queries), over every key it sees:
 //     the same Pᵀ and dSᵀ, then dQ += dS·K_blk              (scaled once at the end)
-// Pass 2 recomputes S and dP (7 block products instead of 5) — the price of
-// determinism without per-thread copies of dQ.
+// Run separately, pass 2 recomputes S and dP (7 block products instead of 5): the price
+// of using every core on one head without per-thread copies of dQ.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -85,17 +87,19 @@ struct BackwardScratch {
   size_t width;
   hwy::AlignedFreeUniquePtr<float[]> pt;    // kBlockKeys × width: Pᵀ
   hwy::AlignedFreeUniquePtr<float[]> dst;   // kBlockKeys × width: dPᵀ, then dSᵀ
-  hwy::AlignedFreeUniquePtr<float[]> acc;   // kBlockKeys × (d_ld + dv_ld) or 64 × d_ld
+  hwy::AlignedFreeUniquePtr<float[]> acc;   // kBlockKeys × (d_ld + dv_ld): dK, dV
   hwy::AlignedFreeUniquePtr<float[]> k_pad; // kBlockKeys × d_ld, only if d % lanes ≠ 0
+  hwy::AlignedFreeUniquePtr<float[]> dq;    // dQ accumulator: dq_rows × d_ld
   std::vector<int64_t> key_end;
 
-  BackwardScratch(const Packed& packed, size_t lanes)
+  // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass).
+  BackwardScratch(const Packed& packed, size_t lanes, size_t dq_rows)
       : width(round_up(kBlockQueries, lanes)),
         pt(AllocateFloats(kBlockKeys * width)),
         dst(AllocateFloats(kBlockKeys * width)),
-        acc(AllocateFloats(std::max<size_t>(kBlockKeys, width) *
-                                        (packed.d_ld + packed.dv_ld))),
+        acc(AllocateFloats(kBlockKeys * (packed.d_ld + packed.dv_ld))),
         k_pad(AllocateFloats(packed.pad_q_rows ? kBlockKeys * packed.d_ld : 0)),
+        dq(AllocateFloats(dq_rows * packed.d_ld)),
         key_end(width) {}
 };
 
@@ -172,8 +176,35 @@ size_t ScoreBlock(const detail::BackwardProblem<float>& p, const Packed& packed,
   return width;
 }
 
+// dQ_rows += dS·K_blk for the block just scored (dS read in place from dSᵀ in s.dst).
+void AccumulateQueryGradient(const detail::BackwardProblem<float>& p, const Packed& packed,
+                             const QueryRows& rows, size_t width, int64_t kv_head,
+                             int64_t first_key, int64_t keys, float* dq_rows,
+                             BackwardScratch& s) {
+  const auto& a = p.args;
+  const size_t d = static_cast<size_t>(p.extents.head_dim);
+  const size_t kn = static_cast<size_t>(keys), count = static_cast<size_t>(rows.count);
+  const float* k = &a.k(rows.batch, first_key, kv_head, 0);
+  const int64_t k_row = a.k.strides[1];
+  if (needs_mask(p.mask, rows, first_key, keys) && !AllFinite(k, k_row, kn, d)) {
+    AccumulateSkippingZeros(s.dst.get(), width, count, kn, k, k_row, d, dq_rows, packed.d_ld);
+    return;
+  }
+  const float* k_operand = k;
+  size_t k_ld = static_cast<size_t>(k_row);
+  if (packed.pad_q_rows) {  // d is not whole vectors: pad K's rows like Q's
+    PackRowsPadded(k, k_row, kn, d, s.k_pad.get(), packed.d_ld);
+    k_operand = s.k_pad.get();
+    k_ld = packed.d_ld;
+  }
+  Gemm(count, packed.d_ld, kn, StridedA{s.dst.get(), 1, width}, k_operand, k_ld, dq_rows,
+       packed.d_ld, true);
+}
+
+// dK, dV of one key block over every query that sees it. With dq_group (the
+// single-pass schedule), also adds dS·K_blk to the group's dQ rows [head][query][d_ld].
 void KeyValueBlock(const detail::BackwardProblem<float>& p, const Packed& packed,
-                   const KeyTask& task, BackwardScratch& s) {
+                   const KeyTask& task, BackwardScratch& s, float* dq_group = nullptr) {
   const auto& a = p.args;
   const detail::Extents& e = p.extents;
   const int64_t b = task.batch, first_key = task.first_key;
@@ -208,6 +239,12 @@ void KeyValueBlock(const detail::BackwardProblem<float>& p, const Packed& packed
       Gemm(kn, packed.d_ld, count, StridedA{s.dst.get(), width, 1},
            q_rows.data + static_cast<size_t>(first) * q_rows.ld, q_rows.ld, dk_acc, packed.d_ld,
            true);
+      if (dq_group != nullptr) {
+        const size_t head_in_group = static_cast<size_t>(h - task.kv_head * e.group());
+        float* dq_rows = dq_group + (head_in_group * static_cast<size_t>(e.q_len) +
+                                     static_cast<size_t>(first)) * packed.d_ld;
+        AccumulateQueryGradient(p, packed, rows, width, task.kv_head, first_key, keys, dq_rows, s);
+      }
     }
   }
   const float scale = static_cast<float>(p.scale);
@@ -220,46 +257,50 @@ void KeyValueBlock(const detail::BackwardProblem<float>& p, const Packed& packed
   }
 }
 
+// dq = scale·dq_acc for `count` rows starting at query `first` of head h.
+void WriteQueryGradient(const detail::BackwardProblem<float>& p, const Packed& packed,
+                        int64_t b, int64_t h, int64_t first, int64_t count,
+                        const float* dq_acc) {
+  const size_t d = static_cast<size_t>(p.extents.head_dim);
+  const float scale = static_cast<float>(p.scale);
+  for (int64_t i = 0; i < count; ++i) {
+    float* dq = &p.args.dq(b, first + i, h, 0);
+    const float* acc = dq_acc + static_cast<size_t>(i) * packed.d_ld;
+    for (size_t c = 0; c < d; ++c) dq[c] = scale * acc[c];
+  }
+}
+
+// Pass 2 of the two-pass schedule: one query block's dQ over every key it sees.
 void QueryBlockGradient(const detail::BackwardProblem<float>& p, const Packed& packed,
                         const ForwardTask& task, BackwardScratch& s) {
-  const auto& a = p.args;
   const detail::Extents& e = p.extents;
-  const size_t lanes = VectorLanes();
-  const size_t d = static_cast<size_t>(e.head_dim);
   const int64_t kv_head = e.kv_head_of(task.head);
   QueryRows rows{.batch = task.batch, .head = task.head, .first = task.first_query,
                  .count = std::min(kBlockQueries, e.q_len - task.first_query)};
   describe_rows(p.mask, rows, s.key_end.data());
-  const size_t count = static_cast<size_t>(rows.count);
-  float* dq_acc = s.acc.get();  // count × d_ld
-  std::fill(dq_acc, dq_acc + count * packed.d_ld, 0.0f);
-
+  float* dq_acc = s.dq.get();  // count × d_ld
+  std::fill(dq_acc, dq_acc + static_cast<size_t>(rows.count) * packed.d_ld, 0.0f);
   for (int64_t first_key = 0; first_key < rows.max_key_end; first_key += kBlockKeys) {
     const int64_t keys = std::min(kBlockKeys, rows.max_key_end - first_key);
-    const size_t kn = static_cast<size_t>(keys);
     const size_t width = ScoreBlock(p, packed, rows, kv_head, first_key, keys, s);
-    const float* k = &a.k(task.batch, first_key, kv_head, 0);
-    const int64_t k_row = a.k.strides[1];
-    // dQ += dS·K_blk, dS read in place from dSᵀ.
-    if (needs_mask(p.mask, rows, first_key, keys) && !AllFinite(k, k_row, kn, d)) {
-      AccumulateSkippingZeros(s.dst.get(), width, count, kn, k, k_row, d, dq_acc, packed.d_ld);
-      continue;
-    }
-    const float* k_operand = k;
-    size_t k_ld = static_cast<size_t>(k_row);
-    if (d % lanes != 0) {
-      PackRowsPadded(k, k_row, kn, d, s.k_pad.get(), packed.d_ld);
-      k_operand = s.k_pad.get();
-      k_ld = packed.d_ld;
-    }
-    Gemm(count, packed.d_ld, kn, StridedA{s.dst.get(), 1, width}, k_operand, k_ld, dq_acc,
-         packed.d_ld, true);
+    AccumulateQueryGradient(p, packed, rows, width, kv_head, first_key, keys, dq_acc, s);
   }
-  const float scale = static_cast<float>(p.scale);
-  for (size_t i = 0; i < count; ++i) {
-    float* dq = &a.dq(task.batch, rows.first + static_cast<int64_t>(i), task.head, 0);
-    for (size_t c = 0; c < d; ++c) dq[c] = scale * dq_acc[i * packed.d_ld + c];
-  }
+  WriteQueryGradient(p, packed, task.batch, task.head, rows.first, rows.count, dq_acc);
+}
+
+// The single-pass schedule: one (batch, kv head) does every key block in order, and
+// adds each block's dS·K to the group's dQ as it goes (fixed order: deterministic).
+void HeadGroupGradient(const detail::BackwardProblem<float>& p, const Packed& packed,
+                       int64_t b, int64_t kv_head, BackwardScratch& s) {
+  const detail::Extents& e = p.extents;
+  const size_t rows_per_head = static_cast<size_t>(e.q_len) * packed.d_ld;
+  float* dq_group = s.dq.get();  // group × Nq × d_ld
+  std::fill(dq_group, dq_group + static_cast<size_t>(e.group()) * rows_per_head, 0.0f);
+  for (int64_t first_key = 0; first_key < e.k_len; first_key += kBlockKeys)
+    KeyValueBlock(p, packed, KeyTask{b, kv_head, first_key, 0}, s, dq_group);
+  for (int64_t g = 0; g < e.group(); ++g)
+    WriteQueryGradient(p, packed, b, kv_head * e.group() + g, 0, e.q_len,
+                       dq_group + static_cast<size_t>(g) * rows_per_head);
 }
 
 }  // namespace
@@ -288,21 +329,34 @@ void BackwardImpl(const detail::BackwardProblem<float>& p) {
   packed.dout_rows =
       AllocateFloats(packed.pad_dout_rows ? heads * nq * packed.dv_ld : 0);
 
-  const size_t most_tasks = std::max(query_tasks.size(), kv_tasks.size());
+  const bool single_pass = backward_single_pass(e);
+  const size_t head_groups = static_cast<size_t>(e.batch * e.kv_heads);
+  const size_t most_tasks =
+      single_pass ? head_groups : std::max(query_tasks.size(), kv_tasks.size());
+  const size_t dq_rows = single_pass ? static_cast<size_t>(e.group() * e.q_len)
+                                     : static_cast<size_t>(kBlockQueries);
   // The backward does about 3.5 forwards' worth of block products.
   const int threads = threads_for(p.threads, most_tasks, 3.5 * forward_flops(query_tasks, e));
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < query_tasks.size(); ++t) PackQueryBlock(p, query_tasks[t], packed);
-    // (implicit barrier: pass 1 reads every query block's packed panels)
-    BackwardScratch scratch(packed, lanes);
-#pragma omp for schedule(dynamic, 1) nowait
-    for (size_t t = 0; t < kv_tasks.size(); ++t) KeyValueBlock(p, packed, kv_tasks[t], scratch);
-    // Pass 2 reads only the packed panels and K, V: no barrier needed before it.
+    // (implicit barrier: every task below reads every query block's packed panels)
+    BackwardScratch scratch(packed, lanes, dq_rows);
+    if (single_pass) {
 #pragma omp for schedule(dynamic, 1)
-    for (size_t t = 0; t < query_tasks.size(); ++t)
-      QueryBlockGradient(p, packed, query_tasks[t], scratch);
+      for (size_t t = 0; t < head_groups; ++t)
+        HeadGroupGradient(p, packed, static_cast<int64_t>(t) / e.kv_heads,
+                          static_cast<int64_t>(t) % e.kv_heads, scratch);
+    } else {
+#pragma omp for schedule(dynamic, 1) nowait
+      for (size_t t = 0; t < kv_tasks.size(); ++t)
+        KeyValueBlock(p, packed, kv_tasks[t], scratch);
+      // Pass 2 reads only the packed panels and K, V: no barrier needed before it.
+#pragma omp for schedule(dynamic, 1)
+      for (size_t t = 0; t < query_tasks.size(); ++t)
+        QueryBlockGradient(p, packed, query_tasks[t], scratch);
+    }
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <thread>
 #include <vector>
 
 #include "core/problem.hpp"
@@ -78,6 +79,18 @@ inline double forward_flops(const std::vector<ForwardTask>& tasks, const detail:
   for (const ForwardTask& task : tasks) keys += static_cast<double>(task.cost);
   return 2.0 * static_cast<double>(kBlockQueries) * keys *
          static_cast<double>(e.head_dim + e.v_dim);
+}
+
+// The backward's schedule. Single pass: one task per (batch, kv head) walks its key
+// blocks in order and adds each block's dS·K to dQ as it goes — 5 block products per
+// (key block, query block) pair. Two passes: dK/dV per key block, then dQ per query
+// block — 7 products (S and dP computed twice), but parallel even for a single head.
+// Single pass whenever there are enough heads to keep every core busy (4 per core
+// bounds the idle tail at a quarter of a head's work). Decided by the shape and the
+// machine, never by the threads option: results stay identical for any thread count.
+inline bool backward_single_pass(const detail::Extents& e) {
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  return e.batch * e.kv_heads >= 4 * cores;
 }
 
 inline std::vector<KeyTask> key_tasks(const detail::Extents& e, const detail::MaskRule& mask) {

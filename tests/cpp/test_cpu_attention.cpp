@@ -9,8 +9,10 @@
 
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "cpu/cpu_backend.hpp"
+#include "cpu/work_order.hpp"
 #include "hwy/targets.h"
 #include "plain_fp32.hpp"
 
@@ -201,6 +203,12 @@ std::vector<CpuCase> cpu_cases() {
   add({.name = "n70_everything", .batch = 2, .q_len = 70, .k_len = 90, .q_heads = 4, .kv_heads = 2,
        .head_dim = 33, .v_dim = 17, .causal = Causal::bottom_right, .keep_mask = true, .bias_mask = true,
        .key_padding = true, .scale = 0.2});
+  // Enough heads for the backward's single-pass schedule on this machine.
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  add({.name = "single_pass_gqa_causal", .batch = 2 * cores, .q_len = 70, .k_len = 70, .q_heads = 4,
+       .kv_heads = 2, .head_dim = 64, .v_dim = 64, .causal = Causal::top_left, .bias_mask = true});
+  add({.name = "single_pass_odd_dims", .batch = 4 * cores, .q_len = 20, .k_len = 75, .head_dim = 33,
+       .v_dim = 17, .causal = Causal::bottom_right, .keep_mask = true, .key_padding = true}, true);
 #ifndef QKV_TEST_SMALL  // long sequences: too slow under the sanitizers
   add({.name = "n1000_d64_causal", .q_len = 1000, .k_len = 1000, .head_dim = 64, .v_dim = 64,
        .causal = Causal::top_left});
@@ -217,6 +225,18 @@ TEST_P(CpuAgainstReference, WithinTwiceThePlainFp32Error) { check_case(GetParam(
 
 INSTANTIATE_TEST_SUITE_P(Cases, CpuAgainstReference, ::testing::ValuesIn(cpu_cases()),
                          [](const auto& param_info) { return param_info.param.spec.name; });
+
+TEST(CpuSchedules, BothBackwardSchedulesAreCovered) {
+  bool single = false, two = false;
+  for (const CpuCase& how : cpu_cases()) {
+    const CaseSpec& s = how.spec;
+    detail::Extents e{.batch = s.batch, .q_len = s.q_len, .k_len = s.k_len, .q_heads = s.q_heads,
+                      .kv_heads = s.kv_heads, .head_dim = s.head_dim, .v_dim = s.v_dim};
+    (cpu::backward_single_pass(e) ? single : two) = true;
+  }
+  EXPECT_TRUE(single);
+  EXPECT_TRUE(two);
+}
 
 TEST(CpuSimdTargets, EveryCompiledTargetMatchesTheReference) {
   const std::vector<int64_t> targets = cpu::compiled_simd_targets();
@@ -236,13 +256,17 @@ TEST(CpuSimdTargets, EveryCompiledTargetMatchesTheReference) {
   hwy::SetSupportedTargetsForTest(0);  // back to the real CPU
 }
 
-// Outputs and gradients are bitwise identical for any thread count, run to run.
-TEST(CpuDeterminism, BitwiseIdenticalForAnyThreadCount) {
-  const CaseSpec spec{.name = "det", .batch = 2, .q_len = 150, .k_len = 170, .q_heads = 4, .kv_heads = 2,
-                      .head_dim = 64, .v_dim = 48, .causal = Causal::bottom_right, .bias_mask = true,
-                      .key_padding = true};
+// Outputs and gradients are bitwise identical for any thread count, run to run, with
+// either backward schedule.
+class CpuDeterminism : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(CpuDeterminism, BitwiseIdenticalForAnyThreadCount) {
+  const int64_t batch = GetParam();
+  const CaseSpec spec{.name = "det", .batch = batch, .q_len = 150, .k_len = 170, .q_heads = 4,
+                      .kv_heads = 2, .head_dim = 64, .v_dim = 48, .causal = Causal::bottom_right,
+                      .bias_mask = true, .key_padding = true};
   const Case<float> c(spec, 5);
-  const auto dout = test::random_tensor<float, 4>({2, 150, 4, 48}, 6);
+  const auto dout = test::random_tensor<float, 4>({batch, 150, 4, 48}, 6);
   const Results first = run_cpu(c, {spec, false, false, 1}, &dout);
   auto same = [](const auto& a, const auto& b) {
     return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
@@ -258,6 +282,11 @@ TEST(CpuDeterminism, BitwiseIdenticalForAnyThreadCount) {
     }
   }
 }
+
+// Batch 1 (two-pass backward) and enough batches for the single pass on this machine.
+INSTANTIATE_TEST_SUITE_P(Schedules, CpuDeterminism,
+                         ::testing::Values(int64_t{1},
+                                           int64_t{2} * std::max(1u, std::thread::hardware_concurrency())));
 
 // A NaN/Inf behind a removed key (causal future, boolean mask) reaches no output, and
 // the rows that do see it are NaN.
