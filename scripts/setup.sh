@@ -8,6 +8,8 @@ apt_packages=(
   g++ make ninja-build pkg-config
   libgtest-dev libgmock-dev   # GoogleTest
   libhwy-dev                  # Google Highway: SIMD with runtime dispatch
+  libcli11-dev                # CLI11: the qkv command line
+  gnuplot-nox                 # qkv explain --plot
 )
 missing=()
 for package in "${apt_packages[@]}"; do

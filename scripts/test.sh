@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up and runs every test: the optimized build (warnings are errors, includes the
-# install + find_package check), the same suite under ASan + UBSan, then the Python
-# package (pip install ., pytest against PyTorch).
+# install + find_package check, the CLI tests), the same suite under ASan + UBSan, the
+# Python package (pip install ., pytest against PyTorch), then a bounded fuzz run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,3 +15,6 @@ cmake --build --preset asan
 ctest --preset asan
 
 bash scripts/test_python.sh
+
+# The .npy reader under libFuzzer (ASan + UBSan), for a bounded time.
+bash scripts/fuzz_npy.sh 60

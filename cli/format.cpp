@@ -1,0 +1,234 @@
+#include "format.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <ostream>
+#include <stdexcept>
+
+namespace qkv::cli {
+
+std::string format(const char* spec, double value) {
+  char buffer[64];
+  const int n = std::snprintf(buffer, sizeof buffer, spec, value);
+  return std::string(buffer, static_cast<std::size_t>(std::clamp(n, 0, 63)));
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string text = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) text += ", ";
+    text += std::to_string(shape[i]);
+  }
+  if (shape.size() == 1) text += ",";
+  return text + ")";
+}
+
+// ---- Table ---------------------------------------------------------------------------
+
+void Table::add_group(std::string title, int columns) {
+  groups_.push_back({std::move(title), static_cast<int>(headers_.size()), columns});
+}
+
+void Table::add_column(std::string header) { headers_.push_back(std::move(header)); }
+
+void Table::add_row(std::vector<std::string> cells) {
+  if (cells.size() != headers_.size()) throw std::logic_error("Table: row width differs from header");
+  rows_.push_back(std::move(cells));
+}
+
+namespace {
+// Display width of UTF-8 text: code points, not bytes (our headers use ‖, √, ·, ⁻³).
+std::size_t width(std::string_view text) {
+  std::size_t n = 0;
+  for (char c : text) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  return n;
+}
+void pad(std::ostream& out, std::size_t count) {
+  for (std::size_t i = 0; i < count; ++i) out << ' ';
+}
+}  // namespace
+
+void Table::print(std::ostream& out, std::string_view indent) const {
+  constexpr std::size_t kGap = 2;
+  std::vector<std::size_t> widths(headers_.size());
+  for (std::size_t c = 0; c < headers_.size(); ++c) {
+    widths[c] = width(headers_[c]);
+    for (const auto& row : rows_) widths[c] = std::max(widths[c], width(row[c]));
+  }
+  // A group title wider than its columns widens the last of them.
+  for (const Group& group : groups_) {
+    std::size_t span = 0;
+    for (int c = group.first; c < group.first + group.count; ++c) span += widths[c] + (c > group.first ? kGap : 0);
+    if (width(group.title) > span) widths[group.first + group.count - 1] += width(group.title) - span;
+  }
+  if (!groups_.empty()) {
+    // Each title starts over the first of its columns; no trailing spaces.
+    std::string line(indent);
+    std::size_t column = 0, position = 0;
+    for (const Group& group : groups_) {
+      for (; static_cast<int>(column) < group.first; ++column) position += widths[column] + kGap;
+      const std::size_t used = width(line) - width(indent);
+      line.append(position > used ? position - used : (used > 0 ? 1 : 0), ' ');
+      line += group.title;
+    }
+    out << line << '\n';
+  }
+  const auto print_cells = [&](const std::vector<std::string>& cells) {
+    out << indent;
+    for (std::size_t c = 0; c < cells.size(); ++c) {
+      pad(out, widths[c] - width(cells[c]));
+      out << cells[c];
+      if (c + 1 < cells.size()) pad(out, kGap);
+    }
+    out << '\n';
+  };
+  print_cells(headers_);
+  for (const auto& row : rows_) print_cells(row);
+}
+
+// ---- Json ------------------------------------------------------------------------------
+
+void Json::newline() {
+  out_ << '\n';
+  for (std::size_t i = 0; i < stack_.size(); ++i) out_ << "  ";
+}
+
+void Json::before_value() {
+  if (after_key_) {
+    after_key_ = false;
+    return;
+  }
+  if (stack_.empty()) return;
+  Level& level = stack_.back();
+  if (level.is_object) throw std::logic_error("Json: value in an object without a key");
+  if (!level.empty) out_ << (level.inline_items ? ", " : ",");
+  if (!level.inline_items) newline();
+  level.empty = false;
+}
+
+Json& Json::begin_object() {
+  if (!stack_.empty() && !stack_.back().is_object && !after_key_) stack_.back().inline_items = false;
+  before_value();
+  out_ << '{';
+  stack_.push_back({true, true, false});
+  return *this;
+}
+
+Json& Json::end_object() {
+  if (stack_.empty() || !stack_.back().is_object) throw std::logic_error("Json: unbalanced }");
+  const bool empty = stack_.back().empty;
+  stack_.pop_back();
+  if (!empty) newline();
+  out_ << '}';
+  return *this;
+}
+
+Json& Json::begin_array() {
+  if (!stack_.empty() && !stack_.back().is_object && !after_key_) stack_.back().inline_items = false;
+  before_value();
+  out_ << '[';
+  stack_.push_back({false, true, true});
+  return *this;
+}
+
+Json& Json::end_array() {
+  if (stack_.empty() || stack_.back().is_object) throw std::logic_error("Json: unbalanced ]");
+  const Level level = stack_.back();
+  stack_.pop_back();
+  if (!level.empty && !level.inline_items) newline();
+  out_ << ']';
+  return *this;
+}
+
+Json& Json::key(std::string_view name) {
+  if (stack_.empty() || !stack_.back().is_object || after_key_) throw std::logic_error("Json: misplaced key");
+  Level& level = stack_.back();
+  if (!level.empty) out_ << ',';
+  level.empty = false;
+  newline();
+  write_string(name);
+  out_ << ": ";
+  after_key_ = true;
+  return *this;
+}
+
+Json& Json::value(double number) {
+  before_value();
+  if (!std::isfinite(number)) {
+    out_ << "null";
+  } else {
+    char buffer[32];
+    std::snprintf(buffer, sizeof buffer, "%.17g", number);
+    out_ << buffer;
+  }
+  return *this;
+}
+
+Json& Json::value(int64_t number) {
+  before_value();
+  out_ << number;
+  return *this;
+}
+
+Json& Json::value(std::string_view text) {
+  before_value();
+  write_string(text);
+  return *this;
+}
+
+void Json::write_string(std::string_view text) {
+  out_ << '"';
+  for (char c : text) {
+    switch (c) {
+      case '"': out_ << "\\\""; break;
+      case '\\': out_ << "\\\\"; break;
+      case '\n': out_ << "\\n"; break;
+      case '\t': out_ << "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buffer[8];
+          std::snprintf(buffer, sizeof buffer, "\\u%04x", static_cast<unsigned>(c));
+          out_ << buffer;
+        } else {
+          out_ << c;
+        }
+    }
+  }
+  out_ << '"';
+}
+
+Json& Json::value(bool flag) {
+  before_value();
+  out_ << (flag ? "true" : "false");
+  return *this;
+}
+
+Json& Json::field(std::string_view name, const std::vector<double>& numbers) {
+  key(name).begin_array();
+  for (double number : numbers) value(number);
+  return end_array();
+}
+
+void Json::finish() {
+  if (!stack_.empty() || after_key_) throw std::logic_error("Json: unclosed object or array");
+  out_ << '\n';
+}
+
+}  // namespace qkv::cli
+
+namespace qkv::cli {
+
+const char* backend_name(Backend backend) {
+  switch (backend) {
+    case Backend::automatic:
+      return "automatic";
+    case Backend::reference:
+      return "reference";
+    case Backend::cpu:
+      return "cpu";
+  }
+  return "?";
+}
+
+}  // namespace qkv::cli

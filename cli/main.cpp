@@ -1,0 +1,14 @@
+// qkv — the command-line program. Each subcommand lives in its own <name>_command.cpp;
+// to add one, declare its registrar in command.hpp and list it here.
+#include <iostream>
+
+#include "command.hpp"
+
+int main(int argc, char** argv) {
+  static constexpr qkv::cli::Registrar kCommands[] = {
+      qkv::cli::register_explain,
+      qkv::cli::register_run,
+      qkv::cli::register_bench,
+  };
+  return qkv::cli::run(kCommands, argc, argv, {std::cout, std::cerr});
+}

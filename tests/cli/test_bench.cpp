@@ -1,0 +1,93 @@
+// qkv bench: the FLOP formula, the timing loop and the table.
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <sstream>
+
+#include "bench.hpp"
+#include "cli_test_support.hpp"
+#include "qkv/error.hpp"
+
+namespace qkv::cli {
+namespace {
+
+using test::run_cli;
+
+TEST(Bench, FlopFormula) {
+  const BenchShape shape{2, 3, 5, 7, Causal::none};
+  EXPECT_EQ(attention_flops(shape, false), 4.0 * 2 * 3 * 5 * 5 * 7);
+  EXPECT_EQ(attention_flops(shape, true), 2.5 * 4.0 * 2 * 3 * 5 * 5 * 7);
+  const BenchShape causal{2, 3, 5, 7, Causal::top_left};
+  EXPECT_EQ(attention_flops(causal, false), 2.0 * 2 * 3 * 5 * 5 * 7);
+  EXPECT_EQ(attention_flops(causal, true), 2.5 * 2.0 * 2 * 3 * 5 * 5 * 7);
+}
+
+TEST(Bench, RunsEveryRowWithConsistentNumbers) {
+  BenchConfig config;
+  config.batch = 1;
+  config.heads = 2;
+  config.seqs = {8, 17};
+  config.dims = {4};
+  config.causal = {Causal::none, Causal::bottom_right};
+  config.reps = 3;
+  config.min_time = 0.0;
+  int streamed = 0;
+  const auto rows = run_bench(config, [&](const BenchRow&) { ++streamed; });
+  ASSERT_EQ(rows.size(), 2u * 1 * 2 * 2);  // seqs × dims × causal × {forward, backward}
+  EXPECT_EQ(streamed, 8);
+  for (const BenchRow& row : rows) {
+    EXPECT_EQ(row.reps, 3);  // min_time 0: exactly --reps
+    EXPECT_GT(row.min_s, 0.0);
+    EXPECT_GE(row.median_s, row.min_s);
+    EXPECT_DOUBLE_EQ(row.flops, attention_flops(row.shape, row.backward));
+    EXPECT_DOUBLE_EQ(row.gflops, row.flops / row.median_s * 1e-9);
+  }
+  EXPECT_FALSE(rows[0].backward);
+  EXPECT_TRUE(rows[1].backward);
+  EXPECT_EQ(rows[2].shape.causal, Causal::bottom_right);
+}
+
+TEST(Bench, RejectsOutOfRangeConfigurations) {
+  BenchConfig config;
+  config.seqs = {0};
+  EXPECT_THROW(validate(config), Error);
+  config = {};
+  config.dims = {};
+  EXPECT_THROW(validate(config), Error);
+  config = {};
+  config.batch = 1 << 15;
+  config.heads = 1 << 10;  // tens of TB of tensors
+  EXPECT_THROW(validate(config), Error);
+  config = {};
+  config.max_reps = 1;
+  EXPECT_THROW(validate(config), Error);
+}
+
+TEST(Bench, PrintsATableAndJson) {
+  const auto table = run_cli({"bench", "--seq", "8,16", "--dim", "4", "--heads", "2", "--reps", "1",
+                              "--min-time", "0", "--pass", "forward", "--causal", "none,top_left"});
+  ASSERT_EQ(table.code, 0) << table.err;
+  EXPECT_NE(table.out.find("GFLOP/s"), std::string::npos);
+  std::istringstream lines(table.out);
+  std::string line;
+  int rows = 0;
+  while (std::getline(lines, line)) {
+    const auto first = line.find_first_not_of(' ');
+    rows += first != std::string::npos && std::isdigit(static_cast<unsigned char>(line[first])) &&
+            line.find(" forward ") != std::string::npos;
+  }
+  EXPECT_EQ(rows, 4);  // 2 seqs × 2 causal modes, forward only
+
+  const auto json = run_cli({"bench", "--seq", "8", "--dim", "4", "--reps", "1", "--min-time", "0", "--json"});
+  ASSERT_EQ(json.code, 0) << json.err;
+  EXPECT_EQ(json.out.front(), '{');
+  EXPECT_NE(json.out.find("\"pass\": \"backward\""), std::string::npos);
+  EXPECT_NE(json.out.find("\"flops\": 8192,"), std::string::npos);  // 4·B·H·N²·d = 4·1·8·64·4
+
+  const auto bad = run_cli({"bench", "--seq", "0"});
+  EXPECT_EQ(bad.code, kExitFailure);
+  EXPECT_NE(bad.err.find("--seq"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace qkv::cli
