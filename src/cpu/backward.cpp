@@ -90,6 +90,7 @@ struct BackwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> acc;   // kBlockKeys × (d_ld + dv_ld): dK, dV
   hwy::AlignedFreeUniquePtr<float[]> k_pad; // kBlockKeys × d_ld, only if d % lanes ≠ 0
   hwy::AlignedFreeUniquePtr<float[]> dq;    // dQ accumulator: dq_rows × d_ld
+  hwy::AlignedFreeUniquePtr<float[]> partial;  // one block product before it is added
   std::vector<int64_t> key_end;
 
   // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass).
@@ -100,6 +101,8 @@ struct BackwardScratch {
         acc(AllocateFloats(kBlockKeys * (packed.d_ld + packed.dv_ld))),
         k_pad(AllocateFloats(packed.pad_q_rows ? kBlockKeys * packed.d_ld : 0)),
         dq(AllocateFloats(dq_rows * packed.d_ld)),
+        partial(AllocateFloats(std::max<size_t>(kBlockKeys, width) *
+                               std::max(packed.d_ld, packed.dv_ld))),
         key_end(width) {}
 };
 
@@ -197,8 +200,8 @@ void AccumulateQueryGradient(const detail::BackwardProblem<float>& p, const Pack
     k_operand = s.k_pad.get();
     k_ld = packed.d_ld;
   }
-  Gemm(count, packed.d_ld, kn, StridedA{s.dst.get(), 1, width}, k_operand, k_ld, dq_rows,
-       packed.d_ld, true);
+  GemmAddBlock(count, packed.d_ld, kn, StridedA{s.dst.get(), 1, width}, k_operand, k_ld, dq_rows,
+               packed.d_ld, s.partial.get());
 }
 
 // dK, dV of one key block over every query that sees it. With dq_group (the
@@ -233,12 +236,12 @@ void KeyValueBlock(const detail::BackwardProblem<float>& p, const Packed& packed
       const size_t width = ScoreBlock(p, packed, rows, task.kv_head, first_key, keys, s);
       const size_t count = static_cast<size_t>(rows.count);
       // dV += Pᵀ·dO_blk and dK += dSᵀ·Q_blk (the sum runs over this block's queries).
-      Gemm(kn, packed.dv_ld, count, StridedA{s.pt.get(), width, 1},
-           dout_rows.data + static_cast<size_t>(first) * dout_rows.ld, dout_rows.ld, dv_acc,
-           packed.dv_ld, true);
-      Gemm(kn, packed.d_ld, count, StridedA{s.dst.get(), width, 1},
-           q_rows.data + static_cast<size_t>(first) * q_rows.ld, q_rows.ld, dk_acc, packed.d_ld,
-           true);
+      GemmAddBlock(kn, packed.dv_ld, count, StridedA{s.pt.get(), width, 1},
+                   dout_rows.data + static_cast<size_t>(first) * dout_rows.ld, dout_rows.ld,
+                   dv_acc, packed.dv_ld, s.partial.get());
+      GemmAddBlock(kn, packed.d_ld, count, StridedA{s.dst.get(), width, 1},
+                   q_rows.data + static_cast<size_t>(first) * q_rows.ld, q_rows.ld, dk_acc,
+                   packed.d_ld, s.partial.get());
       if (dq_group != nullptr) {
         const size_t head_in_group = static_cast<size_t>(h - task.kv_head * e.group());
         float* dq_rows = dq_group + (head_in_group * static_cast<size_t>(e.q_len) +

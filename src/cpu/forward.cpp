@@ -126,8 +126,7 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const ForwardTask& tas
     if (l[i] == 0.0f) {
       std::fill(out, out + dv, 0.0f);
     } else {
-      const float inverse = 1.0f / l[i];
-      for (size_t c = 0; c < dv; ++c) out[c] = acc[c] * inverse;
+      for (size_t c = 0; c < dv; ++c) out[c] = acc[c] / l[i];  // one rounding, not two
     }
     if (!a.lse.empty()) {
       a.lse(task.batch, task.head, query) = l[i] == 0.0f ? kMinusInf : m[i] + std::log(l[i]);

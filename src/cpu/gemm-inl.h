@@ -111,6 +111,24 @@ HWY_INLINE void Gemm(size_t M, size_t N, size_t K, StridedA a,
   }
 }
 
+// C += A·B summed blockwise: the block product goes to `partial` (M × N, ld ldc) first
+// and is then added to C. When C accumulates many blocks (dK and dV over every query
+// block, dQ over every key block), this sums each block's K terms from zero instead of
+// onto the large running total: the rounding error bound drops from ~(total terms)·ε
+// to ~(K + blocks)·ε, for one extra pass over C per block (1/K of the block's FMAs).
+HWY_INLINE void GemmAddBlock(size_t M, size_t N, size_t K, StridedA a,
+                             const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c,
+                             size_t ldc, float* HWY_RESTRICT partial) {
+  Gemm(M, N, K, a, b, ldb, partial, ldc, /*accumulate=*/false);
+  const hn::ScalableTag<float> d;
+  const size_t lanes = hn::Lanes(d);
+  for (size_t m = 0; m < M; ++m)
+    for (size_t n = 0; n < N; n += lanes) {
+      float* out = c + m * ldc + n;
+      hn::StoreU(hn::Add(hn::LoadU(d, out), hn::LoadU(d, partial + m * ldc + n)), d, out);
+    }
+}
+
 }  // namespace qkv::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
