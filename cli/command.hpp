@@ -70,5 +70,6 @@ int run(std::span<const Registrar> commands, int argc, const char* const* argv, 
 Command register_explain(CLI::App& parent);
 Command register_run(CLI::App& parent);
 Command register_bench(CLI::App& parent);
+Command register_demo(CLI::App& parent);
 
 }  // namespace qkv::cli

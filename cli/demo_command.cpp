@@ -18,7 +18,7 @@ Command register_demo(CLI::App& parent) {
   auto options = std::make_shared<nn::DemoOptions>();
   auto progress = std::make_shared<std::string>("auto");
   CLI::App* app = parent.add_subcommand(
-      "demo", "Train a small transformer on Alice in Wonderland, in C++ (≈ 1–2 minutes)");
+      "demo", "Train a small transformer on Alice in Wonderland, in C++ (about a minute)");
   app->footer(
       "A 4-layer character-level decoder-only transformer (qkv::nn: BLAS projections around\n"
       "qkv's attention) learns the book from scratch, then writes a few lines and draws one\n"
@@ -35,36 +35,44 @@ Command register_demo(CLI::App& parent) {
   app->add_option("--seconds", options->seconds,
                   "Also stop when this much training time is spent (not reproducible)")
       ->check(CLI::NonNegativeNumber);
-  app->add_option("--threads", options->threads, "Threads (0: all cores); results never depend on it")
+  app->add_option("--threads", options->threads,
+                  "Threads (0: all cores); results never depend on it")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app->add_option("--save", options->save, "Write a checkpoint here at the end")->type_name("FILE");
   app->add_option("--resume", options->resume, "Continue from this checkpoint")->type_name("FILE");
 
   const char* model = "Model and training (a resumed run must use the checkpoint's)";
-  app->add_option("--layers", options->layers, "Transformer blocks")->capture_default_str()->group(model)->check(CLI::PositiveNumber);
-  app->add_option("--embed-dim", options->embed_dim, "Width of the residual stream")->capture_default_str()->group(model)->check(CLI::PositiveNumber);
-  app->add_option("--heads", options->heads, "Query heads per layer")->capture_default_str()->group(model)->check(CLI::PositiveNumber);
-  app->add_option("--kv-heads", options->kv_heads, "Key/value heads (0: = heads; fewer: GQA)")->capture_default_str()->group(model)->check(CLI::NonNegativeNumber);
-  app->add_option("--context", options->context, "Characters per sequence")->capture_default_str()->group(model)->check(CLI::PositiveNumber);
-  app->add_option("--batch", options->batch, "Sequences per step")->capture_default_str()->group(model)->check(CLI::PositiveNumber);
-  app->add_option("--lr", options->lr, "Peak learning rate (AdamW)")->capture_default_str()->group(model)->check(CLI::PositiveNumber);
-  app->add_option("--warmup-steps", options->warmup_steps, "Linear warmup steps")->capture_default_str()->group(model)->check(CLI::NonNegativeNumber);
-  app->add_option("--schedule-steps", options->schedule_steps, "Cosine decay to lr/10 ends here")->capture_default_str()->group(model)->check(CLI::PositiveNumber);
-  app->add_option("--weight-decay", options->weight_decay, "AdamW weight decay")->capture_default_str()->group(model)->check(CLI::NonNegativeNumber);
-  app->add_option("--clip", options->clip, "Gradient-norm clipping threshold")->capture_default_str()->group(model)->check(CLI::PositiveNumber);
-
   const char* show = "What is shown after training";
-  app->add_option("--chars", options->sample_chars, "Characters to generate (0: none)")->capture_default_str()->group(show)->check(CLI::NonNegativeNumber);
-  app->add_option("--temperature", options->temperature, "Sampling temperature")->capture_default_str()->group(show)->check(CLI::PositiveNumber);
-  app->add_option("--prompt", options->prompt, "Text the generation starts from")->capture_default_str()->group(show);
-  app->add_option("--phrase", options->phrase, "Phrase of the attention heatmap (\"\": none)")->capture_default_str()->group(show);
-  app->add_option("--layer", options->heatmap_layer, "Heatmap layer (-1: the most focused head's)")->capture_default_str()->group(show);
-  app->add_option("--head", options->heatmap_head, "Heatmap head (-1: the most focused)")->capture_default_str()->group(show);
-  app->add_option("--progress", *progress, "Progress bar: auto (redrawn on a terminal), lines, or bar")
-      ->check(CLI::IsMember({"auto", "lines", "bar"}))
-      ->capture_default_str()
-      ->group(show);
+  // Options of one group, with their defaults shown and the values checked.
+  const auto add = [app](const char* group, const char* name, auto& value, const char* help,
+                         const CLI::Validator& check) {
+    app->add_option(name, value, help)->capture_default_str()->group(group)->check(check);
+  };
+  const auto any = CLI::Validator([](const std::string&) { return std::string(); }, "", "");
+  add(model, "--layers", options->layers, "Transformer blocks", CLI::PositiveNumber);
+  add(model, "--embed-dim", options->embed_dim, "Width of the residual stream", CLI::PositiveNumber);
+  add(model, "--heads", options->heads, "Query heads per layer", CLI::PositiveNumber);
+  add(model, "--kv-heads", options->kv_heads, "Key/value heads (0: = heads; fewer: GQA)",
+      CLI::NonNegativeNumber);
+  add(model, "--context", options->context, "Characters per sequence", CLI::PositiveNumber);
+  add(model, "--batch", options->batch, "Sequences per step", CLI::PositiveNumber);
+  add(model, "--lr", options->lr, "Peak learning rate (AdamW)", CLI::PositiveNumber);
+  add(model, "--warmup-steps", options->warmup_steps, "Linear warmup steps",
+      CLI::NonNegativeNumber);
+  add(model, "--schedule-steps", options->schedule_steps, "Cosine decay to lr/10 ends here",
+      CLI::PositiveNumber);
+  add(model, "--weight-decay", options->weight_decay, "AdamW weight decay", CLI::NonNegativeNumber);
+  add(model, "--clip", options->clip, "Gradient-norm clipping threshold", CLI::PositiveNumber);
+  add(show, "--chars", options->sample_chars, "Characters to generate (0: none)",
+      CLI::NonNegativeNumber);
+  add(show, "--temperature", options->temperature, "Sampling temperature", CLI::PositiveNumber);
+  add(show, "--prompt", options->prompt, "Text the generation starts from", any);
+  add(show, "--phrase", options->phrase, "Phrase of the attention heatmap (\"\": none)", any);
+  add(show, "--layer", options->heatmap_layer, "Heatmap layer (-1: the most focused head's)", any);
+  add(show, "--head", options->heatmap_head, "Heatmap head (-1: the most focused)", any);
+  add(show, "--progress", *progress, "Progress bar: auto (redrawn on a terminal), lines, or bar",
+      CLI::IsMember({"auto", "lines", "bar"}));
 
   return {app, [options, progress](Streams streams) {
             nn::DemoOptions run = *options;

@@ -9,6 +9,7 @@ int main(int argc, char** argv) {
       qkv::cli::register_explain,
       qkv::cli::register_run,
       qkv::cli::register_bench,
+      qkv::cli::register_demo,
   };
   return qkv::cli::run(kCommands, argc, argv, {std::cout, std::cerr});
 }

@@ -10,6 +10,7 @@ apt_packages=(
   libhwy-dev                  # Google Highway: SIMD with runtime dispatch
   libcli11-dev                # CLI11: the qkv command line
   gnuplot-nox                 # qkv explain --plot
+  libopenblas-dev             # OpenBLAS: qkv::nn's GEMMs
 )
 missing=()
 for package in "${apt_packages[@]}"; do

@@ -1,0 +1,360 @@
+// safetensors: encode/decode in memory, and an atomic file write.
+#include "qkv/nn/safetensors.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include "checkpoint/json.hpp"
+#include "qkv/error.hpp"
+
+namespace qkv::nn {
+
+static_assert(std::endian::native == std::endian::little,
+              "safetensors data is little-endian; qkv::nn copies it as is");
+
+namespace {
+
+// The reference implementation refuses headers over 100 MB; a larger length field is a
+// corrupt file, and checking first avoids a huge allocation.
+constexpr uint64_t kMaxHeaderBytes = 100u << 20;
+
+[[noreturn]] void fail(const std::string& what, const std::string& message) {
+  throw Error(what + ": " + message);
+}
+
+std::string str(int64_t value) { return std::to_string(value); }
+
+Dtype parse_dtype(const std::string& name, const std::string& what, const std::string& tensor) {
+  if (name == "F32") return Dtype::f32;
+  if (name == "F64") return Dtype::f64;
+  if (name == "I64") return Dtype::i64;
+  fail(what, "tensor \"" + tensor + "\": dtype \"" + name +
+                 "\" is not supported (expected F32, F64 or I64)");
+}
+
+template <class T>
+constexpr Dtype dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return Dtype::f32;
+  if constexpr (std::is_same_v<T, double>) return Dtype::f64;
+  return Dtype::i64;
+}
+
+}  // namespace
+
+std::size_t dtype_size(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::f32: return 4;
+    case Dtype::f64:
+    case Dtype::i64: return 8;
+  }
+  return 0;
+}
+
+const char* dtype_name(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::f32: return "F32";
+    case Dtype::f64: return "F64";
+    case Dtype::i64: return "I64";
+  }
+  return "?";
+}
+
+int64_t SafetensorsTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t extent : shape) n *= extent;
+  return n;
+}
+
+template <class T>
+std::vector<T> SafetensorsTensor::to_vector() const {
+  if (dtype != dtype_of<T>()) {
+    throw Error("safetensors tensor \"" + name + "\": dtype is " + dtype_name(dtype) +
+                ", not " + dtype_name(dtype_of<T>()));
+  }
+  std::vector<T> values(bytes.size() / sizeof(T));
+  if (!bytes.empty()) std::memcpy(values.data(), bytes.data(), values.size() * sizeof(T));
+  return values;
+}
+
+template <class T>
+SafetensorsTensor SafetensorsTensor::from(std::string name, std::vector<int64_t> shape,
+                                          std::span<const T> values) {
+  SafetensorsTensor tensor;
+  tensor.name = std::move(name);
+  tensor.dtype = dtype_of<T>();
+  tensor.shape = std::move(shape);
+  if (tensor.numel() != static_cast<int64_t>(values.size())) {
+    throw Error("safetensors tensor \"" + tensor.name + "\": shape holds " +
+                str(tensor.numel()) + " elements, got " + str(static_cast<int64_t>(values.size())));
+  }
+  tensor.bytes.resize(values.size_bytes());
+  if (!values.empty()) std::memcpy(tensor.bytes.data(), values.data(), values.size_bytes());
+  return tensor;
+}
+
+template std::vector<float> SafetensorsTensor::to_vector<float>() const;
+template std::vector<double> SafetensorsTensor::to_vector<double>() const;
+template std::vector<int64_t> SafetensorsTensor::to_vector<int64_t>() const;
+template SafetensorsTensor SafetensorsTensor::from<float>(std::string, std::vector<int64_t>,
+                                                          std::span<const float>);
+template SafetensorsTensor SafetensorsTensor::from<double>(std::string, std::vector<int64_t>,
+                                                           std::span<const double>);
+template SafetensorsTensor SafetensorsTensor::from<int64_t>(std::string, std::vector<int64_t>,
+                                                            std::span<const int64_t>);
+
+const SafetensorsTensor* SafetensorsFile::find(const std::string& name) const {
+  for (const auto& tensor : tensors) {
+    if (tensor.name == name) return &tensor;
+  }
+  return nullptr;
+}
+
+std::vector<std::byte> encode_safetensors(const SafetensorsFile& file) {
+  std::string header = "{";
+  bool first = true;
+  auto separator = [&] {
+    if (!first) header += ",";
+    first = false;
+  };
+  if (!file.metadata.empty()) {
+    separator();
+    header += "\"__metadata__\":{";
+    bool first_entry = true;
+    for (const auto& [key, value] : file.metadata) {
+      if (!first_entry) header += ",";
+      first_entry = false;
+      header += json::quote(key) + ":" + json::quote(value);
+    }
+    header += "}";
+  }
+  uint64_t offset = 0;
+  for (std::size_t i = 0; i < file.tensors.size(); ++i) {
+    const auto& tensor = file.tensors[i];
+    if (tensor.name.empty() || tensor.name == "__metadata__") {
+      throw Error("encode_safetensors: tensor " + std::to_string(i) + ": invalid name \"" +
+                  tensor.name + "\"");
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (file.tensors[j].name == tensor.name) {
+        throw Error("encode_safetensors: duplicate tensor name \"" + tensor.name + "\"");
+      }
+    }
+    for (int64_t extent : tensor.shape) {
+      if (extent < 0) throw Error("encode_safetensors: tensor \"" + tensor.name + "\": negative extent");
+    }
+    const uint64_t size = static_cast<uint64_t>(tensor.numel()) * dtype_size(tensor.dtype);
+    if (size != tensor.bytes.size()) {
+      throw Error("encode_safetensors: tensor \"" + tensor.name + "\": shape and dtype need " +
+                  std::to_string(size) + " bytes, it has " + std::to_string(tensor.bytes.size()));
+    }
+    separator();
+    header += json::quote(tensor.name) + ":{\"dtype\":\"" + dtype_name(tensor.dtype) +
+              "\",\"shape\":[";
+    for (std::size_t a = 0; a < tensor.shape.size(); ++a) {
+      if (a > 0) header += ',';
+      header += std::to_string(tensor.shape[a]);
+    }
+    header += "],\"data_offsets\":[" + std::to_string(offset) + "," +
+              std::to_string(offset + size) + "]}";
+    offset += size;
+  }
+  header += "}";
+  // Pad with spaces so the data starts 8-byte aligned, as the reference writer does.
+  while ((8 + header.size()) % 8 != 0) header += ' ';
+
+  std::vector<std::byte> bytes(8 + header.size() + offset);
+  const uint64_t length = header.size();
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<std::byte>((length >> (8 * i)) & 0xFF);
+  std::memcpy(bytes.data() + 8, header.data(), header.size());
+  std::byte* data = bytes.data() + 8 + header.size();
+  for (const auto& tensor : file.tensors) {
+    if (!tensor.bytes.empty()) std::memcpy(data, tensor.bytes.data(), tensor.bytes.size());
+    data += tensor.bytes.size();
+  }
+  return bytes;
+}
+
+SafetensorsFile decode_safetensors(std::span<const std::byte> bytes, const std::string& what) {
+  if (bytes.size() < 8) {
+    fail(what, "not a safetensors file: " + std::to_string(bytes.size()) +
+                   " bytes, shorter than the 8-byte header length");
+  }
+  uint64_t length = 0;
+  for (int i = 0; i < 8; ++i) length |= static_cast<uint64_t>(bytes[i]) << (8 * i);
+  if (length > kMaxHeaderBytes || length > bytes.size() - 8) {
+    fail(what, "not a safetensors file or truncated: header length " + std::to_string(length) +
+                   " does not fit in the file's " + std::to_string(bytes.size()) + " bytes");
+  }
+  const std::string_view header_text(reinterpret_cast<const char*>(bytes.data() + 8), length);
+  const json::Value header = json::parse(header_text, what);
+  if (header.kind != json::Value::Kind::object) fail(what, "the header is not a JSON object");
+
+  const std::span<const std::byte> data = bytes.subspan(8 + length);
+  SafetensorsFile file;
+  struct Range {
+    uint64_t begin, end;
+    std::string name;
+  };
+  std::vector<Range> ranges;
+  for (const auto& [name, entry] : header.members) {
+    if (name == "__metadata__") {
+      if (entry.kind != json::Value::Kind::object) fail(what, "__metadata__ is not an object");
+      for (const auto& [key, value] : entry.members) {
+        if (value.kind != json::Value::Kind::string) {
+          fail(what, "__metadata__[\"" + key + "\"] is not a string");
+        }
+        file.metadata[key] = value.text;
+      }
+      continue;
+    }
+    const std::string where = "tensor \"" + name + "\"";
+    if (entry.kind != json::Value::Kind::object) fail(what, where + " is not an object");
+    const json::Value *dtype = nullptr, *shape = nullptr, *offsets = nullptr;
+    for (const auto& [key, value] : entry.members) {
+      if (key == "dtype") dtype = &value;
+      else if (key == "shape") shape = &value;
+      else if (key == "data_offsets") offsets = &value;
+      else fail(what, where + ": unknown field \"" + key + "\"");
+    }
+    if (dtype == nullptr || dtype->kind != json::Value::Kind::string) {
+      fail(what, where + ": missing string field \"dtype\"");
+    }
+    if (shape == nullptr || shape->kind != json::Value::Kind::array) {
+      fail(what, where + ": missing array field \"shape\"");
+    }
+    if (offsets == nullptr || offsets->kind != json::Value::Kind::array ||
+        offsets->items.size() != 2) {
+      fail(what, where + ": missing field \"data_offsets\" [begin, end]");
+    }
+    SafetensorsTensor tensor;
+    tensor.name = name;
+    tensor.dtype = parse_dtype(dtype->text, what, name);
+    uint64_t count = 1;
+    for (const auto& extent : shape->items) {
+      if (!extent.is_integer()) fail(what, where + ": shape entries must be integers");
+      const int64_t value = extent.as_int64();
+      if (value < 0 || (value > 0 && count > (uint64_t{1} << 40) / static_cast<uint64_t>(value))) {
+        fail(what, where + ": shape entry " + std::to_string(value) + " is out of range");
+      }
+      count *= static_cast<uint64_t>(value);
+      tensor.shape.push_back(value);
+    }
+    for (const auto& offset : offsets->items) {
+      if (!offset.is_integer() || offset.as_int64() < 0) {
+        fail(what, where + ": data_offsets must be non-negative integers");
+      }
+    }
+    const uint64_t begin = static_cast<uint64_t>(offsets->items[0].as_int64());
+    const uint64_t end = static_cast<uint64_t>(offsets->items[1].as_int64());
+    if (begin > end || end > data.size()) {
+      fail(what, where + ": data_offsets [" + std::to_string(begin) + ", " +
+                     std::to_string(end) + "] outside the data section of " +
+                     std::to_string(data.size()) + " bytes (truncated file?)");
+    }
+    if (end - begin != count * dtype_size(tensor.dtype)) {
+      fail(what, where + ": data_offsets span " + std::to_string(end - begin) +
+                     " bytes, but the shape and dtype need " +
+                     std::to_string(count * dtype_size(tensor.dtype)));
+    }
+    tensor.bytes.assign(data.begin() + static_cast<std::ptrdiff_t>(begin),
+                        data.begin() + static_cast<std::ptrdiff_t>(end));
+    ranges.push_back({begin, end, name});
+    file.tensors.push_back(std::move(tensor));
+  }
+  // The tensors must tile the data section exactly: no overlap, no gaps, nothing after.
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  uint64_t covered = 0;
+  for (const auto& range : ranges) {
+    if (range.begin != covered) {
+      fail(what, "tensor \"" + range.name + "\" starts at byte " + std::to_string(range.begin) +
+                     " of the data, expected " + std::to_string(covered) +
+                     " (overlapping or missing data)");
+    }
+    covered = range.end;
+  }
+  if (covered != data.size()) {
+    fail(what, std::to_string(data.size() - covered) +
+                   " bytes after the last tensor (not a safetensors file, or a corrupt one)");
+  }
+  // Keep the writer's order: by data offset.
+  std::stable_sort(file.tensors.begin(), file.tensors.end(), [&](const auto& a, const auto& b) {
+    auto begin_of = [&](const std::string& n) {
+      for (const auto& r : ranges) {
+        if (r.name == n) return r.begin;
+      }
+      return uint64_t{0};
+    };
+    return begin_of(a.name) < begin_of(b.name);
+  });
+  return file;
+}
+
+void write_safetensors(const std::filesystem::path& path, const SafetensorsFile& file) {
+  const std::vector<std::byte> bytes = encode_safetensors(file);
+  const std::string what = "write_safetensors(" + path.string() + ")";
+  const std::filesystem::path temporary =
+      path.string() + ".tmp-" + std::to_string(static_cast<long>(::getpid()));
+  auto system_error = [&](const std::string& step) {
+    const std::string reason = std::strerror(errno);
+    ::unlink(temporary.c_str());
+    fail(what, step + ": " + reason);
+  };
+  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail(what, "cannot create " + temporary.string() + ": " + std::strerror(errno));
+  std::size_t written = 0;
+  while (written < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      system_error("writing " + temporary.string());
+    }
+    written += static_cast<std::size_t>(n);
+  }
+  // The data must be on disk before the rename makes it the checkpoint.
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    system_error("fsync " + temporary.string());
+  }
+  if (::close(fd) != 0) system_error("close " + temporary.string());
+  if (::rename(temporary.c_str(), path.c_str()) != 0) {
+    system_error("rename " + temporary.string() + " → " + path.string());
+  }
+  // Make the rename itself durable (best effort: some filesystems refuse fsync on a dir).
+  const std::filesystem::path directory =
+      path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  const int dir_fd = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);
+    ::close(dir_fd);
+  }
+}
+
+SafetensorsFile read_safetensors(const std::filesystem::path& path) {
+  const std::string what = path.string();
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) {
+    fail(what, std::filesystem::exists(path, error) ? "not a regular file" : "no such file");
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(what, std::string("cannot open: ") + std::strerror(errno));
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  if (size < 0) fail(what, "cannot read its size");
+  in.seekg(0);
+  std::vector<std::byte> bytes(static_cast<std::size_t>(size));
+  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size)) {
+    fail(what, "read failed");
+  }
+  return decode_safetensors(bytes, what);
+}
+
+}  // namespace qkv::nn
