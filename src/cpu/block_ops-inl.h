@@ -88,6 +88,46 @@ HWY_INLINE bool AllFinite(const float* HWY_RESTRICT src, int64_t src_row, size_t
   return std::isfinite(hn::GetLane(hn::SumOfLanes(d, poison)) + scalar_poison);
 }
 
+// One group of C query vectors (columns i .. i + C·lanes) of OnlineSoftmaxStep. The C
+// columns are independent, so their Exp chains overlap in the pipeline.
+template <size_t C>
+HWY_INLINE void OnlineSoftmaxColumns(float* HWY_RESTRICT st, size_t keys, size_t width,
+                                     size_t i, float* HWY_RESTRICT m, float* HWY_RESTRICT l,
+                                     float* HWY_RESTRICT alpha) {
+  const FloatTag d;
+  const size_t lanes = hn::Lanes(d);
+  const auto minus_inf = hn::Set(d, kMinusInf);
+  FloatVec shift[C], sum[C];
+  for (size_t c = 0; c < C; ++c) shift[c] = minus_inf;
+  for (size_t j = 0; j < keys; ++j)
+    for (size_t c = 0; c < C; ++c)
+      shift[c] = hn::Max(shift[c], hn::LoadU(d, st + j * width + i + c * lanes));
+  for (size_t c = 0; c < C; ++c) {
+    const size_t col = i + c * lanes;
+    const auto m_old = hn::LoadU(d, m + col);
+    const auto m_new = hn::Max(m_old, shift[c]);
+    const auto all_masked = hn::Eq(m_new, minus_inf);
+    // Subtract 0 instead of -inf for fully masked queries: exp(-inf − 0) = 0, no NaN.
+    shift[c] = hn::IfThenZeroElse(all_masked, m_new);
+    const auto a =
+        hn::IfThenElse(all_masked, hn::Set(d, 1.0f), ExpKeepNaN(d, hn::Sub(m_old, shift[c])));
+    hn::StoreU(m_new, d, m + col);
+    hn::StoreU(a, d, alpha + col);
+    sum[c] = hn::Zero(d);
+  }
+  for (size_t j = 0; j < keys; ++j)
+    for (size_t c = 0; c < C; ++c) {
+      float* row = st + j * width + i + c * lanes;
+      const auto p = ExpKeepNaN(d, hn::Sub(hn::LoadU(d, row), shift[c]));
+      hn::StoreU(p, d, row);
+      sum[c] = hn::Add(sum[c], p);
+    }
+  for (size_t c = 0; c < C; ++c) {
+    const size_t col = i + c * lanes;
+    hn::StoreU(hn::MulAdd(hn::LoadU(d, l + col), hn::LoadU(d, alpha + col), sum[c]), d, l + col);
+  }
+}
+
 // Forward online-softmax step on a transposed score tile st[key][query] (keys rows,
 // `width` query columns, a multiple of the vector length): with the running max m and
 // sum l of each query,
@@ -97,29 +137,12 @@ HWY_INLINE bool AllFinite(const float* HWY_RESTRICT src, int64_t src_row, size_t
 HWY_INLINE void OnlineSoftmaxStep(float* HWY_RESTRICT st, size_t keys, size_t width,
                                   float* HWY_RESTRICT m, float* HWY_RESTRICT l,
                                   float* HWY_RESTRICT alpha) {
-  const FloatTag d;
-  const size_t lanes = hn::Lanes(d);
-  const auto minus_inf = hn::Set(d, kMinusInf);
-  for (size_t i = 0; i < width; i += lanes) {
-    auto block_max = minus_inf;
-    for (size_t j = 0; j < keys; ++j) block_max = hn::Max(block_max, hn::LoadU(d, st + j * width + i));
-    const auto m_old = hn::LoadU(d, m + i);
-    const auto m_new = hn::Max(m_old, block_max);
-    const auto all_masked = hn::Eq(m_new, minus_inf);
-    // Subtract 0 instead of -inf for fully masked queries: exp(-inf − 0) = 0, no NaN.
-    const auto shift = hn::IfThenZeroElse(all_masked, m_new);
-    const auto a = hn::IfThenElse(all_masked, hn::Set(d, 1.0f), ExpKeepNaN(d, hn::Sub(m_old, shift)));
-    auto sum = hn::Zero(d);
-    for (size_t j = 0; j < keys; ++j) {
-      float* row = st + j * width + i;
-      const auto p = ExpKeepNaN(d, hn::Sub(hn::LoadU(d, row), shift));
-      hn::StoreU(p, d, row);
-      sum = hn::Add(sum, p);
-    }
-    hn::StoreU(m_new, d, m + i);
-    hn::StoreU(hn::MulAdd(hn::LoadU(d, l + i), a, sum), d, l + i);
-    hn::StoreU(a, d, alpha + i);
-  }
+  const size_t lanes = hn::Lanes(FloatTag());
+  constexpr size_t kColumns = 4;  // vectors of queries per pass over the keys
+  size_t i = 0;
+  for (; i + kColumns * lanes <= width; i += kColumns * lanes)
+    OnlineSoftmaxColumns<kColumns>(st, keys, width, i, m, l, alpha);
+  for (; i < width; i += lanes) OnlineSoftmaxColumns<1>(st, keys, width, i, m, l, alpha);
 }
 
 // Backward: P = exp(st − lse) in place, for lse already adjusted so that masked or
