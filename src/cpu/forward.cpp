@@ -5,7 +5,7 @@
 //     Sᵀ = K_blk · Qᵀ                                       micro-kernel, K read in place
 //     mask Sᵀ where needed (causal diagonal, padding edge, elementwise masks)
 //     m' = max(m, max_j Sᵀ),  P = exp(Sᵀ − m'),  l = l·e^(m−m') + Σ_j P
-//     acc = acc·e^(m−m') + P·V_blk                          micro-kernel, V read in place
+//     acc = acc·e^(m−m') + P·V_blk      micro-kernel (V read in place), summed per block
 //   out = acc / l,   lse = m + log l                        (l = 0: out 0, lse -inf)
 //
 // Extra memory: per thread, Qᵀ (d × 64), Sᵀ (64 × 64), acc (64 × dv) and a few vectors;
@@ -46,6 +46,7 @@ struct ForwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> qt;     // d × width: scale·Qᵀ of the block
   hwy::AlignedFreeUniquePtr<float[]> st;     // kBlockKeys × width: Sᵀ, then Pᵀ
   hwy::AlignedFreeUniquePtr<float[]> acc;    // width × dv_ld: unnormalized output rows
+  hwy::AlignedFreeUniquePtr<float[]> partial;  // width × dv_ld: one block's P·V
   hwy::AlignedFreeUniquePtr<float[]> v_pad;  // kBlockKeys × dv_ld, only for dv % lanes ≠ 0
   hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha: 3 × width
   std::vector<int64_t> key_end;              // width
@@ -56,6 +57,7 @@ struct ForwardScratch {
         qt(AllocateFloats(static_cast<size_t>(e.head_dim) * width)),
         st(AllocateFloats(kBlockKeys * width)),
         acc(AllocateFloats(width * dv_ld)),
+        partial(AllocateFloats(width * dv_ld)),
         v_pad(AllocateFloats(e.v_dim % static_cast<int64_t>(lanes) ? kBlockKeys * dv_ld : 0)),
         stats(AllocateFloats(3 * width)),
         key_end(width) {}
@@ -99,10 +101,10 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const ForwardTask& tas
     if (masked) apply_mask(p.mask, rows, first_key, keys, s.st.get(), width);
 
     OnlineSoftmaxStep(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha);
-    ScaleRows(s.acc.get(), count, s.dv_ld, s.dv_ld, alpha);
 
-    // acc += P·V_blk, with P read in place from Pᵀ.
+    // acc = acc·alpha + P·V_blk, with P read in place from Pᵀ.
     if (masked && !AllFinite(v, v_row, static_cast<size_t>(keys), dv)) {
+      ScaleRows(s.acc.get(), count, s.dv_ld, s.dv_ld, alpha);
       AccumulateSkippingZeros(s.st.get(), width, count, static_cast<size_t>(keys), v, v_row, dv,
                               s.acc.get(), s.dv_ld);
       continue;
@@ -114,8 +116,11 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const ForwardTask& tas
       v_operand = s.v_pad.get();
       v_ld = s.dv_ld;
     }
+    // The block's product is summed from zero and then added: summing it onto the
+    // running total would make the rounding error grow with N, not with the block.
     Gemm(count, s.dv_ld, static_cast<size_t>(keys), StridedA{s.st.get(), 1, width}, v_operand,
-         v_ld, s.acc.get(), s.dv_ld, /*accumulate=*/true);
+         v_ld, s.partial.get(), s.dv_ld, /*accumulate=*/false);
+    RescaleAdd(s.acc.get(), count, s.dv_ld, alpha, s.partial.get());
   }
 
   // out = acc / l; a query that saw no key at all has l = 0: out 0, lse -inf.

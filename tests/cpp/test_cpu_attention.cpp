@@ -307,11 +307,13 @@ TEST(CpuNumerics, NonFiniteBehindMaskStaysThere) {
       for (int64_t x = 0; x < 16; ++x) EXPECT_TRUE(std::isfinite(r.dq(0, i, 0, x))) << "dq " << i;
     }
   }
-  // And the rows before the poison are bit for bit what a clean run gives.
+  // And the rows before the poison are what a clean run gives, up to rounding: the
+  // block holding the poison takes the slow exact path, which sums in another order
+  // (a few ulps of these O(1) outputs; a leak would be NaN or O(1) off).
   Case<float> clean(spec, 8);
   const Results ok = run_cpu(clean, {spec}, nullptr);
   for (int64_t i = 0; i < poisoned; ++i)
-    for (int64_t x = 0; x < 16; ++x) EXPECT_EQ(r.out(0, i, 0, x), ok.out(0, i, 0, x));
+    for (int64_t x = 0; x < 16; ++x) EXPECT_NEAR(r.out(0, i, 0, x), ok.out(0, i, 0, x), 1e-6);
 }
 
 TEST(CpuNumerics, FullyMaskedRowsAndHugeLogits) {
