@@ -1,4 +1,4 @@
-// Built against the installed qkv package only (see tests/nn/check_install.cmake).
+// Built against the installed qkv package only (see cmake/check_install.cmake).
 #include <iostream>
 
 #include <qkv/nn/nn.hpp>
