@@ -19,6 +19,9 @@
 // backend (Backend::automatic picks it), which is what gradient checks want.
 #pragma once
 
+#include <cstdint>
+#include <span>
+
 #include "qkv/options.hpp"
 #include "qkv/tensor.hpp"
 
@@ -46,6 +49,66 @@ void attention_forward(const ForwardArgs<double>& args, const AttentionOptions& 
 
 void attention_backward(const BackwardArgs<float>& args, const AttentionOptions& options = {});
 void attention_backward(const BackwardArgs<double>& args, const AttentionOptions& options = {});
+
+// ---------------------------------------------------------------------------------------
+// Varlen (packed) attention, FlashAttention's `flash_attn_varlen_func` layout: a batch of
+// sequences of different lengths stored back to back, with no padding at all.
+//
+//   q    [total_q, Hq,  d ]     out  [total_q, Hq, dv]     lse [Hq, total_q]
+//   k    [total_k, Hkv, d ]
+//   v    [total_k, Hkv, dv]
+//
+// Sequence s owns query rows [cu_seqlens_q[s], cu_seqlens_q[s+1]) and key rows
+// [cu_seqlens_k[s], cu_seqlens_k[s+1]); it attends only within itself. The prefix sums
+// start at 0, never decrease and end at total_q / total_k. Causal modes apply per
+// sequence (bottom_right aligns each sequence's last query with its last key). Options
+// used: scale, causal, execution; masks and key_lengths are refused (there is no padding
+// to describe). Sequences may be empty.
+
+// cu_seqlens as int32 (FlashAttention's type) or int64, read in place.
+class SeqOffsets {
+ public:
+  SeqOffsets() = default;
+  SeqOffsets(std::span<const int32_t> offsets) : i32_(offsets) {}  // NOLINT(google-explicit-constructor)
+  SeqOffsets(std::span<const int64_t> offsets) : i64_(offsets) {}  // NOLINT(google-explicit-constructor)
+  std::size_t size() const { return i32_.empty() ? i64_.size() : i32_.size(); }
+  int64_t operator[](std::size_t i) const { return i32_.empty() ? i64_[i] : i32_[i]; }
+
+ private:
+  std::span<const int32_t> i32_;
+  std::span<const int64_t> i64_;
+};
+
+template <class T>
+struct VarlenForwardArgs {
+  View3<const T> q, k, v;
+  View3<T> out;
+  TensorView<T, 2> lse;  // optional: [Hq, total_q], needed by the backward
+  SeqOffsets cu_seqlens_q, cu_seqlens_k;
+  // Optional (0: not given). When given, must be ≥ every sequence's length (as in
+  // FlashAttention, where it sizes the launch); qkv needs neither and checks both.
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+};
+
+template <class T>
+struct VarlenBackwardArgs {
+  View3<const T> q, k, v;
+  View3<const T> out;
+  TensorView<const T, 2> lse;
+  View3<const T> dout;
+  View3<T> dq, dk, dv;  // written, not accumulated into
+  SeqOffsets cu_seqlens_q, cu_seqlens_k;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+};
+
+void varlen_attention_forward(const VarlenForwardArgs<float>& args,
+                              const AttentionOptions& options = {});
+void varlen_attention_forward(const VarlenForwardArgs<double>& args,
+                              const AttentionOptions& options = {});
+void varlen_attention_backward(const VarlenBackwardArgs<float>& args,
+                               const AttentionOptions& options = {});
+void varlen_attention_backward(const VarlenBackwardArgs<double>& args,
+                               const AttentionOptions& options = {});
 
 // The backend `Backend::automatic` resolves to for this element type and these outputs.
 Backend resolve_backend(const AttentionOptions& options, bool is_double, bool wants_weights);

@@ -57,4 +57,25 @@ void attention_backward(const BackwardArgs<double>& args, const AttentionOptions
   run_backward(problem, resolve_backend(options, true, false));
 }
 
+// Varlen calls validate into ordinary problems (batch entries = sequences).
+void varlen_attention_forward(const VarlenForwardArgs<float>& args,
+                              const AttentionOptions& options) {
+  run_forward(detail::validate(args, options), resolve_backend(options, false, false));
+}
+
+void varlen_attention_forward(const VarlenForwardArgs<double>& args,
+                              const AttentionOptions& options) {
+  run_forward(detail::validate(args, options), resolve_backend(options, true, false));
+}
+
+void varlen_attention_backward(const VarlenBackwardArgs<float>& args,
+                               const AttentionOptions& options) {
+  run_backward(detail::validate(args, options), resolve_backend(options, false, false));
+}
+
+void varlen_attention_backward(const VarlenBackwardArgs<double>& args,
+                               const AttentionOptions& options) {
+  run_backward(detail::validate(args, options), resolve_backend(options, true, false));
+}
+
 }  // namespace qkv

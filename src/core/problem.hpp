@@ -1,10 +1,18 @@
 // The validated, normalized form of one attention call that backends receive.
 // Built only by validate.cpp; a backend may assume every invariant written here.
+//
+// One description serves every backend and pass: `Sequences` says which rows of the
+// caller's tensors form each batch entry (dense batches and packed varlen alike),
+// `MaskRule` says which (query, key) pairs of an entry take part and with which bias.
+// The reference reads them row by row; the cpu kernels summarize them per tile once per
+// call (core/tile_plan.hpp). Nothing re-derives masks elsewhere.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <span>
+#include <vector>
 
 #include "qkv/attention.hpp"
 #include "qkv/options.hpp"
@@ -12,9 +20,9 @@
 namespace qkv::detail {
 
 struct Extents {
-  int64_t batch = 0;
-  int64_t q_len = 0;     // Nq
-  int64_t k_len = 0;     // Nk
+  int64_t batch = 0;     // batch entries (varlen: sequences)
+  int64_t q_len = 0;     // Nq; varlen: the longest query sequence
+  int64_t k_len = 0;     // Nk; varlen: the longest key sequence
   int64_t q_heads = 0;   // Hq ≥ 1
   int64_t kv_heads = 0;  // Hkv ≥ 1, divides Hq
   int64_t head_dim = 0;  // d ≥ 1
@@ -24,27 +32,57 @@ struct Extents {
   int64_t kv_head_of(int64_t q_head) const { return q_head / group(); }
 };
 
+// The batch entries of a call. Dense: entry b is batch index b of the views, rows
+// [0, Nq) and [0, Nk). Varlen: the views are the packed [total, heads, dim] tensors seen
+// as [sequences, total, heads, dim] with batch stride 0, and entry b owns query rows
+// [cu_q[b], cu_q[b+1]) and key rows [cu_k[b], cu_k[b+1]).
+struct Sequences {
+  int64_t count = 0;
+  int64_t dense_q_len = 0, dense_k_len = 0;
+  std::vector<int64_t> cu_q, cu_k;  // count + 1 prefix sums; empty when dense
+
+  bool varlen() const { return !cu_q.empty(); }
+  int64_t q_begin(int64_t b) const { return varlen() ? cu_q[b] : 0; }
+  int64_t k_begin(int64_t b) const { return varlen() ? cu_k[b] : 0; }
+  int64_t q_len(int64_t b) const { return varlen() ? cu_q[b + 1] - cu_q[b] : dense_q_len; }
+  int64_t k_len(int64_t b) const { return varlen() ? cu_k[b + 1] - cu_k[b] : dense_k_len; }
+};
+
 // Which keys query (b, h, i) sees and what is added to its logits. Causality and key
 // padding cut each row to a prefix [0, key_end); the boolean and additive masks act
 // element by element inside that prefix.
+//
+// A key is *removed* (never read: a NaN behind it cannot reach the row) when it lies past
+// key_end, its boolean mask entry is false, or its bias is ≤ kRemovalBias (−inf, and the
+// "finfo.min" that PyTorch and transformers use for padding). One exception keeps
+// PyTorch's result: a row none of whose keys has a bias above kRemovalBias, but some of
+// which have a finite bias ≤ kRemovalBias (a *degenerate* row, e.g. a padding query of a
+// left-padded batch), takes those keys literally, as PyTorch's softmax does: with every
+// logit at ≈ finfo.min it averages their values.
 struct MaskRule {
+  // Additive mask entries at or below this remove the key (see above). Far below any
+  // logit a model produces and above float's lowest value, −3.4e38.
+  static constexpr float kRemovalBias = -1e30f;
+
   Causal causal = Causal::none;
-  int64_t q_len = 0;
-  int64_t k_len = 0;
+  Sequences sequences;
   std::span<const int64_t> key_lengths;
   View4<const std::uint8_t> keep;  // broadcast axes have stride 0 after validation
   View4<const float> bias;
 
-  int64_t valid_keys(int64_t b) const { return key_lengths.empty() ? k_len : key_lengths[b]; }
+  int64_t q_len(int64_t b) const { return sequences.q_len(b); }
+  int64_t valid_keys(int64_t b) const {
+    return key_lengths.empty() ? sequences.k_len(b) : key_lengths[b];
+  }
 
-  // One past the last key that causality and padding leave to query row i.
+  // One past the last key that causality and padding leave to query row i of entry b.
   int64_t key_end(int64_t b, int64_t i) const {
     const int64_t valid = valid_keys(b);
     switch (causal) {
       case Causal::top_left:
         return std::min(valid, i + 1);
       case Causal::bottom_right:
-        return std::clamp<int64_t>(i + 1 + (valid - q_len), 0, valid);
+        return std::clamp<int64_t>(i + 1 + (valid - q_len(b)), 0, valid);
       case Causal::none:
         break;
     }
@@ -58,15 +96,80 @@ struct MaskRule {
   float bias_at(int64_t b, int64_t h, int64_t i, int64_t j) const {
     return bias.empty() ? 0.0f : bias(b, h, i, j);
   }
+
+  // The row takes its ≤ kRemovalBias keys literally (see above). O(Nk): the reference
+  // asks per row; the kernels read the per-row flags of the tile plan.
+  bool degenerate_row(int64_t b, int64_t h, int64_t i) const {
+    if (bias.empty()) return false;
+    bool any_soft = false;
+    for (int64_t j = 0, end = key_end(b, i); j < end; ++j) {
+      if (!keeps(b, h, i, j)) continue;
+      const float value = bias(b, h, i, j);
+      if (!(value <= kRemovalBias)) return false;  // a normal key (NaN counts: it must show)
+      any_soft = any_soft || value != -std::numeric_limits<float>::infinity();
+    }
+    return any_soft;
+  }
+
+  // Does key j (< key_end) take part in row i, given whether the row is degenerate?
+  bool takes_part(int64_t b, int64_t h, int64_t i, int64_t j, bool degenerate) const {
+    if (!keeps(b, h, i, j)) return false;
+    const float value = bias_at(b, h, i, j);
+    if (value == -std::numeric_limits<float>::infinity()) return false;
+    return degenerate || !(value <= kRemovalBias);
+  }
+};
+
+// Row accessors that apply the sequence offsets: backends never index the views with a
+// bare row number.
+template <class Args>
+struct RowAccess {
+  const Sequences* sequences = nullptr;
+  const Args* args = nullptr;
+
+  auto* q(int64_t b, int64_t i, int64_t h) const {
+    return &args->q(b, sequences->q_begin(b) + i, h, 0);
+  }
+  auto* k(int64_t b, int64_t j, int64_t kv) const {
+    return &args->k(b, sequences->k_begin(b) + j, kv, 0);
+  }
+  auto* v(int64_t b, int64_t j, int64_t kv) const {
+    return &args->v(b, sequences->k_begin(b) + j, kv, 0);
+  }
+  auto* out(int64_t b, int64_t i, int64_t h) const {
+    return &args->out(b, sequences->q_begin(b) + i, h, 0);
+  }
+  auto& lse(int64_t b, int64_t h, int64_t i) const {
+    return args->lse(b, h, sequences->q_begin(b) + i);
+  }
 };
 
 template <class T>
 struct ForwardProblem {
   Extents extents;
   double scale = 1.0;
-  MaskRule mask;
+  MaskRule mask;  // holds the Sequences too
   ForwardArgs<T> args;
   int threads = 1;  // resolved: ≥ 1
+
+  const Sequences& sequences() const { return mask.sequences; }
+  RowAccess<ForwardArgs<T>> rows() const { return {&mask.sequences, &args}; }
+};
+
+template <class T>
+struct BackwardRowAccess : RowAccess<BackwardArgs<T>> {
+  auto* dout(int64_t b, int64_t i, int64_t h) const {
+    return &this->args->dout(b, this->sequences->q_begin(b) + i, h, 0);
+  }
+  auto* dq(int64_t b, int64_t i, int64_t h) const {
+    return &this->args->dq(b, this->sequences->q_begin(b) + i, h, 0);
+  }
+  auto* dk(int64_t b, int64_t j, int64_t kv) const {
+    return &this->args->dk(b, this->sequences->k_begin(b) + j, kv, 0);
+  }
+  auto* dv(int64_t b, int64_t j, int64_t kv) const {
+    return &this->args->dv(b, this->sequences->k_begin(b) + j, kv, 0);
+  }
 };
 
 template <class T>
@@ -76,6 +179,9 @@ struct BackwardProblem {
   MaskRule mask;
   BackwardArgs<T> args;
   int threads = 1;
+
+  const Sequences& sequences() const { return mask.sequences; }
+  BackwardRowAccess<T> rows() const { return {{&mask.sequences, &args}}; }
 };
 
 }  // namespace qkv::detail

@@ -14,3 +14,18 @@ BackwardProblem<double> validate(const BackwardArgs<double>& args,
                                  const AttentionOptions& options);
 
 }  // namespace qkv::detail
+
+namespace qkv::detail {
+
+// Varlen calls become ordinary problems whose batch entries are the sequences
+// (Sequences::cu_q/cu_k set, views [sequences, total, heads, dim] with batch stride 0).
+ForwardProblem<float> validate(const VarlenForwardArgs<float>& args,
+                               const AttentionOptions& options);
+ForwardProblem<double> validate(const VarlenForwardArgs<double>& args,
+                                const AttentionOptions& options);
+BackwardProblem<float> validate(const VarlenBackwardArgs<float>& args,
+                                const AttentionOptions& options);
+BackwardProblem<double> validate(const VarlenBackwardArgs<double>& args,
+                                 const AttentionOptions& options);
+
+}  // namespace qkv::detail

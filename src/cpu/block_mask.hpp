@@ -1,8 +1,10 @@
-// Masking of one transposed score tile st[key][query] (scalar code: it runs only on the
-// blocks that need it — a causal diagonal, a partial padding block, or any block when
-// an elementwise mask is set).
+// The queries of one block and the scalar half of masking a partial tile: building the
+// transposed additive tile add[key][query] (0 or the bias where the pair takes part, −inf
+// where it does not) from the boolean and additive masks. block_ops-inl.h applies it,
+// and the key_end edge, with SIMD. Only partial tiles of the plan get here.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -15,47 +17,41 @@ namespace qkv::cpu {
 struct QueryRows {
   int64_t batch = 0;
   int64_t head = 0;
-  int64_t first = 0;            // index of the first query
-  int64_t count = 0;            // queries in the block
-  const int64_t* key_end = nullptr;  // per query: one past its last visible key
-  int64_t min_key_end = 0;
-  int64_t max_key_end = 0;
+  int64_t first = 0;                 // index of the first query in its sequence
+  int64_t count = 0;                 // queries in the block
+  const int32_t* key_end = nullptr;  // per query: one past its last visible key
+  const std::uint8_t* degenerate = nullptr;  // per query (null: none), see MaskRule
 };
 
-// Fills key_end[0..count) and the min/max over the block.
-inline void describe_rows(const detail::MaskRule& mask, QueryRows& rows, int64_t* key_end) {
-  rows.min_key_end = std::numeric_limits<int64_t>::max();
-  rows.max_key_end = 0;
-  for (int64_t i = 0; i < rows.count; ++i) {
-    key_end[i] = mask.key_end(rows.batch, rows.first + i);
-    rows.min_key_end = std::min(rows.min_key_end, key_end[i]);
-    rows.max_key_end = std::max(rows.max_key_end, key_end[i]);
-  }
+// Fills key_end[0..count) (lengths fit int32: validation caps them).
+inline void describe_rows(const detail::MaskRule& mask, QueryRows& rows, int32_t* key_end) {
+  for (int64_t i = 0; i < rows.count; ++i)
+    key_end[i] = static_cast<int32_t>(mask.key_end(rows.batch, rows.first + i));
   rows.key_end = key_end;
 }
 
-// Does the key block [first_key, first_key + keys) need per-element masking?
-inline bool needs_mask(const detail::MaskRule& mask, const QueryRows& rows, int64_t first_key,
-                       int64_t keys) {
-  return mask.has_elementwise() || first_key + keys > rows.min_key_end;
-}
-
-// Removed (query, key) pairs become -inf; the additive bias is added to the rest.
-inline void apply_mask(const detail::MaskRule& mask, const QueryRows& rows, int64_t first_key,
-                       int64_t keys, float* st, std::size_t ld) {
+// add[j·ld + i] for keys j < keys and queries i < rows.count: the bias where key
+// first_key + j takes part in row i (MaskRule::takes_part), −inf where it does not.
+// Reads each query's mask row contiguously; the transposed writes stay in L1.
+inline void build_additive_tile(const detail::MaskRule& mask, const QueryRows& rows,
+                                int64_t first_key, int64_t keys, float* add, std::size_t ld) {
   constexpr float kRemoved = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < keys; ++j) {
-    const int64_t key = first_key + j;
-    float* row = st + static_cast<std::size_t>(j) * ld;
-    for (int64_t i = 0; i < rows.count; ++i) {
-      if (key >= rows.key_end[i] || !mask.keeps(rows.batch, rows.head, rows.first + i, key)) {
-        row[i] = kRemoved;
-        continue;
-      }
-      if (!mask.bias.empty()) {
-        const float bias = mask.bias(rows.batch, rows.head, rows.first + i, key);
-        row[i] = bias == kRemoved ? kRemoved : row[i] + bias;
-      }
+  const int64_t keep_step = mask.keep.empty() ? 0 : mask.keep.strides[3];
+  const int64_t bias_step = mask.bias.empty() ? 0 : mask.bias.strides[3];
+  for (int64_t i = 0; i < rows.count; ++i) {
+    const int64_t query = rows.first + i;
+    const std::uint8_t* keep =
+        mask.keep.empty() ? nullptr : &mask.keep(rows.batch, rows.head, query, first_key);
+    const float* bias =
+        mask.bias.empty() ? nullptr : &mask.bias(rows.batch, rows.head, query, first_key);
+    const bool literal = rows.degenerate != nullptr && rows.degenerate[i] != 0;
+    float* column = add + i;
+    for (int64_t j = 0; j < keys; ++j) {
+      const bool kept = keep == nullptr || keep[j * keep_step] != 0;
+      const float value = bias == nullptr ? 0.0f : bias[j * bias_step];
+      const bool takes_part =
+          kept && value != kRemoved && (literal || !(value <= detail::MaskRule::kRemovalBias));
+      column[static_cast<std::size_t>(j) * ld] = takes_part ? value : kRemoved;
     }
   }
 }

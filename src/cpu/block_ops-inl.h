@@ -88,6 +88,32 @@ HWY_INLINE bool AllFinite(const float* HWY_RESTRICT src, int64_t src_row, size_t
   return std::isfinite(hn::GetLane(hn::SumOfLanes(d, poison)) + scalar_poison);
 }
 
+// Masks a partial tile st[key][query] (`keys` rows, `width` columns, a multiple of the
+// vector length): entry (j, i) becomes −inf where key first_key + j is past key_end[i]
+// or add[j][i] is −inf, and st + add[j][i] elsewhere (add null: the key_end edge only,
+// as causality and key padding need). key_end holds `width` entries.
+HWY_INLINE void MaskTile(float* HWY_RESTRICT st, size_t keys, size_t width, int64_t first_key,
+                         const int32_t* HWY_RESTRICT key_end, const float* HWY_RESTRICT add) {
+  const FloatTag d;
+  const hn::RebindToSigned<FloatTag> di;
+  const size_t lanes = hn::Lanes(d);
+  const auto minus_inf = hn::Set(d, kMinusInf);
+  for (size_t j = 0; j < keys; ++j) {
+    const auto key = hn::Set(di, static_cast<int32_t>(first_key + static_cast<int64_t>(j)));
+    float* row = st + j * width;
+    for (size_t i = 0; i < width; i += lanes) {
+      auto visible = hn::RebindMask(d, hn::Lt(key, hn::LoadU(di, key_end + i)));
+      auto x = hn::LoadU(d, row + i);
+      if (add != nullptr) {
+        const auto a = hn::LoadU(d, add + j * width + i);
+        visible = hn::And(visible, hn::Ne(a, minus_inf));
+        x = hn::Add(x, a);
+      }
+      hn::StoreU(hn::IfThenElse(visible, x, minus_inf), d, row + i);
+    }
+  }
+}
+
 // One group of C query vectors (columns i .. i + C·lanes) of OnlineSoftmaxStep. The C
 // columns are independent, so their Exp chains overlap in the pipeline.
 template <size_t C>

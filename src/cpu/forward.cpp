@@ -1,9 +1,9 @@
 // Fused forward, FlashAttention-2 style. For each (batch, head, block of 64 queries):
 //
 //   Qᵀ ← scale · Q_blockᵀ                                  packed once, d × 64
-//   for each key block the masks leave (64 keys):
+//   for each key block whose tile the plan (core/tile_plan.hpp) does not skip (64 keys):
 //     Sᵀ = K_blk · Qᵀ                                       micro-kernel, K read in place
-//     mask Sᵀ where needed (causal diagonal, padding edge, elementwise masks)
+//     partial tiles only: mask Sᵀ (key_end edge, elementwise masks; SIMD)
 //     m' = max(m, max_j Sᵀ),  P = exp(Sᵀ − m'),  l = l·e^(m−m') + Σ_j P
 //     acc = acc·e^(m−m') + P·V_blk      micro-kernel (V read in place), summed per block
 //   out = acc / l,   lse = m + log l                        (l = 0: out 0, lse -inf)
@@ -19,6 +19,7 @@
 #include "hwy/highway.h"
 #include "cpu/block_ops-inl.h"
 #include "cpu/gemm-inl.h"
+#include "cpu/finite_scan-inl.h"
 
 #ifndef QKV_CPU_FORWARD_ONCE_
 #define QKV_CPU_FORWARD_ONCE_
@@ -28,7 +29,9 @@
 #include <cmath>
 #include <vector>
 
+#include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
+#include "cpu/finite_scan.hpp"
 #include "cpu/blocking.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/work_order.hpp"
@@ -45,41 +48,47 @@ struct ForwardScratch {
   size_t dv_ld;  // row length of acc and of a padded V block
   hwy::AlignedFreeUniquePtr<float[]> qt;     // d × width: scale·Qᵀ of the block
   hwy::AlignedFreeUniquePtr<float[]> st;     // kBlockKeys × width: Sᵀ, then Pᵀ
+  hwy::AlignedFreeUniquePtr<float[]> add;    // kBlockKeys × width: a partial tile's mask
   hwy::AlignedFreeUniquePtr<float[]> acc;    // width × dv_ld: unnormalized output rows
   hwy::AlignedFreeUniquePtr<float[]> partial;  // width × dv_ld: one block's P·V
   hwy::AlignedFreeUniquePtr<float[]> v_pad;  // kBlockKeys × dv_ld, only for dv % lanes ≠ 0
   hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha: 3 × width
-  std::vector<int64_t> key_end;              // width
+  std::vector<int32_t> key_end;              // width (0 past the block's queries)
 
-  ForwardScratch(const detail::Extents& e, size_t lanes)
+  ForwardScratch(const detail::ForwardProblem<float>& p, size_t lanes)
       : width(round_up(kBlockQueries, lanes)),
-        dv_ld(round_up(static_cast<size_t>(e.v_dim), lanes)),
-        qt(AllocateFloats(static_cast<size_t>(e.head_dim) * width)),
+        dv_ld(round_up(static_cast<size_t>(p.extents.v_dim), lanes)),
+        qt(AllocateFloats(static_cast<size_t>(p.extents.head_dim) * width)),
         st(AllocateFloats(kBlockKeys * width)),
+        add(AllocateFloats(p.mask.has_elementwise() ? kBlockKeys * width : 0)),
         acc(AllocateFloats(width * dv_ld)),
         partial(AllocateFloats(width * dv_ld)),
-        v_pad(AllocateFloats(e.v_dim % static_cast<int64_t>(lanes) ? kBlockKeys * dv_ld : 0)),
+        v_pad(AllocateFloats(p.extents.v_dim % static_cast<int64_t>(lanes) ? kBlockKeys * dv_ld
+                                                                             : 0)),
         stats(AllocateFloats(3 * width)),
-        key_end(width) {}
+        key_end(width, 0) {}
 };
 
-void ForwardBlock(const detail::ForwardProblem<float>& p, const ForwardTask& task,
-                  ForwardScratch& s) {
+void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan& plan,
+                  const KeyValueFinite& finite, const ForwardTask& task, ForwardScratch& s) {
   const detail::Extents& e = p.extents;
-  const auto& a = p.args;
+  const auto rows_of = p.rows();
   const size_t lanes = VectorLanes();
   const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
-  const int64_t kv_head = e.kv_head_of(task.head);
+  const int64_t b = task.batch, h = task.head, kv_head = e.kv_head_of(h);
+  const int64_t q_block = task.first_query / kBlockQueries;
+  const int64_t k_len = p.mask.sequences.k_len(b);
 
-  QueryRows rows{.batch = task.batch, .head = task.head, .first = task.first_query,
-                 .count = std::min(kBlockQueries, e.q_len - task.first_query)};
+  QueryRows rows{.batch = b, .head = h, .first = task.first_query,
+                 .count = std::min(kBlockQueries, p.mask.q_len(b) - task.first_query),
+                 .degenerate = plan.degenerate_rows(b, h, task.first_query)};
   describe_rows(p.mask, rows, s.key_end.data());
   const size_t count = static_cast<size_t>(rows.count);
   const size_t width = round_up(count, lanes);  // query columns computed this block
+  std::fill(s.key_end.begin() + rows.count, s.key_end.end(), 0);
 
-  const float* q = &a.q(task.batch, rows.first, task.head, 0);
-  PackTransposed(q, a.q.strides[1], count, d, static_cast<float>(p.scale), s.qt.get(), width,
-                 width);
+  PackTransposed(rows_of.q(b, rows.first, h), p.args.q.strides[1], count, d,
+                 static_cast<float>(p.scale), s.qt.get(), width, width);
 
   float* m = s.stats.get();
   float* l = m + s.width;
@@ -88,22 +97,34 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const ForwardTask& tas
   std::fill(l, l + width, 0.0f);
   std::fill(s.acc.get(), s.acc.get() + count * s.dv_ld, 0.0f);
 
-  const int64_t k_row = a.k.strides[1], v_row = a.v.strides[1];
-  for (int64_t first_key = 0; first_key < rows.max_key_end; first_key += kBlockKeys) {
-    const int64_t keys = std::min(kBlockKeys, rows.max_key_end - first_key);
-    const float* k = &a.k(task.batch, first_key, kv_head, 0);
-    const float* v = &a.v(task.batch, first_key, kv_head, 0);
+  const int64_t k_row = p.args.k.strides[1], v_row = p.args.v.strides[1];
+  const int64_t last_block = plan.last_key_block(b, h, q_block);
+  for (int64_t k_block = plan.first_key_block(b, h, q_block); k_block <= last_block; ++k_block) {
+    const detail::Tile tile = plan.at(b, h, q_block, k_block);
+    if (tile == detail::Tile::empty) continue;
+    const int64_t first_key = k_block * kBlockKeys;
+    const int64_t keys = std::min(kBlockKeys, k_len - first_key);
+    const float* k = rows_of.k(b, first_key, kv_head);
+    const float* v = rows_of.v(b, first_key, kv_head);
 
     // Sᵀ = K_blk · (scale·Qᵀ)
     Gemm(static_cast<size_t>(keys), width, d, StridedA{k, static_cast<size_t>(k_row), 1},
          s.qt.get(), width, s.st.get(), width, /*accumulate=*/false);
-    const bool masked = needs_mask(p.mask, rows, first_key, keys);
-    if (masked) apply_mask(p.mask, rows, first_key, keys, s.st.get(), width);
+    const bool partial = tile == detail::Tile::partial;
+    if (partial) {
+      const float* add = nullptr;
+      if (p.mask.has_elementwise()) {
+        build_additive_tile(p.mask, rows, first_key, keys, s.add.get(), width);
+        add = s.add.get();
+      }
+      MaskTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.key_end.data(), add);
+    }
 
     OnlineSoftmaxStep(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha);
 
-    // acc = acc·alpha + P·V_blk, with P read in place from Pᵀ.
-    if (masked && !AllFinite(v, v_row, static_cast<size_t>(keys), dv)) {
+    // acc = acc·alpha + P·V_blk, with P read in place from Pᵀ. A removed key's V may hold
+    // NaN/Inf (scanned once per call): then only the terms with P ≠ 0 are summed.
+    if (partial && !finite.values(b, kv_head, k_block)) {
       ScaleRows(s.acc.get(), count, s.dv_ld, s.dv_ld, alpha);
       AccumulateSkippingZeros(s.st.get(), width, count, static_cast<size_t>(keys), v, v_row, dv,
                               s.acc.get(), s.dv_ld);
@@ -126,15 +147,15 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const ForwardTask& tas
   // out = acc / l; a query that saw no key at all has l = 0: out 0, lse -inf.
   for (size_t i = 0; i < count; ++i) {
     const int64_t query = rows.first + static_cast<int64_t>(i);
-    float* out = &a.out(task.batch, query, task.head, 0);
+    float* out = rows_of.out(b, query, h);
     const float* acc = s.acc.get() + i * s.dv_ld;
     if (l[i] == 0.0f) {
       std::fill(out, out + dv, 0.0f);
     } else {
       for (size_t c = 0; c < dv; ++c) out[c] = acc[c] / l[i];  // one rounding, not two
     }
-    if (!a.lse.empty()) {
-      a.lse(task.batch, task.head, query) = l[i] == 0.0f ? kMinusInf : m[i] + std::log(l[i]);
+    if (!p.args.lse.empty()) {
+      rows_of.lse(b, h, query) = l[i] == 0.0f ? kMinusInf : m[i] + std::log(l[i]);
     }
   }
 }
@@ -142,14 +163,20 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const ForwardTask& tas
 }  // namespace
 
 void ForwardImpl(const detail::ForwardProblem<float>& p) {
-  const std::vector<ForwardTask> tasks = forward_tasks(p.extents, p.mask);
+  const detail::TilePlan plan(p.mask, p.extents, kBlockQueries, kBlockKeys, p.threads);
+  const std::vector<ForwardTask> tasks = forward_tasks(p.extents, p.mask, plan);
   if (tasks.empty()) return;
+  KeyValueFinite finite(p.extents);
+  const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
   const int threads = threads_for(p.threads, tasks.size(), forward_flops(tasks, p.extents));
 #pragma omp parallel num_threads(threads)
   {
-    ForwardScratch scratch(p.extents, VectorLanes());
+    // Non-finite K/V scan of the key blocks that partial tiles read, once per call.
+#pragma omp for schedule(dynamic, 16)
+    for (size_t t = 0; t < scans.size(); ++t) ScanKeyValueBlock(p, scans[t], finite);
+    ForwardScratch scratch(p, VectorLanes());
 #pragma omp for schedule(dynamic, 1)
-    for (size_t t = 0; t < tasks.size(); ++t) ForwardBlock(p, tasks[t], scratch);
+    for (size_t t = 0; t < tasks.size(); ++t) ForwardBlock(p, plan, finite, tasks[t], scratch);
   }
 }
 

@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/problem.hpp"
+#include "core/tile_plan.hpp"
 #include "cpu/blocking.hpp"
 
 namespace qkv::cpu {
@@ -29,37 +31,19 @@ struct KeyTask {
   int64_t cost = 0;  // query rows (over the head group) that may see the block
 };
 
-// Keys visible to the last query of the block: with causality or padding the visible
-// prefix grows with the query index, so this bounds the block's work.
-inline int64_t query_block_cost(const detail::MaskRule& mask, int64_t batch, int64_t first,
-                                int64_t q_len) {
-  const int64_t last = std::min(first + kBlockQueries, q_len) - 1;
-  return mask.key_end(batch, last);  // monotone in the query index for every causal mode
-}
-
-inline std::vector<ForwardTask> forward_tasks(const detail::Extents& e,
-                                              const detail::MaskRule& mask) {
+// Every query block of every (entry, head), costed by the keys its non-empty tiles hold:
+// the plan's skipped tiles cost nothing, so a batch of very different lengths (or masks)
+// is split by the work it really has.
+inline std::vector<ForwardTask> forward_tasks(const detail::Extents& e, const detail::MaskRule& mask,
+                                              const detail::TilePlan& plan) {
   std::vector<ForwardTask> tasks;
   for (int64_t b = 0; b < e.batch; ++b)
     for (int64_t h = 0; h < e.q_heads; ++h)
-      for (int64_t first = 0; first < e.q_len; first += kBlockQueries)
-        tasks.push_back({b, h, first, query_block_cost(mask, b, first, e.q_len)});
+      for (int64_t first = 0; first < mask.q_len(b); first += kBlockQueries)
+        tasks.push_back({b, h, first, plan.busy_key_blocks(b, h, first / kBlockQueries) * kBlockKeys});
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const ForwardTask& x, const ForwardTask& y) { return x.cost > y.cost; });
   return tasks;
-}
-
-// First query whose visible prefix reaches past `key` (the prefix is monotone in the
-// query index), i.e. the queries [result, Nq) may see key `key`.
-inline int64_t first_query_seeing(const detail::MaskRule& mask, int64_t batch, int64_t key,
-                                  int64_t q_len) {
-  int64_t lo = 0, hi = q_len;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (mask.key_end(batch, mid) > key) hi = mid;
-    else lo = mid + 1;
-  }
-  return lo;
 }
 
 // Threads worth starting: no more than the tasks, and each with at least
@@ -93,21 +77,41 @@ inline bool backward_single_pass(const detail::Extents& e) {
   return e.batch * e.kv_heads >= 4 * cores;
 }
 
-inline std::vector<KeyTask> key_tasks(const detail::Extents& e, const detail::MaskRule& mask) {
+// Every key block of every (entry, kv head), costed by the query rows (over the head
+// group) of its non-empty tiles. Blocks nobody reads still get a task: it writes their
+// zero gradients.
+inline std::vector<KeyTask> key_tasks(const detail::Extents& e, const detail::MaskRule& mask,
+                                      const detail::TilePlan& plan) {
   std::vector<KeyTask> tasks;
-  for (int64_t b = 0; b < e.batch; ++b)
+  for (int64_t b = 0; b < e.batch; ++b) {
+    const int64_t q_blocks = plan.query_blocks(b);
     for (int64_t kv = 0; kv < e.kv_heads; ++kv)
-      for (int64_t first = 0; first < e.k_len; first += kBlockKeys) {
-        const int64_t seeing = e.q_len - first_query_seeing(mask, b, first, e.q_len);
-        if (first >= mask.valid_keys(b)) {
-          // Padding: nobody reads these keys; the task still writes their zero gradients.
-          tasks.push_back({b, kv, first, 0});
-          continue;
-        }
-        tasks.push_back({b, kv, first, seeing * e.group()});
+      for (int64_t first = 0; first < mask.sequences.k_len(b); first += kBlockKeys) {
+        int64_t cost = 0;
+        for (int64_t h = kv * e.group(); h < (kv + 1) * e.group(); ++h)
+          for (int64_t qb = 0; qb < q_blocks; ++qb)
+            if (plan.at(b, h, qb, first / kBlockKeys) != detail::Tile::empty) cost += kBlockQueries;
+        tasks.push_back({b, kv, first, cost});
       }
+  }
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const KeyTask& x, const KeyTask& y) { return x.cost > y.cost; });
+  return tasks;
+}
+
+// The single-pass backward's tasks, one per (entry, kv head), heaviest first (varlen
+// entries differ in length): returns (entry, kv head) pairs.
+inline std::vector<std::pair<int64_t, int64_t>> head_group_tasks(const detail::Extents& e,
+                                                                 const std::vector<KeyTask>& keys) {
+  std::vector<int64_t> cost(static_cast<std::size_t>(e.batch * e.kv_heads), 0);
+  for (const KeyTask& task : keys) cost[static_cast<std::size_t>(task.batch * e.kv_heads + task.kv_head)] += task.cost;
+  std::vector<std::pair<int64_t, int64_t>> tasks;
+  for (int64_t b = 0; b < e.batch; ++b)
+    for (int64_t kv = 0; kv < e.kv_heads; ++kv) tasks.push_back({b, kv});
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const auto& x, const auto& y) {
+    return cost[static_cast<std::size_t>(x.first * e.kv_heads + x.second)] >
+           cost[static_cast<std::size_t>(y.first * e.kv_heads + y.second)];
+  });
   return tasks;
 }
 

@@ -20,27 +20,35 @@ namespace {
 template <class T>
 void backward_impl(const detail::BackwardProblem<T>& problem) {
   const detail::Extents& e = problem.extents;
-  const auto& args = problem.args;
-  const int64_t nk = e.k_len;
-  std::vector<double> scores, weights, d_weights(nk), jacobian(nk * nk), d_scores(nk);
+  const auto rows = problem.rows();
+  std::vector<double> scores, weights, d_weights, jacobian, d_scores;
   // dK, dV accumulate in double over query rows and grouped query heads: [Nk, dim].
-  std::vector<double> dk_acc(nk * e.head_dim), dv_acc(nk * e.v_dim);
-  std::vector<double> dq_row(e.head_dim);
+  std::vector<double> dk_acc, dv_acc, dq_row(e.head_dim);
 
   for (int64_t b = 0; b < e.batch; ++b) {
+    const int64_t nk = problem.mask.sequences.k_len(b);
+    d_weights.assign(nk, 0.0);
+    d_scores.assign(nk, 0.0);
+    jacobian.assign(nk * nk, 0.0);
     for (int64_t kv_head = 0; kv_head < e.kv_heads; ++kv_head) {
-      std::fill(dk_acc.begin(), dk_acc.end(), 0.0);
-      std::fill(dv_acc.begin(), dv_acc.end(), 0.0);
+      dk_acc.assign(nk * e.head_dim, 0.0);
+      dv_acc.assign(nk * e.v_dim, 0.0);
       for (int64_t h = kv_head * e.group(); h < (kv_head + 1) * e.group(); ++h) {
-        for (int64_t i = 0; i < e.q_len; ++i) {
-          score_row(e, problem.mask, problem.scale, args.q, args.k, b, h, i, scores, weights);
-          // dV_j += P_ij · dO_i  and  dP_ij = ⟨dO_i, V_j⟩.
+        for (int64_t i = 0; i < problem.mask.q_len(b); ++i) {
+          score_row(e, problem.mask, problem.scale, rows, b, h, i, scores, weights);
+          const T* dout = rows.dout(b, i, h);
+          const T* q = rows.q(b, i, h);
+          // dV_j += P_ij · dO_i  and  dP_ij = ⟨dO_i, V_j⟩ (only for keys that take part:
+          // a removed key's V is never read).
           for (int64_t j = 0; j < nk; ++j) {
+            d_weights[j] = 0.0;
+            if (scores[j] == -INFINITY) continue;
+            const T* v = rows.v(b, j, kv_head);
             double dot = 0.0;
             for (int64_t c = 0; c < e.v_dim; ++c) {
-              const double grad_out = args.dout(b, i, h, c);
+              const double grad_out = dout[c];
               if (weights[j] != 0.0) dv_acc[j * e.v_dim + c] += weights[j] * grad_out;
-              dot += grad_out * static_cast<double>(args.v(b, j, kv_head, c));
+              dot += grad_out * static_cast<double>(v[c]);
             }
             d_weights[j] = dot;
           }
@@ -58,21 +66,21 @@ void backward_impl(const detail::BackwardProblem<T>& problem) {
           for (int64_t j = 0; j < nk; ++j) {
             if (d_scores[j] == 0.0) continue;
             const double ds = problem.scale * d_scores[j];
+            const T* k = rows.k(b, j, kv_head);
             for (int64_t c = 0; c < e.head_dim; ++c) {
-              dq_row[c] += ds * static_cast<double>(args.k(b, j, kv_head, c));
-              dk_acc[j * e.head_dim + c] += ds * static_cast<double>(args.q(b, i, h, c));
+              dq_row[c] += ds * static_cast<double>(k[c]);
+              dk_acc[j * e.head_dim + c] += ds * static_cast<double>(q[c]);
             }
           }
-          for (int64_t c = 0; c < e.head_dim; ++c) args.dq(b, i, h, c) = static_cast<T>(dq_row[c]);
+          T* dq = rows.dq(b, i, h);
+          for (int64_t c = 0; c < e.head_dim; ++c) dq[c] = static_cast<T>(dq_row[c]);
         }
       }
       for (int64_t j = 0; j < nk; ++j) {
-        for (int64_t c = 0; c < e.head_dim; ++c) {
-          args.dk(b, j, kv_head, c) = static_cast<T>(dk_acc[j * e.head_dim + c]);
-        }
-        for (int64_t c = 0; c < e.v_dim; ++c) {
-          args.dv(b, j, kv_head, c) = static_cast<T>(dv_acc[j * e.v_dim + c]);
-        }
+        T* dk = rows.dk(b, j, kv_head);
+        T* dv = rows.dv(b, j, kv_head);
+        for (int64_t c = 0; c < e.head_dim; ++c) dk[c] = static_cast<T>(dk_acc[j * e.head_dim + c]);
+        for (int64_t c = 0; c < e.v_dim; ++c) dv[c] = static_cast<T>(dv_acc[j * e.v_dim + c]);
       }
     }
   }

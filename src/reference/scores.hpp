@@ -11,25 +11,30 @@
 
 namespace qkv::reference {
 
-// S_i = scale · q_i·K ᵀ + bias_i, with removed keys at -inf; then P_i = softmax(S_i).
-// Returns lse_i. `scores` and `weights` are resized to Nk.
-template <class T>
+// S_i = scale · q_i·K ᵀ + bias_i over the keys of q_i's sequence, with keys that do not
+// take part (core/problem.hpp, MaskRule) at -inf and never read; then P_i = softmax(S_i).
+// Returns lse_i. `scores` and `weights` are resized to the sequence's key count.
+template <class Rows>
 double score_row(const detail::Extents& e, const detail::MaskRule& mask, double scale,
-                 const View4<const T>& q, const View4<const T>& k, int64_t b, int64_t h,
-                 int64_t i, std::vector<double>& scores, std::vector<double>& weights) {
+                 const Rows& rows, int64_t b, int64_t h, int64_t i, std::vector<double>& scores,
+                 std::vector<double>& weights) {
   const int64_t kv_head = e.kv_head_of(h);
+  const int64_t k_len = mask.sequences.k_len(b);
   const int64_t key_end = mask.key_end(b, i);
-  scores.assign(e.k_len, -std::numeric_limits<double>::infinity());
-  weights.assign(e.k_len, 0.0);
+  const bool degenerate = mask.degenerate_row(b, h, i);
+  scores.assign(k_len, -std::numeric_limits<double>::infinity());
+  weights.assign(k_len, 0.0);
+  const auto* q = rows.q(b, i, h);
   for (int64_t j = 0; j < key_end; ++j) {
-    if (!mask.keeps(b, h, i, j)) continue;
+    if (!mask.takes_part(b, h, i, j, degenerate)) continue;
+    const auto* k = rows.k(b, j, kv_head);
     double dot = 0.0;
     for (int64_t c = 0; c < e.head_dim; ++c) {
-      dot += static_cast<double>(q(b, i, h, c)) * static_cast<double>(k(b, j, kv_head, c));
+      dot += static_cast<double>(q[c]) * static_cast<double>(k[c]);
     }
     scores[j] = scale * dot + static_cast<double>(mask.bias_at(b, h, i, j));
   }
-  return detail::softmax_row(scores.data(), weights.data(), e.k_len);
+  return detail::softmax_row(scores.data(), weights.data(), k_len);
 }
 
 }  // namespace qkv::reference

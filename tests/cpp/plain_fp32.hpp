@@ -26,8 +26,7 @@ inline PlainResult plain_fp32(const Case<float>& c, const Tensor<float, 4>* dout
                 Tensor<float, 3>({s.batch, s.q_heads, s.q_len})};
   detail::MaskRule rule;
   rule.causal = s.causal;
-  rule.q_len = s.q_len;
-  rule.k_len = s.k_len;
+  rule.sequences = {.count = s.batch, .dense_q_len = s.q_len, .dense_k_len = s.k_len};
   rule.key_lengths = c.key_lengths;
   std::vector<float> p(s.k_len), dp(s.k_len);
   for (int64_t b = 0; b < s.batch; ++b)

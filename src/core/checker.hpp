@@ -1,0 +1,248 @@
+// Argument checking shared by the validators of every entry point (validate.cpp,
+// validate_varlen.cpp): a view reduced to what the checks need, and a Checker whose
+// failures throw qkv::Error naming the function, the argument, the expected and the
+// actual value.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "qkv/error.hpp"
+#include "qkv/options.hpp"
+
+namespace qkv::detail {
+
+// Longest sequence (and packed total) a call may have: the kernels index rows with int32.
+inline constexpr int64_t kMaxRows = 2147483647;
+
+
+// A view reduced to what the checks need: its name, extents, strides and byte range.
+struct Described {
+  std::string name;
+  int rank = 0;
+  std::array<int64_t, 4> shape{};
+  std::array<int64_t, 4> strides{};
+  const void* data = nullptr;
+  std::size_t element_bytes = 0;
+
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int axis = 0; axis < rank; ++axis) n *= shape[axis];
+    return n;
+  }
+  // [first byte, one past the last byte) that the view can touch; empty when numel == 0.
+  std::pair<std::uintptr_t, std::uintptr_t> byte_range() const {
+    if (numel() == 0 || data == nullptr) return {0, 0};
+    int64_t last = 0;
+    for (int axis = 0; axis < rank; ++axis) last += (shape[axis] - 1) * strides[axis];
+    const auto first = reinterpret_cast<std::uintptr_t>(data);
+    return {first, first + static_cast<std::uintptr_t>(last + 1) * element_bytes};
+  }
+};
+
+template <class T, int R>
+Described describe(const std::string& name, const TensorView<T, R>& view) {
+  Described d;
+  d.name = name;
+  d.rank = R;
+  for (int axis = 0; axis < R; ++axis) {
+    d.shape[axis] = view.shape[axis];
+    d.strides[axis] = view.strides[axis];
+  }
+  d.data = view.data;
+  d.element_bytes = sizeof(T);
+  return d;
+}
+
+inline std::string format_index(const std::array<int64_t, 4>& index, int rank) {
+  std::ostringstream out;
+  out << '[';
+  for (int axis = 0; axis < rank; ++axis) out << (axis ? ", " : "") << index[axis];
+  out << ']';
+  return out.str();
+}
+
+class Checker {
+ public:
+  explicit Checker(std::string function) : function_(std::move(function)) {}
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw Error(function_ + ": " + what);
+  }
+
+  void expect_extent(const Described& view, int axis, const char* axis_name, int64_t expected,
+                     const std::string& because) const {
+    if (view.shape[axis] != expected) {
+      std::ostringstream out;
+      out << view.name << ".shape[" << axis << "] (" << axis_name << "): expected " << expected
+          << " (" << because << "), got " << view.shape[axis];
+      fail(out.str());
+    }
+  }
+
+  // Broadcastable axis: 1 or the full extent.
+  void expect_extent_or_one(const Described& view, int axis, const char* axis_name,
+                            int64_t expected, const std::string& because) const {
+    if (view.shape[axis] != expected && view.shape[axis] != 1) {
+      std::ostringstream out;
+      out << view.name << ".shape[" << axis << "] (" << axis_name << "): expected " << expected
+          << " (" << because << ") or 1 to broadcast, got " << view.shape[axis];
+      fail(out.str());
+    }
+  }
+
+  void expect_at_least_one(const Described& view, int axis, const char* axis_name) const {
+    if (view.shape[axis] < 1) {
+      std::ostringstream out;
+      out << view.name << ".shape[" << axis << "] (" << axis_name << "): expected >= 1, got "
+          << view.shape[axis] << " (" << axis_name << " may not be empty)";
+      fail(out.str());
+    }
+  }
+
+  // Layout rules shared by every tensor argument. Strides of an empty view address
+  // nothing (NumPy gives empty arrays all-zero strides), so only its extents count.
+  void expect_well_formed(const Described& view) const {
+    for (int axis = 0; axis < view.rank; ++axis) {
+      if (view.shape[axis] < 0) {
+        std::ostringstream out;
+        out << view.name << ".shape[" << axis << "]: expected >= 0, got " << view.shape[axis];
+        fail(out.str());
+      }
+    }
+    if (view.numel() == 0) return;
+    for (int axis = 0; axis < view.rank; ++axis) {
+      if (view.strides[axis] < 0) {
+        std::ostringstream out;
+        out << view.name << ".strides[" << axis << "]: expected >= 0, got "
+            << view.strides[axis];
+        fail(out.str());
+      }
+    }
+    const int inner = view.rank - 1;
+    if (view.shape[inner] > 1 && view.strides[inner] != 1) {
+      std::ostringstream out;
+      out << view.name << ".strides[" << inner
+          << "]: expected 1 (the innermost dimension must be contiguous), got "
+          << view.strides[inner];
+      fail(out.str());
+    }
+    if (view.data == nullptr && view.numel() > 0) {
+      fail(view.name + ": data is null but the shape " +
+           format_index(view.shape, view.rank) + " has elements");
+    }
+  }
+
+  // Outputs must not have two indices on one element: sort the axes by stride and ask
+  // each stride to step over everything the smaller axes span (sufficient condition).
+  void expect_no_self_overlap(const Described& view) const {
+    if (view.numel() == 0) return;
+    std::vector<int> axes;
+    for (int axis = 0; axis < view.rank; ++axis)
+      if (view.shape[axis] > 1) axes.push_back(axis);
+    std::sort(axes.begin(), axes.end(),
+              [&](int a, int b) { return view.strides[a] < view.strides[b]; });
+    int64_t spanned = 1;  // elements covered by the axes already visited
+    for (int axis : axes) {
+      if (view.strides[axis] < spanned) {
+        std::ostringstream out;
+        out << view.name << ": an output's elements must not overlap, but strides[" << axis
+            << "] = " << view.strides[axis] << " revisits memory already spanned by the axes"
+            << " with smaller strides (" << spanned << " elements)";
+        fail(out.str());
+      }
+      spanned = view.strides[axis] * (view.shape[axis] - 1) + spanned;
+    }
+  }
+
+  void expect_disjoint(const Described& output, const Described& other) const {
+    const auto [a_lo, a_hi] = output.byte_range();
+    const auto [b_lo, b_hi] = other.byte_range();
+    if (a_lo == a_hi || b_lo == b_hi) return;
+    if (a_lo < b_hi && b_lo < a_hi) {
+      fail(output.name + ": must not share memory with " + other.name +
+           " (outputs may not alias inputs or other outputs)");
+    }
+  }
+
+  template <class T>
+  void expect_finite(const Described& view, bool allow_minus_inf = false) const {
+    if (view.numel() == 0) return;
+    const T* base = static_cast<const T*>(view.data);
+    std::array<int64_t, 4> index{};
+    const int rank = view.rank;
+    while (true) {
+      int64_t offset = 0;
+      for (int axis = 0; axis < rank; ++axis) offset += index[axis] * view.strides[axis];
+      const T value = base[offset];
+      const bool ok = std::isfinite(value) || (allow_minus_inf && value == -INFINITY);
+      if (!ok) {
+        std::ostringstream out;
+        out << "check_finite: " << view.name << format_index(index, rank) << " is " << value;
+        fail(out.str());
+      }
+      int axis = rank - 1;
+      while (axis >= 0 && ++index[axis] == view.shape[axis]) index[axis--] = 0;
+      if (axis < 0) break;
+    }
+  }
+
+ private:
+  std::string function_;
+};
+
+inline double resolve_scale(const Checker& check, const AttentionOptions& options, int64_t head_dim) {
+  if (!options.scale) return 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const double scale = *options.scale;
+  if (!std::isfinite(scale) || scale <= 0.0) {
+    std::ostringstream out;
+    out << "options.scale: expected a finite value > 0, got " << scale;
+    check.fail(out.str());
+  }
+  return scale;
+}
+
+inline int resolve_threads(const Checker& check, const AttentionOptions& options) {
+  const int requested = options.execution.threads;
+  if (requested < 0) {
+    check.fail("options.execution.threads: expected >= 0 (0 = all hardware threads), got " +
+               std::to_string(requested));
+  }
+  if (requested > 0) return requested;
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+inline Causal checked_causal(const Checker& check, const AttentionOptions& options) {
+  if (options.causal != Causal::none && options.causal != Causal::top_left &&
+      options.causal != Causal::bottom_right) {
+    check.fail("options.causal: expected none, top_left or bottom_right, got value " +
+               std::to_string(static_cast<int>(options.causal)));
+  }
+  return options.causal;
+}
+
+inline void check_backend(const Checker& check, const AttentionOptions& options, bool is_double,
+                   bool wants_weights) {
+  const Backend chosen = options.execution.backend;
+  if (chosen != Backend::automatic && chosen != Backend::reference && chosen != Backend::cpu) {
+    check.fail("options.execution.backend: unknown value " +
+               std::to_string(static_cast<int>(chosen)));
+  }
+  if (chosen == Backend::cpu && is_double) {
+    check.fail("options.execution.backend: cpu computes in float; double inputs need "
+               "Backend::reference or Backend::automatic");
+  }
+  if (chosen == Backend::cpu && wants_weights) {
+    check.fail("weights: the cpu backend never materializes the attention weights; use "
+               "Backend::reference or Backend::automatic to get them");
+  }
+}
+
+}  // namespace qkv::detail

@@ -1,0 +1,219 @@
+#include "core/tile_plan.hpp"
+
+#include <algorithm>
+#include <limits>
+
+namespace qkv::detail {
+namespace {
+
+// What one key block of one mask row holds, as bits (summaries of the elementwise masks
+// only; causality and key padding are applied on top).
+constexpr std::uint8_t kAnyNormal = 1;  // a kept key whose bias is above kRemovalBias (or NaN)
+constexpr std::uint8_t kAnySoft = 2;    // a kept key with a finite bias ≤ kRemovalBias
+constexpr std::uint8_t kAllNeutral = 4; // every key kept with bias exactly 0
+constexpr std::uint8_t kAllHard = 8;    // every key removed by keep = false or bias = −inf
+
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+// Below this many mask bytes (or tiles) one thread plans faster than a parallel region.
+constexpr double kParallelPlanWork = 1 << 20;
+
+bool varies(const View4<const std::uint8_t>& keep, const View4<const float>& bias, int axis) {
+  return (!keep.empty() && keep.strides[axis] != 0) || (!bias.empty() && bias.strides[axis] != 0);
+}
+
+}  // namespace
+
+// Summary bits of keys [kb·block_k, (kb+1)·block_k) of mask row (b, h, i), for every kb.
+void TilePlan::summarize(int64_t b, int64_t h, int64_t i, std::uint8_t* out) const {
+  const MaskRule& m = *mask_;
+  const int64_t k_len = m.sequences.k_len(b);
+  const std::uint8_t* keep = m.keep.empty() ? nullptr : &m.keep(b, h, i, 0);
+  const float* bias = m.bias.empty() ? nullptr : &m.bias(b, h, i, 0);
+  const int64_t keep_step = m.keep.empty() ? 0 : m.keep.strides[3];
+  const int64_t bias_step = m.bias.empty() ? 0 : m.bias.strides[3];
+  for (int64_t kb = 0; kb * block_k_ < k_len; ++kb) {
+    const int64_t start = kb * block_k_, end = std::min(start + block_k_, k_len);
+    // Branch-free flags over the block so the compiler can vectorize the loop.
+    bool any_normal = false, any_soft = false, all_neutral = true, all_hard = true;
+    for (int64_t j = start; j < end; ++j) {
+      const bool kept = keep == nullptr || keep[j * keep_step] != 0;
+      const float value = bias == nullptr ? 0.0f : bias[j * bias_step];
+      const bool removed_hard = !kept || value == kMinusInf;
+      const bool soft = value <= MaskRule::kRemovalBias;  // −inf included; NaN not
+      any_normal |= kept & !soft;
+      any_soft |= !removed_hard & soft;
+      all_neutral &= kept & (value == 0.0f);
+      all_hard &= removed_hard;
+    }
+    out[kb] = static_cast<std::uint8_t>((any_normal ? kAnyNormal : 0) | (any_soft ? kAnySoft : 0) |
+                                        (all_neutral ? kAllNeutral : 0) |
+                                        (all_hard ? kAllHard : 0));
+  }
+}
+
+// MaskRule::degenerate_row from the block summaries, exact on the block that key_end cuts.
+bool TilePlan::degenerate(int64_t b, int64_t h, int64_t i, const std::uint8_t* summary) const {
+  const int64_t key_end = mask_->key_end(b, i);
+  const int64_t whole = key_end / block_k_;
+  bool any_soft = false;
+  for (int64_t kb = 0; kb < whole; ++kb) {
+    if (summary[kb] & kAnyNormal) return false;
+    any_soft = any_soft || (summary[kb] & kAnySoft);
+  }
+  for (int64_t j = whole * block_k_; j < key_end; ++j) {
+    if (!mask_->keeps(b, h, i, j)) continue;
+    const float value = mask_->bias_at(b, h, i, j);
+    if (!(value <= MaskRule::kRemovalBias)) return false;
+    any_soft = any_soft || value != kMinusInf;
+  }
+  return any_soft;
+}
+
+TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries,
+                   int64_t block_keys, int threads)
+    : mask_(&mask),
+      block_q_(block_queries),
+      block_k_(block_keys),
+      q_rows_(e.q_len),
+      q_blocks_(ceil_div(e.q_len, block_queries)),
+      k_blocks_(ceil_div(e.k_len, block_keys)),
+      per_head_(varies(mask.keep, mask.bias, 1)),
+      plan_heads_(per_head_ ? static_cast<std::size_t>(e.q_heads) : 1),
+      batch_(e.batch),
+      q_heads_(e.q_heads),
+      kv_heads_(e.kv_heads) {
+  const std::size_t row_blocks = static_cast<std::size_t>(batch_) * plan_heads_ *
+                                 static_cast<std::size_t>(q_blocks_);
+  classes_.assign(row_blocks * static_cast<std::size_t>(k_blocks_), Tile::empty);
+  busy_.assign(row_blocks, 0);
+  first_.assign(row_blocks, 0);
+  last_.assign(row_blocks, -1);
+  partial_columns_.assign(static_cast<std::size_t>(batch_ * kv_heads_ * k_blocks_), 0);
+  const double tiles = static_cast<double>(classes_.size());
+
+  if (!mask.has_elementwise()) {
+#pragma omp parallel for num_threads(tiles > kParallelPlanWork ? threads : 1) schedule(static)
+    for (int64_t b = 0; b < batch_; ++b) classify_without_elementwise(b);
+    finish(e.group());
+    return;
+  }
+
+  // Distinct mask rows: an axis the masks broadcast over is summarized once.
+  const int64_t mask_batches = varies(mask.keep, mask.bias, 0) ? batch_ : 1;
+  const int64_t mask_heads = per_head_ ? q_heads_ : 1;
+  const bool per_query = varies(mask.keep, mask.bias, 2);
+  const int64_t mask_queries = per_query ? q_rows_ : 1;
+  const std::size_t stride = static_cast<std::size_t>(k_blocks_);
+  std::vector<std::uint8_t> summaries(
+      static_cast<std::size_t>(mask_batches * mask_heads * mask_queries) * stride);
+  const int64_t mask_rows = mask_batches * mask_heads * mask_queries;
+  const double mask_bytes = static_cast<double>(mask_rows) * static_cast<double>(e.k_len);
+#pragma omp parallel for num_threads(mask_bytes > kParallelPlanWork ? threads : 1) schedule(static)
+  for (int64_t row = 0; row < mask_rows; ++row) {
+    const int64_t i = row % mask_queries, h = row / mask_queries % mask_heads,
+                  b = row / (mask_queries * mask_heads);
+    summarize(b, h, i, summaries.data() + static_cast<std::size_t>(row) * stride);
+  }
+
+  // Views into the summaries per batch entry and head; rows repeat along broadcast axes.
+  auto summary_of = [&, mask_batches, mask_heads, mask_queries](int64_t b, int64_t h, int64_t i) {
+    const int64_t row = ((mask_batches > 1 ? b : 0) * mask_heads + (mask_heads > 1 ? h : 0)) *
+                            mask_queries +
+                        (mask_queries > 1 ? i : 0);
+    return summaries.data() + static_cast<std::size_t>(row) * stride;
+  };
+
+  if (!mask.bias.empty()) {
+    degenerate_.assign(static_cast<std::size_t>(batch_) * plan_heads_ *
+                           static_cast<std::size_t>(q_rows_), 0);
+#pragma omp parallel for num_threads(mask_bytes > kParallelPlanWork ? threads : 1) schedule(static)
+    for (int64_t bh = 0; bh < batch_ * static_cast<int64_t>(plan_heads_); ++bh) {
+      const int64_t b = bh / static_cast<int64_t>(plan_heads_),
+                    h = bh % static_cast<int64_t>(plan_heads_);
+      std::uint8_t* flags = degenerate_.data() + static_cast<std::size_t>(bh * q_rows_);
+      for (int64_t i = 0; i < mask.q_len(b); ++i) flags[i] = degenerate(b, h, i, summary_of(b, h, i));
+    }
+  }
+
+  const int64_t pairs = batch_ * static_cast<int64_t>(plan_heads_);
+#pragma omp parallel for num_threads(tiles * static_cast<double>(block_q_) > kParallelPlanWork ? threads : 1) \
+    schedule(dynamic, 1)
+  for (int64_t bh = 0; bh < pairs; ++bh) {
+    const int64_t b = bh / static_cast<int64_t>(plan_heads_),
+                  h = bh % static_cast<int64_t>(plan_heads_);
+    const std::uint8_t* flags = degenerate_rows(b, h, 0);
+    const int64_t q_len = mask.q_len(b), k_len = mask.sequences.k_len(b);
+    for (int64_t qb = 0; qb * block_q_ < q_len; ++qb) {
+      Tile* row = classes_.data() + tile_index(b, h, qb);
+      const int64_t first = qb * block_q_, last = std::min(first + block_q_, q_len);
+      for (int64_t kb = 0; kb * block_k_ < k_len; ++kb) {
+        const int64_t start = kb * block_k_, end = std::min(start + block_k_, k_len);
+        bool all_empty = true, all_full = true;
+        for (int64_t i = first; i < last && (all_empty || all_full); ++i) {
+          const int64_t key_end = mask.key_end(b, i);
+          if (start >= key_end) {
+            all_full = false;
+            continue;
+          }
+          const std::uint8_t s = summary_of(b, h, i)[kb];
+          const bool literal = flags != nullptr && flags[i];
+          const bool removed = literal ? (s & kAllHard) != 0 : (s & kAnyNormal) == 0;
+          if (removed) {
+            all_full = false;
+            continue;
+          }
+          all_empty = false;
+          if (end > key_end || !(s & kAllNeutral)) all_full = false;
+        }
+        row[kb] = all_empty ? Tile::empty : all_full ? Tile::full : Tile::partial;
+      }
+    }
+  }
+  finish(e.group());
+}
+
+// Causality and key padding alone: a query block's visible prefixes run from the first
+// row's key_end to the last row's (key_end never decreases along the queries).
+void TilePlan::classify_without_elementwise(int64_t b) {
+  const MaskRule& m = *mask_;
+  const int64_t q_len = m.q_len(b), k_len = m.sequences.k_len(b);
+  for (int64_t qb = 0; qb * block_q_ < q_len; ++qb) {
+    const int64_t first = qb * block_q_, last = std::min(first + block_q_, q_len) - 1;
+    const int64_t min_end = m.key_end(b, first), max_end = m.key_end(b, last);
+    Tile* row = classes_.data() + tile_index(b, 0, qb);
+    for (int64_t kb = 0; kb * block_k_ < k_len; ++kb) {
+      const int64_t start = kb * block_k_, end = std::min(start + block_k_, k_len);
+      row[kb] = start >= max_end ? Tile::empty : end <= min_end ? Tile::full : Tile::partial;
+    }
+  }
+}
+
+// Per query block: how many key blocks have work and where they lie; per key block:
+// whether any tile reading it is partial (those key blocks get the non-finite scan).
+void TilePlan::finish(int64_t group) {
+  for (int64_t b = 0; b < batch_; ++b)
+    for (std::size_t ph = 0; ph < plan_heads_; ++ph)
+      for (int64_t qb = 0; qb < q_blocks_; ++qb) {
+        const std::size_t index = row_block_index(b, static_cast<int64_t>(ph), qb);
+        const Tile* row = classes_.data() + index * static_cast<std::size_t>(k_blocks_);
+        int32_t busy = 0, first = static_cast<int32_t>(k_blocks_), last = -1;
+        for (int64_t kb = 0; kb < k_blocks_; ++kb) {
+          if (row[kb] == Tile::empty) continue;
+          ++busy;
+          first = std::min(first, static_cast<int32_t>(kb));
+          last = static_cast<int32_t>(kb);
+          if (row[kb] != Tile::partial) continue;
+          // Without per-head classes, every kv head sees this tile.
+          const int64_t kv_first = per_head_ ? static_cast<int64_t>(ph) / group : 0;
+          const int64_t kv_last = per_head_ ? kv_first + 1 : kv_heads_;
+          for (int64_t kv = kv_first; kv < kv_last; ++kv)
+            partial_columns_[static_cast<std::size_t>((b * kv_heads_ + kv) * k_blocks_ + kb)] = 1;
+        }
+        busy_[index] = busy;
+        first_[index] = first;
+        last_[index] = last;
+      }
+}
+
+}  // namespace qkv::detail

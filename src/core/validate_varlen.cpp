@@ -1,0 +1,249 @@
+// Argument checking for the varlen (packed) entry points. The packed [total, heads, dim]
+// tensors and their cu_seqlens are checked here; the call then becomes an ordinary
+// problem whose batch entries are the sequences, so every backend runs it unchanged.
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "core/checker.hpp"
+#include "core/validate.hpp"
+
+namespace qkv::detail {
+namespace {
+
+// Reads and checks one cu_seqlens array: starts at 0, never decreases, ends at total.
+std::vector<int64_t> checked_offsets(const Checker& check, const SeqOffsets& offsets,
+                                     const char* name, int64_t total, int64_t max_seqlen,
+                                     int64_t& longest) {
+  const std::string n(name);
+  if (offsets.size() == 0) {
+    check.fail(n + ": expected the prefix sums of the sequence lengths (number of sequences "
+                   "+ 1 entries, starting at 0), got an empty array");
+  }
+  std::vector<int64_t> cu(offsets.size());
+  longest = 0;
+  for (std::size_t s = 0; s < offsets.size(); ++s) {
+    cu[s] = offsets[s];
+    if (s == 0 && cu[0] != 0) {
+      check.fail(n + "[0]: expected 0 (the first sequence starts at row 0), got " +
+                 std::to_string(cu[0]));
+    }
+    if (s > 0 && cu[s] < cu[s - 1]) {
+      check.fail(n + "[" + std::to_string(s) + "]: expected >= " + n + "[" +
+                 std::to_string(s - 1) + "] = " + std::to_string(cu[s - 1]) +
+                 " (prefix sums never decrease), got " + std::to_string(cu[s]));
+    }
+    if (cu[s] > total) {
+      check.fail(n + "[" + std::to_string(s) + "]: expected <= " + std::to_string(total) +
+                 " (the packed tensor's rows), got " + std::to_string(cu[s]));
+    }
+    if (s > 0) longest = std::max(longest, cu[s] - cu[s - 1]);
+  }
+  if (cu.back() != total) {
+    check.fail(n + "[" + std::to_string(cu.size() - 1) + "]: expected " + std::to_string(total) +
+               " (the last entry is the packed tensor's row count), got " +
+               std::to_string(cu.back()));
+  }
+  if (max_seqlen < 0 || (max_seqlen > 0 && max_seqlen < longest)) {
+    check.fail(std::string(name == std::string("cu_seqlens_q") ? "max_seqlen_q" : "max_seqlen_k") +
+               ": expected 0 (not given) or >= the longest sequence (" + std::to_string(longest) +
+               "), got " + std::to_string(max_seqlen));
+  }
+  return cu;
+}
+
+// The packed [total, heads, dim] view seen as [sequences, total, heads, dim] with batch
+// stride 0: entry b addresses rows through the Sequences offsets.
+template <class T>
+View4<T> as_batched(const View3<T>& view, int64_t sequences) {
+  return View4<T>(view.data, {sequences, view.shape[0], view.shape[1], view.shape[2]},
+                  {0, view.strides[0], view.strides[1], view.strides[2]});
+}
+template <class T>
+View3<T> lse_as_batched(const TensorView<T, 2>& view, int64_t sequences) {
+  return View3<T>(view.data, {sequences, view.shape[0], view.shape[1]},
+                  {0, view.strides[0], view.strides[1]});
+}
+
+// Checks shared by forward and backward: q, k, v, the options, cu_seqlens; fills the
+// extents and the mask rule (causal and the sequences only).
+template <class T, class Args>
+void check_varlen_common(const Checker& check, const Args& args, const AttentionOptions& options,
+                         Extents& e, MaskRule& mask) {
+  const Described q = describe("q", args.q), k = describe("k", args.k), v = describe("v", args.v);
+  for (const Described* view : {&q, &k, &v}) check.expect_well_formed(*view);
+  check.expect_at_least_one(q, 1, "heads");
+  check.expect_at_least_one(q, 2, "head_dim");
+  check.expect_at_least_one(k, 1, "heads");
+  check.expect_extent(k, 2, "head_dim", args.q.shape[2], "as q.shape[2]");
+  check.expect_extent(v, 0, "total_k", args.k.shape[0], "as k.shape[0]");
+  check.expect_extent(v, 1, "heads", args.k.shape[1], "as k.shape[1]");
+  check.expect_at_least_one(v, 2, "head_dim");
+  if (args.q.shape[1] % args.k.shape[1] != 0) {
+    check.fail("q.shape[1] (heads): expected a multiple of k.shape[1] (key/value heads) = " +
+               std::to_string(args.k.shape[1]) + " for grouped-query attention, got " +
+               std::to_string(args.q.shape[1]));
+  }
+  for (const Described* view : {&q, &k}) {
+    if (view->shape[0] > kMaxRows) {
+      check.fail(view->name + ".shape[0] (total): expected at most " + std::to_string(kMaxRows) +
+                 " rows (qkv indexes keys with 32-bit integers), got " +
+                 std::to_string(view->shape[0]));
+    }
+  }
+  if (!options.mask.empty()) {
+    check.fail("options.mask: not supported by varlen attention (sequences are packed without "
+               "padding; use cu_seqlens to cut them, or the dense entry point for a mask)");
+  }
+  if (!options.key_lengths.empty()) {
+    check.fail("options.key_lengths: not supported by varlen attention (cu_seqlens_k already "
+               "gives every sequence's key length)");
+  }
+  int64_t longest_q = 0, longest_k = 0;
+  std::vector<int64_t> cu_q = checked_offsets(check, args.cu_seqlens_q, "cu_seqlens_q",
+                                              args.q.shape[0], args.max_seqlen_q, longest_q);
+  std::vector<int64_t> cu_k = checked_offsets(check, args.cu_seqlens_k, "cu_seqlens_k",
+                                              args.k.shape[0], args.max_seqlen_k, longest_k);
+  if (cu_q.size() != cu_k.size()) {
+    check.fail("cu_seqlens_k: expected " + std::to_string(cu_q.size()) +
+               " entries (as cu_seqlens_q: one per sequence + 1), got " +
+               std::to_string(cu_k.size()));
+  }
+  e.batch = static_cast<int64_t>(cu_q.size()) - 1;
+  e.q_len = longest_q;
+  e.k_len = longest_k;
+  e.q_heads = args.q.shape[1];
+  e.kv_heads = args.k.shape[1];
+  e.head_dim = args.q.shape[2];
+  e.v_dim = args.v.shape[2];
+  mask.causal = checked_causal(check, options);
+  mask.sequences.count = e.batch;
+  mask.sequences.cu_q = std::move(cu_q);
+  mask.sequences.cu_k = std::move(cu_k);
+
+  if (options.execution.check_finite) {
+    check.expect_finite<T>(q);
+    check.expect_finite<T>(k);
+    check.expect_finite<T>(v);
+  }
+}
+
+void expect_outputs_apart(const Checker& check, const std::vector<Described>& outputs,
+                          const std::vector<Described>& inputs) {
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    check.expect_no_self_overlap(outputs[i]);
+    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
+    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
+  }
+}
+
+template <class T>
+ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
+                                          const AttentionOptions& options) {
+  const Checker check("qkv::varlen_attention_forward");
+  ForwardProblem<T> problem;
+  check_varlen_common<T>(check, args, options, problem.extents, problem.mask);
+  const Extents& e = problem.extents;
+  const int64_t total_q = args.q.shape[0];
+
+  const Described out = describe("out", args.out);
+  check.expect_well_formed(out);
+  check.expect_extent(out, 0, "total_q", total_q, "as q.shape[0]");
+  check.expect_extent(out, 1, "heads", e.q_heads, "as q.shape[1]");
+  check.expect_extent(out, 2, "head_dim", e.v_dim, "as v.shape[2]");
+  std::vector<Described> outputs{out};
+  if (!args.lse.empty()) {
+    const Described lse = describe("lse", args.lse);
+    check.expect_well_formed(lse);
+    check.expect_extent(lse, 0, "heads", e.q_heads, "as q.shape[1]");
+    check.expect_extent(lse, 1, "total_q", total_q, "as q.shape[0]");
+    outputs.push_back(lse);
+  }
+  expect_outputs_apart(check, outputs,
+                       {describe("q", args.q), describe("k", args.k), describe("v", args.v)});
+  check_backend(check, options, std::is_same_v<T, double>, false);
+  problem.scale = resolve_scale(check, options, e.head_dim);
+  problem.threads = resolve_threads(check, options);
+  problem.args.q = as_batched(args.q, e.batch);
+  problem.args.k = as_batched(args.k, e.batch);
+  problem.args.v = as_batched(args.v, e.batch);
+  problem.args.out = as_batched(args.out, e.batch);
+  if (!args.lse.empty()) problem.args.lse = lse_as_batched(args.lse, e.batch);
+  return problem;
+}
+
+template <class T>
+BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
+                                            const AttentionOptions& options) {
+  const Checker check("qkv::varlen_attention_backward");
+  BackwardProblem<T> problem;
+  check_varlen_common<T>(check, args, options, problem.extents, problem.mask);
+  const Extents& e = problem.extents;
+  const int64_t total_q = args.q.shape[0], total_k = args.k.shape[0];
+
+  auto expect_like = [&](const Described& view, int64_t rows, int64_t heads, int64_t dim,
+                         const char* like) {
+    check.expect_well_formed(view);
+    check.expect_extent(view, 0, "total", rows, std::string("as ") + like + ".shape[0]");
+    check.expect_extent(view, 1, "heads", heads, std::string("as ") + like + ".shape[1]");
+    check.expect_extent(view, 2, "head_dim", dim, std::string("as ") + like + ".shape[2]");
+  };
+  const Described out = describe("out", args.out), dout = describe("dout", args.dout);
+  expect_like(out, total_q, e.q_heads, e.v_dim, "the forward's out");
+  expect_like(dout, total_q, e.q_heads, e.v_dim, "out");
+  if (args.lse.empty() && total_q > 0) {
+    check.fail("lse: required (pass the log-sum-exp that varlen_attention_forward returned)");
+  }
+  const Described lse = describe("lse", args.lse);
+  if (!args.lse.empty()) {
+    check.expect_well_formed(lse);
+    check.expect_extent(lse, 0, "heads", e.q_heads, "as q.shape[1]");
+    check.expect_extent(lse, 1, "total_q", total_q, "as q.shape[0]");
+  }
+  const Described dq = describe("dq", args.dq), dk = describe("dk", args.dk),
+                  dv = describe("dv", args.dv);
+  expect_like(dq, total_q, e.q_heads, e.head_dim, "q");
+  expect_like(dk, total_k, e.kv_heads, e.head_dim, "k");
+  expect_like(dv, total_k, e.kv_heads, e.v_dim, "v");
+  expect_outputs_apart(check, {dq, dk, dv},
+                       {describe("q", args.q), describe("k", args.k), describe("v", args.v), out,
+                        lse, dout});
+  if (options.execution.check_finite) {
+    check.expect_finite<T>(dout);
+    check.expect_finite<T>(out);
+  }
+  check_backend(check, options, std::is_same_v<T, double>, false);
+  problem.scale = resolve_scale(check, options, e.head_dim);
+  problem.threads = resolve_threads(check, options);
+  problem.args.q = as_batched(args.q, e.batch);
+  problem.args.k = as_batched(args.k, e.batch);
+  problem.args.v = as_batched(args.v, e.batch);
+  problem.args.out = as_batched(args.out, e.batch);
+  problem.args.dout = as_batched(args.dout, e.batch);
+  problem.args.dq = as_batched(args.dq, e.batch);
+  problem.args.dk = as_batched(args.dk, e.batch);
+  problem.args.dv = as_batched(args.dv, e.batch);
+  if (!args.lse.empty()) problem.args.lse = lse_as_batched(args.lse, e.batch);
+  return problem;
+}
+
+}  // namespace
+
+ForwardProblem<float> validate(const VarlenForwardArgs<float>& args,
+                               const AttentionOptions& options) {
+  return validate_varlen_forward(args, options);
+}
+ForwardProblem<double> validate(const VarlenForwardArgs<double>& args,
+                                const AttentionOptions& options) {
+  return validate_varlen_forward(args, options);
+}
+BackwardProblem<float> validate(const VarlenBackwardArgs<float>& args,
+                                const AttentionOptions& options) {
+  return validate_varlen_backward(args, options);
+}
+BackwardProblem<double> validate(const VarlenBackwardArgs<double>& args,
+                                 const AttentionOptions& options) {
+  return validate_varlen_backward(args, options);
+}
+
+}  // namespace qkv::detail
