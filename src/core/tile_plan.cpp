@@ -52,22 +52,29 @@ void TilePlan::summarize(int64_t b, int64_t h, int64_t i, std::uint8_t* out) con
   }
 }
 
-// MaskRule::degenerate_row from the block summaries, exact on the block that key_end cuts.
-bool TilePlan::degenerate(int64_t b, int64_t h, int64_t i, const std::uint8_t* summary) const {
+// MaskRule::degenerate_row from the block summaries, exact on the block that key_end
+// cuts; for a degenerate row, its largest bias (the shift the kernels subtract), else 0.
+float TilePlan::degenerate_shift(int64_t b, int64_t h, int64_t i,
+                                 const std::uint8_t* summary) const {
   const int64_t key_end = mask_->key_end(b, i);
   const int64_t whole = key_end / block_k_;
   bool any_soft = false;
   for (int64_t kb = 0; kb < whole; ++kb) {
-    if (summary[kb] & kAnyNormal) return false;
+    if (summary[kb] & kAnyNormal) return 0.0f;
     any_soft = any_soft || (summary[kb] & kAnySoft);
   }
   for (int64_t j = whole * block_k_; j < key_end; ++j) {
     if (!mask_->keeps(b, h, i, j)) continue;
     const float value = mask_->bias_at(b, h, i, j);
-    if (!(value <= MaskRule::kRemovalBias)) return false;
+    if (!(value <= MaskRule::kRemovalBias)) return 0.0f;
     any_soft = any_soft || value != kMinusInf;
   }
-  return any_soft;
+  if (!any_soft) return 0.0f;
+  // Rare (padding queries): one exact pass over the row for its largest bias.
+  float shift = kMinusInf;
+  for (int64_t j = 0; j < key_end; ++j)
+    if (mask_->keeps(b, h, i, j)) shift = std::max(shift, mask_->bias_at(b, h, i, j));
+  return shift;
 }
 
 TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries,
@@ -126,13 +133,14 @@ TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries
 
   if (!mask.bias.empty()) {
     degenerate_.assign(static_cast<std::size_t>(batch_) * plan_heads_ *
-                           static_cast<std::size_t>(q_rows_), 0);
+                           static_cast<std::size_t>(q_rows_), 0.0f);
 #pragma omp parallel for num_threads(mask_bytes > kParallelPlanWork ? threads : 1) schedule(static)
     for (int64_t bh = 0; bh < batch_ * static_cast<int64_t>(plan_heads_); ++bh) {
       const int64_t b = bh / static_cast<int64_t>(plan_heads_),
                     h = bh % static_cast<int64_t>(plan_heads_);
-      std::uint8_t* flags = degenerate_.data() + static_cast<std::size_t>(bh * q_rows_);
-      for (int64_t i = 0; i < mask.q_len(b); ++i) flags[i] = degenerate(b, h, i, summary_of(b, h, i));
+      float* shifts = degenerate_.data() + static_cast<std::size_t>(bh * q_rows_);
+      for (int64_t i = 0; i < mask.q_len(b); ++i)
+        shifts[i] = degenerate_shift(b, h, i, summary_of(b, h, i));
     }
   }
 
@@ -142,7 +150,7 @@ TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries
   for (int64_t bh = 0; bh < pairs; ++bh) {
     const int64_t b = bh / static_cast<int64_t>(plan_heads_),
                   h = bh % static_cast<int64_t>(plan_heads_);
-    const std::uint8_t* flags = degenerate_rows(b, h, 0);
+    const float* shifts = degenerate_rows(b, h, 0);
     const int64_t q_len = mask.q_len(b), k_len = mask.sequences.k_len(b);
     for (int64_t qb = 0; qb * block_q_ < q_len; ++qb) {
       Tile* row = classes_.data() + tile_index(b, h, qb);
@@ -157,7 +165,7 @@ TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries
             continue;
           }
           const std::uint8_t s = summary_of(b, h, i)[kb];
-          const bool literal = flags != nullptr && flags[i];
+          const bool literal = shifts != nullptr && shifts[i] != 0.0f;
           const bool removed = literal ? (s & kAllHard) != 0 : (s & kAnyNormal) == 0;
           if (removed) {
             all_full = false;

@@ -48,9 +48,10 @@ class TilePlan {
   int64_t last_key_block(int64_t b, int64_t h, int64_t q_block) const {
     return last_[row_block_index(b, h, q_block)];
   }
-  // Rows that take their ≤ kRemovalBias keys literally (MaskRule::degenerate_row),
-  // `block_queries` flags from query row `first` (false when the call has no bias).
-  const std::uint8_t* degenerate_rows(int64_t b, int64_t h, int64_t first) const {
+  // Rows that take their ≤ kRemovalBias keys literally (MaskRule::degenerate_row): per
+  // query row from `first`, the row's largest such bias, or 0 for an ordinary row (null
+  // when the call has no bias).
+  const float* degenerate_rows(int64_t b, int64_t h, int64_t first) const {
     if (degenerate_.empty()) return nullptr;
     return degenerate_.data() + (static_cast<std::size_t>(b) * plan_heads_ + head(h)) *
                                     static_cast<std::size_t>(q_rows_) +
@@ -78,7 +79,7 @@ class TilePlan {
   void classify_with_elementwise(int64_t b, int64_t plan_head,
                                  const std::vector<std::uint8_t>& summaries);
   void summarize(int64_t b, int64_t h, int64_t i, std::uint8_t* out) const;
-  bool degenerate(int64_t b, int64_t h, int64_t i, const std::uint8_t* summary) const;
+  float degenerate_shift(int64_t b, int64_t h, int64_t i, const std::uint8_t* summary) const;
   void finish(int64_t group);
 
   const MaskRule* mask_;
@@ -90,7 +91,7 @@ class TilePlan {
   int64_t batch_, q_heads_, kv_heads_;
   std::vector<Tile> classes_;           // [batch][plan head][query block][key block]
   std::vector<int32_t> busy_, first_, last_;  // [batch][plan head][query block]
-  std::vector<std::uint8_t> degenerate_;      // [batch][plan head][query row], bias only
+  std::vector<float> degenerate_;             // [batch][plan head][query row], bias only
   std::vector<std::uint8_t> partial_columns_;  // [batch][kv head][key block]
 };
 

@@ -144,8 +144,8 @@ struct Context {
   const Packed& packed;
 };
 
-void PackQueryBlock(const detail::BackwardProblem<float>& p, const ForwardTask& task,
-                    Packed& packed) {
+void PackQueryBlock(const detail::BackwardProblem<float>& p, const detail::TilePlan& plan,
+                    const ForwardTask& task, Packed& packed) {
   const auto rows = p.rows();
   const detail::Extents& e = p.extents;
   const int64_t b = task.batch, h = task.head, first = task.first_query;
@@ -174,6 +174,9 @@ void PackQueryBlock(const detail::BackwardProblem<float>& p, const ForwardTask& 
     const int64_t query = first + static_cast<int64_t>(i);
     const float value = rows.lse(b, h, query);
     lse[i] = value == kMinusInf ? kPlusInf : value;
+    const float* shifts = plan.degenerate_rows(b, h, first);
+    if (shifts != nullptr && shifts[i] != 0.0f && value != kMinusInf)  // see block_mask.hpp
+      lse[i] = degenerate_row_lse(p.mask, b, h, query, shifts[i]);
     // D_i = ⟨dO_i, O_i⟩ in double: it is subtracted from every dP_ij of the row.
     const float* dout = rows.dout(b, query, h);
     const float* out = rows.out(b, query, h);
@@ -226,6 +229,7 @@ size_t ScoreBlock(const Context& c, const QueryRows& rows, detail::Tile tile, in
       add = s.add.get();
     }
     MaskTile(s.pt.get(), kn, width, first_key, s.key_end.data(), add);
+    overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.pt.get(), width);
   }
   ProbabilitiesFromLse(s.pt.get(), kn, width, c.packed.lse_of(rows.batch, rows.head) + offset);
 
@@ -401,7 +405,7 @@ void BackwardImpl(const detail::BackwardProblem<float>& p) {
 #pragma omp for schedule(dynamic, 16) nowait
     for (size_t t = 0; t < scans.size(); ++t) ScanKeyValueBlock(p, scans[t], finite);
 #pragma omp for schedule(dynamic, 1)
-    for (size_t t = 0; t < query_tasks.size(); ++t) PackQueryBlock(p, query_tasks[t], packed);
+    for (size_t t = 0; t < query_tasks.size(); ++t) PackQueryBlock(p, plan, query_tasks[t], packed);
     // (implicit barrier: every task below reads every query block's packed panels and
     // the finite flags)
     BackwardScratch scratch(packed, p.mask.has_elementwise(), lanes, dq_rows);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -20,7 +21,9 @@ struct QueryRows {
   int64_t first = 0;                 // index of the first query in its sequence
   int64_t count = 0;                 // queries in the block
   const int32_t* key_end = nullptr;  // per query: one past its last visible key
-  const std::uint8_t* degenerate = nullptr;  // per query (null: none), see MaskRule
+  // Per query (null: none): a degenerate row's largest bias, 0 for ordinary rows
+  // (MaskRule, TilePlan::degenerate_rows).
+  const float* degenerate = nullptr;
 };
 
 // Fills key_end[0..count) (lengths fit int32: validation caps them).
@@ -44,7 +47,7 @@ inline void build_additive_tile(const detail::MaskRule& mask, const QueryRows& r
         mask.keep.empty() ? nullptr : &mask.keep(rows.batch, rows.head, query, first_key);
     const float* bias =
         mask.bias.empty() ? nullptr : &mask.bias(rows.batch, rows.head, query, first_key);
-    const bool literal = rows.degenerate != nullptr && rows.degenerate[i] != 0;
+    const bool literal = rows.degenerate != nullptr && rows.degenerate[i] != 0.0f;
     float* column = add + i;
     for (int64_t j = 0; j < keys; ++j) {
       const bool kept = keep == nullptr || keep[j * keep_step] != 0;
@@ -54,6 +57,44 @@ inline void build_additive_tile(const detail::MaskRule& mask, const QueryRows& r
       column[static_cast<std::size_t>(j) * ld] = takes_part ? value : kRemoved;
     }
   }
+}
+
+// Degenerate rows (every kept key's bias ≤ kRemovalBias, some finite): in fp32, as in
+// PyTorch, s + bias rounds to the bias for any logit s far below |bias| (|s| < 1e22 at
+// −1e30), so the row's weights are the softmax of its biases alone. Computed as
+// bias − (the row's largest bias), which keeps the weights exact and the LSE meaningful
+// for the backward (finfo.min + log n would round back to finfo.min). Overwrites those
+// columns of a masked tile st[key][query].
+inline void overwrite_degenerate_columns(const detail::MaskRule& mask, const QueryRows& rows,
+                                         int64_t first_key, int64_t keys, float* st,
+                                         std::size_t ld) {
+  if (rows.degenerate == nullptr) return;
+  for (int64_t i = 0; i < rows.count; ++i) {
+    const float shift = rows.degenerate[i];
+    if (shift == 0.0f) continue;
+    const int64_t query = rows.first + i;
+    const int64_t key_end = rows.key_end[i];
+    for (int64_t j = 0; j < keys; ++j) {
+      const int64_t key = first_key + j;
+      const bool takes_part = key < key_end && mask.takes_part(rows.batch, rows.head, query, key, true);
+      st[static_cast<std::size_t>(j) * ld + static_cast<std::size_t>(i)] =
+          takes_part ? mask.bias_at(rows.batch, rows.head, query, key) - shift
+                     : -std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
+// The backward's LSE of a degenerate row, in the shifted frame overwrite_degenerate_columns
+// computes in: log Σ exp(bias − shift) over the keys that take part. The forward's LSE
+// (shift + this) rounds to the shift in fp32, as PyTorch's does, so the backward rebuilds
+// it here (rare rows, O(Nk) each).
+inline float degenerate_row_lse(const detail::MaskRule& mask, int64_t b, int64_t h, int64_t i,
+                                float shift) {
+  double sum = 0.0;
+  for (int64_t j = 0, end = mask.key_end(b, i); j < end; ++j)
+    if (mask.takes_part(b, h, i, j, true))
+      sum += std::exp(static_cast<double>(mask.bias_at(b, h, i, j)) - shift);
+  return static_cast<float>(std::log(sum));
 }
 
 }  // namespace qkv::cpu

@@ -118,6 +118,7 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
         add = s.add.get();
       }
       MaskTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.key_end.data(), add);
+      overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.st.get(), width);
     }
 
     OnlineSoftmaxStep(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha);
@@ -155,7 +156,9 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
       for (size_t c = 0; c < dv; ++c) out[c] = acc[c] / l[i];  // one rounding, not two
     }
     if (!p.args.lse.empty()) {
-      rows_of.lse(b, h, query) = l[i] == 0.0f ? kMinusInf : m[i] + std::log(l[i]);
+      // A degenerate row was computed shifted by its largest bias (block_mask.hpp).
+      const float shift = rows.degenerate != nullptr ? rows.degenerate[i] : 0.0f;
+      rows_of.lse(b, h, query) = l[i] == 0.0f ? kMinusInf : m[i] + std::log(l[i]) + shift;
     }
   }
 }

@@ -16,7 +16,15 @@ struct PlainResult {
   Tensor<float, 3> lse;
 };
 
-// Computes out (and, given dout, the gradients) in float, loop by loop.
+// Element (b, h, i, j) of a mask view that may broadcast (extent 1) on its first 3 axes.
+template <class T>
+T broadcast_at(const View4<const T>& m, int64_t b, int64_t h, int64_t i, int64_t j) {
+  return m(m.shape[0] == 1 ? 0 : b, m.shape[1] == 1 ? 0 : h, m.shape[2] == 1 ? 0 : i, j);
+}
+
+// Computes out (and, given dout, the gradients) in float, loop by loop, reading the masks
+// from c.options (any broadcast shape). Additive entries are added literally, as PyTorch's
+// math does (−inf removes a key): a finite finfo.min row is averaged, not removed.
 inline PlainResult plain_fp32(const Case<float>& c, const Tensor<float, 4>* dout) {
   const CaseSpec& s = c.spec;
   const float scale = static_cast<float>(s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim)));
@@ -36,8 +44,9 @@ inline PlainResult plain_fp32(const Case<float>& c, const Tensor<float, 4>* dout
         float max = -std::numeric_limits<float>::infinity();
         std::vector<bool> seen(s.k_len, false);
         for (int64_t j = 0; j < rule.key_end(b, i); ++j) {
-          if (s.keep_mask && c.keep(b, 0, i, j) == 0) continue;
-          const float bias = s.bias_mask ? c.bias(0, h, i, j) : 0.0f;
+          const auto& mask = c.options.mask;
+          if (!mask.keep.empty() && broadcast_at(mask.keep, b, h, i, j) == 0) continue;
+          const float bias = mask.bias.empty() ? 0.0f : broadcast_at(mask.bias, b, h, i, j);
           if (bias == -INFINITY) continue;
           float dot = 0.0f;
           for (int64_t x = 0; x < s.head_dim; ++x) dot += c.q(b, i, h, x) * c.k(b, j, kh, x);
