@@ -7,6 +7,8 @@ Functions (NumPy arrays or torch tensors, float32 or float64, CPU, never copied)
     attention(q, k, v, ...)            forward; differentiable for torch tensors
     attention_backward(q, k, v, out, lse, dout, ...)   dq, dk, dv
     attention_weights(q, k, v, ...)    the weights P of the exact reference backend
+    varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)   packed sequences, no padding
+    varlen_attention_backward(...)     its dq, dk, dv
     softmax, log_softmax, softmax_jacobian, softmax_backward   the textbook math
     available_backends()               which backends this build runs
 
@@ -19,6 +21,7 @@ message.
 from ._qkv import Error, __version__
 from ._attention import attention, attention_backward, attention_weights, available_backends
 from ._softmax import log_softmax, softmax, softmax_backward, softmax_jacobian
+from ._varlen import varlen_attention, varlen_attention_backward
 
 Error.__module__ = "qkv"  # raised as qkv.Error (a ValueError), however deep it came from
 
@@ -33,6 +36,8 @@ __all__ = [
     "softmax",
     "softmax_backward",
     "softmax_jacobian",
+    "varlen_attention",
+    "varlen_attention_backward",
 ]
 
 

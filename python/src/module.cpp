@@ -8,6 +8,10 @@
 #include "qkv/version.hpp"
 #include "softmax.hpp"
 
+namespace qkv::python {
+void bind_varlen(nanobind::module_& m);  // varlen.cpp
+}
+
 NB_MODULE(_qkv, m) {
   m.doc() = "qkv's C++ library, bound with nanobind (internal: use the qkv package).";
   m.attr("__version__") = qkv::kVersion;
@@ -15,5 +19,6 @@ NB_MODULE(_qkv, m) {
   nanobind::exception<qkv::Error>(m, "Error", PyExc_ValueError);
   qkv::python::bind_attention(m);
   qkv::python::bind_softmax(m);
+  qkv::python::bind_varlen(m);
   qkv::python::bind_debug(m);
 }

@@ -29,6 +29,9 @@ class TilePlan {
            int64_t block_keys, int threads);
 
   int64_t block_queries() const { return block_q_; }
+  // Whether classes (and degenerate rows) differ between query heads: false when the
+  // masks broadcast over heads, which lets kernels share per-tile mask work across heads.
+  bool per_head() const { return per_head_; }
   int64_t block_keys() const { return block_k_; }
   // Blocks of entry b's own sequence.
   int64_t query_blocks(int64_t b) const { return ceil_div(mask_->q_len(b), block_q_); }

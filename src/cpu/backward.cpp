@@ -36,6 +36,7 @@
 #include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
 #include "cpu/finite_scan.hpp"
+#include "cpu/mask_tiles.hpp"
 #include "cpu/blocking.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/work_order.hpp"
@@ -141,6 +142,7 @@ struct Context {
   const detail::BackwardProblem<float>& p;
   const detail::TilePlan& plan;
   const KeyValueFinite& finite;
+  const SharedMaskTiles& shared;
   const Packed& packed;
 };
 
@@ -224,11 +226,17 @@ size_t ScoreBlock(const Context& c, const QueryRows& rows, detail::Tile tile, in
        c.packed.qt_of(rows.batch, rows.head) + offset, nq_ld, s.pt.get(), width, false);
   if (tile == detail::Tile::partial) {
     const float* add = nullptr;
+    size_t add_ld = width;
     if (p.mask.has_elementwise()) {
-      build_additive_tile(p.mask, rows, first_key, keys, s.add.get(), width);
-      add = s.add.get();
+      add = c.shared.find(rows.batch, rows.first / kBlockQueries, first_key / kBlockKeys);
+      if (add != nullptr) {
+        add_ld = SharedMaskTiles::kLd;
+      } else {
+        build_additive_tile(p.mask, rows, first_key, keys, s.add.get(), width);
+        add = s.add.get();
+      }
     }
-    MaskTile(s.pt.get(), kn, width, first_key, s.key_end.data(), add);
+    MaskTile(s.pt.get(), kn, width, first_key, s.key_end.data(), add, add_ld);
     overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.pt.get(), width);
   }
   ProbabilitiesFromLse(s.pt.get(), kn, width, c.packed.lse_of(rows.batch, rows.head) + offset);
@@ -389,7 +397,8 @@ void BackwardImpl(const detail::BackwardProblem<float>& p) {
   Packed packed(e, p.mask.sequences, lanes);
   KeyValueFinite finite(e);
   const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
-  const Context context{p, plan, finite, packed};
+  const SharedMaskTiles shared(p.mask, e, plan);
+  const Context context{p, plan, finite, shared, packed};
 
   const bool single_pass = backward_single_pass(e);
   const std::vector<std::pair<int64_t, int64_t>> head_groups =
@@ -404,10 +413,12 @@ void BackwardImpl(const detail::BackwardProblem<float>& p) {
   {
 #pragma omp for schedule(dynamic, 16) nowait
     for (size_t t = 0; t < scans.size(); ++t) ScanKeyValueBlock(p, scans[t], finite);
+#pragma omp for schedule(dynamic, 4) nowait
+    for (size_t t = 0; t < shared.size(); ++t) shared.build(p.mask, plan, t);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < query_tasks.size(); ++t) PackQueryBlock(p, plan, query_tasks[t], packed);
-    // (implicit barrier: every task below reads every query block's packed panels and
-    // the finite flags)
+    // (implicit barrier: every task below reads every query block's packed panels, the
+    // finite flags and the shared mask tiles)
     BackwardScratch scratch(packed, p.mask.has_elementwise(), lanes, dq_rows);
     if (single_pass) {
 #pragma omp for schedule(dynamic, 1)

@@ -91,9 +91,11 @@ HWY_INLINE bool AllFinite(const float* HWY_RESTRICT src, int64_t src_row, size_t
 // Masks a partial tile st[key][query] (`keys` rows, `width` columns, a multiple of the
 // vector length): entry (j, i) becomes −inf where key first_key + j is past key_end[i]
 // or add[j][i] is −inf, and st + add[j][i] elsewhere (add null: the key_end edge only,
-// as causality and key padding need). key_end holds `width` entries.
+// as causality and key padding need; rows of add are add_ld floats apart). key_end holds
+// `width` entries.
 HWY_INLINE void MaskTile(float* HWY_RESTRICT st, size_t keys, size_t width, int64_t first_key,
-                         const int32_t* HWY_RESTRICT key_end, const float* HWY_RESTRICT add) {
+                         const int32_t* HWY_RESTRICT key_end, const float* HWY_RESTRICT add,
+                         size_t add_ld) {
   const FloatTag d;
   const hn::RebindToSigned<FloatTag> di;
   const size_t lanes = hn::Lanes(d);
@@ -105,7 +107,7 @@ HWY_INLINE void MaskTile(float* HWY_RESTRICT st, size_t keys, size_t width, int6
       auto visible = hn::RebindMask(d, hn::Lt(key, hn::LoadU(di, key_end + i)));
       auto x = hn::LoadU(d, row + i);
       if (add != nullptr) {
-        const auto a = hn::LoadU(d, add + j * width + i);
+        const auto a = hn::LoadU(d, add + j * add_ld + i);
         visible = hn::And(visible, hn::Ne(a, minus_inf));
         x = hn::Add(x, a);
       }

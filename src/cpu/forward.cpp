@@ -32,6 +32,7 @@
 #include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
 #include "cpu/finite_scan.hpp"
+#include "cpu/mask_tiles.hpp"
 #include "cpu/blocking.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/work_order.hpp"
@@ -70,7 +71,8 @@ struct ForwardScratch {
 };
 
 void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan& plan,
-                  const KeyValueFinite& finite, const ForwardTask& task, ForwardScratch& s) {
+                  const KeyValueFinite& finite, const SharedMaskTiles& shared,
+                  const ForwardTask& task, ForwardScratch& s) {
   const detail::Extents& e = p.extents;
   const auto rows_of = p.rows();
   const size_t lanes = VectorLanes();
@@ -113,11 +115,18 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
     const bool partial = tile == detail::Tile::partial;
     if (partial) {
       const float* add = nullptr;
+      size_t add_ld = width;
       if (p.mask.has_elementwise()) {
-        build_additive_tile(p.mask, rows, first_key, keys, s.add.get(), width);
-        add = s.add.get();
+        add = shared.find(b, q_block, k_block);
+        if (add != nullptr) {
+          add_ld = SharedMaskTiles::kLd;
+        } else {
+          build_additive_tile(p.mask, rows, first_key, keys, s.add.get(), width);
+          add = s.add.get();
+        }
       }
-      MaskTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.key_end.data(), add);
+      MaskTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.key_end.data(), add,
+               add_ld);
       overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.st.get(), width);
     }
 
@@ -171,15 +180,19 @@ void ForwardImpl(const detail::ForwardProblem<float>& p) {
   if (tasks.empty()) return;
   KeyValueFinite finite(p.extents);
   const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
+  const SharedMaskTiles shared(p.mask, p.extents, plan);
   const int threads = threads_for(p.threads, tasks.size(), forward_flops(tasks, p.extents));
 #pragma omp parallel num_threads(threads)
   {
     // Non-finite K/V scan of the key blocks that partial tiles read, once per call.
-#pragma omp for schedule(dynamic, 16)
+#pragma omp for schedule(dynamic, 16) nowait
     for (size_t t = 0; t < scans.size(); ++t) ScanKeyValueBlock(p, scans[t], finite);
+    // The mask tiles shared by every head, once per call.
+#pragma omp for schedule(dynamic, 4)
+    for (size_t t = 0; t < shared.size(); ++t) shared.build(p.mask, plan, t);
     ForwardScratch scratch(p, VectorLanes());
 #pragma omp for schedule(dynamic, 1)
-    for (size_t t = 0; t < tasks.size(); ++t) ForwardBlock(p, plan, finite, tasks[t], scratch);
+    for (size_t t = 0; t < tasks.size(); ++t) ForwardBlock(p, plan, finite, shared, tasks[t], scratch);
   }
 }
 

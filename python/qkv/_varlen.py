@@ -1,0 +1,138 @@
+"""qkv.varlen_attention and qkv.varlen_attention_backward: a batch of sequences of
+different lengths packed back to back (FlashAttention's ``flash_attn_varlen_func``
+layout), with no padding and so no work spent on padding."""
+
+from __future__ import annotations
+
+from . import _qkv
+from ._arrays import Torch, framework_of
+from ._options import Error, causal_mode, make_options
+
+_DOC = """
+    q ``[total_q, Hq, d]``, k ``[total_k, Hkv, d]``, v ``[total_k, Hkv, dv]``: the
+    sequences back to back. Sequence s owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
+    and key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` and attends only within itself.
+    cu_seqlens_q/k: int32 or int64 prefix sums (number of sequences + 1 entries, first 0,
+    never decreasing, last = total), as arrays of q's type or lists of ints.
+    max_seqlen_q/k: optional; when given, must be >= every sequence's length.
+    causal: None, ``"top_left"`` or ``"bottom_right"``, applied per sequence.
+    scale: default 1/sqrt(d). Hq a multiple of Hkv (GQA). threads: None = all.
+    Errors name the argument (qkv.Error), e.g. a cu_seqlens entry that decreases.
+"""
+
+
+def _offsets(fw, name, values):
+    if fw.owns(values):
+        return fw.for_library(values)
+    vector = fw.integer_vector(values)
+    if vector is None:
+        raise TypeError(f"{name}: expected int32 or int64 prefix sums, got {values!r}")
+    return fw.for_library(vector)
+
+
+def _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q, max_seqlen_k):
+    options = make_options(fn, fw, scale=scale, causal=causal, backend=backend, threads=threads)
+    return dict(max_seqlen_q=int(max_seqlen_q or 0), max_seqlen_k=int(max_seqlen_k or 0),
+                scale=options.scale, causal=options.causal, backend=options.backend,
+                threads=options.threads)
+
+
+def _check_rank3(fn, **arrays):
+    for name, x in arrays.items():
+        if x.ndim != 3:
+            raise Error(f"{fn}: {name}: expected 3 dimensions [total, heads, dim], "
+                        f"got shape {tuple(x.shape)}")
+
+
+def _forward(fw, q, k, v, cu_q, cu_k, settings):
+    out = fw.empty((q.shape[0], q.shape[1], v.shape[2]), q)
+    lse = fw.empty((q.shape[1], q.shape[0]), q)
+    _qkv.varlen_forward(fw.for_library(q), fw.for_library(k), fw.for_library(v),
+                        fw.for_library(out), cu_q, cu_k, lse=fw.for_library(lse), **settings)
+    return out, lse
+
+
+def _backward(fw, q, k, v, out, lse, dout, cu_q, cu_k, settings):
+    dq, dk, dv = fw.empty(tuple(q.shape), q), fw.empty(tuple(k.shape), q), fw.empty(tuple(v.shape), q)
+    _qkv.varlen_backward(fw.for_library(q), fw.for_library(k), fw.for_library(v),
+                         fw.for_library(out), fw.for_library(lse), fw.for_library(dout),
+                         fw.for_library(dq), fw.for_library(dk), fw.for_library(dv),
+                         cu_q, cu_k, **settings)
+    return dq, dk, dv
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                     max_seqlen_k=None, causal=None, scale=None, return_lse=False,
+                     threads=None, backend="auto"):
+    fn = "qkv.varlen_attention"
+    fw = framework_of(fn, q=q, k=k, v=v)
+    _check_rank3(fn, q=q, k=k, v=v)
+    settings = _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q, max_seqlen_k)
+    cu_q, cu_k = _offsets(fw, "cu_seqlens_q", cu_seqlens_q), _offsets(fw, "cu_seqlens_k", cu_seqlens_k)
+    if fw is Torch:
+        import torch
+
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = _torch_function().apply(q, k, v, cu_q, cu_k, settings)
+        else:
+            out, lse = _forward(fw, q, k, v, cu_q, cu_k, settings)
+    else:
+        out, lse = _forward(fw, q, k, v, cu_q, cu_k, settings)
+    return (out, lse) if return_lse else out
+
+
+varlen_attention.__doc__ = """Attention over packed sequences of different lengths.
+
+    Returns ``out [total_q, Hq, dv]`` (a new array of q's type), or ``(out, lse)`` with
+    ``return_lse=True``, ``lse [Hq, total_q]`` (what varlen_attention_backward needs).
+    Differentiable for torch tensors (autograd runs qkv's backward).
+""" + _DOC
+
+
+def varlen_attention_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, *,
+                              max_seqlen_q=None, max_seqlen_k=None, causal=None, scale=None,
+                              threads=None, backend="auto"):
+    fn = "qkv.varlen_attention_backward"
+    fw = framework_of(fn, q=q, k=k, v=v, out=out, lse=lse, dout=dout)
+    _check_rank3(fn, q=q, k=k, v=v, out=out, dout=dout)
+    settings = _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q, max_seqlen_k)
+    cu_q, cu_k = _offsets(fw, "cu_seqlens_q", cu_seqlens_q), _offsets(fw, "cu_seqlens_k", cu_seqlens_k)
+    return _backward(fw, q, k, v, out, lse, Torch.inner_contiguous(dout) if fw is Torch else dout,
+                     cu_q, cu_k, settings)
+
+
+varlen_attention_backward.__doc__ = """Gradients ``(dq, dk, dv)`` of varlen_attention
+    given its ``out``, ``lse`` and ``dout = ∂L/∂out``, with the same arguments.
+""" + _DOC
+
+_function = None
+
+
+def _torch_function():
+    """The autograd.Function, built on first use so NumPy users never import torch."""
+    global _function
+    if _function is None:
+        import torch
+
+        class _Varlen(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, cu_q, cu_k, settings):
+                out, lse = _forward(Torch, q, k, v, cu_q, cu_k, settings)
+                ctx.save_for_backward(q, k, v, out, lse)
+                ctx.offsets = (cu_q, cu_k)
+                ctx.settings = settings
+                ctx.mark_non_differentiable(lse)
+                return out, lse
+
+            @staticmethod
+            def backward(ctx, dout, _dlse):
+                q, k, v, out, lse = ctx.saved_tensors
+                dq, dk, dv = _backward(Torch, q, k, v, out, lse, Torch.inner_contiguous(dout),
+                                       *ctx.offsets, ctx.settings)
+                return dq, dk, dv, None, None, None
+
+        _function = _Varlen
+    return _function
+
+
+__all__ = ["varlen_attention", "varlen_attention_backward"]

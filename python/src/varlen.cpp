@@ -1,0 +1,149 @@
+// qkv::varlen_attention_forward / _backward for Python: packed [total, heads, dim] arrays
+// and cu_seqlens (int32 or int64), read in place; outputs allocated by the caller.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include "arrays.hpp"
+#include "options.hpp"
+#include "qkv/attention.hpp"
+#include "qkv/error.hpp"
+
+namespace qkv::python {
+namespace {
+
+constexpr const char* kAsQ = "the dtype of q";
+
+// A contiguous int32 or int64 vector as the library's SeqOffsets.
+SeqOffsets offsets_of(const char* name, const InArray& array) {
+  expect_cpu(name, array.device_type());
+  expect_rank(name, array.ndim(), 1);
+  if (array.size() > 1 && array.stride(0) != 1) {
+    throw Error(std::string(name) + ": expected a contiguous array, got stride " +
+                std::to_string(array.stride(0)));
+  }
+  const auto* data = static_cast<const char*>(array.data_handle()) + array.byte_offset();
+  if (array.dtype() == nanobind::dtype<int32_t>())
+    return std::span<const int32_t>(reinterpret_cast<const int32_t*>(data), array.size());
+  if (array.dtype() == nanobind::dtype<int64_t>())
+    return std::span<const int64_t>(reinterpret_cast<const int64_t*>(data), array.size());
+  throw nanobind::type_error((std::string(name) + ": expected dtype int32 or int64, got " +
+                              dtype_name(array.dtype()))
+                                 .c_str());
+}
+
+AttentionOptions varlen_options(std::optional<double> scale, const std::string& causal,
+                                const std::string& backend, int threads, bool check_finite) {
+  OptionArgs args;
+  args.scale = scale;
+  args.causal = causal;
+  args.backend = backend;
+  args.threads = threads;
+  args.check_finite = check_finite;
+  return make_options(args);
+}
+
+template <class T>
+void forward_typed(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
+                   const std::optional<OutArray>& lse, const InArray& cu_q, const InArray& cu_k,
+                   int64_t max_q, int64_t max_k, const AttentionOptions& options) {
+  VarlenForwardArgs<T> args;
+  args.q = view_of<const T, 3>("q", q, kAsQ);
+  args.k = view_of<const T, 3>("k", k, kAsQ);
+  args.v = view_of<const T, 3>("v", v, kAsQ);
+  args.out = view_of<T, 3>("out", out, kAsQ);
+  if (lse) args.lse = view_of<T, 2>("lse", *lse, kAsQ);
+  args.cu_seqlens_q = offsets_of("cu_seqlens_q", cu_q);
+  args.cu_seqlens_k = offsets_of("cu_seqlens_k", cu_k);
+  args.max_seqlen_q = max_q;
+  args.max_seqlen_k = max_k;
+  nanobind::gil_scoped_release release;
+  varlen_attention_forward(args, options);
+}
+
+template <class T>
+void backward_typed(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
+                    const InArray& lse, const InArray& dout, const OutArray& dq,
+                    const OutArray& dk, const OutArray& dv, const InArray& cu_q,
+                    const InArray& cu_k, int64_t max_q, int64_t max_k,
+                    const AttentionOptions& options) {
+  VarlenBackwardArgs<T> args;
+  args.q = view_of<const T, 3>("q", q, kAsQ);
+  args.k = view_of<const T, 3>("k", k, kAsQ);
+  args.v = view_of<const T, 3>("v", v, kAsQ);
+  args.out = view_of<const T, 3>("out", out, kAsQ);
+  args.lse = view_of<const T, 2>("lse", lse, kAsQ);
+  args.dout = view_of<const T, 3>("dout", dout, kAsQ);
+  args.dq = view_of<T, 3>("dq", dq, kAsQ);
+  args.dk = view_of<T, 3>("dk", dk, kAsQ);
+  args.dv = view_of<T, 3>("dv", dv, kAsQ);
+  args.cu_seqlens_q = offsets_of("cu_seqlens_q", cu_q);
+  args.cu_seqlens_k = offsets_of("cu_seqlens_k", cu_k);
+  args.max_seqlen_q = max_q;
+  args.max_seqlen_k = max_k;
+  nanobind::gil_scoped_release release;
+  varlen_attention_backward(args, options);
+}
+
+template <class Float32, class Float64>
+void dispatch_on_q(const InArray& q, Float32&& float32, Float64&& float64) {
+  expect_cpu("q", q.device_type());
+  if (q.dtype() == nanobind::dtype<float>()) return float32();
+  if (q.dtype() == nanobind::dtype<double>()) return float64();
+  throw nanobind::type_error(
+      ("q: expected dtype float32 or float64, got " + dtype_name(q.dtype())).c_str());
+}
+
+}  // namespace
+
+void bind_varlen(nanobind::module_& m) {
+  namespace nb = nanobind;
+  m.def(
+      "varlen_forward",
+      [](const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
+         const InArray& cu_q, const InArray& cu_k, std::optional<OutArray> lse, int64_t max_q,
+         int64_t max_k, std::optional<double> scale, std::string causal, std::string backend,
+         int threads, bool check_finite) {
+        const AttentionOptions options =
+            varlen_options(scale, causal, backend, threads, check_finite);
+        dispatch_on_q(
+            q, [&] { forward_typed<float>(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, options); },
+            [&] { forward_typed<double>(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, options); });
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("cu_seqlens_q"),
+      nb::arg("cu_seqlens_k"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
+      nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
+      nb::arg("scale").none() = nb::none(), nb::arg("causal") = "none",
+      nb::arg("backend") = "auto", nb::arg("threads") = 0, nb::arg("check_finite") = false,
+      "qkv::varlen_attention_forward on packed [total, heads, dim] arrays; writes out (and "
+      "lse [heads, total_q]) in place. The GIL is released while computing.");
+  m.def(
+      "varlen_backward",
+      [](const InArray& q, const InArray& k, const InArray& v, const InArray& out,
+         const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
+         const OutArray& dv, const InArray& cu_q, const InArray& cu_k, int64_t max_q,
+         int64_t max_k, std::optional<double> scale, std::string causal, std::string backend,
+         int threads, bool check_finite) {
+        const AttentionOptions options =
+            varlen_options(scale, causal, backend, threads, check_finite);
+        dispatch_on_q(
+            q,
+            [&] {
+              backward_typed<float>(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, max_q,
+                                    max_k, options);
+            },
+            [&] {
+              backward_typed<double>(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, max_q,
+                                     max_k, options);
+            });
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"),
+      nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("cu_seqlens_q"),
+      nb::arg("cu_seqlens_k"), nb::kw_only(), nb::arg("max_seqlen_q") = 0,
+      nb::arg("max_seqlen_k") = 0, nb::arg("scale").none() = nb::none(),
+      nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
+      nb::arg("check_finite") = false,
+      "qkv::varlen_attention_backward on packed arrays; writes dq, dk, dv in place.");
+}
+
+}  // namespace qkv::python
