@@ -29,11 +29,11 @@ void forward_impl(const detail::ForwardProblem<T>& problem) {
           for (int64_t c = 0; c < e.v_dim; ++c) row_out[c] += weights[j] * static_cast<double>(v[c]);
         }
         T* out = rows.out(b, i, h);
-        for (int64_t c = 0; c < e.v_dim; ++c) out[c] = static_cast<T>(row_out[c]);
-        if (!args.lse.empty()) rows.lse(b, h, i) = static_cast<T>(lse);
+        for (int64_t c = 0; c < e.v_dim; ++c) out[c] = store_as<T>(row_out[c]);
+        if (!args.lse.empty()) rows.lse(b, h, i) = static_cast<LseOf<T>>(lse);
         if (!args.weights.empty()) {  // dense calls only (varlen has no weights output)
           for (std::size_t j = 0; j < weights.size(); ++j) {
-            args.weights(b, h, i, static_cast<int64_t>(j)) = static_cast<T>(weights[j]);
+            args.weights(b, h, i, static_cast<int64_t>(j)) = store_as<T>(weights[j]);
           }
         }
       }
@@ -45,5 +45,7 @@ void forward_impl(const detail::ForwardProblem<T>& problem) {
 
 void forward(const detail::ForwardProblem<float>& problem) { forward_impl(problem); }
 void forward(const detail::ForwardProblem<double>& problem) { forward_impl(problem); }
+void forward(const detail::ForwardProblem<bfloat16>& problem) { forward_impl(problem); }
+void forward(const detail::ForwardProblem<float16>& problem) { forward_impl(problem); }
 
 }  // namespace qkv::reference

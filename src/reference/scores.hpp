@@ -4,12 +4,23 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "core/problem.hpp"
 #include "reference/softmax_row.hpp"
 
 namespace qkv::reference {
+
+// An exact (double) result stored in T. The 16-bit types round through float.
+template <class T>
+T store_as(double value) {
+  if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
+    return T(static_cast<float>(value));
+  } else {
+    return static_cast<T>(value);
+  }
+}
 
 // S_i = scale · q_i·K ᵀ + bias_i over the keys of q_i's sequence, with keys that do not
 // take part (core/problem.hpp, MaskRule) at -inf and never read; then P_i = softmax(S_i).
