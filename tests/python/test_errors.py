@@ -72,7 +72,8 @@ CASES = [
     ("mask 5-D", lambda: qkv.attention(Q, K, V, mask=np.ones((1, 2, 4, 5, 6), bool)),
      ValueError, r"mask: expected 1 to 4 dimensions"),
     ("mask int dtype", lambda: qkv.attention(Q, K, V, mask=np.ones((5, 6), np.int32)),
-     TypeError, r"mask: expected dtype bool or uint8 \(True = attend\) or float32/float64"),
+     TypeError, r"mask: expected dtype bool or uint8 \(True = attend\) or float32, float64, "
+                r"float16 or bfloat16"),
     ("mask other type", lambda: qkv.attention(Q, K, V, mask=torch.ones(5, 6)), TypeError,
      r"every array must be of one type"),
     ("key_lengths too few", lambda: qkv.attention(Q, K, V, key_lengths=[6]), ValueError,
