@@ -9,7 +9,8 @@
 #include "softmax.hpp"
 
 namespace qkv::python {
-void bind_varlen(nanobind::module_& m);  // varlen.cpp
+void bind_varlen(nanobind::module_& m);   // varlen.cpp
+void bind_dropout(nanobind::module_& m);  // dropout.cpp
 }
 
 NB_MODULE(_qkv, m) {
@@ -20,5 +21,6 @@ NB_MODULE(_qkv, m) {
   qkv::python::bind_attention(m);
   qkv::python::bind_softmax(m);
   qkv::python::bind_varlen(m);
+  qkv::python::bind_dropout(m);
   qkv::python::bind_debug(m);
 }
