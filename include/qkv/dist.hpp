@@ -36,6 +36,12 @@ namespace qkv::dist {
 
 struct RingOptions {
   Sharding sharding = Sharding::zigzag;
+  // Query rows per block call: each step's calls are cut into pieces this tall, with a
+  // chance for MPI to move the step's messages between pieces (implementations without
+  // a progress thread advance transfers only inside MPI calls). 256 rows are four of
+  // the kernels' 64-row query blocks, enough to keep a node's threads busy per piece;
+  // lower it when a piece takes much longer than a message. Must be ≥ 1.
+  int64_t progress_rows = 256;
 };
 
 // out (and lse, if given: it is what ring_attention_backward needs) for this rank's

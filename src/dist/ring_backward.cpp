@@ -27,9 +27,12 @@ namespace {
 
 constexpr const char* kFunction = "qkv::dist::ring_attention_backward";
 
-void check_local(const BackwardArgs<float>& a, const AttentionOptions& options) {
+void check_local(const BackwardArgs<float>& a, const AttentionOptions& options, const RingOptions& ring) {
   const detail::ViewChecks check{kFunction};
   check.ring_options(options);
+  if (ring.progress_rows < 1) {
+    check.fail("ring.progress_rows: expected >= 1, got " + std::to_string(ring.progress_rows));
+  }
   const std::pair<const char*, View4<const float>> inputs[] = {
       {"q", a.q}, {"k", a.k}, {"v", a.v}, {"out", a.out}, {"dout", a.dout}};
   const std::pair<const char*, View4<float>> outputs[] = {{"dq", a.dq}, {"dk", a.dk}, {"dv", a.dv}};
@@ -74,7 +77,7 @@ void ring_attention_backward(const BackwardArgs<float>& a, const AttentionOption
                                    .q_heads = a.q.shape[2], .kv_heads = a.k.shape[2],
                                    .dim = a.q.shape[3], .v_dim = a.v.shape[3]};
   const detail::RingSetup s =
-      detail::setup_ring(kFunction, local, options, comm, ring, [&] { check_local(a, options); });
+      detail::setup_ring(kFunction, local, options, comm, ring, [&] { check_local(a, options, ring); });
   const int64_t batch = local.batch, q_rows = local.q_rows, kv_heads = local.kv_heads;
   const std::size_t block_floats = static_cast<std::size_t>(s.max_block_floats());
 
@@ -112,7 +115,10 @@ void ring_attention_backward(const BackwardArgs<float>& a, const AttentionOption
     const View4<float> dvalues = s.block.values(grads_mine.data(), k_rows);
     std::fill_n(grads_mine.begin(), s.block.floats(k_rows), 0.0f);
 
-    for (const BlockCall& call : ring_block_calls(s.problem, s.rank, owner)) {
+    std::vector<BlockCall> pieces;
+    for (const BlockCall& call : ring_block_calls(s.problem, s.rank, owner))
+      for (const BlockCall& piece : split_queries(call, ring.progress_rows)) pieces.push_back(piece);
+    for (const BlockCall& call : pieces) {
       const int64_t b0 = call.batch_begin, b1 = call.batch_end, b = b1 - b0;
       const int64_t q0 = call.q_begin, q1 = call.q_end, k0 = call.k_begin, k1 = call.k_end;
       const auto dq_view = View4<float>::contiguous(part_dq.data(), {b, q1 - q0, s.q_heads, local.dim});

@@ -21,9 +21,12 @@ namespace {
 
 constexpr const char* kFunction = "qkv::dist::ring_attention_forward";
 
-void check_local(const ForwardArgs<float>& a, const AttentionOptions& options) {
+void check_local(const ForwardArgs<float>& a, const AttentionOptions& options, const RingOptions& ring) {
   const detail::ViewChecks check{kFunction};
   check.ring_options(options);
+  if (ring.progress_rows < 1) {
+    check.fail("ring.progress_rows: expected >= 1, got " + std::to_string(ring.progress_rows));
+  }
   if (!a.weights.empty()) check.fail("weights: not supported by ring attention");
   for (const auto& [name, view] : {std::pair{"q", a.q}, {"k", a.k}, {"v", a.v}})
     check.well_formed(name, view);
@@ -61,7 +64,7 @@ void ring_attention_forward(const ForwardArgs<float>& a, const AttentionOptions&
                                    .q_heads = a.q.shape[2], .kv_heads = a.k.shape[2],
                                    .dim = a.q.shape[3], .v_dim = a.v.shape[3]};
   const detail::RingSetup s =
-      detail::setup_ring(kFunction, local, options, comm, ring, [&] { check_local(a, options); });
+      detail::setup_ring(kFunction, local, options, comm, ring, [&] { check_local(a, options, ring); });
   const int64_t batch = local.batch, q_rows = local.q_rows;
 
   // Accumulators: the caller's out, and its lse or ours. Rows no key reaches stay 0, −inf.
@@ -97,7 +100,10 @@ void ring_attention_forward(const ForwardArgs<float>& a, const AttentionOptions&
     }
     const View4<const float> keys = s.block.keys(blocks[current].data(), k_rows);
     const View4<const float> values = s.block.values(blocks[current].data(), k_rows);
-    for (const BlockCall& call : ring_block_calls(s.problem, s.rank, owner)) {
+    std::vector<BlockCall> pieces;
+    for (const BlockCall& call : ring_block_calls(s.problem, s.rank, owner))
+      for (const BlockCall& piece : split_queries(call, ring.progress_rows)) pieces.push_back(piece);
+    for (const BlockCall& call : pieces) {
       const int64_t b = call.batch_end - call.batch_begin, n = call.q_end - call.q_begin;
       const auto out_view = View4<float>::contiguous(part_out.data(), {b, n, s.q_heads, local.v_dim});
       const auto lse_view = View3<float>::contiguous(part_lse.data(), {b, s.q_heads, n});

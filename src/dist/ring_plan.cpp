@@ -155,6 +155,23 @@ std::vector<BlockCall> ring_block_calls(const RingProblem& p, int rank, int kv_o
   return calls;
 }
 
+std::vector<BlockCall> split_queries(const BlockCall& call, int64_t max_rows) {
+  if (max_rows < 1) fail("split_queries: max_rows: expected >= 1, got " + std::to_string(max_rows));
+  std::vector<BlockCall> pieces;
+  const int64_t rows = call.q_end - call.q_begin, keys = call.k_end - call.k_begin;
+  for (int64_t begin = 0; begin < rows; begin += max_rows) {
+    BlockCall piece = call;
+    piece.q_begin = call.q_begin + begin;
+    piece.q_end = call.q_begin + std::min(rows, begin + max_rows);
+    if (call.causal == Causal::bottom_right) {
+      // Row i of the call sees keys [0, i + keys − rows]: the piece's last row decides.
+      piece.k_end = call.k_begin + (piece.q_end - call.q_begin) + keys - rows;
+    }
+    pieces.push_back(piece);
+  }
+  return pieces;
+}
+
 void shard_into(View4<const float> global, View4<float> local, int world, int rank,
                 Sharding sharding) {
   check_shard_shapes("shard_into", global, local, world, rank, sharding);

@@ -34,6 +34,7 @@ struct RingCase {
   std::optional<double> scale;
   Sharding sharding = Sharding::zigzag;
   bool bhsd = false;  // shards in PyTorch's [B, H, S, D] memory: strided views
+  int64_t progress_rows = 256;  // small values cut the block calls into pieces
 };
 
 void PrintTo(const RingCase& c, std::ostream* os) { *os << c.name; }
@@ -115,7 +116,7 @@ Shard shard_of(const Tensor<float, 4>& global, const RingCase& c, bool bhsd) {
 
 Results<float> run_ring(const RingCase& c, const AttentionOptions& options, const Tensor<float, 4>& q,
                         const Tensor<float, 4>& k, const Tensor<float, 4>& v, const Tensor<float, 4>& dout) {
-  const RingOptions ring{.sharding = c.sharding};
+  const RingOptions ring{.sharding = c.sharding, .progress_rows = c.progress_rows};
   const Shard lq = shard_of(q, c, c.bhsd), lk = shard_of(k, c, c.bhsd), lv = shard_of(v, c, c.bhsd);
   const Shard ldout = shard_of(dout, c, c.bhsd);
   const int64_t nq = lq.view.shape[1], nk = lk.view.shape[1];
@@ -195,6 +196,11 @@ std::vector<RingCase> cases() {
   all.push_back({.name = "key_lengths_full_bhsd", .batch = 2, .q_len = 33, .k_len = 31, .dim = 8, .v_dim = 12,
                  .key_lengths = {5, 30}, .bhsd = true});
   all.push_back({.name = "causal_bhsd", .q_len = 47, .k_len = 47, .causal = Causal::top_left, .bhsd = true});
+  // Block calls cut into pieces of a few rows (RingOptions::progress_rows).
+  all.push_back({.name = "pieces_causal_gqa", .batch = 2, .q_len = 61, .k_len = 61, .q_heads = 4, .kv_heads = 2,
+                 .causal = Causal::top_left, .progress_rows = 5});
+  all.push_back({.name = "pieces_bottom_right_key_lengths", .batch = 2, .q_len = 30, .k_len = 57,
+                 .causal = Causal::bottom_right, .key_lengths = {40, 57}, .progress_rows = 3});
   // Fewer rows than ranks: some ranks hold nothing and still take part in the ring.
   all.push_back({.name = "one_row", .q_len = 1, .k_len = 1, .causal = Causal::top_left});
   all.push_back({.name = "two_rows", .q_len = 2, .k_len = 2, .causal = Causal::top_left});

@@ -74,15 +74,24 @@ bool visible(const RingProblem& p, int64_t b, int64_t i, int64_t j) {
   return true;
 }
 
-// Every visible triple covered once, no other; every call's rows see a key.
-void expect_exact_cover(const RingProblem& p) {
+// Every visible triple covered once, no other; every call's rows see a key. With
+// max_rows > 0, each call is first cut by split_queries.
+void expect_exact_cover(const RingProblem& p, int64_t max_rows = 0) {
   std::vector<int> cover(static_cast<std::size_t>(p.batch * p.q_len * p.k_len), 0);
   for (int rank = 0; rank < p.world; ++rank) {
     const auto q_rows = global_rows(p.q_len, p.world, rank, p.sharding);
     for (int step = 0; step < p.world; ++step) {
       const int owner = ring_kv_owner(p.world, rank, step);
       const auto k_rows = global_rows(p.k_len, p.world, owner, p.sharding);
-      for (const BlockCall& c : ring_block_calls(p, rank, owner)) {
+      std::vector<BlockCall> calls;
+      for (const BlockCall& whole : ring_block_calls(p, rank, owner)) {
+        if (max_rows == 0) {
+          calls.push_back(whole);
+        } else {
+          for (const BlockCall& piece : split_queries(whole, max_rows)) calls.push_back(piece);
+        }
+      }
+      for (const BlockCall& c : calls) {
         ASSERT_LT(c.batch_begin, c.batch_end);
         ASSERT_LT(c.q_begin, c.q_end);
         ASSERT_LT(c.k_begin, c.k_end);
@@ -128,6 +137,7 @@ TEST(RingBlockCalls, CoverEveryVisiblePairExactlyOnce) {
       p.key_lengths = lengths;
     }
     expect_exact_cover(p);
+    expect_exact_cover(p, pick(1, 4));  // the same pairs after cutting calls into pieces
     if (HasFatalFailure()) return;
   }
 }

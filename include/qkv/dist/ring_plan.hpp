@@ -79,6 +79,12 @@ struct BlockCall {
 // query, key) triple is covered by exactly one call and no invisible one by any.
 std::vector<BlockCall> ring_block_calls(const RingProblem& problem, int rank, int kv_owner);
 
+// `call` cut into calls of at most `max_rows` query rows (max_rows ≥ 1), covering
+// exactly the same (query, key) pairs: a bottom_right piece keeps the keys up to its
+// last row's, so its own bottom_right alignment is the original's. The MPI ring runs
+// pieces so that it can let MPI progress its messages between them.
+std::vector<BlockCall> split_queries(const BlockCall& call, int64_t max_rows);
+
 // Copies this rank's rows of a global [B, N, H, D] tensor (N = global.shape[1]) into
 // `local` [B, shard_length, H, D], or this rank's shard back into its rows of `global`.
 // Throws qkv::Error (before writing) when shapes disagree.
