@@ -3,12 +3,13 @@
 //
 //   mpiexec -n W build/release/bench/qkv_bench_ring [--seq 4096,8192] [--heads 8]
 //       [--kv-heads 8] [--dim 64] [--threads 1] [--repeats 5] [--causal 0|1]
+//       [--progress-rows 256]
 //
 // For each sequence length, four timings (median of --repeats after a warm-up; each
 // the slowest rank's, since a ring is as slow as its slowest rank):
 //   ring     ring_attention_forward / _backward as shipped (messages overlap compute);
-//   compute  the same block calls and merges with no messages (this rank's K/V buffer
-//            stands in for the visiting one);
+//   compute  the same block calls (cut into the same pieces) and merges with no
+//            messages (a local K/V buffer stands in for the visiting one);
 //   comm     the same messages with no compute (W−1 K/V transfers forward; W−1 K/V
 //            plus W dK/dV transfers backward);
 //   overlap  (compute + comm − ring) / min(compute, comm): 1 = the smaller of the two
@@ -39,6 +40,7 @@ struct Config {
   std::vector<int64_t> seqs{4096, 8192};
   int64_t heads = 8, kv_heads = 8, dim = 64;
   int threads = 1, repeats = 5;
+  int64_t progress_rows = 256;  // RingOptions::progress_rows, for the ring and compute alike
   bool causal = true;
 };
 
@@ -60,6 +62,8 @@ Config parse(int argc, char** argv) {
       c.threads = std::stoi(value);
     } else if (flag == "--repeats") {
       c.repeats = std::stoi(value);
+    } else if (flag == "--progress-rows") {
+      c.progress_rows = std::stoll(value);
     } else if (flag == "--causal") {
       c.causal = value != "0";
     } else {
@@ -106,13 +110,19 @@ View3<T> lse_rows(const View3<T>& v, int64_t b0, int64_t b1, int64_t n0, int64_t
   return View3<T>(v.data + b0 * v.strides[0] + n0 * v.strides[2], {b1 - b0, v.shape[1], n1 - n0}, v.strides);
 }
 
-void ring_messages(int world, int rank, const std::vector<int64_t>& floats_per_step, std::vector<float>& a,
+// One message per step to the next rank and one from the previous, of the sizes the
+// ring sends: {floats sent, floats received} per step.
+struct Exchange {
+  int64_t send = 0, recv = 0;
+};
+
+void ring_messages(int world, int rank, const std::vector<Exchange>& steps, std::vector<float>& a,
                    std::vector<float>& b) {
   const int next = (rank + 1) % world, prev = (rank + world - 1) % world;
-  for (int64_t count : floats_per_step) {
+  for (const Exchange& step : steps) {
     MPI_Request requests[2];
-    MPI_Irecv(b.data(), static_cast<int>(count), MPI_FLOAT, prev, 1, MPI_COMM_WORLD, &requests[0]);
-    MPI_Isend(a.data(), static_cast<int>(count), MPI_FLOAT, next, 1, MPI_COMM_WORLD, &requests[1]);
+    MPI_Irecv(b.data(), static_cast<int>(step.recv), MPI_FLOAT, prev, 1, MPI_COMM_WORLD, &requests[0]);
+    MPI_Isend(a.data(), static_cast<int>(step.send), MPI_FLOAT, next, 1, MPI_COMM_WORLD, &requests[1]);
     MPI_Waitall(2, requests, MPI_STATUSES_IGNORE);
     std::swap(a, b);
   }
@@ -127,9 +137,11 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   if (rank == 0) {
-    std::printf("# ranks=%d heads=%lld kv_heads=%lld d=%lld threads/rank=%d causal=%d repeats=%d\n", world,
-                static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
-                static_cast<long long>(c.dim), c.threads, c.causal ? 1 : 0, c.repeats);
+    std::printf("# ranks=%d heads=%lld kv_heads=%lld d=%lld threads/rank=%d causal=%d repeats=%d "
+                "progress_rows=%lld\n",
+                world, static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
+                static_cast<long long>(c.dim), c.threads, c.causal ? 1 : 0, c.repeats,
+                static_cast<long long>(c.progress_rows));
     std::printf("| N | pass | ring ms | compute ms | comm ms | overlap | GFLOP/s/rank | compute/step ms "
                 "| MB/step | comm GB/s |\n|---|---|---|---|---|---|---|---|---|---|\n");
   }
@@ -137,6 +149,7 @@ int main(int argc, char** argv) {
   options.causal = c.causal ? qkv::Causal::top_left : qkv::Causal::none;
   options.execution.threads = c.threads;
   const int64_t B = 1, H = c.heads, Hkv = c.kv_heads, d = c.dim;
+  const qkv::dist::RingOptions ring{.progress_rows = c.progress_rows};
 
   for (int64_t N : c.seqs) {
     const int64_t n = qkv::dist::shard_length(N, world, rank, qkv::dist::Sharding::zigzag);
@@ -156,13 +169,13 @@ int main(int argc, char** argv) {
     const double ring_fwd = timed(c.repeats, [&] {
       qkv::dist::ring_attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = out.view(),
                                          .lse = lse.view()},
-                                        options, MPI_COMM_WORLD);
+                                        options, MPI_COMM_WORLD, ring);
     });
     const double ring_bwd = timed(c.repeats, [&] {
       qkv::dist::ring_attention_backward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = out.cview(),
                                           .lse = lse.cview(), .dout = dout.cview(), .dq = dq.view(),
                                           .dk = dk.view(), .dv = dv.view()},
-                                         options, MPI_COMM_WORLD);
+                                         options, MPI_COMM_WORLD, ring);
     });
 
     // Compute only: the plan's calls, with the stand-in block.
@@ -170,7 +183,10 @@ int main(int argc, char** argv) {
     Tensor<float, 4> pdk({B, max_rows, Hkv, d}), pdv({B, max_rows, Hkv, d});
     Tensor<float, 3> acc_lse({B, H, n}), part_lse({B, H, n});
     auto calls_for = [&](int step) {
-      return qkv::dist::ring_block_calls(problem, rank, qkv::dist::ring_kv_owner(world, rank, step));
+      std::vector<qkv::dist::BlockCall> pieces;
+      for (const auto& call : qkv::dist::ring_block_calls(problem, rank, qkv::dist::ring_kv_owner(world, rank, step)))
+        for (const auto& piece : qkv::dist::split_queries(call, c.progress_rows)) pieces.push_back(piece);
+      return pieces;
     };
     const double compute_fwd = timed(c.repeats, [&] {
       for (int step = 0; step < world; ++step) {
@@ -212,13 +228,14 @@ int main(int argc, char** argv) {
 
     // Communication only: the ring's messages, same sizes, same order.
     const int64_t floats_per_row = B * Hkv * 2 * d;
-    std::vector<int64_t> fwd_steps, bwd_steps;
-    for (int step = 0; step + 1 < world; ++step)
-      fwd_steps.push_back(floats_per_row * k_rows[qkv::dist::ring_kv_owner(world, rank, step)]);
+    std::vector<Exchange> fwd_steps, bwd_steps;
+    auto block_at = [&](int step) {  // floats of the block this rank holds at `step`
+      return floats_per_row * k_rows[qkv::dist::ring_kv_owner(world, rank, step % world)];
+    };
+    for (int step = 0; step + 1 < world; ++step) fwd_steps.push_back({block_at(step), block_at(step + 1)});
     for (int step = 0; step < world; ++step) {
-      const int64_t block = floats_per_row * k_rows[qkv::dist::ring_kv_owner(world, rank, step)];
-      if (step + 1 < world) bwd_steps.push_back(block);  // K/V
-      if (world > 1) bwd_steps.push_back(block);        // dK/dV
+      if (step + 1 < world) bwd_steps.push_back({block_at(step), block_at(step + 1)});  // K/V
+      if (world > 1) bwd_steps.push_back({block_at(step), block_at(step + 1)});         // dK/dV
     }
     std::vector<float> buf_a(static_cast<std::size_t>(floats_per_row * max_rows)), buf_b(buf_a.size());
     const double comm_fwd = timed(c.repeats, [&] { ring_messages(world, rank, fwd_steps, buf_a, buf_b); });
@@ -227,12 +244,12 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       const double flops_fwd = 4.0 * double(B * H * d) * double(N) * double(N) * (c.causal ? 0.5 : 1.0);
       const double step_mb = double(floats_per_row * max_rows) * 4.0 / 1e6;
-      auto row = [&](const char* pass, double ring, double compute, double comm, double flops, std::size_t messages) {
-        const double overlap = world > 1 ? (compute + comm - ring) / std::min(compute, comm) : 0.0;
+      auto row = [&](const char* pass, double ring_time, double compute, double comm, double flops, std::size_t messages) {
+        const double overlap = world > 1 ? (compute + comm - ring_time) / std::min(compute, comm) : 0.0;
         const double per_message = messages ? comm / double(messages) : 0.0;
         std::printf("| %lld | %s | %.2f | %.2f | %.2f | %.2f | %.1f | %.3f | %.2f | %.2f |\n",
-                    static_cast<long long>(N), pass, ring * 1e3, compute * 1e3, comm * 1e3, overlap,
-                    flops / ring / world / 1e9, compute / world * 1e3, step_mb,
+                    static_cast<long long>(N), pass, ring_time * 1e3, compute * 1e3, comm * 1e3, overlap,
+                    flops / ring_time / world / 1e9, compute / world * 1e3, step_mb,
                     per_message > 0 ? step_mb / 1e3 / per_message : 0.0);
       };
       row("fwd", ring_fwd, compute_fwd, comm_fwd, flops_fwd, fwd_steps.size());
