@@ -4,6 +4,7 @@
 
 #include "attention.hpp"
 #include "debug.hpp"
+#include "dist.hpp"
 #include "qkv/error.hpp"
 #include "qkv/version.hpp"
 #include "softmax.hpp"
@@ -23,4 +24,5 @@ NB_MODULE(_qkv, m) {
   qkv::python::bind_varlen(m);
   qkv::python::bind_dropout(m);
   qkv::python::bind_debug(m);
+  qkv::python::bind_dist(m);
 }
