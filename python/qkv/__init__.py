@@ -22,6 +22,7 @@ from ._qkv import Error, __version__
 from ._attention import attention, attention_backward, attention_weights, available_backends
 from ._softmax import log_softmax, softmax, softmax_backward, softmax_jacobian
 from ._varlen import varlen_attention, varlen_attention_backward
+from ._dropout import dropout_mask
 
 Error.__module__ = "qkv"  # raised as qkv.Error (a ValueError), however deep it came from
 
@@ -32,6 +33,7 @@ __all__ = [
     "attention_backward",
     "attention_weights",
     "available_backends",
+    "dropout_mask",
     "log_softmax",
     "softmax",
     "softmax_backward",

@@ -165,6 +165,10 @@ def forward_with_autograd(q, k, v, *, layout: str, options: Options):
     a graph is needed; traced calls (torch.compile, fake tensors) go through the
     operator torch.ops.qkv.attention_forward, whose autograd formula is the same."""
     grad = torch.is_grad_enabled()
+    if options.has_variants():  # window, ALiBi, soft-cap, sinks, dropout: eager only
+        from . import _variants
+
+        return _variants.forward_with_autograd(q, k, v, layout=layout, options=options)
     if options.bias is not None and options.bias.requires_grad and grad:
         raise NotImplementedError(
             "qkv: the gradient with respect to a float attention mask is not implemented "

@@ -52,8 +52,8 @@ void forward_typed(const InArray& q, const InArray& k, const InArray& v, const O
 template <class T>
 void backward_typed(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
                     const InArray& lse, const InArray& dout, const OutArray& dq,
-                    const OutArray& dk, const OutArray& dv, const AttentionOptions& options,
-                    bool bits) {
+                    const OutArray& dk, const OutArray& dv, const std::optional<OutArray>& dsinks,
+                    const AttentionOptions& options, bool bits) {
   BackwardArgs<T> args;
   args.q = view_of<const T, 4>("q", q, kAsQ, bits);
   args.k = view_of<const T, 4>("k", k, kAsQ, bits);
@@ -64,6 +64,10 @@ void backward_typed(const InArray& q, const InArray& k, const InArray& v, const 
   args.dq = view_of<T, 4>("dq", dq, kAsQ, bits);
   args.dk = view_of<T, 4>("dk", dk, kAsQ, bits);
   args.dv = view_of<T, 4>("dv", dv, kAsQ, bits);
+  if (dsinks) {
+    const auto view = view_of<float, 1>("dsinks", *dsinks, "sinks are float32");
+    args.dsinks = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
+  }
 
   debug_begin_call();
   debug_record("q", args.q);
@@ -96,11 +100,12 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
 
 void backward(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
               const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
-              const OutArray& dv, const OptionArgs& option_args, const std::string& storage) {
+              const OutArray& dv, const std::optional<OutArray>& dsinks,
+              const OptionArgs& option_args, const std::string& storage) {
   const CallStorage call = call_storage(q, storage);
   const AttentionOptions options = make_options(option_args);
   with_storage(call, [&]<class T>() {
-    backward_typed<T>(q, k, v, out, lse, dout, dq, dk, dv, options, call.bits);
+    backward_typed<T>(q, k, v, out, lse, dout, dq, dk, dv, dsinks, options, call.bits);
   });
 }
 
@@ -127,9 +132,11 @@ bool backend_available(const std::string& name) {
 OptionArgs option_args(std::optional<InArray> keep, std::optional<InArray> bias,
                        std::optional<InArray> key_lengths, std::optional<double> scale,
                        std::string causal, std::string backend, int threads,
-                       bool check_finite) {
-  return {std::move(keep), std::move(bias), std::move(key_lengths), scale,
-          std::move(causal), std::move(backend), threads, check_finite};
+                       bool check_finite, const nanobind::kwargs& variants) {
+  OptionArgs args{std::move(keep), std::move(bias), std::move(key_lengths), scale,
+                  std::move(causal), std::move(backend), threads, check_finite};
+  add_variant_args(args, variants);
+  return args;
 }
 
 }  // namespace
@@ -142,10 +149,12 @@ void bind_attention(nanobind::module_& m) {
          std::optional<OutArray> lse, std::optional<OutArray> weights,
          std::optional<InArray> keep, std::optional<InArray> bias,
          std::optional<InArray> key_lengths, std::optional<double> scale, std::string causal,
-         std::string backend, int threads, bool check_finite, std::string storage) {
+         std::string backend, int threads, bool check_finite, std::string storage,
+         const nb::kwargs& variants) {
         forward(q, k, v, out, lse, weights,
                 option_args(std::move(keep), std::move(bias), std::move(key_lengths), scale,
-                            std::move(causal), std::move(backend), threads, check_finite),
+                            std::move(causal), std::move(backend), threads, check_finite,
+                            variants),
                 storage);
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::kw_only(),
@@ -153,10 +162,12 @@ void bind_attention(nanobind::module_& m) {
       nb::arg("keep").none() = nb::none(), nb::arg("bias").none() = nb::none(),
       nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(),
       nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
-      nb::arg("check_finite") = false, nb::arg("storage") = "",
+      nb::arg("check_finite") = false, nb::arg("storage") = "", nb::arg("variants"),
       "qkv::attention_forward on [B, N, H, d] views of the given arrays; writes out, lse "
       "and weights in place. The GIL is released while computing. storage: '' (q's dtype) "
-      "or 'bfloat16'/'float16' for 16-bit integer arrays holding those bits.");
+      "or 'bfloat16'/'float16' for 16-bit integer arrays holding those bits. Further "
+      "keywords: the variants (window_left, window_right, alibi_slopes, softcap, sinks, "
+      "dropout_p, dropout_seed, dropout_offset).");
 
   m.def(
       "backward",
@@ -164,10 +175,12 @@ void bind_attention(nanobind::module_& m) {
          const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
          const OutArray& dv, std::optional<InArray> keep, std::optional<InArray> bias,
          std::optional<InArray> key_lengths, std::optional<double> scale, std::string causal,
-         std::string backend, int threads, bool check_finite, std::string storage) {
-        backward(q, k, v, out, lse, dout, dq, dk, dv,
+         std::string backend, int threads, bool check_finite, std::optional<OutArray> dsinks,
+         std::string storage, const nb::kwargs& variants) {
+        backward(q, k, v, out, lse, dout, dq, dk, dv, dsinks,
                  option_args(std::move(keep), std::move(bias), std::move(key_lengths), scale,
-                             std::move(causal), std::move(backend), threads, check_finite),
+                             std::move(causal), std::move(backend), threads, check_finite,
+                             variants),
                  storage);
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"),
@@ -175,9 +188,11 @@ void bind_attention(nanobind::module_& m) {
       nb::arg("keep").none() = nb::none(), nb::arg("bias").none() = nb::none(),
       nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(),
       nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
-      nb::arg("check_finite") = false, nb::arg("storage") = "",
-      "qkv::attention_backward on [B, N, H, d] views; writes dq, dk, dv in place. The GIL "
-      "is released while computing. storage: as for forward.");
+      nb::arg("check_finite") = false, nb::arg("dsinks").none() = nb::none(),
+      nb::arg("storage") = "", nb::arg("variants"),
+      "qkv::attention_backward on [B, N, H, d] views; writes dq, dk, dv (and dsinks, "
+      "float32 [Hq], with sinks) in place. The GIL is released while computing. storage: "
+      "as for forward.");
 
   m.def("backend_available", &backend_available, nb::arg("backend"),
         "Whether this build runs the named backend ('auto', 'reference' or 'cpu').");

@@ -64,6 +64,7 @@ struct Packed {
   hwy::AlignedFreeUniquePtr<float[]> dot;     // dv × nq_ld per panel: dOᵀ
   hwy::AlignedFreeUniquePtr<float[]> lse;     // nq_ld per panel: −inf and padding → +inf
   hwy::AlignedFreeUniquePtr<float[]> delta;   // nq_ld per panel: D_i
+  hwy::AlignedFreeUniquePtr<float[]> sink_terms;  // nq_ld per panel: −exp(sink − lse_i)·D_i
   hwy::AlignedFreeUniquePtr<float[]> q_rows;  // nq_ld × d_ld per panel, if d % lanes ≠ 0
   hwy::AlignedFreeUniquePtr<float[]> dout_rows;  // nq_ld × dv_ld, if dv % lanes ≠ 0
   const detail::Extents* e = nullptr;
@@ -88,6 +89,7 @@ struct Packed {
     dot = AllocateFloats(columns * static_cast<size_t>(extents.v_dim));
     lse = AllocateFloats(columns);
     delta = AllocateFloats(columns);
+    sink_terms = AllocateFloats(columns);
     q_rows = AllocateFloats(pad_q_rows ? columns * d_ld : 0);
     dout_rows = AllocateFloats(pad_dout_rows ? columns * dv_ld : 0);
   }
@@ -106,6 +108,7 @@ struct Packed {
   }
   float* lse_of(int64_t b, int64_t h) const { return lse.get() + panel(b, h); }
   float* delta_of(int64_t b, int64_t h) const { return delta.get() + panel(b, h); }
+  float* sink_terms_of(int64_t b, int64_t h) const { return sink_terms.get() + panel(b, h); }
   float* q_rows_of(int64_t b, int64_t h) const { return q_rows.get() + panel(b, h) * d_ld; }
   float* dout_rows_of(int64_t b, int64_t h) const {
     return dout_rows.get() + panel(b, h) * dv_ld;
@@ -124,27 +127,32 @@ struct BackwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> pt;    // kBlockKeys × width: Pᵀ
   hwy::AlignedFreeUniquePtr<float[]> dst;   // kBlockKeys × width: dPᵀ, then dSᵀ
   hwy::AlignedFreeUniquePtr<float[]> add;   // kBlockKeys × width: a partial tile's mask
+  hwy::AlignedFreeUniquePtr<float[]> cap;   // kBlockKeys × width: soft-cap slope 1 − tanh²
   hwy::AlignedFreeUniquePtr<float[]> acc;   // kBlockKeys × (d_ld + dv_ld): dK, dV
   hwy::AlignedFreeUniquePtr<float[]> k_pad; // kBlockKeys × d_ld: K padded (d % lanes ≠ 0) or widened
   hwy::AlignedFreeUniquePtr<float[]> v_wide;  // kBlockKeys × dv_ld: V widened, 16-bit storage only
   hwy::AlignedFreeUniquePtr<float[]> dq;    // dQ accumulator: dq_rows × d_ld
   hwy::AlignedFreeUniquePtr<float[]> partial;  // one block product before it is added
-  std::vector<int32_t> key_end;             // width (0 past the block's queries)
+  std::vector<int32_t> key_begin, key_end;  // width (0 past the block's queries)
+  std::vector<uint32_t> dropout_keys;       // width: dropout row keys of the block
 
   // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass).
-  BackwardScratch(const Packed& packed, bool elementwise, size_t lanes, size_t dq_rows,
-                  bool widen)
+  BackwardScratch(const Packed& packed, bool elementwise, bool softcap, size_t lanes,
+                  size_t dq_rows, bool widen)
       : width(round_up(kBlockQueries, lanes)),
         pt(AllocateFloats(kBlockKeys * width)),
         dst(AllocateFloats(kBlockKeys * width)),
         add(AllocateFloats(elementwise ? kBlockKeys * width : 0)),
+        cap(AllocateFloats(softcap ? kBlockKeys * width : 0)),
         acc(AllocateFloats(kBlockKeys * (packed.d_ld + packed.dv_ld))),
         k_pad(AllocateFloats(packed.pad_q_rows ? kBlockKeys * packed.d_ld : 0)),
         v_wide(AllocateFloats(widen ? kBlockKeys * packed.dv_ld : 0)),
         dq(AllocateFloats(dq_rows * packed.d_ld)),
         partial(AllocateFloats(std::max<size_t>(kBlockKeys, width) *
                                std::max(packed.d_ld, packed.dv_ld))),
-        key_end(width, 0) {}
+        key_begin(width, 0),
+        key_end(width, 0),
+        dropout_keys(width, 0) {}
 };
 
 // What every block function of one call reads.
@@ -208,7 +216,10 @@ void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan&
 
   float* lse = packed.lse_of(b, h) + first;
   float* delta = packed.delta_of(b, h) + first;
+  float* sink_terms = packed.sink_terms_of(b, h) + first;
+  const detail::ScoreModifiers& mods = p.modifiers;
   for (size_t i = 0; i < cols; ++i) {
+    sink_terms[i] = 0.0f;
     if (i >= count) {
       lse[i] = kPlusInf;
       delta[i] = 0.0f;
@@ -227,6 +238,11 @@ void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan&
     for (size_t c = 0; c < dv; ++c)
       dot_product += static_cast<double>(Widen(dout[c])) * Widen(out[c]);
     delta[i] = static_cast<float>(dot_product);
+    // The sink is a softmax entry without a value: dP_sink = 0, so
+    // dS_sink = P_sink·(0 − D_i) with P_sink = exp(sink − lse_i).
+    if (mods.has_sinks() && value != kMinusInf)
+      sink_terms[i] = static_cast<float>(-std::exp(static_cast<double>(mods.sinks[h]) - value) *
+                                         dot_product);
   }
   if (packed.pad_q_rows)
     WidenRows(rows.q(b, first, h), p.args.q.strides[1], count, d,
@@ -244,14 +260,19 @@ QueryRows DescribeQueryBlock(const Context<T>& c, int64_t b, int64_t h, int64_t 
   QueryRows rows{.batch = b, .head = h, .first = first,
                  .count = std::min(kBlockQueries, c.p.mask.q_len(b) - first),
                  .degenerate = c.plan.degenerate_rows(b, h, first)};
-  describe_rows(c.p.mask, rows, s.key_end.data());
-  std::fill(s.key_end.begin() + rows.count, s.key_end.end(), 0);
+  describe_rows(c.p.mask, rows, s.key_begin.data(), s.key_end.data(), s.width);
+  const Dropout& dropout = c.p.modifiers.dropout;
+  if (dropout.p > 0.0f) {
+    const uint32_t head_key = detail::dropout_head_key(dropout.seed, dropout.offset, b, h);
+    for (size_t i = 0; i < s.width; ++i)
+      s.dropout_keys[i] = detail::dropout_row_key(head_key, first + static_cast<int64_t>(i));
+  }
   return rows;
 }
 
-// Pᵀ and dSᵀ of one (key block, query block) tile into scratch.pt and scratch.dst, masked
-// exactly as the forward masked it. Returns the columns (queries, padded to whole
-// vectors) computed.
+// Pᵀ (with dropout: P·Z, as the forward multiplied V by) and dSᵀ of one (key block,
+// query block) tile into scratch.pt and scratch.dst, scored and masked exactly as the
+// forward did. Returns the columns (queries, padded to whole vectors) computed.
 template <class T>
 size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
                   const KeyValueRows& kv, int64_t first_key, int64_t keys, BackwardScratch& s) {
@@ -264,6 +285,13 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
 
   Gemm(kn, width, static_cast<size_t>(e.head_dim), StridedA{kv.k, kv.k_ld, 1},
        c.packed.qt_of(rows.batch, rows.head) + offset, nq_ld, s.pt.get(), width, false);
+  // The forward's variants, in its order: soft-cap (keeping its slope), ALiBi, masks.
+  const detail::ScoreModifiers& mods = p.modifiers;
+  if (mods.softcap > 0.0f) SoftcapTile(s.pt.get(), kn, width, mods.softcap, s.cap.get());
+  if (mods.has_alibi())
+    AlibiTile(s.pt.get(), kn, width, first_key,
+              rows.first + detail::ScoreModifiers::alibi_offset(p.mask, rows.batch),
+              mods.alibi_slopes[rows.head]);
   if (tile == detail::Tile::partial) {
     const float* add = nullptr;
     size_t add_ld = width;
@@ -276,15 +304,24 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
         add = s.add.get();
       }
     }
-    MaskTile(s.pt.get(), kn, width, first_key, s.key_end.data(), add, add_ld);
+    MaskTile(s.pt.get(), kn, width, first_key, s.key_begin.data(), s.key_end.data(), add, add_ld);
     overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.pt.get(), width);
   }
   ProbabilitiesFromLse(s.pt.get(), kn, width, c.packed.lse_of(rows.batch, rows.head) + offset);
 
   Gemm(kn, width, static_cast<size_t>(e.v_dim), StridedA{kv.v, kv.v_ld, 1},
        c.packed.dot_of(rows.batch, rows.head) + offset, nq_ld, s.dst.get(), width, false);
+  // Dropout: the forward summed P·Z·V, so dP = Z ⊙ (dO·Vᵀ), and dV takes P·Z (below).
+  const bool dropout = mods.has_dropout();
+  const uint32_t threshold = detail::dropout_threshold(mods.dropout.p);
+  const float dropout_scale = 1.0f / (1.0f - mods.dropout.p);
+  if (dropout)
+    DropoutTile(s.dst.get(), kn, width, first_key, s.dropout_keys.data(), threshold, dropout_scale);
   ScoreGradient(s.pt.get(), s.dst.get(), kn, width,
                 c.packed.delta_of(rows.batch, rows.head) + offset);
+  if (mods.softcap > 0.0f) MultiplyTile(s.dst.get(), s.cap.get(), kn * width);  // through tanh
+  if (dropout)
+    DropoutTile(s.pt.get(), kn, width, first_key, s.dropout_keys.data(), threshold, dropout_scale);
   return width;
 }
 
@@ -440,7 +477,10 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
   const detail::TilePlan plan(p.mask, e, kBlockQueries, kBlockKeys, p.threads);
   const std::vector<ForwardTask> query_tasks = forward_tasks(e, p.mask, plan);
   const std::vector<KeyTask> kv_tasks = key_tasks(e, p.mask, plan);
-  if (query_tasks.empty() && kv_tasks.empty()) return;
+  if (query_tasks.empty() && kv_tasks.empty()) {
+    std::fill(p.args.dsinks.begin(), p.args.dsinks.end(), 0.0f);  // no rows: no gradient
+    return;
+  }
 
   Packed packed(e, p.mask.sequences, lanes, kIsHalf<T>);
   KeyValueFinite finite(e);
@@ -467,7 +507,8 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
     for (size_t t = 0; t < query_tasks.size(); ++t) PackQueryBlock(p, plan, query_tasks[t], packed);
     // (implicit barrier: every task below reads every query block's packed panels, the
     // finite flags and the shared mask tiles)
-    BackwardScratch scratch(packed, p.mask.has_elementwise(), lanes, dq_rows, kIsHalf<T>);
+    BackwardScratch scratch(packed, p.mask.has_elementwise(), p.modifiers.softcap > 0.0f, lanes,
+                            dq_rows, kIsHalf<T>);
     if (single_pass) {
 #pragma omp for schedule(dynamic, 1)
       for (size_t t = 0; t < head_groups.size(); ++t)
@@ -479,6 +520,17 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
 #pragma omp for schedule(dynamic, 1)
       for (size_t t = 0; t < query_tasks.size(); ++t)
         QueryBlockGradient(context, query_tasks[t], scratch);
+    }
+  }
+  // ∂L/∂sink_h = Σ over entries and rows of the per-row terms, in a fixed order.
+  if (!p.args.dsinks.empty()) {
+    for (int64_t h = 0; h < e.q_heads; ++h) {
+      double sum = 0.0;
+      for (int64_t b = 0; b < e.batch; ++b) {
+        const float* terms = packed.sink_terms_of(b, h);
+        for (int64_t i = 0; i < p.mask.q_len(b); ++i) sum += terms[i];
+      }
+      p.args.dsinks[static_cast<size_t>(h)] = static_cast<float>(sum);
     }
   }
 }

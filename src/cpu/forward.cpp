@@ -58,7 +58,8 @@ struct ForwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> v_pad;  // kBlockKeys × dv_ld: V padded (dv % lanes ≠ 0) or widened
   hwy::AlignedFreeUniquePtr<float[]> k_wide; // kBlockKeys × d: K widened, 16-bit storage only
   hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha: 3 × width
-  std::vector<int32_t> key_end;              // width (0 past the block's queries)
+  std::vector<int32_t> key_begin, key_end;   // width (0 past the block's queries)
+  std::vector<uint32_t> dropout_keys;        // width: dropout row keys of the block
 
   template <class T>
   ForwardScratch(const detail::ForwardProblem<T>& p, size_t lanes)
@@ -75,7 +76,9 @@ struct ForwardScratch {
         k_wide(AllocateFloats(kIsHalf<T> ? kBlockKeys * static_cast<size_t>(p.extents.head_dim)
                                          : 0)),
         stats(AllocateFloats(3 * width)),
-        key_end(width, 0) {}
+        key_begin(width, 0),
+        key_end(width, 0),
+        dropout_keys(width, 0) {}
 };
 
 template <class T>
@@ -93,10 +96,19 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
   QueryRows rows{.batch = b, .head = h, .first = task.first_query,
                  .count = std::min(kBlockQueries, p.mask.q_len(b) - task.first_query),
                  .degenerate = plan.degenerate_rows(b, h, task.first_query)};
-  describe_rows(p.mask, rows, s.key_end.data());
   const size_t count = static_cast<size_t>(rows.count);
   const size_t width = round_up(count, lanes);  // query columns computed this block
-  std::fill(s.key_end.begin() + rows.count, s.key_end.end(), 0);
+  describe_rows(p.mask, rows, s.key_begin.data(), s.key_end.data(), width);
+  const detail::ScoreModifiers& mods = p.modifiers;
+  const float slope = mods.has_alibi() ? mods.alibi_slopes[h] : 0.0f;
+  const int64_t alibi_first = rows.first + detail::ScoreModifiers::alibi_offset(p.mask, b);
+  const uint32_t dropout_threshold = detail::dropout_threshold(mods.dropout.p);
+  const float dropout_scale = 1.0f / (1.0f - mods.dropout.p);
+  if (mods.has_dropout()) {
+    const uint32_t head_key = detail::dropout_head_key(mods.dropout.seed, mods.dropout.offset, b, h);
+    for (size_t i = 0; i < width; ++i)
+      s.dropout_keys[i] = detail::dropout_row_key(head_key, rows.first + static_cast<int64_t>(i));
+  }
 
   PackTransposed(rows_of.q(b, rows.first, h), p.args.q.strides[1], count, d,
                  static_cast<float>(p.scale), s.qt.get(), width, width);
@@ -104,8 +116,9 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
   float* m = s.stats.get();
   float* l = m + s.width;
   float* alpha = l + s.width;
-  std::fill(m, m + width, kMinusInf);
-  std::fill(l, l + width, 0.0f);
+  // A sink is a key with logit sinks[h] and no value: it starts every row's max and sum.
+  std::fill(m, m + width, mods.has_sinks() ? mods.sinks[h] : kMinusInf);
+  std::fill(l, l + width, mods.has_sinks() ? 1.0f : 0.0f);
   std::fill(s.acc.get(), s.acc.get() + count * s.dv_ld, 0.0f);
 
   const int64_t k_row = p.args.k.strides[1], v_row = p.args.v.strides[1];
@@ -133,6 +146,8 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
     // Sᵀ = K_blk · (scale·Qᵀ)
     Gemm(static_cast<size_t>(keys), width, d, StridedA{k, k_ld, 1},
          s.qt.get(), width, s.st.get(), width, /*accumulate=*/false);
+    if (mods.softcap > 0.0f) SoftcapTile(s.st.get(), static_cast<size_t>(keys), width, mods.softcap, nullptr);
+    if (mods.has_alibi()) AlibiTile(s.st.get(), static_cast<size_t>(keys), width, first_key, alibi_first, slope);
     const bool partial = tile == detail::Tile::partial;
     if (partial) {
       const float* add = nullptr;
@@ -146,12 +161,16 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
           add = s.add.get();
         }
       }
-      MaskTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.key_end.data(), add,
-               add_ld);
+      MaskTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.key_begin.data(),
+               s.key_end.data(), add, add_ld);
       overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.st.get(), width);
     }
 
     OnlineSoftmaxStep(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha);
+    // Dropout acts on the weights that reach V; l keeps the undropped sum.
+    if (mods.has_dropout())
+      DropoutTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.dropout_keys.data(),
+                  dropout_threshold, dropout_scale);
 
     // acc = acc·alpha + P·V_blk, with P read in place from Pᵀ. A removed key's V may hold
     // NaN/Inf (scanned once per call): then only the terms with P ≠ 0 are summed.

@@ -1,12 +1,16 @@
 // bfloat16 and float16 storage through the public API: the cpu kernels against the fp64
-// reference on the same inputs (the contract in half_check.hpp) over every option,
-// layout, schedule and SIMD target; bitwise determinism across thread counts; non-finite
-// values behind masks; varlen; the reference backend's own half path; validation.
+// reference on the same inputs (the contract in half_check.hpp) over masks, causal modes,
+// GQA, key_lengths, layouts, schedules and SIMD targets; every variant as the fp32 kernel
+// rounded once; bitwise determinism across thread counts; non-finite values behind
+// masks; varlen; the reference backend's own half path; validation.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <span>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "cpu/cpu_backend.hpp"
 #include "half_check.hpp"
@@ -171,26 +175,6 @@ INSTANTIATE_TEST_SUITE_P(Schedules, HalfDeterminism,
                          ::testing::Values(int64_t{1},
                                            int64_t{2} *
                                                std::max(1u, std::thread::hardware_concurrency())));
-
-// A float computation rounded once: the half kernels on inputs that float holds exactly
-// give the fp32 kernels' results rounded to T, bit for bit (same widened inputs, same
-// arithmetic, one rounding at the end).
-template <class T>
-void expect_fp32_kernels_rounded_once() {
-  const CaseSpec spec{.name = "same", .batch = 2, .q_len = 90, .k_len = 77, .q_heads = 4,
-                      .kv_heads = 2, .head_dim = 40, .v_dim = 24, .causal = Causal::top_left,
-                      .keep_mask = true};
-  Tensor<float, 4> dout;
-  const test::Case<float> c = test::half_case<T>(spec, 21, dout);
-  const test::Results half = test::run_cpu_half<T>(c, nullptr, 2);
-  const test::Results fp32 = test::run_cpu(c, {spec}, nullptr);
-  for (std::size_t i = 0; i < half.out.size(); ++i)
-    ASSERT_EQ(half.out[i], static_cast<float>(T(fp32.out[i]))) << "element " << i;
-  EXPECT_EQ(std::memcmp(half.lse.data(), fp32.lse.data(), half.lse.size() * sizeof(float)), 0);
-}
-
-TEST(HalfNumerics, Bfloat16IsTheFp32KernelRoundedOnce) { expect_fp32_kernels_rounded_once<bfloat16>(); }
-TEST(HalfNumerics, Float16IsTheFp32KernelRoundedOnce) { expect_fp32_kernels_rounded_once<float16>(); }
 
 // A NaN/Inf behind a removed key reaches no output (the scan reads half bits).
 template <class T>
@@ -385,6 +369,126 @@ TEST(HalfValidation, MessagesNameTheArguments) {
         << e.what();
   }
 }
+
+}  // namespace
+}  // namespace qkv
+
+namespace qkv {
+namespace {
+
+// Every variant (window, ALiBi, soft-cap, sinks, dropout, with masks, GQA, key_lengths)
+// in half precision: the storage type changes only the loads and the stores, so on the
+// same widened values the half kernels give the float32 kernels' results rounded once,
+// bit for bit — the forward on q, k, v; the backward on q, k, v, out, lse, dout (the
+// float32 kernels fed the stored half out). The float32 kernels themselves are checked
+// against the reference for every variant in test_variants.cpp.
+struct HalfVariant {
+  std::string name;
+  CaseSpec spec;
+  Window window;
+  bool alibi = false, sinks = false;
+  float softcap = 0.0f, dropout = 0.0f;
+};
+
+std::ostream& operator<<(std::ostream& out, const HalfVariant& v) { return out << v.name; }
+
+std::vector<HalfVariant> half_variants() {
+  const CaseSpec base{.name = "", .batch = 2, .q_len = 90, .k_len = 130, .q_heads = 4,
+                      .kv_heads = 2, .head_dim = 32, .v_dim = 24};
+  CaseSpec masked = base;
+  masked.keep_mask = masked.bias_mask = masked.key_padding = true;
+  masked.causal = Causal::bottom_right;
+  CaseSpec odd = base;
+  odd.head_dim = 33;
+  odd.v_dim = 17;
+  odd.causal = Causal::top_left;
+  return {
+      {"plain", base},
+      {"masked", masked},
+      {"odd_dims", odd},
+      {"window", base, {40, 20}},
+      {"alibi", masked, {}, true},
+      {"softcap", base, {}, false, false, 2.5f},
+      {"sinks", odd, {16, 16}, false, true},
+      {"dropout", masked, {}, false, false, 0.0f, 0.2f},
+      {"everything", masked, {50, 10}, true, true, 3.0f, 0.2f},
+  };
+}
+
+template <class T>
+void expect_half_is_fp32_rounded_once(const HalfVariant& v) {
+  const CaseSpec& s = v.spec;
+  Tensor<float, 4> dout;
+  test::Case<float> c = test::half_case<T>(s, 31, dout);
+  std::vector<float> slopes, sinks;
+  for (int64_t h = 0; h < s.q_heads; ++h) {
+    slopes.push_back(std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(s.q_heads)));
+    sinks.push_back(0.5f * static_cast<float>(h) - 0.3f);
+  }
+  AttentionOptions options = c.options;
+  options.window = v.window;
+  options.softcap = v.softcap;
+  options.dropout = {.p = v.dropout, .seed = 77, .offset = 3};
+  if (v.alibi) options.alibi_slopes = slopes;
+  if (v.sinks) options.sinks = sinks;
+  options.execution.backend = Backend::cpu;
+  options.execution.threads = 2;
+
+  // Half storage.
+  const Tensor<T, 4> q = test::narrow<T>(c.q), k = test::narrow<T>(c.k), vv = test::narrow<T>(c.v),
+                     g = test::narrow<T>(dout);
+  Tensor<T, 4> out({s.batch, s.q_len, s.q_heads, s.v_dim}), dq(q.shape()), dk(k.shape()),
+      dv(vv.shape());
+  Tensor<float, 3> lse({s.batch, s.q_heads, s.q_len});
+  std::vector<float> dsinks(static_cast<std::size_t>(s.q_heads));
+  const std::span<float> dsinks_view = v.sinks ? std::span<float>(dsinks) : std::span<float>();
+  attention_forward({.q = q.cview(), .k = k.cview(), .v = vv.cview(), .out = out.view(),
+                     .lse = lse.view()},
+                    options);
+  attention_backward({.q = q.cview(), .k = k.cview(), .v = vv.cview(), .out = out.cview(),
+                      .lse = lse.cview(), .dout = g.cview(), .dq = dq.view(), .dk = dk.view(),
+                      .dv = dv.view(), .dsinks = dsinks_view},
+                     options);
+  // float32 on the same values; its backward gets the stored half out.
+  Tensor<float, 4> out32(out.shape()), dq32(c.q.shape()), dk32(c.k.shape()), dv32(c.v.shape());
+  Tensor<float, 3> lse32(lse.shape());
+  std::vector<float> dsinks32(dsinks.size());
+  const std::span<float> dsinks32_view =
+      v.sinks ? std::span<float>(dsinks32) : std::span<float>();
+  attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out32.view(),
+                     .lse = lse32.view()},
+                    options);
+  const Tensor<float, 4> stored_out = test::widened(out);
+  attention_backward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(),
+                      .out = stored_out.cview(), .lse = lse.cview(), .dout = dout.cview(),
+                      .dq = dq32.view(), .dk = dk32.view(), .dv = dv32.view(),
+                      .dsinks = dsinks32_view},
+                     options);
+  auto expect_rounded = [](const char* name, const Tensor<T, 4>& half, const Tensor<float, 4>& fp32) {
+    std::size_t mismatches = 0;
+    for (std::size_t i = 0; i < half.size(); ++i)
+      mismatches += half[i].bits != T(fp32[i]).bits && !(std::isnan(fp32[i]) && std::isnan(static_cast<float>(half[i])));
+    EXPECT_EQ(mismatches, 0u) << test::storage_label<T>() << " " << name;
+  };
+  expect_rounded("out", out, out32);
+  expect_rounded("dq", dq, dq32);
+  expect_rounded("dk", dk, dk32);
+  expect_rounded("dv", dv, dv32);
+  EXPECT_EQ(std::memcmp(lse.data(), lse32.data(), lse.size() * sizeof(float)), 0) << "lse";
+  EXPECT_EQ(dsinks, dsinks32) << "dsinks";
+}
+
+class HalfVariants : public ::testing::TestWithParam<HalfVariant> {};
+
+TEST_P(HalfVariants, Bfloat16IsTheFp32KernelRoundedOnce) {
+  expect_half_is_fp32_rounded_once<bfloat16>(GetParam());
+}
+TEST_P(HalfVariants, Float16IsTheFp32KernelRoundedOnce) {
+  expect_half_is_fp32_rounded_once<float16>(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(All, HalfVariants, ::testing::ValuesIn(half_variants()),
+                         [](const auto& param_info) { return param_info.param.name; });
 
 }  // namespace
 }  // namespace qkv
