@@ -15,7 +15,9 @@ as 2.5× the forward, so fwd+bwd = 3.5× forward.
 --dtype bfloat16|float16: the inputs are rounded to that type and both run on them (torch
 SDPA and qkv in that dtype); the row adds qkv's own fp32 time on the same (widened)
 values and the ratio half/fp32 (the storage type should cost almost nothing: widened on
-load, fp32 inside, rounded once on store). Errors are then against the fp64 result on
+load, fp32 inside, rounded once on store). In that mode the three (torch, qkv half, qkv
+fp32) are timed interleaved, call after call, so a shared machine's load swings hit all
+three alike. Errors are then against the fp64 result on
 the rounded inputs.
 
 Fairness: torch.set_num_threads(T) for T in --threads (PyTorch uses one thread here
@@ -101,6 +103,20 @@ def median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def median_times_interleaved(fns, repeats: int) -> list[float]:
+    """Median time of each function, the calls interleaved (a, b, c, a, b, c, ...) so
+    that a shared machine's load swings hit every one of them alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, t in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def make_inputs(s: Shape, seed: int = 0):
@@ -202,14 +218,20 @@ def main() -> int:
                 flops = s.forward_flops() * (3.5 if backward else 1.0)
                 for threads in args.threads:
                     torch.set_num_threads(threads)
-                    t_torch = median_time(lambda: run_torch(s, q, k, v, dout, backward), args.repeats)
-                    t_qkv = median_time(lambda: run_qkv(s, q, k, v, dout, backward, threads), args.repeats)
+                    if half:  # interleaved: the half/fp32 ratio is what the row is about
+                        t_torch, t_qkv, t_fp32 = median_times_interleaved(
+                            [lambda: run_torch(s, q, k, v, dout, backward),
+                             lambda: run_qkv(s, q, k, v, dout, backward, threads),
+                             lambda: run_qkv(s, *widened, backward, threads)], args.repeats)
+                    else:
+                        t_torch = median_time(lambda: run_torch(s, q, k, v, dout, backward),
+                                              args.repeats)
+                        t_qkv = median_time(lambda: run_qkv(s, q, k, v, dout, backward, threads),
+                                            args.repeats)
                     e_torch = max_error(run_torch(s, q, k, v, dout, backward), reference)
                     e_qkv = max_error(run_qkv(s, q, k, v, dout, backward, threads), reference)
                     gflops = flops / t_qkv / 1e9
                     if half:
-                        t_fp32 = median_time(lambda: run_qkv(s, *widened, backward, threads),
-                                             args.repeats)
                         print(f"| {s.label()} | {'fwd+bwd' if backward else 'fwd'} | {threads} | "
                               f"{t_torch * 1e3:.1f} | {t_qkv * 1e3:.1f} | {t_fp32 * 1e3:.1f} | "
                               f"{t_qkv / t_fp32:.2f}× | {gflops:.1f} | {t_torch / t_qkv:.2f}× | "
