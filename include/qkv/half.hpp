@@ -1,0 +1,150 @@
+// 16-bit floating-point storage types: qkv::bfloat16 and qkv::float16.
+//
+// They are containers, not arithmetic types: kernels widen them to float (exactly: every
+// bfloat16 and every float16 value is a float), compute in float and round once when
+// they store. Narrowing rounds to nearest, ties to even, as IEEE 754 and every peer
+// (PyTorch, NumPy, the F16C/AVX512-BF16 instructions) do:
+//
+//   bfloat16  1 sign, 8 exponent, 7 mantissa bits: float's range, 8 bits of precision.
+//             Narrowing keeps the top 16 bits of the float, rounded; overflow → ±inf.
+//   float16   1 sign, 5 exponent, 10 mantissa bits (IEEE binary16): largest 65504,
+//             smallest normal 2⁻¹⁴, subnormals down to 2⁻²⁴. |x| ≥ 65520 → ±inf;
+//             |x| ≤ 2⁻²⁵ → ±0 (2⁻²⁵ itself is the tie between 0 and 2⁻²⁴: even is 0).
+//
+// NaN narrows to a quiet NaN with the same sign (the payload's top bits kept, the quiet
+// bit set so it can never become an infinity); ±inf, ±0 and subnormals are exact.
+// Widening is exact for every bit pattern.
+//
+// Layout: exactly one uint16_t, so arrays of them are the same bytes as PyTorch's
+// torch.bfloat16 / torch.float16 tensors and Highway's hwy::bfloat16_t / float16_t.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+
+namespace qkv {
+
+namespace half_detail {
+
+constexpr std::uint16_t float_to_bfloat16_bits(float value) {
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(value);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {  // NaN: keep sign and top payload, set quiet
+    return static_cast<std::uint16_t>((bits >> 16) | 0x0040u);
+  }
+  // Round to nearest even on the 16 bits dropped; a carry may ripple into the exponent
+  // (correctly: the largest finite floats round to inf, as the standard says).
+  const std::uint32_t round = 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<std::uint16_t>((bits + round) >> 16);
+}
+
+constexpr float bfloat16_bits_to_float(std::uint16_t bits) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
+}
+
+// n >> shift rounded to nearest, ties to even (shift ≥ 1).
+constexpr std::uint32_t shift_right_round_even(std::uint32_t n, unsigned shift) {
+  const std::uint32_t kept = n >> shift;
+  const std::uint32_t rest = n & ((1u << shift) - 1u);
+  const std::uint32_t half = 1u << (shift - 1u);
+  return kept + ((rest > half || (rest == half && (kept & 1u))) ? 1u : 0u);
+}
+
+constexpr std::uint16_t float_to_float16_bits(float value) {
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(value);
+  const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
+  const std::uint32_t magnitude = bits & 0x7FFFFFFFu;
+  if (magnitude > 0x7F800000u) {  // NaN: quiet, top 9 payload bits kept
+    return static_cast<std::uint16_t>(sign | 0x7E00u | ((magnitude >> 13) & 0x01FFu));
+  }
+  if (magnitude >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);  // ≥ 65520
+  if (magnitude >= 0x38800000u) {  // normal in float16 (≥ 2⁻¹⁴)
+    // Rebias the exponent (127 → 15) and round the 13 dropped mantissa bits; a carry
+    // out of the mantissa steps the exponent up, which is the right answer.
+    const std::uint32_t rebased = magnitude - ((127u - 15u) << 23);
+    return static_cast<std::uint16_t>(sign | shift_right_round_even(rebased, 13));
+  }
+  if (magnitude <= 0x33000000u) return sign;  // ≤ 2⁻²⁵: rounds to ±0
+  // Subnormal: value / 2⁻²⁴ rounded. value = m·2^(e−150) with the implicit bit in m,
+  // so value / 2⁻²⁴ = m >> (126 − e); 102 ≤ e ≤ 112 gives shifts 14..24.
+  const std::uint32_t exponent = magnitude >> 23;
+  const std::uint32_t mantissa = (magnitude & 0x007FFFFFu) | 0x00800000u;
+  return static_cast<std::uint16_t>(sign | shift_right_round_even(mantissa, 126u - exponent));
+}
+
+constexpr float float16_bits_to_float(std::uint16_t bits) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(bits & 0x8000u) << 16;
+  const std::uint32_t exponent = (bits >> 10) & 0x1Fu;
+  std::uint32_t mantissa = bits & 0x03FFu;
+  if (exponent == 0x1Fu) {  // inf or NaN: payload moved to the top of float's mantissa
+    return std::bit_cast<float>(sign | 0x7F800000u | (mantissa << 13));
+  }
+  if (exponent != 0) {
+    return std::bit_cast<float>(sign | ((exponent + 127u - 15u) << 23) | (mantissa << 13));
+  }
+  if (mantissa == 0) return std::bit_cast<float>(sign);
+  // Subnormal m·2⁻²⁴: normalize so the leading 1 becomes float's implicit bit.
+  std::uint32_t float_exponent = 127u - 14u;
+  while ((mantissa & 0x0400u) == 0) {
+    mantissa <<= 1;
+    --float_exponent;
+  }
+  return std::bit_cast<float>(sign | (float_exponent << 23) | ((mantissa & 0x03FFu) << 13));
+}
+
+}  // namespace half_detail
+
+// Brain floating point: float's exponent range, 8 significant bits.
+struct bfloat16 {
+  std::uint16_t bits = 0;
+
+  constexpr bfloat16() = default;
+  // Narrowing rounds (to nearest even): explicit, so it never happens by accident.
+  constexpr explicit bfloat16(float value) : bits(half_detail::float_to_bfloat16_bits(value)) {}
+  static constexpr bfloat16 from_bits(std::uint16_t bits) {
+    bfloat16 h;
+    h.bits = bits;
+    return h;
+  }
+  // Widening is exact, so it is implicit.
+  constexpr operator float() const { return half_detail::bfloat16_bits_to_float(bits); }  // NOLINT
+};
+
+// IEEE 754 binary16.
+struct float16 {
+  std::uint16_t bits = 0;
+
+  constexpr float16() = default;
+  constexpr explicit float16(float value) : bits(half_detail::float_to_float16_bits(value)) {}
+  static constexpr float16 from_bits(std::uint16_t bits) {
+    float16 h;
+    h.bits = bits;
+    return h;
+  }
+  constexpr operator float() const { return half_detail::float16_bits_to_float(bits); }  // NOLINT
+};
+
+static_assert(sizeof(bfloat16) == 2 && alignof(bfloat16) == 2);
+static_assert(sizeof(float16) == 2 && alignof(float16) == 2);
+
+// The element type of a storage buffer (a KV cache, later every kernel's inputs).
+enum class StorageType { float32, bfloat16, float16 };
+
+template <class T>
+inline constexpr StorageType storage_type_of = StorageType::float32;
+template <>
+inline constexpr StorageType storage_type_of<bfloat16> = StorageType::bfloat16;
+template <>
+inline constexpr StorageType storage_type_of<float16> = StorageType::float16;
+
+constexpr int storage_bytes(StorageType type) { return type == StorageType::float32 ? 4 : 2; }
+
+constexpr const char* storage_name(StorageType type) {
+  switch (type) {
+    case StorageType::float32: return "float32";
+    case StorageType::bfloat16: return "bfloat16";
+    case StorageType::float16: return "float16";
+  }
+  return "unknown";
+}
+
+}  // namespace qkv
