@@ -4,6 +4,7 @@
 
 #include "attention.hpp"
 #include "debug.hpp"
+#include "decode.hpp"
 #include "qkv/error.hpp"
 #include "qkv/version.hpp"
 #include "softmax.hpp"
@@ -16,4 +17,5 @@ NB_MODULE(_qkv, m) {
   qkv::python::bind_attention(m);
   qkv::python::bind_softmax(m);
   qkv::python::bind_debug(m);
+  qkv::python::bind_decode(m);
 }

@@ -89,28 +89,95 @@ HWY_INLINE void WidenRow(const T* HWY_RESTRICT src, size_t cols, float* HWY_REST
 // ---------------------------------------------------------------------------------
 // Scores of one row against L consecutive keys, as one vector of L scores.
 //
-// acc_t = Σ_c q[c·L..]·k_t[c·L..] keeps lanes over d for each key t; the L vectors are
-// then summed across lanes together by a transpose-add tree: at each level, pairs
-// (lo, hi) become ConcatEven(hi, lo) + ConcatOdd(hi, lo), whose lower half holds lo's
-// pairwise sums and upper half hi's. After log2 L levels lane t holds Σ acc_t: L − 1
-// shuffle pairs for L keys instead of one full horizontal sum per key.
+// Each key's dot product is first kept with lanes over d (Dot); the L vectors are then
+// summed across lanes together by a transpose-add tree: a pair (lo, hi) becomes
+// ConcatEven(hi, lo) + ConcatOdd(hi, lo), whose lower half holds lo's pairwise lane sums
+// and upper half hi's. After log2 L levels lane t holds key t's score: L − 1 shuffle
+// pairs for L keys instead of one full horizontal sum per key. The tree is built
+// depth-first (ScoreTree<N> = combine(ScoreTree<N/2>, ScoreTree<N/2>)), so only
+// log2 L partial vectors are live at a time and nothing spills.
+
+HWY_INLINE FloatVec Dot(const float* HWY_RESTRICT q, const float* HWY_RESTRICT k, size_t d_pad) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  FloatVec even = hn::Mul(hn::LoadU(df, q), hn::LoadU(df, k)), odd = hn::Zero(df);
+  size_t c = lanes;
+  for (; c + 2 * lanes <= d_pad; c += 2 * lanes) {  // two chains: half the FMA latency
+    odd = hn::MulAdd(hn::LoadU(df, q + c), hn::LoadU(df, k + c), odd);
+    even = hn::MulAdd(hn::LoadU(df, q + c + lanes), hn::LoadU(df, k + c + lanes), even);
+  }
+  if (c < d_pad) odd = hn::MulAdd(hn::LoadU(df, q + c), hn::LoadU(df, k + c), odd);
+  return hn::Add(even, odd);
+}
+
+#if HWY_TARGET != HWY_SCALAR  // one lane: nothing to reduce
+template <size_t N>
+HWY_INLINE FloatVec ScoreTree(const float* HWY_RESTRICT q, const float* HWY_RESTRICT k,
+                              size_t k_stride, size_t d_pad) {
+  if constexpr (N == 1) {
+    return Dot(q, k, d_pad);
+  } else {
+    const FloatTag df;
+    const FloatVec lo = ScoreTree<N / 2>(q, k, k_stride, d_pad);
+    const FloatVec hi = ScoreTree<N / 2>(q, k + (N / 2) * k_stride, k_stride, d_pad);
+    return hn::Add(hn::ConcatEven(df, hi, lo), hn::ConcatOdd(df, hi, lo));
+  }
+}
+#endif
+
 HWY_INLINE FloatVec ScoreGroup(const float* HWY_RESTRICT q, const float* HWY_RESTRICT k,
                                size_t k_stride, size_t d_pad) {
-  const FloatTag df;
-  constexpr size_t L = kLanes;
-  FloatVec acc[L];
-  for (size_t t = 0; t < L; ++t) acc[t] = hn::Zero(df);
-  for (size_t c = 0; c < d_pad; c += L) {
-    const FloatVec qv = hn::LoadU(df, q + c);
-    for (size_t t = 0; t < L; ++t) acc[t] = hn::MulAdd(qv, hn::LoadU(df, k + t * k_stride + c), acc[t]);
-  }
-#if HWY_TARGET != HWY_SCALAR
-  for (size_t n = L; n > 1; n /= 2)
-    for (size_t i = 0; i < n / 2; ++i)
-      acc[i] = hn::Add(hn::ConcatEven(df, acc[2 * i + 1], acc[2 * i]),
-                       hn::ConcatOdd(df, acc[2 * i + 1], acc[2 * i]));
+#if HWY_TARGET == HWY_SCALAR
+  (void)k_stride;
+  return Dot(q, k, d_pad);
+#else
+  return ScoreTree<kLanes>(q, k, k_stride, d_pad);
 #endif
-  return acc[0];
+}
+
+// ---------------------------------------------------------------------------------
+// P·V for a single row: out[0:dv_pad] = Σ_j p[j]·v_j, even and odd keys in separate
+// accumulators (a one-row register tile would otherwise wait on FMA latency per key).
+template <size_t C>
+HWY_INLINE void RowTimesValues(const float* HWY_RESTRICT p, size_t keys, const float* HWY_RESTRICT v,
+                               size_t v_stride, float* HWY_RESTRICT out) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  FloatVec even[C], odd[C];
+  for (size_t c = 0; c < C; ++c) even[c] = odd[c] = hn::Zero(df);
+  size_t j = 0;
+  for (; j + 2 <= keys; j += 2) {
+    const FloatVec pe = hn::Set(df, p[j]), po = hn::Set(df, p[j + 1]);
+    const float* ve = v + j * v_stride;
+    for (size_t c = 0; c < C; ++c) {
+      even[c] = hn::MulAdd(pe, hn::LoadU(df, ve + c * lanes), even[c]);
+      odd[c] = hn::MulAdd(po, hn::LoadU(df, ve + v_stride + c * lanes), odd[c]);
+    }
+  }
+  if (j < keys) {
+    const FloatVec pe = hn::Set(df, p[j]);
+    for (size_t c = 0; c < C; ++c) even[c] = hn::MulAdd(pe, hn::LoadU(df, v + j * v_stride + c * lanes), even[c]);
+  }
+  for (size_t c = 0; c < C; ++c) hn::StoreU(hn::Add(even[c], odd[c]), df, out + c * lanes);
+}
+
+// product[r][0:dv_pad] = Σ_j P[r][j]·V[j][0:dv_pad] for r < rows.
+HWY_INLINE void ScoresTimesValues(size_t rows, size_t keys, const float* HWY_RESTRICT p, size_t p_ld,
+                                  const float* HWY_RESTRICT v, size_t v_stride, size_t dv_pad,
+                                  float* HWY_RESTRICT product) {
+  if (rows >= 3) {  // enough independent rows for the register-tiled kernel
+    Gemm(rows, dv_pad, keys, StridedA{p, p_ld, 1}, v, v_stride, product, dv_pad, /*accumulate=*/false);
+    return;
+  }
+  const size_t lanes = VectorLanes();
+  constexpr size_t kPanel = 4;  // vectors per pass: 2·4 accumulators + loads fit in 16 registers
+  for (size_t r = 0; r < rows; ++r) {
+    size_t c = 0;
+    for (; c + kPanel * lanes <= dv_pad; c += kPanel * lanes)
+      RowTimesValues<kPanel>(p + r * p_ld, keys, v + c, v_stride, product + r * dv_pad + c);
+    for (; c < dv_pad; c += lanes)
+      RowTimesValues<1>(p + r * p_ld, keys, v + c, v_stride, product + r * dv_pad + c);
+  }
 }
 
 // ---------------------------------------------------------------------------------
@@ -272,8 +339,8 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
           }
         continue;
       }
-      Gemm(group_rows, dv_pad, keys, StridedA{s.scores.get(), ld, 1}, v.data, v.stride,
-           s.product.get(), dv_pad, /*accumulate=*/false);
+      ScoresTimesValues(group_rows, keys, s.scores.get(), ld, v.data, v.stride, dv_pad,
+                        s.product.get());
       RescaleAdd(acc, group_rows, dv_pad, s.alpha.get(), s.product.get());
     }
   }
