@@ -1,6 +1,9 @@
 // Machine and small-call probes for bench/bench_decode.py, in one C++ process:
 //   qkv_decode_probe bandwidth THREADS   streaming read bandwidth (GB/s) over 1 GiB,
 //                                        THREADS threads, best of 5 passes
+//   qkv_decode_probe decode HQ HKV D N TYPE THREADS [PAGE]
+//                                        best ms and GB/s of qkv::decode, one query per
+//                                        head, N keys, TYPE f32|bf16|f16, PAGE 0 = contiguous
 //   qkv_decode_probe small-call          mean µs of attention_forward on q [1,12,1,64]
 //                                        against 64 keys (1 and 2 threads), and of qkv::decode
 // Prints "key=value" lines.
@@ -91,6 +94,34 @@ void small_call() {
   }
 }
 
+template <class T>
+void decode_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, int threads, int64_t page) {
+  using namespace qkv;
+  Tensor<float, 4> q({1, 1, q_heads, d}), out({1, 1, q_heads, d});
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = 0.01f * static_cast<float>(i % 13);
+  const int64_t blocks = page > 0 ? (n + page - 1) / page : 1;
+  Tensor<T, 4> k(page > 0 ? std::array<int64_t, 4>{blocks, page, kv_heads, d} : std::array<int64_t, 4>{1, n, kv_heads, d});
+  Tensor<T, 4> v(k.shape());
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = v[i] = T(static_cast<float>(i % 17) * 0.05f);
+  Tensor<int32_t, 2> table({1, blocks});
+  for (int64_t j = 0; j < blocks; ++j) table(0, j) = static_cast<int32_t>((j * 7919) % blocks);  // scattered
+  std::vector<int64_t> lengths{n};
+  DecodeArgs<T> args{.q = q.cview(), .k_cache = k.cview(), .v_cache = v.cview(), .cache_lengths = lengths,
+                     .out = out.view()};
+  if (page > 0) args.block_table = table.cview();
+  DecodeOptions options;
+  options.threads = threads;
+  decode(args, options);
+  double best = 1e9;
+  for (int round = 0; round < 15; ++round) {
+    const auto start = std::chrono::steady_clock::now();
+    decode(args, options);
+    best = std::min(best, seconds_since(start));
+  }
+  const double bytes = static_cast<double>(n * kv_heads * 2 * d) * sizeof(T);
+  std::printf("decode_ms=%.3f decode_gbs=%.2f\n", best * 1e3, bytes / best / 1e9);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -98,10 +129,20 @@ int main(int argc, char** argv) {
     std::printf("bandwidth_gbs=%.2f\n", bandwidth(std::atoi(argv[2])));
     return 0;
   }
+  if (argc >= 8 && std::string(argv[1]) == "decode") {
+    const int64_t hq = std::atoll(argv[2]), hkv = std::atoll(argv[3]), d = std::atoll(argv[4]), n = std::atoll(argv[5]);
+    const std::string type = argv[6];
+    const int threads = std::atoi(argv[7]);
+    const int64_t page = argc >= 9 ? std::atoll(argv[8]) : 0;
+    if (type == "bf16") decode_rate<qkv::bfloat16>(hq, hkv, d, n, threads, page);
+    else if (type == "f16") decode_rate<qkv::float16>(hq, hkv, d, n, threads, page);
+    else decode_rate<float>(hq, hkv, d, n, threads, page);
+    return 0;
+  }
   if (argc >= 2 && std::string(argv[1]) == "small-call") {
     small_call();
     return 0;
   }
-  std::fprintf(stderr, "usage: qkv_decode_probe bandwidth THREADS | small-call\n");
+  std::fprintf(stderr, "usage: qkv_decode_probe bandwidth THREADS | decode HQ HKV D N TYPE THREADS [PAGE] | small-call\n");
   return 2;
 }
