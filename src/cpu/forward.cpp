@@ -1,10 +1,13 @@
 // Fused forward, FlashAttention-2 style. For each (batch, head, block of 64 queries):
 //
 //   Qᵀ ← scale · Q_blockᵀ                                  packed once, d × 64
+//   m = sink or −inf, l = 1 or 0                             (a sink: a key with no value)
 //   for each key block whose tile the plan (core/tile_plan.hpp) does not skip (64 keys):
 //     Sᵀ = K_blk · Qᵀ                                       micro-kernel, K read in place
-//     partial tiles only: mask Sᵀ (key_end edge, elementwise masks; SIMD)
+//     variants: Sᵀ ← c·tanh(Sᵀ/c) (soft-cap), Sᵀ −= slope·|i + off − j| (ALiBi)
+//     partial tiles only: mask Sᵀ (window/causal/padding edges, elementwise masks; SIMD)
 //     m' = max(m, max_j Sᵀ),  P = exp(Sᵀ − m'),  l = l·e^(m−m') + Σ_j P
+//     dropout: P ← P ⊙ Z  (Z = 0 or 1/(1−p), a hash of the indices; l keeps Σ P)
 //     acc = acc·e^(m−m') + P·V_blk      micro-kernel (V read in place), summed per block
 //   out = acc / l,   lse = m + log l                        (l = 0: out 0, lse -inf)
 //
