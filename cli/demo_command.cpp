@@ -1,7 +1,7 @@
 // qkv demo: train a small character-level transformer on "Alice's Adventures in
 // Wonderland" (built into the library), then show generated text, one head's attention
 // as a heatmap, and the final loss next to the text's unigram entropy.
-// The work is qkv::nn::run_demo (include/qkv/nn/demo.hpp); this file is its flags.
+// The work is qkv::demo::run_demo (cli/demo/demo.hpp); this file is its flags.
 #include <unistd.h>
 
 #include <iostream>
@@ -10,12 +10,12 @@
 #include <string>
 
 #include "command.hpp"
-#include "qkv/nn/demo.hpp"
+#include "demo/demo.hpp"
 
 namespace qkv::cli {
 
 Command register_demo(CLI::App& parent) {
-  auto options = std::make_shared<nn::DemoOptions>();
+  auto options = std::make_shared<demo::DemoOptions>();
   auto progress = std::make_shared<std::string>("auto");
   CLI::App* app = parent.add_subcommand(
       "demo", "Train a small transformer on Alice in Wonderland, in C++ (about a minute)");
@@ -75,11 +75,11 @@ Command register_demo(CLI::App& parent) {
       CLI::IsMember({"auto", "lines", "bar"}));
 
   return {app, [options, progress](Streams streams) {
-            nn::DemoOptions run = *options;
+            demo::DemoOptions run = *options;
             run.interactive = *progress == "bar" ||
                               (*progress == "auto" && &streams.out == &std::cout &&
                                ::isatty(STDOUT_FILENO) == 1);
-            return nn::run_demo(run, streams.out);
+            return demo::run_demo(run, streams.out);
           }};
 }
 

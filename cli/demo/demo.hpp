@@ -1,5 +1,5 @@
 // `qkv demo`: train a small character-level decoder-only transformer on a public-domain
-// text built into the library (Lewis Carroll's "Alice's Adventures in Wonderland", see
+// text built into the program (Lewis Carroll's "Alice's Adventures in Wonderland", see
 // data/README.md), then show what it learned: generated text, one head's attention as a
 // Unicode heatmap, and the final loss next to the text's unigram entropy.
 //
@@ -14,7 +14,7 @@
 #include <string>
 #include <string_view>
 
-namespace qkv::nn {
+namespace qkv::demo {
 
 struct DemoOptions {
   uint64_t seed = 1;
@@ -51,7 +51,7 @@ struct DemoOptions {
 // unreadable, corrupt or mismatched checkpoint throw qkv::Error.
 int run_demo(const DemoOptions& options, std::ostream& out);
 
-// The training text built into the library (LF line endings).
+// The training text built into the program (LF line endings).
 std::string_view demo_text();
 
-}  // namespace qkv::nn
+}  // namespace qkv::demo

@@ -12,14 +12,16 @@
 #include <vector>
 
 #include "demo/corpus.hpp"
+#include "demo/demo.hpp"
 #include "demo/trainer.hpp"
 #include "nn_test_support.hpp"
 #include "qkv/error.hpp"
 #include "qkv/nn/threads.hpp"
-#include "qkv/nn/demo.hpp"
 
-namespace qkv::nn {
+namespace qkv::demo {
 namespace {
+
+using nn::set_threads;
 
 namespace fs = std::filesystem;
 
@@ -40,8 +42,8 @@ DemoOptions small_options() {
   return o;
 }
 
-detail::TrainSettings settings_of(const DemoOptions& o, int64_t vocab) {
-  detail::TrainSettings s;
+TrainSettings settings_of(const DemoOptions& o, int64_t vocab) {
+  TrainSettings s;
   s.model = {.vocab_size = vocab, .context = o.context, .embed_dim = o.embed_dim,
              .num_heads = o.heads, .num_layers = o.layers, .execution = {.threads = o.threads}};
   s.batch = o.batch;
@@ -59,9 +61,9 @@ std::vector<char> file_bytes(const fs::path& path) {
 
 TEST(Training, FiftyStepsLowerTheLoss) {
   set_threads(2);
-  const detail::Corpus corpus(demo_text(), 0.1);
+  const Corpus corpus(demo_text(), 0.1);
   const DemoOptions o = small_options();
-  detail::Trainer trainer(corpus, settings_of(o, corpus.vocab_size()));
+  Trainer trainer(corpus, settings_of(o, corpus.vocab_size()));
   std::vector<double> losses;
   for (int i = 0; i < 50; ++i) losses.push_back(trainer.step());
   const double first = std::accumulate(losses.begin(), losses.begin() + 5, 0.0) / 5;
@@ -78,21 +80,21 @@ TEST(Training, FiftyStepsLowerTheLoss) {
 
 TEST(Training, SameSeedSameBits) {
   set_threads(2);
-  const detail::Corpus corpus(demo_text(), 0.1);
+  const Corpus corpus(demo_text(), 0.1);
   const DemoOptions o = small_options();
-  detail::Trainer a(corpus, settings_of(o, corpus.vocab_size()));
-  detail::Trainer b(corpus, settings_of(o, corpus.vocab_size()));
+  Trainer a(corpus, settings_of(o, corpus.vocab_size()));
+  Trainer b(corpus, settings_of(o, corpus.vocab_size()));
   for (int i = 0; i < 5; ++i) EXPECT_EQ(a.step(), b.step()) << "step " << i;
   DemoOptions other = o;
   other.seed = 2;
-  detail::Trainer c(corpus, settings_of(other, corpus.vocab_size()));
-  EXPECT_NE(c.step(), detail::Trainer(corpus, settings_of(o, corpus.vocab_size())).step());
+  Trainer c(corpus, settings_of(other, corpus.vocab_size()));
+  EXPECT_NE(c.step(), Trainer(corpus, settings_of(o, corpus.vocab_size())).step());
 }
 
 TEST(Training, ResultsDoNotDependOnTheThreadCount) {
   // GEMM blocks, element-wise blocks and the attention kernels are all split by shape,
   // never by thread count, so 1 and 3 threads must agree to the bit.
-  const detail::Corpus corpus(demo_text(), 0.1);
+  const Corpus corpus(demo_text(), 0.1);
   std::vector<double> losses[2];
   std::vector<float> head_weights[2];
   const int counts[2] = {1, 3};
@@ -100,7 +102,7 @@ TEST(Training, ResultsDoNotDependOnTheThreadCount) {
     DemoOptions o = small_options();
     o.threads = counts[run];
     set_threads(o.threads);
-    detail::Trainer trainer(corpus, settings_of(o, corpus.vocab_size()));
+    Trainer trainer(corpus, settings_of(o, corpus.vocab_size()));
     for (int i = 0; i < 4; ++i) losses[run].push_back(trainer.step());
     const Tensor<float, 4> w = trainer.attention("the Queen", 1);
     head_weights[run].assign(w.data(), w.data() + w.size());
@@ -111,9 +113,9 @@ TEST(Training, ResultsDoNotDependOnTheThreadCount) {
 }
 
 TEST(Training, ResumedRunIsBitForBitTheUninterruptedOne) {
-  const fs::path straight = testing::temp_path("qkv_nn_straight");
-  const fs::path half = testing::temp_path("qkv_nn_half");
-  const fs::path resumed = testing::temp_path("qkv_nn_resumed");
+  const fs::path straight = nn::testing::temp_path("qkv_nn_straight");
+  const fs::path half = nn::testing::temp_path("qkv_nn_half");
+  const fs::path resumed = nn::testing::temp_path("qkv_nn_resumed");
   std::ostringstream log;
 
   DemoOptions o = small_options();
@@ -149,7 +151,7 @@ TEST(Training, ResumedRunIsBitForBitTheUninterruptedOne) {
     EXPECT_NE(message.find("lr: checkpoint 0.01"), std::string::npos) << message;
   }
   DemoOptions missing = o;
-  missing.resume = testing::temp_path("qkv_nn_no_such").string();
+  missing.resume = nn::testing::temp_path("qkv_nn_no_such").string();
   EXPECT_THROW(run_demo(missing, log), Error);
   for (const auto& p : {straight, half, resumed}) fs::remove(p);
 }
@@ -177,7 +179,7 @@ TEST(Training, DemoReportsWhatTheIssueAsksFor) {
 }
 
 TEST(Corpus, VocabularySplitAndEntropy) {
-  const detail::Corpus corpus(demo_text(), 0.1);
+  const Corpus corpus(demo_text(), 0.1);
   EXPECT_EQ(corpus.text_size(), 148476);
   EXPECT_EQ(corpus.vocab_size(), 72);
   EXPECT_EQ(corpus.held_out().size(), 14848u);
@@ -190,4 +192,4 @@ TEST(Corpus, VocabularySplitAndEntropy) {
 }
 
 }  // namespace
-}  // namespace qkv::nn
+}  // namespace qkv::demo
