@@ -11,6 +11,7 @@
 
 #include "command.hpp"
 #include "demo/demo.hpp"
+#include "stop_signals.hpp"
 
 namespace qkv::cli {
 
@@ -25,7 +26,9 @@ Command register_demo(CLI::App& parent) {
       "head's attention. The same flags give the same bits on any machine with the same\n"
       "kernels, for any --threads. --steps N --save f, then --resume f --steps N+M, is bit for\n"
       "bit the run --steps N+M (the learning-rate schedule depends on --schedule-steps only).\n"
-      "Checkpoints are safetensors files, written atomically.\n"
+      "Checkpoints are safetensors files, written atomically. Ctrl-C (or SIGTERM) finishes\n"
+      "the step in progress, saves if --save is given and exits; resuming that checkpoint\n"
+      "gives the bits of the run never interrupted. A second Ctrl-C stops at once.\n"
       "Example: qkv demo --steps 200 --save alice.safetensors");
   app->add_option("--seed", options->seed, "Seed of initialization, batches and sampling")
       ->capture_default_str();
@@ -39,7 +42,13 @@ Command register_demo(CLI::App& parent) {
                   "Threads (0: all cores); results never depend on it")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app->add_option("--save", options->save, "Write a checkpoint here at the end")->type_name("FILE");
+  CLI::Option* save =
+      app->add_option("--save", options->save, "Write a checkpoint here at the end (and on Ctrl-C)")
+          ->type_name("FILE");
+  app->add_option("--save-every", options->save_every, "Also write it every N steps")
+      ->type_name("N")
+      ->check(CLI::PositiveNumber)
+      ->needs(save);
   app->add_option("--resume", options->resume, "Continue from this checkpoint")->type_name("FILE");
 
   const char* model = "Model and training (a resumed run must use the checkpoint's)";
@@ -79,6 +88,8 @@ Command register_demo(CLI::App& parent) {
             run.interactive = *progress == "bar" ||
                               (*progress == "auto" && &streams.out == &std::cout &&
                                ::isatty(STDOUT_FILENO) == 1);
+            const StopOnSignals signals;
+            run.stop = &signals.requested();
             return demo::run_demo(run, streams.out);
           }};
 }

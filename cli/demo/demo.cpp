@@ -41,6 +41,9 @@ void check_options(const DemoOptions& o) {
   expect(o.seconds >= 0 && std::isfinite(o.seconds), fn,
                  "seconds: expected ≥ 0, got " + std::to_string(o.seconds));
   expect(o.threads >= 0, fn, "threads: expected ≥ 0, got " + std::to_string(o.threads));
+  expect(o.save_every >= 0, fn, "save_every: expected ≥ 0, got " + std::to_string(o.save_every));
+  expect(o.save_every == 0 || !o.save.empty(), fn,
+         "save_every: needs save, the checkpoint file to write");
   positive(o.layers, "layers");
   positive(o.embed_dim, "embed_dim");
   positive(o.heads, "heads");
@@ -158,9 +161,20 @@ struct TrainingRun {
   int64_t steps = 0;           // steps taken in this run
   double seconds = 0;          // their wall time
   std::vector<double> losses;  // one per step
+  bool stopped = false;        // by options.stop, before the target
 };
 
-// Steps until options.steps (or the time budget), drawing the progress bar.
+bool stop_requested(const DemoOptions& options) {
+  return options.stop != nullptr && options.stop->load(std::memory_order_relaxed);
+}
+
+void save(std::ostream& out, const DemoOptions& options, const Trainer& trainer) {
+  trainer.save(options.save);
+  out << "  saved    " << options.save << " (step " << trainer.steps_done() << ")\n";
+}
+
+// Steps until options.steps (or the time budget, or a stop request between two steps),
+// drawing the progress bar and saving every options.save_every steps.
 TrainingRun train(std::ostream& out, const DemoOptions& options, Trainer& trainer) {
   const int64_t first = trainer.steps_done();
   const int64_t target = std::max(first, options.steps);
@@ -170,6 +184,10 @@ TrainingRun train(std::ostream& out, const DemoOptions& options, Trainer& traine
   const auto start = Clock::now();
   auto last_draw = start;
   while (trainer.steps_done() < target) {
+    if (stop_requested(options)) {
+      run.stopped = true;
+      break;
+    }
     const double loss = trainer.step();
     if (!std::isfinite(loss)) {
       throw Error("qkv::demo::run_demo: the loss became " + std::to_string(loss) + " at step " +
@@ -195,8 +213,16 @@ TrainingRun train(std::ostream& out, const DemoOptions& options, Trainer& traine
       out << "  " << line << "\n" << std::flush;
     }
     if (finished) break;
+    if (options.save_every > 0 && trainer.steps_done() % options.save_every == 0) {
+      if (options.interactive) out << "\r\033[K";  // the bar is redrawn at the next step
+      save(out, options, trainer);
+    }
   }
-  if (options.seconds > 0 && trainer.steps_done() < target) {
+  if (run.stopped) {
+    if (options.interactive) out << "\n";
+    out << "  stopped  at step " << trainer.steps_done() << " of " << target
+        << " on request (Ctrl-C)\n";
+  } else if (options.seconds > 0 && trainer.steps_done() < target) {
     out << "  stopped at step " << trainer.steps_done() << ": the " << options.seconds
         << " s budget is spent (a time budget is not reproducible; --steps is)\n";
   }
@@ -269,9 +295,17 @@ int run_demo(const DemoOptions& requested, std::ostream& out) {
   describe(out, options, corpus, trainer);
 
   const TrainingRun run = train(out, options, trainer);
-  if (!options.save.empty()) {
-    trainer.save(options.save);
-    out << "  saved    " << options.save << " (step " << trainer.steps_done() << ")\n";
+  if (!options.save.empty()) save(out, options, trainer);
+  if (run.stopped) {
+    // The checkpoint holds every bit of the state after the last finished step, so
+    // resuming it continues exactly as the uninterrupted run would have.
+    if (options.save.empty()) {
+      out << "  nothing saved (no --save); the run cannot be resumed\n";
+    } else {
+      out << "  resume   with --resume " << options.save << " and the same settings\n";
+    }
+    out << std::flush;
+    return 0;
   }
   if (options.sample_chars > 0) show_generation(out, options, trainer);
   if (!options.phrase.empty()) show_attention(out, options, trainer);

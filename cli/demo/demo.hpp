@@ -7,8 +7,11 @@
 // learning-rate schedule depends only on `schedule_steps`, never on where a run stops,
 // so `--steps N --save f` followed by `--resume f --steps N+M` is bit for bit the run
 // `--steps N+M`. A `seconds` budget stops wherever the clock says (not reproducible).
+// A stop request (Ctrl-C, see `stop`) ends the run after the step in progress and saves
+// it like the end of a run, so resuming it gives the bits of a run never interrupted.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <iosfwd>
 #include <string>
@@ -22,7 +25,11 @@ struct DemoOptions {
   double seconds = 0;           // > 0: also stop when this much training time is spent
   int threads = 0;              // 0: every hardware thread. Results never depend on it.
   std::string save;             // checkpoint to write at the end ("" none)
+  int64_t save_every = 0;       // > 0: also write `save` after every this many steps
   std::string resume;           // checkpoint to continue from ("" none)
+  // Set from elsewhere (a signal handler): finish the step in progress, save if `save`
+  // is given, say where, and return 0 without the generation and the report.
+  const std::atomic<bool>* stop = nullptr;
 
   // Model and training. With `resume`, these must match the checkpoint's.
   int64_t layers = 4;
@@ -47,8 +54,9 @@ struct DemoOptions {
   bool interactive = false;     // redraw the progress bar in place (a terminal)
 };
 
-// Runs the demo, writing everything to `out`. Returns 0 on success. Bad options, an
-// unreadable, corrupt or mismatched checkpoint throw qkv::Error.
+// Runs the demo, writing everything to `out`. Returns 0 on success, also when stopped
+// through `stop`. Bad options, an unreadable, corrupt or mismatched checkpoint throw
+// qkv::Error.
 int run_demo(const DemoOptions& options, std::ostream& out);
 
 // The training text built into the program (LF line endings).

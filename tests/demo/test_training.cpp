@@ -2,6 +2,7 @@
 // stopped, saved and resumed is bit for bit the uninterrupted run; the demo's report.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -154,6 +155,50 @@ TEST(Training, ResumedRunIsBitForBitTheUninterruptedOne) {
   missing.resume = nn::testing::temp_path("qkv_nn_no_such").string();
   EXPECT_THROW(run_demo(missing, log), Error);
   for (const auto& p : {straight, half, resumed}) fs::remove(p);
+}
+
+TEST(Training, SaveEveryKeepsTheRunsBits) {
+  const fs::path every = nn::testing::temp_path("qkv_demo_every");
+  const fs::path plain = nn::testing::temp_path("qkv_demo_plain");
+  std::ostringstream log;
+  DemoOptions o = small_options();
+  o.layers = 1;
+  o.embed_dim = 16;
+  o.context = 16;
+  o.steps = 10;
+  o.save = plain.string();
+  ASSERT_EQ(run_demo(o, log), 0);
+  o.save = every.string();
+  o.save_every = 4;
+  std::ostringstream out;
+  ASSERT_EQ(run_demo(o, out), 0);
+  for (const int step : {4, 8, 10}) {
+    const std::string line = "saved    " + every.string() + " (step " + std::to_string(step) + ")";
+    EXPECT_NE(out.str().find(line), std::string::npos) << line << "\n" << out.str();
+  }
+  EXPECT_EQ(out.str().find("(step 12)"), std::string::npos);
+  // Saving along the way changes nothing in the run.
+  EXPECT_TRUE(file_bytes(every) == file_bytes(plain));
+
+  // A stop requested before training (a signal during start-up) saves the start.
+  const std::atomic<bool> stop{true};
+  o.stop = &stop;
+  o.save_every = 0;
+  std::ostringstream stopped;
+  ASSERT_EQ(run_demo(o, stopped), 0);
+  EXPECT_NE(stopped.str().find("stopped  at step 0 of 10 on request"), std::string::npos)
+      << stopped.str();
+  EXPECT_NE(stopped.str().find("(step 0)"), std::string::npos) << stopped.str();
+
+  DemoOptions bad = small_options();
+  bad.save_every = 5;  // and no save
+  try {
+    run_demo(bad, log);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("save_every: needs save"), std::string::npos) << e.what();
+  }
+  for (const auto& p : {every, plain}) fs::remove(p);
 }
 
 TEST(Training, DemoReportsWhatTheIssueAsksFor) {
