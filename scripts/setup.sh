@@ -11,6 +11,7 @@ apt_packages=(
   libcli11-dev                # CLI11: the qkv command line
   gnuplot-nox                 # qkv explain --plot
   libopenblas-dev             # OpenBLAS: qkv::nn's GEMMs
+  nlohmann-json3-dev          # nlohmann/json: safetensors headers (qkv::nn checkpoints)
 )
 missing=()
 for package in "${apt_packages[@]}"; do
