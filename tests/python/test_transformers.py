@@ -93,14 +93,19 @@ class _Calls:
         monkeypatch.setattr(qkv.transformers, "_qkv_attention", spy)
 
 
-def test_registered_with_both_registries():
+def test_registered_and_chosen_by_from_pretrained(tmp_path, monkeypatch):
     from transformers import AttentionInterface, AttentionMaskInterface
 
     assert AttentionInterface()["qkv"] is qkv.transformers.attention_forward
     assert "qkv" in AttentionMaskInterface()
-    config = _llama_config()
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="qkv")
+    # The README's lines: a saved model loaded with attn_implementation="qkv".
+    transformers.LlamaForCausalLM(_llama_config()).save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="qkv")
     assert model.config._attn_implementation == "qkv"
+    spy = _Calls(monkeypatch)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert len(spy.calls) == 2  # one per layer
 
 
 @pytest.mark.skipif(_MAJOR < 5, reason="transformers < 5: BERT does not use the attention "
