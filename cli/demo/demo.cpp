@@ -296,10 +296,12 @@ int run_demo(const DemoOptions& requested, std::ostream& out) {
 
   const TrainingRun run = train(out, options, trainer);
   if (!options.save.empty()) save(out, options, trainer);
-  if (run.stopped) {
+  if (run.stopped || stop_requested(options)) {
     // The checkpoint holds every bit of the state after the last finished step, so
     // resuming it continues exactly as the uninterrupted run would have.
-    if (options.save.empty()) {
+    if (!run.stopped) {
+      out << "  stopped  on request (Ctrl-C) after training, before the samples\n";
+    } else if (options.save.empty()) {
       out << "  nothing saved (no --save); the run cannot be resumed\n";
     } else {
       out << "  resume   with --resume " << options.save << " and the same settings\n";
