@@ -13,6 +13,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "qkv/error.hpp"
@@ -24,9 +25,11 @@ static_assert(std::endian::native == std::endian::little,
 
 namespace {
 
-// ordered_json keeps members in file order, so a corrupt header's first bad tensor (in
-// file order) is the one reported, and a written header lists tensors as given.
-using Json = nlohmann::ordered_json;
+// Read headers go into nlohmann::json (objects are std::maps: members sorted by name, so
+// a header of n tensors costs O(n log n) even when it is hostile). Written headers are
+// ordered_json, which keeps the tensors in the order given, as the format's writers do.
+using Json = nlohmann::json;
+using OrderedJson = nlohmann::ordered_json;
 
 // The reference implementation refuses headers over 100 MB; a larger length field is a
 // corrupt file, and checking first avoids a huge allocation.
@@ -55,44 +58,68 @@ std::string library_message(const std::string& message) {
   return text;
 }
 
-// Strict RFC 8259 parsing of the header. nlohmann/json keeps the last of two equal keys
-// and has no depth limit, so the parse callback refuses both: a duplicate tensor name
-// would otherwise silently hide a tensor.
-Json parse_header(std::string_view text, const std::string& what) {
-  const std::string invalid = what + ": invalid JSON header";
-  std::vector<std::vector<std::string>> keys;  // the keys seen in each open object
-  const auto check = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    switch (event) {
-      case Json::parse_event_t::object_start:
-      case Json::parse_event_t::array_start:
-        if (depth >= kMaxDepth) throw Error(invalid + ": nested too deeply (over 64 levels)");
-        if (event == Json::parse_event_t::object_start) keys.emplace_back();
-        break;
-      case Json::parse_event_t::object_end:
-        keys.pop_back();
-        break;
-      case Json::parse_event_t::key: {
-        const std::string& key = parsed.get_ref<const std::string&>();
-        for (const std::string& seen : keys.back()) {
-          if (seen == key) throw Error(invalid + ": duplicate key \"" + key + "\"");
-        }
-        keys.back().push_back(key);
-        break;
-      }
-      default:
-        break;
-    }
+// The checks nlohmann/json does not make, as a first SAX pass that keeps no values:
+// depth (the library has no limit) and duplicate keys (it keeps the last of two equal
+// ones, so a duplicate tensor name would silently hide a tensor). A separate pass,
+// because the library's DOM parse with a callback is quadratic in the members of an
+// object (each member's end rescans its parent), and headers may hold many tensors.
+class HeaderChecks final : public nlohmann::json_sax<Json> {
+ public:
+  explicit HeaderChecks(std::string invalid) : invalid_(std::move(invalid)) {}
+
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    enter();
+    keys_.emplace_back();
     return true;
-  };
-  try {
-    return Json::parse(text.begin(), text.end(), check);
-  } catch (const Json::parse_error& e) {
-    // e.byte counts from 1; the offset counts from 0 (the header's first byte is 0).
-    const std::size_t offset = e.byte > 0 ? e.byte - 1 : 0;
-    throw Error(invalid + " at byte " + std::to_string(offset) + ": " + library_message(e.what()));
-  } catch (const Json::exception& e) {  // e.g. a number beyond double's range
-    throw Error(invalid + ": " + library_message(e.what()));
   }
+  bool key(string_t& key) override {
+    if (!keys_.back().insert(key).second) throw Error(invalid_ + ": duplicate key \"" + key + "\"");
+    return true;
+  }
+  bool end_object() override {
+    keys_.pop_back();
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    enter();
+    return true;
+  }
+  bool end_array() override {
+    --depth_;
+    return true;
+  }
+  // Syntax errors and numbers beyond double's range. `position` counts bytes read, so
+  // the offending byte's offset (from 0) is one less.
+  bool parse_error(std::size_t position, const std::string&,
+                   const nlohmann::detail::exception& e) override {
+    throw Error(invalid_ + " at byte " + std::to_string(position > 0 ? position - 1 : 0) + ": " +
+                library_message(e.what()));
+  }
+
+ private:
+  void enter() {
+    if (++depth_ > kMaxDepth) throw Error(invalid_ + ": nested too deeply (over 64 levels)");
+  }
+
+  std::string invalid_;
+  int depth_ = 0;
+  std::vector<std::unordered_set<std::string>> keys_;  // the keys seen in each open object
+};
+
+// Strict RFC 8259 parsing of the header, errors as qkv::Error naming the byte offset.
+// The second parse meets only text the first accepted.
+Json parse_header(std::string_view text, const std::string& what) {
+  HeaderChecks checks(what + ": invalid JSON header");
+  Json::sax_parse(text.begin(), text.end(), &checks);
+  return Json::parse(text.begin(), text.end());
 }
 
 // A shape entry or data offset: a JSON integer in [0, 2⁶³), else -1.
@@ -193,8 +220,13 @@ const SafetensorsTensor* SafetensorsFile::find(const std::string& name) const {
 }
 
 std::vector<std::byte> encode_safetensors(const SafetensorsFile& file) {
-  Json header = Json::object();
-  if (!file.metadata.empty()) header["__metadata__"] = file.metadata;
+  OrderedJson header = OrderedJson::object();
+  // Members are appended to the object's vector directly: ordered_json's own insertion
+  // searches it for the key first, which would make n tensors cost O(n²). Names are
+  // checked for duplicates here instead.
+  auto& members = header.get_ref<OrderedJson::object_t&>();
+  if (!file.metadata.empty()) members.emplace_back("__metadata__", file.metadata);
+  std::unordered_set<std::string> names;
   uint64_t offset = 0;
   for (std::size_t i = 0; i < file.tensors.size(); ++i) {
     const auto& tensor = file.tensors[i];
@@ -202,7 +234,7 @@ std::vector<std::byte> encode_safetensors(const SafetensorsFile& file) {
       throw Error("encode_safetensors: tensor " + std::to_string(i) + ": invalid name \"" +
                   tensor.name + "\"");
     }
-    if (header.contains(tensor.name)) {
+    if (!names.insert(tensor.name).second) {
       throw Error("encode_safetensors: duplicate tensor name \"" + tensor.name + "\"");
     }
     for (int64_t extent : tensor.shape) {
@@ -213,15 +245,15 @@ std::vector<std::byte> encode_safetensors(const SafetensorsFile& file) {
       throw Error("encode_safetensors: tensor \"" + tensor.name + "\": shape and dtype need " +
                   std::to_string(size) + " bytes, it has " + std::to_string(tensor.bytes.size()));
     }
-    header[tensor.name] = {{"dtype", dtype_name(tensor.dtype)},
-                           {"shape", tensor.shape},
-                           {"data_offsets", {offset, offset + size}}};
+    members.emplace_back(tensor.name, OrderedJson{{"dtype", dtype_name(tensor.dtype)},
+                                                  {"shape", tensor.shape},
+                                                  {"data_offsets", {offset, offset + size}}});
     offset += size;
   }
   std::string text;
   try {
     text = header.dump();  // compact, as the reference writer's
-  } catch (const Json::exception& e) {  // a name or metadata string that is not UTF-8
+  } catch (const OrderedJson::exception& e) {  // a name or metadata string that is not UTF-8
     throw Error("encode_safetensors: " + library_message(e.what()) +
                 " (tensor names and metadata must be UTF-8 text)");
   }
@@ -259,7 +291,7 @@ SafetensorsFile decode_safetensors(std::span<const std::byte> bytes, const std::
   SafetensorsFile file;
   struct Range {
     uint64_t begin, end;
-    std::string name;
+    std::size_t tensor;  // index in file.tensors
   };
   std::vector<Range> ranges;
   for (const auto& [name, entry] : header.items()) {
@@ -322,16 +354,17 @@ SafetensorsFile decode_safetensors(std::span<const std::byte> bytes, const std::
     }
     tensor.bytes.assign(data.begin() + static_cast<std::ptrdiff_t>(begin),
                         data.begin() + static_cast<std::ptrdiff_t>(end));
-    ranges.push_back({begin, end, name});
+    ranges.push_back({begin, end, file.tensors.size()});
     file.tensors.push_back(std::move(tensor));
   }
   // The tensors must tile the data section exactly: no overlap, no gaps, nothing after.
-  std::sort(ranges.begin(), ranges.end(),
-            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.tensor < b.tensor;
+  });
   uint64_t covered = 0;
   for (const auto& range : ranges) {
     if (range.begin != covered) {
-      fail(what, "tensor \"" + range.name + "\" starts at byte " + std::to_string(range.begin) +
+      fail(what, "tensor \"" + file.tensors[range.tensor].name + "\" starts at byte " + std::to_string(range.begin) +
                      " of the data, expected " + std::to_string(covered) +
                      " (overlapping or missing data)");
     }
@@ -342,15 +375,10 @@ SafetensorsFile decode_safetensors(std::span<const std::byte> bytes, const std::
                    " bytes after the last tensor (not a safetensors file, or a corrupt one)");
   }
   // Keep the writer's order: by data offset.
-  std::stable_sort(file.tensors.begin(), file.tensors.end(), [&](const auto& a, const auto& b) {
-    auto begin_of = [&](const std::string& n) {
-      for (const auto& r : ranges) {
-        if (r.name == n) return r.begin;
-      }
-      return uint64_t{0};
-    };
-    return begin_of(a.name) < begin_of(b.name);
-  });
+  std::vector<SafetensorsTensor> ordered;
+  ordered.reserve(ranges.size());
+  for (const auto& range : ranges) ordered.push_back(std::move(file.tensors[range.tensor]));
+  file.tensors = std::move(ordered);
   return file;
 }
 
