@@ -23,6 +23,9 @@ pip_install=("$python" -m pip install --quiet --disable-pip-version-check --root
 # release those tests were written against: 5.x routes BERT through the attention
 # registry too (4.57.1 passes the decoder tests and skips the BERT ones).
 "${pip_install[@]}" "transformers==5.24.0"
+# NumPy's bfloat16 (qkv reads ml_dtypes.bfloat16 arrays in place; the test is skipped
+# without it).
+"${pip_install[@]}" "ml_dtypes>=0.4"
 # The build backend and its tools, installed here so that the build below can run
 # without an isolated environment (which would move nanobind and force a full rebuild).
 "${pip_install[@]}" "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja

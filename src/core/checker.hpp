@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "qkv/error.hpp"
+#include "qkv/half.hpp"
 #include "qkv/options.hpp"
 
 namespace qkv::detail {
@@ -46,6 +47,11 @@ struct Described {
     return {first, first + static_cast<std::uintptr_t>(last + 1) * element_bytes};
   }
 };
+
+inline double widen_for_check(double value) { return value; }
+inline float widen_for_check(float value) { return value; }
+inline float widen_for_check(bfloat16 value) { return static_cast<float>(value); }
+inline float widen_for_check(float16 value) { return static_cast<float>(value); }
 
 template <class T, int R>
 Described describe(const std::string& name, const TensorView<T, R>& view) {
@@ -181,7 +187,8 @@ class Checker {
     while (true) {
       int64_t offset = 0;
       for (int axis = 0; axis < rank; ++axis) offset += index[axis] * view.strides[axis];
-      const T value = base[offset];
+      // Half types widen exactly to float, so the value printed is the stored one.
+      const auto value = static_cast<double>(widen_for_check(base[offset]));
       const bool ok = std::isfinite(value) || (allow_minus_inf && value == -INFINITY);
       if (!ok) {
         std::ostringstream out;

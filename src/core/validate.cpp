@@ -216,20 +216,22 @@ BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
 
 }  // namespace
 
-ForwardProblem<float> validate(const ForwardArgs<float>& args, const AttentionOptions& options) {
+template <class T>
+ForwardProblem<T> validate(const ForwardArgs<T>& args, const AttentionOptions& options) {
   return validate_forward(args, options);
 }
-ForwardProblem<double> validate(const ForwardArgs<double>& args,
-                                const AttentionOptions& options) {
-  return validate_forward(args, options);
-}
-BackwardProblem<float> validate(const BackwardArgs<float>& args,
-                                const AttentionOptions& options) {
+template <class T>
+BackwardProblem<T> validate(const BackwardArgs<T>& args, const AttentionOptions& options) {
   return validate_backward(args, options);
 }
-BackwardProblem<double> validate(const BackwardArgs<double>& args,
-                                 const AttentionOptions& options) {
-  return validate_backward(args, options);
-}
+
+#define QKV_INSTANTIATE_VALIDATE(T)                                                      \
+  template ForwardProblem<T> validate(const ForwardArgs<T>&, const AttentionOptions&); \
+  template BackwardProblem<T> validate(const BackwardArgs<T>&, const AttentionOptions&);
+QKV_INSTANTIATE_VALIDATE(float)
+QKV_INSTANTIATE_VALIDATE(double)
+QKV_INSTANTIATE_VALIDATE(bfloat16)
+QKV_INSTANTIATE_VALIDATE(float16)
+#undef QKV_INSTANTIATE_VALIDATE
 
 }  // namespace qkv::detail

@@ -233,21 +233,22 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
 
 }  // namespace
 
-ForwardProblem<float> validate(const VarlenForwardArgs<float>& args,
-                               const AttentionOptions& options) {
+template <class T>
+ForwardProblem<T> validate(const VarlenForwardArgs<T>& args, const AttentionOptions& options) {
   return validate_varlen_forward(args, options);
 }
-ForwardProblem<double> validate(const VarlenForwardArgs<double>& args,
-                                const AttentionOptions& options) {
-  return validate_varlen_forward(args, options);
-}
-BackwardProblem<float> validate(const VarlenBackwardArgs<float>& args,
-                                const AttentionOptions& options) {
+template <class T>
+BackwardProblem<T> validate(const VarlenBackwardArgs<T>& args, const AttentionOptions& options) {
   return validate_varlen_backward(args, options);
 }
-BackwardProblem<double> validate(const VarlenBackwardArgs<double>& args,
-                                 const AttentionOptions& options) {
-  return validate_varlen_backward(args, options);
-}
+
+#define QKV_INSTANTIATE_VALIDATE(T)                                                            \
+  template ForwardProblem<T> validate(const VarlenForwardArgs<T>&, const AttentionOptions&); \
+  template BackwardProblem<T> validate(const VarlenBackwardArgs<T>&, const AttentionOptions&);
+QKV_INSTANTIATE_VALIDATE(float)
+QKV_INSTANTIATE_VALIDATE(double)
+QKV_INSTANTIATE_VALIDATE(bfloat16)
+QKV_INSTANTIATE_VALIDATE(float16)
+#undef QKV_INSTANTIATE_VALIDATE
 
 }  // namespace qkv::detail
