@@ -172,6 +172,17 @@ class Checker {
     }
   }
 
+  // Every output has one index per element and shares no memory with an input or with
+  // another output.
+  void expect_outputs_apart(const std::vector<Described>& outputs,
+                            const std::vector<Described>& inputs) const {
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      expect_no_self_overlap(outputs[i]);
+      for (const Described& input : inputs) expect_disjoint(outputs[i], input);
+      for (std::size_t j = 0; j < i; ++j) expect_disjoint(outputs[i], outputs[j]);
+    }
+  }
+
   template <class T>
   void expect_finite(const Described& view, bool allow_minus_inf = false) const {
     if (view.numel() == 0) return;
