@@ -81,17 +81,6 @@ void backward_typed(const InArray& q, const InArray& k, const InArray& v, const 
   attention_backward(args, options);
 }
 
-// float32 or float64, decided by q; anything else is a TypeError naming q's dtype.
-template <class Float32, class Float64>
-void dispatch_on_q(const InArray& q, Float32&& float32, Float64&& float64) {
-  expect_cpu("q", q.device_type());
-  if (q.dtype() == nanobind::dtype<float>()) return float32();
-  if (q.dtype() == nanobind::dtype<double>()) return float64();
-  throw nanobind::type_error(("q: expected dtype float32 or float64, got " +
-                              dtype_name(q.dtype()))
-                                 .c_str());
-}
-
 void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
              const std::optional<OutArray>& lse, const std::optional<OutArray>& weights,
              const OptionArgs& option_args) {

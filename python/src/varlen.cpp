@@ -91,15 +91,6 @@ void backward_typed(const InArray& q, const InArray& k, const InArray& v, const 
   varlen_attention_backward(args, options);
 }
 
-template <class Float32, class Float64>
-void dispatch_on_q(const InArray& q, Float32&& float32, Float64&& float64) {
-  expect_cpu("q", q.device_type());
-  if (q.dtype() == nanobind::dtype<float>()) return float32();
-  if (q.dtype() == nanobind::dtype<double>()) return float64();
-  throw nanobind::type_error(
-      ("q: expected dtype float32 or float64, got " + dtype_name(q.dtype())).c_str());
-}
-
 }  // namespace
 
 void bind_varlen(nanobind::module_& m) {
