@@ -140,11 +140,7 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
                                 describe("v", args.v)};
   if (!options.mask.keep.empty()) inputs.push_back(describe("mask.keep", options.mask.keep));
   if (!options.mask.bias.empty()) inputs.push_back(describe("mask.bias", options.mask.bias));
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    check.expect_no_self_overlap(outputs[i]);
-    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
-    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
-  }
+  check.expect_outputs_apart(outputs, inputs);
 
   check_backend(check, options, std::is_same_v<T, double>, !args.weights.empty());
   problem.scale = resolve_scale(check, options, e.head_dim);
@@ -197,11 +193,7 @@ BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
   if (!options.mask.keep.empty()) inputs.push_back(describe("mask.keep", options.mask.keep));
   if (!options.mask.bias.empty()) inputs.push_back(describe("mask.bias", options.mask.bias));
   const std::vector<Described> outputs{dq, dk, dv};
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    check.expect_no_self_overlap(outputs[i]);
-    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
-    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
-  }
+  check.expect_outputs_apart(outputs, inputs);
   if (options.execution.check_finite) {
     check.expect_finite<T>(dout);
     check.expect_finite<T>(out);

@@ -128,15 +128,6 @@ void check_varlen_common(const Checker& check, const Args& args, const Attention
   }
 }
 
-void expect_outputs_apart(const Checker& check, const std::vector<Described>& outputs,
-                          const std::vector<Described>& inputs) {
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    check.expect_no_self_overlap(outputs[i]);
-    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
-    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
-  }
-}
-
 template <class T>
 ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
                                           const AttentionOptions& options) {
@@ -160,8 +151,8 @@ ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
     check.expect_extent(lse, 1, "total_q", total_q, "as q.shape[0]");
     outputs.push_back(lse);
   }
-  expect_outputs_apart(check, outputs,
-                       {describe("q", args.q), describe("k", args.k), describe("v", args.v)});
+  check.expect_outputs_apart(
+      outputs, {describe("q", args.q), describe("k", args.k), describe("v", args.v)});
   check_backend(check, options, std::is_same_v<T, double>, false);
   problem.scale = resolve_scale(check, options, e.head_dim);
   problem.threads = resolve_threads(check, options);
@@ -208,9 +199,8 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
   expect_like(dq, total_q, e.q_heads, e.head_dim, "q");
   expect_like(dk, total_k, e.kv_heads, e.head_dim, "k");
   expect_like(dv, total_k, e.kv_heads, e.v_dim, "v");
-  expect_outputs_apart(check, {dq, dk, dv},
-                       {describe("q", args.q), describe("k", args.k), describe("v", args.v), out,
-                        lse, dout});
+  check.expect_outputs_apart({dq, dk, dv}, {describe("q", args.q), describe("k", args.k),
+                                            describe("v", args.v), out, lse, dout});
   if (options.execution.check_finite) {
     check.expect_finite<T>(dout);
     check.expect_finite<T>(out);
