@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <span>
 
+#include "qkv/attention_stats.hpp"
 #include "qkv/options.hpp"
 #include "qkv/tensor.hpp"
 
@@ -33,6 +34,9 @@ struct ForwardArgs {
   View4<T> out;
   View3<T> lse;      // optional: log-sum-exp of each row, needed by attention_backward
   View4<T> weights;  // optional: the attention weights P (reference backend only)
+  // Optional: softmax saturation and entropy per head and per row, written into the
+  // views it holds (qkv/attention_stats.hpp). Null: not computed, at no cost.
+  const AttentionStats<T>* stats = nullptr;
 };
 
 template <class T>
@@ -88,6 +92,8 @@ struct VarlenForwardArgs {
   // Optional (0: not given). When given, must be ≥ every sequence's length (as in
   // FlashAttention, where it sizes the launch); qkv needs neither and checks both.
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  // Optional: per-sequence and per-row softmax statistics (qkv/attention_stats.hpp).
+  const VarlenAttentionStats<T>* stats = nullptr;
 };
 
 template <class T>

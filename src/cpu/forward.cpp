@@ -8,6 +8,11 @@
 //     acc = acc·e^(m−m') + P·V_blk      micro-kernel (V read in place), summed per block
 //   out = acc / l,   lse = m + log l                        (l = 0: out 0, lse -inf)
 //
+// With statistics asked for (qkv/attention_stats.hpp), the online softmax also keeps
+// u = Σ e^(S−m)(S−m) per query, and each row's largest weight 1/l and entropy ln l − u/l
+// are summed per block; the blocks' sums are added per (batch, head) in task order after
+// the parallel loop, so they too are the same for any thread count.
+//
 // Extra memory: per thread, Qᵀ (d × 64), Sᵀ (64 × 64), acc (64 × dv) and a few vectors;
 // nothing grows with N. Work is handed out heaviest first (causal: late query blocks),
 // dynamically; each output block has one writer, so any thread count gives the same bits.
@@ -29,6 +34,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/head_stats.hpp"
 #include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
 #include "cpu/finite_scan.hpp"
@@ -53,7 +59,7 @@ struct ForwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> acc;    // width × dv_ld: unnormalized output rows
   hwy::AlignedFreeUniquePtr<float[]> partial;  // width × dv_ld: one block's P·V
   hwy::AlignedFreeUniquePtr<float[]> v_pad;  // kBlockKeys × dv_ld, only for dv % lanes ≠ 0
-  hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha: 3 × width
+  hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha, u: 4 × width
   std::vector<int32_t> key_end;              // width (0 past the block's queries)
 
   ForwardScratch(const detail::ForwardProblem<float>& p, size_t lanes)
@@ -66,13 +72,35 @@ struct ForwardScratch {
         partial(AllocateFloats(width * dv_ld)),
         v_pad(AllocateFloats(p.extents.v_dim % static_cast<int64_t>(lanes) ? kBlockKeys * dv_ld
                                                                              : 0)),
-        stats(AllocateFloats(3 * width)),
+        stats(AllocateFloats(4 * width)),
         key_end(width, 0) {}
 };
 
+// Attention health of a block's rows from the online softmax's own sums (see
+// OnlineSoftmaxStep): largest weight 1/l, entropy ln l − u/l. Rows without keys (l = 0)
+// get 0s and are not counted.
+void RowStatistics(const detail::ForwardProblem<float>& p, const QueryRows& rows,
+                   const float* l, const float* u, detail::HeadStatsSum& sum) {
+  detail::HeadStatsSum block;  // summed here, stored once: no false sharing between tasks
+  for (int64_t i = 0; i < rows.count; ++i) {
+    const int64_t query = rows.first + i;
+    if (l[i] == 0.0f) {
+      detail::write_row_stats(p, rows.batch, rows.head, query, 0.0, 0.0);
+      continue;
+    }
+    const double total = l[i];
+    const double max_weight = 1.0 / total;
+    const double entropy = std::log(total) - static_cast<double>(u[i]) / total;
+    detail::write_row_stats(p, rows.batch, rows.head, query, max_weight, entropy);
+    block.add_row(max_weight, entropy, p.stats.saturation_threshold);
+  }
+  sum = block;
+}
+
+// block_stats: where the block's statistics go, or null when none are asked for.
 void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan& plan,
                   const KeyValueFinite& finite, const SharedMaskTiles& shared,
-                  const ForwardTask& task, ForwardScratch& s) {
+                  const ForwardTask& task, ForwardScratch& s, detail::HeadStatsSum* block_stats) {
   const detail::Extents& e = p.extents;
   const auto rows_of = p.rows();
   const size_t lanes = VectorLanes();
@@ -95,8 +123,10 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
   float* m = s.stats.get();
   float* l = m + s.width;
   float* alpha = l + s.width;
+  float* u = alpha + s.width;
   std::fill(m, m + width, kMinusInf);
   std::fill(l, l + width, 0.0f);
+  if (block_stats != nullptr) std::fill(u, u + width, 0.0f);
   std::fill(s.acc.get(), s.acc.get() + count * s.dv_ld, 0.0f);
 
   const int64_t k_row = p.args.k.strides[1], v_row = p.args.v.strides[1];
@@ -130,7 +160,11 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
       overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.st.get(), width);
     }
 
-    OnlineSoftmaxStep(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha);
+    if (block_stats != nullptr) {
+      OnlineSoftmaxStep<true>(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha, u);
+    } else {
+      OnlineSoftmaxStep(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha);
+    }
 
     // acc = acc·alpha + P·V_blk, with P read in place from Pᵀ. A removed key's V may hold
     // NaN/Inf (scanned once per call): then only the terms with P ≠ 0 are summed.
@@ -170,6 +204,21 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
       rows_of.lse(b, h, query) = l[i] == 0.0f ? kMinusInf : m[i] + std::log(l[i]) + shift;
     }
   }
+  if (block_stats != nullptr) RowStatistics(p, rows, l, u, *block_stats);
+}
+
+// The per-(batch, head) statistics: the blocks' sums added in task order (fixed by the
+// problem, not by the threads).
+void WriteHeadStatistics(const detail::ForwardProblem<float>& p,
+                         const std::vector<ForwardTask>& tasks,
+                         const std::vector<detail::HeadStatsSum>& block_stats) {
+  const detail::Extents& e = p.extents;
+  std::vector<detail::HeadStatsSum> heads(static_cast<size_t>(e.batch * e.q_heads));
+  for (size_t t = 0; t < tasks.size(); ++t)
+    heads[static_cast<size_t>(tasks[t].batch * e.q_heads + tasks[t].head)].add(block_stats[t]);
+  for (int64_t b = 0; b < e.batch; ++b)
+    for (int64_t h = 0; h < e.q_heads; ++h)
+      detail::write_head_stats(p.stats, b, h, heads[static_cast<size_t>(b * e.q_heads + h)]);
 }
 
 }  // namespace
@@ -177,7 +226,11 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
 void ForwardImpl(const detail::ForwardProblem<float>& p) {
   const detail::TilePlan plan(p.mask, p.extents, kBlockQueries, kBlockKeys, p.threads);
   const std::vector<ForwardTask> tasks = forward_tasks(p.extents, p.mask, plan);
-  if (tasks.empty()) return;
+  std::vector<detail::HeadStatsSum> block_stats(p.collect_stats ? tasks.size() : 0);
+  if (tasks.empty()) {
+    if (p.collect_stats) WriteHeadStatistics(p, tasks, block_stats);  // no rows: NaN, 0
+    return;
+  }
   KeyValueFinite finite(p.extents);
   const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
   const SharedMaskTiles shared(p.mask, p.extents, plan);
@@ -192,8 +245,11 @@ void ForwardImpl(const detail::ForwardProblem<float>& p) {
     for (size_t t = 0; t < shared.size(); ++t) shared.build(p.mask, plan, t);
     ForwardScratch scratch(p, VectorLanes());
 #pragma omp for schedule(dynamic, 1)
-    for (size_t t = 0; t < tasks.size(); ++t) ForwardBlock(p, plan, finite, shared, tasks[t], scratch);
+    for (size_t t = 0; t < tasks.size(); ++t)
+      ForwardBlock(p, plan, finite, shared, tasks[t], scratch,
+                   p.collect_stats ? &block_stats[t] : nullptr);
   }
+  if (p.collect_stats) WriteHeadStatistics(p, tasks, block_stats);
 }
 
 }  // namespace qkv::cpu::HWY_NAMESPACE
