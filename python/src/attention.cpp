@@ -13,6 +13,7 @@
 #include "debug.hpp"
 #include "options.hpp"
 #include "qkv/attention.hpp"
+#include "stats.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::python {
@@ -23,7 +24,7 @@ constexpr const char* kAsQ = "the dtype of q";
 template <class T>
 void forward_typed(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
                    const std::optional<OutArray>& lse, const std::optional<OutArray>& weights,
-                   const AttentionOptions& options) {
+                   const std::optional<nanobind::dict>& stats, const AttentionOptions& options) {
   ForwardArgs<T> args;
   args.q = view_of<const T, 4>("q", q, kAsQ);
   args.k = view_of<const T, 4>("k", k, kAsQ);
@@ -31,6 +32,11 @@ void forward_typed(const InArray& q, const InArray& k, const InArray& v, const O
   args.out = view_of<T, 4>("out", out, kAsQ);
   if (lse) args.lse = view_of<T, 3>("lse", *lse, kAsQ);
   if (weights) args.weights = view_of<T, 4>("weights", *weights, kAsQ);
+  AttentionStats<T> stats_out;
+  if (stats) {
+    stats_out = stats_views<T, 3>(*stats);
+    args.stats = &stats_out;
+  }
 
   debug_begin_call();
   debug_record("q", args.q);
@@ -89,11 +95,11 @@ void dispatch_on_q(const InArray& q, Float32&& float32, Float64&& float64) {
 
 void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
              const std::optional<OutArray>& lse, const std::optional<OutArray>& weights,
-             const OptionArgs& option_args) {
+             const std::optional<nanobind::dict>& stats, const OptionArgs& option_args) {
   const AttentionOptions options = make_options(option_args);
   dispatch_on_q(
-      q, [&] { forward_typed<float>(q, k, v, out, lse, weights, options); },
-      [&] { forward_typed<double>(q, k, v, out, lse, weights, options); });
+      q, [&] { forward_typed<float>(q, k, v, out, lse, weights, stats, options); },
+      [&] { forward_typed<double>(q, k, v, out, lse, weights, stats, options); });
 }
 
 void backward(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
@@ -143,8 +149,9 @@ void bind_attention(nanobind::module_& m) {
          std::optional<OutArray> lse, std::optional<OutArray> weights,
          std::optional<InArray> keep, std::optional<InArray> bias,
          std::optional<InArray> key_lengths, std::optional<double> scale, std::string causal,
-         std::string backend, int threads, bool check_finite) {
-        forward(q, k, v, out, lse, weights,
+         std::string backend, int threads, bool check_finite,
+         std::optional<nb::dict> stats) {
+        forward(q, k, v, out, lse, weights, stats,
                 option_args(std::move(keep), std::move(bias), std::move(key_lengths), scale,
                             std::move(causal), std::move(backend), threads, check_finite));
       },
@@ -153,9 +160,9 @@ void bind_attention(nanobind::module_& m) {
       nb::arg("keep").none() = nb::none(), nb::arg("bias").none() = nb::none(),
       nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(),
       nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
-      nb::arg("check_finite") = false,
-      "qkv::attention_forward on [B, N, H, d] views of the given arrays; writes out, lse "
-      "and weights in place. The GIL is released while computing.");
+      nb::arg("check_finite") = false, nb::arg("stats").none() = nb::none(),
+      "qkv::attention_forward on [B, N, H, d] views of the given arrays; writes out, lse, "
+      "weights and the stats dict's arrays in place. The GIL is released while computing.");
 
   m.def(
       "backward",
