@@ -29,7 +29,9 @@
 // rows gets NaN for the four means, shares and maxima, and rows = 0.
 //
 // Reductions run in a fixed order, so every value is bitwise the same for any thread
-// count. Cost: a few percent of the forward when asked (bench/bench_attention.py
+// count. Calls with statistics always run the regular (prefill) forward kernel, also for
+// decode shapes (a few queries against many keys), so the values do not depend on which
+// kernel a shape would otherwise pick. Cost: a few percent of the forward when asked (bench/bench_attention.py
 // --stats), nothing when not. Statistics are a forward-only output: they take no part in
 // the backward.
 #pragma once

@@ -10,7 +10,7 @@
 //
 // With statistics asked for (qkv/attention_stats.hpp), the online softmax also keeps
 // u = Σ e^(S−m)(S−m) per query, and each row's largest weight 1/l and entropy ln l − u/l
-// are summed per block; the blocks' sums are added per (batch, head) in task order after
+// are summed per block (in double); the blocks' sums are added per (batch, head) in task order after
 // the parallel loop, so they too are the same for any thread count.
 //
 // Extra memory: per thread, Qᵀ (d × 64), Sᵀ (64 × 64), acc (64 × dv) and a few vectors;
@@ -77,22 +77,29 @@ struct ForwardScratch {
 };
 
 // Attention health of a block's rows from the online softmax's own sums (see
-// OnlineSoftmaxStep): largest weight 1/l, entropy ln l − u/l. Rows without keys (l = 0)
-// get 0s and are not counted.
+// OnlineSoftmaxStep): largest weight 1/l and entropy ln l − u/l, with SIMD (Highway's
+// Log: 4 ULP), into `weight` and in place of u; rows without keys (l = 0) get 0s. Then
+// the block's sums in row order; rows without keys add nothing but their 0 row values.
 void RowStatistics(const detail::ForwardProblem<float>& p, const QueryRows& rows,
-                   const float* l, const float* u, detail::HeadStatsSum& sum) {
+                   const float* HWY_RESTRICT l, float* HWY_RESTRICT u,
+                   float* HWY_RESTRICT weight, size_t width, detail::HeadStatsSum& sum) {
+  const FloatTag d;
+  const size_t lanes = hn::Lanes(d);
+  const auto zero = hn::Zero(d), one = hn::Set(d, 1.0f);
+  for (size_t i = 0; i < width; i += lanes) {
+    const auto total = hn::LoadU(d, l + i);
+    const auto empty = hn::Eq(total, zero);
+    const auto inverse = hn::Div(one, total);
+    const auto entropy = hn::NegMulAdd(hn::LoadU(d, u + i), inverse, hn::Log(d, total));
+    hn::StoreU(hn::IfThenZeroElse(empty, inverse), d, weight + i);
+    hn::StoreU(hn::IfThenZeroElse(empty, entropy), d, u + i);
+  }
   detail::HeadStatsSum block;  // summed here, stored once: no false sharing between tasks
+  const double threshold = p.stats.saturation_threshold;
+  const bool row_views = p.stats.any_row_view();
   for (int64_t i = 0; i < rows.count; ++i) {
-    const int64_t query = rows.first + i;
-    if (l[i] == 0.0f) {
-      detail::write_row_stats(p, rows.batch, rows.head, query, 0.0, 0.0);
-      continue;
-    }
-    const double total = l[i];
-    const double max_weight = 1.0 / total;
-    const double entropy = std::log(total) - static_cast<double>(u[i]) / total;
-    detail::write_row_stats(p, rows.batch, rows.head, query, max_weight, entropy);
-    block.add_row(max_weight, entropy, p.stats.saturation_threshold);
+    if (row_views) detail::write_row_stats(p, rows.batch, rows.head, rows.first + i, weight[i], u[i]);
+    if (l[i] != 0.0f) block.add_row(weight[i], u[i], threshold);
   }
   sum = block;
 }
@@ -160,10 +167,14 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
       overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.st.get(), width);
     }
 
-    if (block_stats != nullptr) {
-      OnlineSoftmaxStep<true>(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha, u);
-    } else {
+    if (block_stats == nullptr) {
       OnlineSoftmaxStep(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha);
+    } else if (partial) {
+      OnlineSoftmaxStep<SoftmaxStats::masked>(s.st.get(), static_cast<size_t>(keys), width, m,
+                                              l, alpha, u);
+    } else {
+      OnlineSoftmaxStep<SoftmaxStats::unmasked>(s.st.get(), static_cast<size_t>(keys), width, m,
+                                                l, alpha, u);
     }
 
     // acc = acc·alpha + P·V_blk, with P read in place from Pᵀ. A removed key's V may hold
@@ -204,7 +215,8 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
       rows_of.lse(b, h, query) = l[i] == 0.0f ? kMinusInf : m[i] + std::log(l[i]) + shift;
     }
   }
-  if (block_stats != nullptr) RowStatistics(p, rows, l, u, *block_stats);
+  // alpha is free now: it takes the rows' largest weights.
+  if (block_stats != nullptr) RowStatistics(p, rows, l, u, alpha, width, *block_stats);
 }
 
 // The per-(batch, head) statistics: the blocks' sums added in task order (fixed by the
