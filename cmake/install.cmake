@@ -3,7 +3,15 @@
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
-install(TARGETS qkv qkv_nn EXPORT qkvTargets
+# qkv::dist is installed only when it was built (MPI found); the package then asks its
+# users' CMake for MPI too (qkvConfig.cmake).
+set(qkv_installed_targets qkv qkv_nn qkv_ring_plan)
+set(QKV_HAS_DIST OFF)
+if(TARGET qkv_dist)
+  list(APPEND qkv_installed_targets qkv_dist)
+  set(QKV_HAS_DIST ON)
+endif()
+install(TARGETS ${qkv_installed_targets} EXPORT qkvTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}

@@ -11,6 +11,7 @@ apt_packages=(
   libcli11-dev                # CLI11: the qkv command line
   gnuplot-nox                 # qkv explain --plot
   libopenblas-dev             # OpenBLAS: qkv::nn's GEMMs
+  libopenmpi-dev openmpi-bin  # OpenMPI: qkv::dist (ring attention) and its mpiexec tests
 )
 missing=()
 for package in "${apt_packages[@]}"; do

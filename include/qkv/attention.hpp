@@ -9,6 +9,7 @@
 //
 //   S = scale·Q·Kᵀ + mask.bias, masked entries removed     (scale defaults to 1/√d)
 //   P = softmax(S) row by row,   O = P·V,   lse_i = log Σ_j exp(S_ij)
+// plus the options' variants: soft-cap, ALiBi, sliding window, sinks, dropout.
 //
 // A query row whose keys are all removed has O = 0, lse = -inf and zero gradients.
 // Batch and sequence lengths may be 0 (nothing to do; Nk = 0 means every row is fully
@@ -46,6 +47,8 @@ struct BackwardArgs {
   View3<const T> lse;   // the forward's log-sum-exp
   View4<const T> dout;  // ∂L/∂out
   View4<T> dq, dk, dv;  // written, not accumulated into
+  // With options.sinks: ∂L/∂sinks, one per query head (float, written). Optional.
+  std::span<float> dsinks;
 };
 
 void attention_forward(const ForwardArgs<float>& args, const AttentionOptions& options = {});
@@ -103,6 +106,7 @@ struct VarlenBackwardArgs {
   TensorView<const T, 2> lse;
   View3<const T> dout;
   View3<T> dq, dk, dv;  // written, not accumulated into
+  std::span<float> dsinks;  // optional, with options.sinks
   SeqOffsets cu_seqlens_q, cu_seqlens_k;
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
 };

@@ -47,6 +47,30 @@ struct Execution {
   bool check_finite = false;
 };
 
+// Sliding window, FlashAttention's `window_size`: query i sees key j only when
+//   i + offset − left  ≤  j  ≤  i + offset + right        (−1: that side unbounded)
+// where offset aligns queries to keys as the causal mode does: 0 for top_left, and
+// bottom-right (Nk − Nq, Nk being the entry's valid key length) for bottom_right and
+// none, FlashAttention's convention. Combined with causality, the window cuts the visible
+// prefix further. Tiles outside every row's window are skipped, so time grows with the
+// window, not with N.
+struct Window {
+  int64_t left = -1;
+  int64_t right = -1;
+  bool active() const { return left >= 0 || right >= 0; }
+};
+
+// Attention dropout for training, FlashAttention's way: each weight P_ij is kept with
+// probability 1 − p and scaled by 1/(1 − p); the keep decision is a counter-based hash of
+// (seed, offset, batch, head, query, key), so the backward regenerates it instead of
+// storing it and results never depend on the thread count. The normalizer (and LSE) is
+// that of the undropped weights.
+struct Dropout {
+  float p = 0.0f;  // in [0, 1)
+  std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
+};
+
 struct AttentionOptions {
   // Multiplies Q·Kᵀ. Unset: 1/√d, which keeps the logits' variance at 1 for unit-variance
   // q and k (Var(q·k) = d). Must be finite and > 0.
@@ -55,6 +79,21 @@ struct AttentionOptions {
   Mask mask;
   // Per batch entry b, only keys [0, key_lengths[b]) take part. Empty: all keys.
   std::span<const int64_t> key_lengths;
+
+  // Variants of today's models (all inert by default).
+  Window window;
+  // ALiBi (BLOOM, MPT): one slope per query head; adds −slope·|i + Nk − Nq − j| to the
+  // logits (positions aligned bottom-right, Nk the entry's valid key length), computed in
+  // the kernel, never materialized.
+  std::span<const float> alibi_slopes;
+  // Logit soft-capping (Gemma 2): c > 0 turns each scaled logit s into c·tanh(s/c),
+  // before masks and biases are added. 0: off.
+  float softcap = 0.0f;
+  // Attention sinks (gpt-oss): one logit per query head that joins every row's softmax
+  // denominator without a value; the backward returns its gradient (BackwardArgs::dsinks).
+  std::span<const float> sinks;
+  Dropout dropout;
+
   Execution execution;
 };
 

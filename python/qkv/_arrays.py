@@ -74,6 +74,19 @@ class NumPy:
         return np.ascontiguousarray(array, dtype=np.int64)
 
 
+    @staticmethod
+    def float_vector(values):
+        array = np.asarray(values)
+        if array.dtype.kind not in "iuf" or array.ndim != 1:
+            return None
+        return np.ascontiguousarray(array, dtype=np.float32)
+
+    @staticmethod
+    def random_seed() -> int:
+        """A dropout seed from NumPy's global generator (np.random.seed reproduces it)."""
+        return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
+
+
 class Torch:
     name = "torch"
 
@@ -152,6 +165,27 @@ class Torch:
                                or tensor.dtype == torch.bool):
             return None
         return tensor.to(torch.int64).contiguous()
+
+
+def _torch_float_vector(values):
+    import torch
+
+    tensor = torch.as_tensor(values, device="cpu")
+    if tensor.ndim != 1 or tensor.is_complex() or tensor.dtype == torch.bool:
+        return None
+    return tensor.to(torch.float32).contiguous()
+
+
+def _torch_random_seed() -> int:
+    """A dropout seed drawn from torch's default generator, so torch.manual_seed
+    reproduces a run (as PyTorch's own dropout does)."""
+    import torch
+
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+
+
+Torch.float_vector = staticmethod(_torch_float_vector)
+Torch.random_seed = staticmethod(_torch_random_seed)
 
 
 def framework_of(function: str, **arrays):

@@ -37,8 +37,9 @@ def forward(fw, q, k, v, *, layout: str, options: Options, want_lse: bool,
     return out, lse, weights
 
 
-def backward(fw, q, k, v, out, lse, dout, *, layout: str, options: Options):
-    """(dq, dk, dv), each a new C-order array in `layout` shaped like q, k, v."""
+def backward(fw, q, k, v, out, lse, dout, *, layout: str, options: Options, dsinks=None):
+    """(dq, dk, dv), each a new C-order array in `layout` shaped like q, k, v; with
+    `dsinks` (a float32 [Hq] array), also writes the sinks' gradient there."""
     dq, dq_view = empty_in_layout(fw, q, *dims(q, layout), layout)
     dk, dk_view = empty_in_layout(fw, q, *dims(k, layout), layout)
     dv, dv_view = empty_in_layout(fw, q, *dims(v, layout), layout)
@@ -52,6 +53,7 @@ def backward(fw, q, k, v, out, lse, dout, *, layout: str, options: Options):
         fw.for_library(dq_view),
         fw.for_library(dk_view),
         fw.for_library(dv_view),
+        dsinks=None if dsinks is None else fw.for_library(dsinks),
         **options.for_library(fw),
     )
     return dq, dk, dv

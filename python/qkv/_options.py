@@ -31,6 +31,26 @@ class Options:
     backend: str = "auto"
     threads: int = 0
     check_finite: bool = False
+    # Variants (see qkv.attention): inert defaults.
+    window: tuple = (-1, -1)
+    alibi_slopes: Any = None  # float32 [Hq] array of the caller's type
+    softcap: float = 0.0
+    sinks: Any = None         # float32 [Hq]; for torch, may require grad
+    dropout_p: float = 0.0
+    seed: int = 0
+
+    def has_variants(self) -> bool:
+        return (self.window != (-1, -1) or self.alibi_slopes is not None or self.softcap != 0.0
+                or self.sinks is not None or self.dropout_p != 0.0)
+
+    def variants_for_library(self, fw) -> dict:
+        if not self.has_variants():
+            return {}
+        return dict(window_left=self.window[0], window_right=self.window[1],
+                    alibi_slopes=None if self.alibi_slopes is None else fw.for_library(self.alibi_slopes),
+                    softcap=self.softcap,
+                    sinks=None if self.sinks is None else fw.for_library(self.sinks),
+                    dropout_p=self.dropout_p, dropout_seed=self.seed)
 
     def for_library(self, fw) -> dict:
         """Keyword arguments for qkv._qkv.forward / backward."""
@@ -47,6 +67,7 @@ class Options:
             backend=self.backend,
             threads=self.threads,
             check_finite=self.check_finite,
+            **self.variants_for_library(fw),
         )
 
 
@@ -105,6 +126,36 @@ def key_lengths_array(function: str, fw, key_lengths):
     return lengths
 
 
+def window_pair(function: str, window) -> tuple:
+    """(left, right) with None → -1 (unbounded), as FlashAttention's window_size."""
+    if window is None:
+        return (-1, -1)
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"{function}: window: expected (left, right), got {window!r}") from None
+    pair = tuple(-1 if x is None else x for x in (left, right))
+    for x in pair:
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"{function}: window: expected two ints or None, got {window!r}")
+    return tuple(int(x) for x in pair)
+
+
+def per_head_vector(function: str, fw, name: str, values):
+    """A float32 1-D array of the caller's type (torch: keeps requires_grad through .float())."""
+    if values is None:
+        return None
+    if fw.owns(values):
+        if values.ndim != 1:
+            raise Error(f"{function}: {name}: expected one value per query head (1-D), "
+                        f"got shape {tuple(values.shape)}")
+        return values if fw.is_float32(values) else fw.to_float32(values)
+    vector = fw.float_vector(values)
+    if vector is None:
+        raise TypeError(f"{function}: {name}: expected one float per query head, got {values!r}")
+    return vector
+
+
 def make_options(
     function: str,
     fw,
@@ -116,6 +167,12 @@ def make_options(
     backend="auto",
     threads=None,
     check_finite=False,
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    dropout_p=0.0,
+    seed=None,
 ) -> Options:
     keep, bias = mask_arrays(function, fw, mask)
     if scale is not None and (
@@ -130,6 +187,14 @@ def make_options(
         threads = 0
     if isinstance(threads, bool) or not isinstance(threads, numbers.Integral):
         raise TypeError(f"{function}: threads: expected None or an int, got {threads!r}")
+    for name, value in (("softcap", softcap), ("dropout_p", dropout_p)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise TypeError(f"{function}: {name}: expected a number, got {value!r}")
+    dropout_p = float(dropout_p or 0.0)
+    if seed is None:
+        seed = fw.random_seed() if dropout_p > 0.0 else 0
+    elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise TypeError(f"{function}: seed: expected None or an int >= 0, got {seed!r}")
     return Options(
         keep=keep,
         bias=bias,
@@ -139,4 +204,10 @@ def make_options(
         backend=backend,
         threads=int(threads),
         check_finite=bool(check_finite),
+        window=window_pair(function, window),
+        alibi_slopes=per_head_vector(function, fw, "alibi_slopes", alibi_slopes),
+        softcap=float(softcap or 0.0),
+        sinks=per_head_vector(function, fw, "sinks", sinks),
+        dropout_p=dropout_p,
+        seed=int(seed) % (1 << 64),
     )

@@ -166,6 +166,11 @@ def forward_with_autograd(q, k, v, *, layout: str, options: Options, stats=None)
     `stats`: None or the library's dict of statistics outputs (_stats.for_library),
     filled by the same forward; eager calls only (the operator has no such output)."""
     grad = torch.is_grad_enabled()
+    if options.has_variants():  # window, ALiBi, soft-cap, sinks, dropout: eager only
+        from . import _variants
+
+        return _variants.forward_with_autograd(q, k, v, layout=layout, options=options,
+                                               stats=stats)
     if options.bias is not None and options.bias.requires_grad and grad:
         raise NotImplementedError(
             "qkv: the gradient with respect to a float attention mask is not implemented "

@@ -18,6 +18,8 @@ _DOC = """
     causal: None, ``"top_left"`` or ``"bottom_right"``, applied per sequence.
     scale: default 1/sqrt(d). Hq a multiple of Hkv (GQA). threads: None = all.
     Errors name the argument (qkv.Error), e.g. a cu_seqlens entry that decreases.
+    Variants as in qkv.attention: window, alibi_slopes, softcap, sinks (differentiable for
+    torch; varlen_attention_backward then also returns dsinks), dropout_p, seed.
 """
 
 
@@ -30,11 +32,14 @@ def _offsets(fw, name, values):
     return fw.for_library(vector)
 
 
-def _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q, max_seqlen_k):
-    options = make_options(fn, fw, scale=scale, causal=causal, backend=backend, threads=threads)
-    return dict(max_seqlen_q=int(max_seqlen_q or 0), max_seqlen_k=int(max_seqlen_k or 0),
-                scale=options.scale, causal=options.causal, backend=options.backend,
-                threads=options.threads)
+def _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q, max_seqlen_k, variants):
+    """(keyword arguments of the binding, the sinks array or None)."""
+    options = make_options(fn, fw, scale=scale, causal=causal, backend=backend, threads=threads,
+                           **variants)
+    settings = dict(max_seqlen_q=int(max_seqlen_q or 0), max_seqlen_k=int(max_seqlen_k or 0),
+                    scale=options.scale, causal=options.causal, backend=options.backend,
+                    threads=options.threads, **options.variants_for_library(fw))
+    return settings, options.sinks
 
 
 def _check_rank3(fn, **arrays):
@@ -53,12 +58,13 @@ def _forward(fw, q, k, v, cu_q, cu_k, settings, stats=None):
     return out, lse
 
 
-def _backward(fw, q, k, v, out, lse, dout, cu_q, cu_k, settings):
+def _backward(fw, q, k, v, out, lse, dout, cu_q, cu_k, settings, dsinks=None):
     dq, dk, dv = fw.empty(tuple(q.shape), q), fw.empty(tuple(k.shape), q), fw.empty(tuple(v.shape), q)
     _qkv.varlen_backward(fw.for_library(q), fw.for_library(k), fw.for_library(v),
                          fw.for_library(out), fw.for_library(lse), fw.for_library(dout),
                          fw.for_library(dq), fw.for_library(dk), fw.for_library(dv),
-                         cu_q, cu_k, **settings)
+                         cu_q, cu_k, dsinks=None if dsinks is None else fw.for_library(dsinks),
+                         **settings)
     return dq, dk, dv
 
 
@@ -66,11 +72,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                      max_seqlen_k=None, causal=None, scale=None, return_lse=False,
                      return_stats=False, return_row_stats=False,
                      saturation_threshold=_stats.DEFAULT_THRESHOLD, threads=None,
-                     backend="auto"):
+                     backend="auto", **variants):
     fn = "qkv.varlen_attention"
     fw = framework_of(fn, q=q, k=k, v=v)
     _check_rank3(fn, q=q, k=k, v=v)
-    settings = _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q, max_seqlen_k)
+    settings, sinks = _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q,
+                                max_seqlen_k, variants)
     cu_q, cu_k = _offsets(fw, "cu_seqlens_q", cu_seqlens_q), _offsets(fw, "cu_seqlens_k", cu_seqlens_k)
     stats = library_stats = None
     if return_stats or return_row_stats:
@@ -82,8 +89,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     if fw is Torch:
         import torch
 
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = _torch_function().apply(q, k, v, cu_q, cu_k, settings, library_stats)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad)):
+            out, lse = _torch_function().apply(q, k, v, sinks, cu_q, cu_k, settings,
+                                               library_stats)
         else:
             out, lse = _forward(fw, q, k, v, cu_q, cu_k, settings, library_stats)
     else:
@@ -106,14 +115,19 @@ varlen_attention.__doc__ = """Attention over packed sequences of different lengt
 
 def varlen_attention_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, *,
                               max_seqlen_q=None, max_seqlen_k=None, causal=None, scale=None,
-                              threads=None, backend="auto"):
+                              threads=None, backend="auto", **variants):
     fn = "qkv.varlen_attention_backward"
     fw = framework_of(fn, q=q, k=k, v=v, out=out, lse=lse, dout=dout)
     _check_rank3(fn, q=q, k=k, v=v, out=out, dout=dout)
-    settings = _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q, max_seqlen_k)
+    if variants.get("dropout_p") and variants.get("seed") is None:
+        raise Error(f"{fn}: seed: required with dropout_p > 0 (pass the forward's seed)")
+    settings, sinks = _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q,
+                                max_seqlen_k, variants)
     cu_q, cu_k = _offsets(fw, "cu_seqlens_q", cu_seqlens_q), _offsets(fw, "cu_seqlens_k", cu_seqlens_k)
-    return _backward(fw, q, k, v, out, lse, Torch.inner_contiguous(dout) if fw is Torch else dout,
-                     cu_q, cu_k, settings)
+    dsinks = None if sinks is None else fw.empty(tuple(sinks.shape), sinks)
+    grads = _backward(fw, q, k, v, out, lse, Torch.inner_contiguous(dout) if fw is Torch else dout,
+                      cu_q, cu_k, settings, dsinks)
+    return grads if dsinks is None else (*grads, dsinks)
 
 
 varlen_attention_backward.__doc__ = """Gradients ``(dq, dk, dv)`` of varlen_attention
@@ -131,20 +145,25 @@ def _torch_function():
 
         class _Varlen(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, q, k, v, cu_q, cu_k, settings, stats):
+            def forward(ctx, q, k, v, sinks, cu_q, cu_k, settings, stats):
                 out, lse = _forward(Torch, q, k, v, cu_q, cu_k, settings, stats)
                 ctx.save_for_backward(q, k, v, out, lse)
                 ctx.offsets = (cu_q, cu_k)
                 ctx.settings = settings
+                ctx.sinks_shape = None if sinks is None else tuple(sinks.shape)
                 ctx.mark_non_differentiable(lse)
                 return out, lse
 
             @staticmethod
+            @torch.autograd.function.once_differentiable
             def backward(ctx, dout, _dlse):
                 q, k, v, out, lse = ctx.saved_tensors
+                dsinks = None
+                if ctx.sinks_shape is not None and ctx.needs_input_grad[3]:
+                    dsinks = torch.empty(ctx.sinks_shape, dtype=torch.float32)
                 dq, dk, dv = _backward(Torch, q, k, v, out, lse, Torch.inner_contiguous(dout),
-                                       *ctx.offsets, ctx.settings)
-                return dq, dk, dv, None, None, None, None
+                                       *ctx.offsets, ctx.settings, dsinks)
+                return dq, dk, dv, dsinks, None, None, None, None
 
         _function = _Varlen
     return _function

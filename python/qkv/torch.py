@@ -16,13 +16,14 @@ weight, entropy per head), from the same forward, without changing the call::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from . import _torch_ops, _torch_stats
 from ._arrays import Torch
-from ._options import Options
+from ._options import Options, make_options
 from ._qkv import Error
 from ._torch_stats import StatsCollector, collect_stats, stats_label
 
@@ -30,7 +31,8 @@ _FN = "qkv.torch.scaled_dot_product_attention"
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False):
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 window=None, alibi_slopes=None, softcap=None, sinks=None):
     """softmax(scale·query·keyᵀ + attn_mask)·value, as
     ``torch.nn.functional.scaled_dot_product_attention`` computes it, by qkv.
 
@@ -48,8 +50,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     - A query row whose keys are all masked gives output 0 and zero gradients (PyTorch
       2.13's CPU kernels agree; older PyTorch releases and some backends give NaN).
-    - ``dropout_p > 0`` raises NotImplementedError (qkv has no dropout yet); pass
-      ``dropout_p=0.0``, e.g. ``dropout_p=p if self.training else 0.0`` in eval.
+    - ``dropout_p > 0`` drops attention weights as PyTorch does (kept ones scaled by
+      1/(1 − p)), with qkv's own mask: a hash of a seed drawn from torch's default
+      generator, so ``torch.manual_seed`` reproduces a run, but the bits differ from
+      PyTorch's. The backward regenerates the same mask.
+    - Keyword-only extensions (qkv.attention documents them): ``window=(left, right)``,
+      ``alibi_slopes``, ``softcap``, ``sinks`` (differentiable). Calls using them or
+      dropout run eagerly (not under torch.compile yet).
     - float32 and float64 on the CPU only (TypeError otherwise): convert half precision
       with ``.float()``.
     - ``scale`` must be finite and > 0, and E >= 1.
@@ -61,13 +68,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Runs with ``torch.get_num_threads()`` threads; results do not depend on the count.
     """
     _check_tensors(query, key, value)
-    if dropout_p != 0.0:
-        if not 0.0 <= dropout_p <= 1.0:
-            raise Error(f"{_FN}: dropout_p: expected a probability in [0, 1], got {dropout_p}")
-        raise NotImplementedError(
-            f"{_FN}: dropout_p={dropout_p}: qkv has no attention dropout yet; pass "
-            "dropout_p=0.0 (for example `dropout_p=p if self.training else 0.0`)"
-        )
+    if not 0.0 <= dropout_p < 1.0:
+        raise Error(f"{_FN}: dropout_p: expected a probability in [0, 1), got {dropout_p}")
     if is_causal and attn_mask is not None:
         raise Error(f"{_FN}: attn_mask must be None when is_causal=True (as in PyTorch)")
 
@@ -107,6 +109,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     options = Options(keep=keep, bias=bias, scale=None if scale is None else float(scale),
                       causal="top_left" if is_causal else "none", backend="auto",
                       threads=_torch_ops.TORCH_THREADS)  # torch.get_num_threads()
+    if dropout_p or window is not None or alibi_slopes is not None or softcap or sinks is not None:
+        variants = make_options(_FN, Torch, window=window, alibi_slopes=alibi_slopes,
+                                softcap=softcap, sinks=sinks, dropout_p=dropout_p)
+        options = dataclasses.replace(
+            options, window=variants.window, alibi_slopes=variants.alibi_slopes,
+            softcap=variants.softcap, sinks=variants.sinks, dropout_p=variants.dropout_p,
+            seed=variants.seed)
     # Attention health, only while qkv.torch.collect_stats() is active, in eager calls
     # (asked first: torch.compile cannot trace the collectors' ContextVar).
     stats = library_stats = None

@@ -54,7 +54,8 @@ void forward_typed(const InArray& q, const InArray& k, const InArray& v, const O
 template <class T>
 void backward_typed(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
                     const InArray& lse, const InArray& dout, const OutArray& dq,
-                    const OutArray& dk, const OutArray& dv, const AttentionOptions& options) {
+                    const OutArray& dk, const OutArray& dv, const std::optional<OutArray>& dsinks,
+                    const AttentionOptions& options) {
   BackwardArgs<T> args;
   args.q = view_of<const T, 4>("q", q, kAsQ);
   args.k = view_of<const T, 4>("k", k, kAsQ);
@@ -65,6 +66,10 @@ void backward_typed(const InArray& q, const InArray& k, const InArray& v, const 
   args.dq = view_of<T, 4>("dq", dq, kAsQ);
   args.dk = view_of<T, 4>("dk", dk, kAsQ);
   args.dv = view_of<T, 4>("dv", dv, kAsQ);
+  if (dsinks) {
+    const auto view = view_of<float, 1>("dsinks", *dsinks, "sinks are float32");
+    args.dsinks = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
+  }
 
   debug_begin_call();
   debug_record("q", args.q);
@@ -104,11 +109,12 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
 
 void backward(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
               const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
-              const OutArray& dv, const OptionArgs& option_args) {
+              const OutArray& dv, const std::optional<OutArray>& dsinks,
+              const OptionArgs& option_args) {
   const AttentionOptions options = make_options(option_args);
   dispatch_on_q(
-      q, [&] { backward_typed<float>(q, k, v, out, lse, dout, dq, dk, dv, options); },
-      [&] { backward_typed<double>(q, k, v, out, lse, dout, dq, dk, dv, options); });
+      q, [&] { backward_typed<float>(q, k, v, out, lse, dout, dq, dk, dv, dsinks, options); },
+      [&] { backward_typed<double>(q, k, v, out, lse, dout, dq, dk, dv, dsinks, options); });
 }
 
 // Whether `backend` can run a float32 call in this build: one 1×1×1×1 problem.
@@ -134,9 +140,11 @@ bool backend_available(const std::string& name) {
 OptionArgs option_args(std::optional<InArray> keep, std::optional<InArray> bias,
                        std::optional<InArray> key_lengths, std::optional<double> scale,
                        std::string causal, std::string backend, int threads,
-                       bool check_finite) {
-  return {std::move(keep), std::move(bias), std::move(key_lengths), scale,
-          std::move(causal), std::move(backend), threads, check_finite};
+                       bool check_finite, const nanobind::kwargs& variants) {
+  OptionArgs args{std::move(keep), std::move(bias), std::move(key_lengths), scale,
+                  std::move(causal), std::move(backend), threads, check_finite};
+  add_variant_args(args, variants);
+  return args;
 }
 
 }  // namespace
@@ -149,11 +157,12 @@ void bind_attention(nanobind::module_& m) {
          std::optional<OutArray> lse, std::optional<OutArray> weights,
          std::optional<InArray> keep, std::optional<InArray> bias,
          std::optional<InArray> key_lengths, std::optional<double> scale, std::string causal,
-         std::string backend, int threads, bool check_finite,
-         std::optional<nb::dict> stats) {
+         std::string backend, int threads, bool check_finite, std::optional<nb::dict> stats,
+         const nb::kwargs& variants) {
         forward(q, k, v, out, lse, weights, stats,
                 option_args(std::move(keep), std::move(bias), std::move(key_lengths), scale,
-                            std::move(causal), std::move(backend), threads, check_finite));
+                            std::move(causal), std::move(backend), threads, check_finite,
+                            variants));
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::kw_only(),
       nb::arg("lse").none() = nb::none(), nb::arg("weights").none() = nb::none(),
@@ -161,8 +170,11 @@ void bind_attention(nanobind::module_& m) {
       nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(),
       nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
       nb::arg("check_finite") = false, nb::arg("stats").none() = nb::none(),
+      nb::arg("variants"),
       "qkv::attention_forward on [B, N, H, d] views of the given arrays; writes out, lse, "
-      "weights and the stats dict's arrays in place. The GIL is released while computing.");
+      "weights and the stats dict's arrays in place. The GIL is released while computing. "
+      "Further keywords: the variants (window_left, window_right, alibi_slopes, softcap, "
+      "sinks, dropout_p, dropout_seed, dropout_offset).");
 
   m.def(
       "backward",
@@ -170,19 +182,21 @@ void bind_attention(nanobind::module_& m) {
          const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
          const OutArray& dv, std::optional<InArray> keep, std::optional<InArray> bias,
          std::optional<InArray> key_lengths, std::optional<double> scale, std::string causal,
-         std::string backend, int threads, bool check_finite) {
-        backward(q, k, v, out, lse, dout, dq, dk, dv,
+         std::string backend, int threads, bool check_finite, std::optional<OutArray> dsinks,
+         const nb::kwargs& variants) {
+        backward(q, k, v, out, lse, dout, dq, dk, dv, dsinks,
                  option_args(std::move(keep), std::move(bias), std::move(key_lengths), scale,
-                             std::move(causal), std::move(backend), threads, check_finite));
+                             std::move(causal), std::move(backend), threads, check_finite,
+                             variants));
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"),
       nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::kw_only(),
       nb::arg("keep").none() = nb::none(), nb::arg("bias").none() = nb::none(),
       nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(),
       nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
-      nb::arg("check_finite") = false,
-      "qkv::attention_backward on [B, N, H, d] views; writes dq, dk, dv in place. The GIL "
-      "is released while computing.");
+      nb::arg("check_finite") = false, nb::arg("dsinks").none() = nb::none(), nb::arg("variants"),
+      "qkv::attention_backward on [B, N, H, d] views; writes dq, dk, dv (and dsinks, "
+      "float32 [Hq], with sinks) in place. The GIL is released while computing.");
 
   m.def("backend_available", &backend_available, nb::arg("backend"),
         "Whether this build runs the named backend ('auto', 'reference' or 'cpu').");

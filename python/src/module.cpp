@@ -4,12 +4,15 @@
 
 #include "attention.hpp"
 #include "debug.hpp"
+#include "dist.hpp"
+#include "decode.hpp"
 #include "qkv/error.hpp"
 #include "qkv/version.hpp"
 #include "softmax.hpp"
 
 namespace qkv::python {
-void bind_varlen(nanobind::module_& m);  // varlen.cpp
+void bind_varlen(nanobind::module_& m);   // varlen.cpp
+void bind_dropout(nanobind::module_& m);  // dropout.cpp
 }
 
 NB_MODULE(_qkv, m) {
@@ -20,5 +23,8 @@ NB_MODULE(_qkv, m) {
   qkv::python::bind_attention(m);
   qkv::python::bind_softmax(m);
   qkv::python::bind_varlen(m);
+  qkv::python::bind_dropout(m);
   qkv::python::bind_debug(m);
+  qkv::python::bind_dist(m);
+  qkv::python::bind_decode(m);
 }

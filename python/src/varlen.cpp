@@ -34,8 +34,10 @@ SeqOffsets offsets_of(const char* name, const InArray& array) {
 }
 
 AttentionOptions varlen_options(std::optional<double> scale, const std::string& causal,
-                                const std::string& backend, int threads, bool check_finite) {
+                                const std::string& backend, int threads, bool check_finite,
+                                const nanobind::kwargs& variants) {
   OptionArgs args;
+  add_variant_args(args, variants);
   args.scale = scale;
   args.causal = causal;
   args.backend = backend;
@@ -73,8 +75,12 @@ void backward_typed(const InArray& q, const InArray& k, const InArray& v, const 
                     const InArray& lse, const InArray& dout, const OutArray& dq,
                     const OutArray& dk, const OutArray& dv, const InArray& cu_q,
                     const InArray& cu_k, int64_t max_q, int64_t max_k,
-                    const AttentionOptions& options) {
+                    const std::optional<OutArray>& dsinks, const AttentionOptions& options) {
   VarlenBackwardArgs<T> args;
+  if (dsinks) {
+    const auto view = view_of<float, 1>("dsinks", *dsinks, "sinks are float32");
+    args.dsinks = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
+  }
   args.q = view_of<const T, 3>("q", q, kAsQ);
   args.k = view_of<const T, 3>("k", k, kAsQ);
   args.v = view_of<const T, 3>("v", v, kAsQ);
@@ -110,9 +116,10 @@ void bind_varlen(nanobind::module_& m) {
       [](const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
          const InArray& cu_q, const InArray& cu_k, std::optional<OutArray> lse, int64_t max_q,
          int64_t max_k, std::optional<double> scale, std::string causal, std::string backend,
-         int threads, bool check_finite, std::optional<nb::dict> stats) {
+         int threads, bool check_finite, std::optional<nb::dict> stats,
+         const nb::kwargs& variants) {
         const AttentionOptions options =
-            varlen_options(scale, causal, backend, threads, check_finite);
+            varlen_options(scale, causal, backend, threads, check_finite, variants);
         dispatch_on_q(
             q,
             [&] {
@@ -127,7 +134,7 @@ void bind_varlen(nanobind::module_& m) {
       nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
       nb::arg("scale").none() = nb::none(), nb::arg("causal") = "none",
       nb::arg("backend") = "auto", nb::arg("threads") = 0, nb::arg("check_finite") = false,
-      nb::arg("stats").none() = nb::none(),
+      nb::arg("stats").none() = nb::none(), nb::arg("variants"),
       "qkv::varlen_attention_forward on packed [total, heads, dim] arrays; writes out (and "
       "lse [heads, total_q], and the stats dict's arrays) in place. The GIL is released "
       "while computing.");
@@ -137,18 +144,19 @@ void bind_varlen(nanobind::module_& m) {
          const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
          const OutArray& dv, const InArray& cu_q, const InArray& cu_k, int64_t max_q,
          int64_t max_k, std::optional<double> scale, std::string causal, std::string backend,
-         int threads, bool check_finite) {
+         int threads, bool check_finite, std::optional<OutArray> dsinks,
+         const nb::kwargs& variants) {
         const AttentionOptions options =
-            varlen_options(scale, causal, backend, threads, check_finite);
+            varlen_options(scale, causal, backend, threads, check_finite, variants);
         dispatch_on_q(
             q,
             [&] {
               backward_typed<float>(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, max_q,
-                                    max_k, options);
+                                    max_k, dsinks, options);
             },
             [&] {
               backward_typed<double>(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, max_q,
-                                     max_k, options);
+                                     max_k, dsinks, options);
             });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"),
@@ -156,7 +164,7 @@ void bind_varlen(nanobind::module_& m) {
       nb::arg("cu_seqlens_k"), nb::kw_only(), nb::arg("max_seqlen_q") = 0,
       nb::arg("max_seqlen_k") = 0, nb::arg("scale").none() = nb::none(),
       nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
-      nb::arg("check_finite") = false,
+      nb::arg("check_finite") = false, nb::arg("dsinks").none() = nb::none(), nb::arg("variants"),
       "qkv::varlen_attention_backward on packed arrays; writes dq, dk, dv in place.");
 }
 

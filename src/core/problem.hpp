@@ -67,6 +67,10 @@ struct MaskRule {
   Causal causal = Causal::none;
   Sequences sequences;
   std::span<const int64_t> key_lengths;
+  Window window;
+  // With sinks every row has a normal competitor, so no row is degenerate (a row of
+  // ≤ kRemovalBias keys then gives its weight to the sink, as the literal math does).
+  bool has_sinks = false;
   View4<const std::uint8_t> keep;  // broadcast axes have stride 0 after validation
   View4<const float> bias;
 
@@ -75,18 +79,35 @@ struct MaskRule {
     return key_lengths.empty() ? sequences.k_len(b) : key_lengths[b];
   }
 
-  // One past the last key that causality and padding leave to query row i of entry b.
+  // Where query i meets the keys for the window: 0 (top_left) or bottom-right.
+  int64_t window_offset(int64_t b) const {
+    return causal == Causal::top_left ? 0 : valid_keys(b) - q_len(b);
+  }
+
+  // One past the last key that causality, padding and the window leave to query row i
+  // of entry b. Never decreases along i.
   int64_t key_end(int64_t b, int64_t i) const {
     const int64_t valid = valid_keys(b);
+    int64_t end = valid;
     switch (causal) {
       case Causal::top_left:
-        return std::min(valid, i + 1);
+        end = std::min(valid, i + 1);
+        break;
       case Causal::bottom_right:
-        return std::clamp<int64_t>(i + 1 + (valid - q_len(b)), 0, valid);
+        end = std::clamp<int64_t>(i + 1 + (valid - q_len(b)), 0, valid);
+        break;
       case Causal::none:
         break;
     }
-    return valid;
+    if (window.right >= 0) end = std::clamp<int64_t>(i + window_offset(b) + window.right + 1, 0, end);
+    return end;
+  }
+
+  // The first key the window leaves to query row i (0 without a left window). Never
+  // decreases along i; the row sees [key_begin, key_end), possibly nothing.
+  int64_t key_begin(int64_t b, int64_t i) const {
+    if (window.left < 0) return 0;
+    return std::clamp<int64_t>(i + window_offset(b) - window.left, 0, valid_keys(b));
   }
 
   bool has_elementwise() const { return !keep.empty() || !bias.empty(); }
@@ -100,9 +121,9 @@ struct MaskRule {
   // The row takes its ≤ kRemovalBias keys literally (see above). O(Nk): the reference
   // asks per row; the kernels read the per-row flags of the tile plan.
   bool degenerate_row(int64_t b, int64_t h, int64_t i) const {
-    if (bias.empty()) return false;
+    if (bias.empty() || has_sinks) return false;
     bool any_soft = false;
-    for (int64_t j = 0, end = key_end(b, i); j < end; ++j) {
+    for (int64_t j = key_begin(b, i), end = key_end(b, i); j < end; ++j) {
       if (!keeps(b, h, i, j)) continue;
       const float value = bias(b, h, i, j);
       if (!(value <= kRemovalBias)) return false;  // a normal key (NaN counts: it must show)
@@ -111,12 +132,32 @@ struct MaskRule {
     return any_soft;
   }
 
-  // Does key j (< key_end) take part in row i, given whether the row is degenerate?
+  // Does key j (in [key_begin, key_end)) take part in row i, given whether the row is
+  // degenerate?
   bool takes_part(int64_t b, int64_t h, int64_t i, int64_t j, bool degenerate) const {
     if (!keeps(b, h, i, j)) return false;
     const float value = bias_at(b, h, i, j);
     if (value == -std::numeric_limits<float>::infinity()) return false;
     return degenerate || !(value <= kRemovalBias);
+  }
+};
+
+// What the variants do to a row's logits beyond which keys take part, in the order the
+// kernels apply them:  s = scale·q·k  →  softcap·tanh(s/softcap)  →  + ALiBi  → + mask
+// bias; then the softmax over the keys and the sink; then dropout on the weights.
+struct ScoreModifiers {
+  float softcap = 0.0f;                  // 0: off
+  std::span<const float> alibi_slopes;   // per query head, or empty
+  std::span<const float> sinks;          // per query head, or empty
+  Dropout dropout;
+
+  bool has_alibi() const { return !alibi_slopes.empty(); }
+  bool has_sinks() const { return !sinks.empty(); }
+  bool has_dropout() const { return dropout.p > 0.0f; }
+  // ALiBi's bias of (query i, key j) of head h: −slope·|i + offset − j|, with the offset
+  // aligning the last query to the entry's last valid key.
+  static int64_t alibi_offset(const MaskRule& mask, int64_t b) {
+    return mask.valid_keys(b) - mask.q_len(b);
   }
 };
 
@@ -149,6 +190,7 @@ struct ForwardProblem {
   Extents extents;
   double scale = 1.0;
   MaskRule mask;  // holds the Sequences too
+  ScoreModifiers modifiers;
   ForwardArgs<T> args;  // args.stats is null: read `stats` below
   int threads = 1;  // resolved: ≥ 1
   // Softmax statistics (qkv/attention_stats.hpp, core/head_stats.hpp), normalized like
@@ -182,6 +224,7 @@ struct BackwardProblem {
   Extents extents;
   double scale = 1.0;
   MaskRule mask;
+  ScoreModifiers modifiers;
   BackwardArgs<T> args;
   int threads = 1;
 

@@ -56,23 +56,26 @@ void TilePlan::summarize(int64_t b, int64_t h, int64_t i, std::uint8_t* out) con
 // cuts; for a degenerate row, its largest bias (the shift the kernels subtract), else 0.
 float TilePlan::degenerate_shift(int64_t b, int64_t h, int64_t i,
                                  const std::uint8_t* summary) const {
-  const int64_t key_end = mask_->key_end(b, i);
-  const int64_t whole = key_end / block_k_;
+  const int64_t key_begin = mask_->key_begin(b, i), key_end = mask_->key_end(b, i);
   bool any_soft = false;
-  for (int64_t kb = 0; kb < whole; ++kb) {
-    if (summary[kb] & kAnyNormal) return 0.0f;
-    any_soft = any_soft || (summary[kb] & kAnySoft);
-  }
-  for (int64_t j = whole * block_k_; j < key_end; ++j) {
-    if (!mask_->keeps(b, h, i, j)) continue;
-    const float value = mask_->bias_at(b, h, i, j);
-    if (!(value <= MaskRule::kRemovalBias)) return 0.0f;
-    any_soft = any_soft || value != kMinusInf;
+  for (int64_t kb = key_begin / block_k_; kb * block_k_ < key_end; ++kb) {
+    const int64_t start = kb * block_k_, end = start + block_k_;
+    if (start >= key_begin && end <= key_end) {  // the whole block: its summary
+      if (summary[kb] & kAnyNormal) return 0.0f;
+      any_soft = any_soft || (summary[kb] & kAnySoft);
+      continue;
+    }
+    for (int64_t j = std::max(start, key_begin); j < std::min(end, key_end); ++j) {
+      if (!mask_->keeps(b, h, i, j)) continue;
+      const float value = mask_->bias_at(b, h, i, j);
+      if (!(value <= MaskRule::kRemovalBias)) return 0.0f;
+      any_soft = any_soft || value != kMinusInf;
+    }
   }
   if (!any_soft) return 0.0f;
   // Rare (padding queries): one exact pass over the row for its largest bias.
   float shift = kMinusInf;
-  for (int64_t j = 0; j < key_end; ++j)
+  for (int64_t j = key_begin; j < key_end; ++j)
     if (mask_->keeps(b, h, i, j)) shift = std::max(shift, mask_->bias_at(b, h, i, j));
   return shift;
 }
@@ -131,7 +134,7 @@ TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries
     return summaries.data() + static_cast<std::size_t>(row) * stride;
   };
 
-  if (!mask.bias.empty()) {
+  if (!mask.bias.empty() && !mask.has_sinks) {
     degenerate_.assign(static_cast<std::size_t>(batch_) * plan_heads_ *
                            static_cast<std::size_t>(q_rows_), 0.0f);
 #pragma omp parallel for num_threads(mask_bytes > kParallelPlanWork ? threads : 1) schedule(static)
@@ -159,8 +162,8 @@ TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries
         const int64_t start = kb * block_k_, end = std::min(start + block_k_, k_len);
         bool all_empty = true, all_full = true;
         for (int64_t i = first; i < last && (all_empty || all_full); ++i) {
-          const int64_t key_end = mask.key_end(b, i);
-          if (start >= key_end) {
+          const int64_t key_begin = mask.key_begin(b, i), key_end = mask.key_end(b, i);
+          if (start >= key_end || end <= key_begin) {
             all_full = false;
             continue;
           }
@@ -172,7 +175,7 @@ TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries
             continue;
           }
           all_empty = false;
-          if (end > key_end || !(s & kAllNeutral)) all_full = false;
+          if (start < key_begin || end > key_end || !(s & kAllNeutral)) all_full = false;
         }
         row[kb] = all_empty ? Tile::empty : all_full ? Tile::full : Tile::partial;
       }
@@ -181,18 +184,30 @@ TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries
   finish(e.group());
 }
 
-// Causality and key padding alone: a query block's visible prefixes run from the first
-// row's key_end to the last row's (key_end never decreases along the queries).
+// Causality, key padding and the window alone: a query block's rows see [begin, end)
+// with both bounds never decreasing along the rows, so the first and last rows bound
+// the block; a tile between those bounds is checked row by row (windows only).
 void TilePlan::classify_without_elementwise(int64_t b) {
   const MaskRule& m = *mask_;
   const int64_t q_len = m.q_len(b), k_len = m.sequences.k_len(b);
   for (int64_t qb = 0; qb * block_q_ < q_len; ++qb) {
     const int64_t first = qb * block_q_, last = std::min(first + block_q_, q_len) - 1;
     const int64_t min_end = m.key_end(b, first), max_end = m.key_end(b, last);
+    const int64_t min_begin = m.key_begin(b, first), max_begin = m.key_begin(b, last);
     Tile* row = classes_.data() + tile_index(b, 0, qb);
     for (int64_t kb = 0; kb * block_k_ < k_len; ++kb) {
       const int64_t start = kb * block_k_, end = std::min(start + block_k_, k_len);
-      row[kb] = start >= max_end ? Tile::empty : end <= min_end ? Tile::full : Tile::partial;
+      if (start >= max_end || end <= min_begin) {
+        row[kb] = Tile::empty;
+      } else if (start >= max_begin && end <= min_end) {
+        row[kb] = Tile::full;
+      } else {
+        bool any = false;  // does some row's [begin, end) meet the tile?
+        for (int64_t i = first; i <= last && !any; ++i)
+          any = start < m.key_end(b, i) && end > m.key_begin(b, i) &&
+                m.key_begin(b, i) < m.key_end(b, i);
+        row[kb] = any ? Tile::partial : Tile::empty;
+      }
     }
   }
 }

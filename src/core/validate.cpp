@@ -108,6 +108,7 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
   const Checker check("qkv::attention_forward");
   ForwardProblem<T> problem;
   check_common<T>(check, args.q, args.k, args.v, options, problem.extents, problem.mask);
+  check_variants(check, options, problem.extents, problem.mask, problem.modifiers);
   const Extents& e = problem.extents;
 
   const Described out = describe("out", args.out);
@@ -172,7 +173,9 @@ BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
   const Checker check("qkv::attention_backward");
   BackwardProblem<T> problem;
   check_common<T>(check, args.q, args.k, args.v, options, problem.extents, problem.mask);
+  check_variants(check, options, problem.extents, problem.mask, problem.modifiers);
   const Extents& e = problem.extents;
+  check_sink_gradient(check, options, args.dsinks, e.q_heads);
 
   auto expect_like = [&](const Described& view, int64_t seq, int64_t heads, int64_t dim,
                          const char* like) {

@@ -17,6 +17,15 @@ BackwardProblem<double> validate(const BackwardArgs<double>& args,
 
 namespace qkv::detail {
 
+class Checker;
+
+// The variant options (validate_variants.cpp): checked, then copied into the mask rule
+// (window, sinks) and the score modifiers.
+void check_variants(const Checker& check, const AttentionOptions& options, const Extents& e,
+                    MaskRule& mask, ScoreModifiers& modifiers);
+void check_sink_gradient(const Checker& check, const AttentionOptions& options,
+                         std::span<float> dsinks, int64_t q_heads);
+
 // Varlen calls become ordinary problems whose batch entries are the sequences
 // (Sequences::cu_q/cu_k set, views [sequences, total, heads, dim] with batch stride 0).
 ForwardProblem<float> validate(const VarlenForwardArgs<float>& args,

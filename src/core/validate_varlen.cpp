@@ -144,6 +144,7 @@ ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
   const Checker check("qkv::varlen_attention_forward");
   ForwardProblem<T> problem;
   check_varlen_common<T>(check, args, options, problem.extents, problem.mask);
+  check_variants(check, options, problem.extents, problem.mask, problem.modifiers);
   const Extents& e = problem.extents;
   const int64_t total_q = args.q.shape[0];
 
@@ -201,7 +202,9 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
   const Checker check("qkv::varlen_attention_backward");
   BackwardProblem<T> problem;
   check_varlen_common<T>(check, args, options, problem.extents, problem.mask);
+  check_variants(check, options, problem.extents, problem.mask, problem.modifiers);
   const Extents& e = problem.extents;
+  check_sink_gradient(check, options, args.dsinks, e.q_heads);
   const int64_t total_q = args.q.shape[0], total_k = args.k.shape[0];
 
   auto expect_like = [&](const Described& view, int64_t rows, int64_t heads, int64_t dim,
@@ -246,6 +249,7 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
   problem.args.dq = as_batched(args.dq, e.batch);
   problem.args.dk = as_batched(args.dk, e.batch);
   problem.args.dv = as_batched(args.dv, e.batch);
+  problem.args.dsinks = args.dsinks;
   if (!args.lse.empty()) problem.args.lse = lse_as_batched(args.lse, e.batch);
   return problem;
 }

@@ -14,6 +14,9 @@
 //     the same Pᵀ and dSᵀ, then dQ += dS·K_blk              (scaled once at the end)
 // Run separately, pass 2 recomputes S and dP (7 block products instead of 5): the price
 // of using every core on one head without per-thread copies of dQ.
+// Variants mirror the forward: S is soft-capped (its slope 1 − tanh² kept to multiply
+// dS), ALiBi added and masked as there; with dropout dP ← Z ⊙ dP and dV takes P ⊙ Z;
+// the sinks' gradient is −Σ_i exp(sink − lse_i)·D_i, summed in a fixed order.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -59,6 +62,7 @@ struct Packed {
   hwy::AlignedFreeUniquePtr<float[]> dot;     // dv × nq_ld per panel: dOᵀ
   hwy::AlignedFreeUniquePtr<float[]> lse;     // nq_ld per panel: −inf and padding → +inf
   hwy::AlignedFreeUniquePtr<float[]> delta;   // nq_ld per panel: D_i
+  hwy::AlignedFreeUniquePtr<float[]> sink_terms;  // nq_ld per panel: −exp(sink − lse_i)·D_i
   hwy::AlignedFreeUniquePtr<float[]> q_rows;  // nq_ld × d_ld per panel, if d % lanes ≠ 0
   hwy::AlignedFreeUniquePtr<float[]> dout_rows;  // nq_ld × dv_ld, if dv % lanes ≠ 0
   const detail::Extents* e = nullptr;
@@ -81,6 +85,7 @@ struct Packed {
     dot = AllocateFloats(columns * static_cast<size_t>(extents.v_dim));
     lse = AllocateFloats(columns);
     delta = AllocateFloats(columns);
+    sink_terms = AllocateFloats(columns);
     q_rows = AllocateFloats(pad_q_rows ? columns * d_ld : 0);
     dout_rows = AllocateFloats(pad_dout_rows ? columns * dv_ld : 0);
   }
@@ -99,6 +104,7 @@ struct Packed {
   }
   float* lse_of(int64_t b, int64_t h) const { return lse.get() + panel(b, h); }
   float* delta_of(int64_t b, int64_t h) const { return delta.get() + panel(b, h); }
+  float* sink_terms_of(int64_t b, int64_t h) const { return sink_terms.get() + panel(b, h); }
   float* q_rows_of(int64_t b, int64_t h) const { return q_rows.get() + panel(b, h) * d_ld; }
   float* dout_rows_of(int64_t b, int64_t h) const {
     return dout_rows.get() + panel(b, h) * dv_ld;
@@ -117,24 +123,30 @@ struct BackwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> pt;    // kBlockKeys × width: Pᵀ
   hwy::AlignedFreeUniquePtr<float[]> dst;   // kBlockKeys × width: dPᵀ, then dSᵀ
   hwy::AlignedFreeUniquePtr<float[]> add;   // kBlockKeys × width: a partial tile's mask
+  hwy::AlignedFreeUniquePtr<float[]> cap;   // kBlockKeys × width: soft-cap slope 1 − tanh²
   hwy::AlignedFreeUniquePtr<float[]> acc;   // kBlockKeys × (d_ld + dv_ld): dK, dV
   hwy::AlignedFreeUniquePtr<float[]> k_pad; // kBlockKeys × d_ld, only if d % lanes ≠ 0
   hwy::AlignedFreeUniquePtr<float[]> dq;    // dQ accumulator: dq_rows × d_ld
   hwy::AlignedFreeUniquePtr<float[]> partial;  // one block product before it is added
-  std::vector<int32_t> key_end;             // width (0 past the block's queries)
+  std::vector<int32_t> key_begin, key_end;  // width (0 past the block's queries)
+  std::vector<uint32_t> dropout_keys;       // width: dropout row keys of the block
 
   // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass).
-  BackwardScratch(const Packed& packed, bool elementwise, size_t lanes, size_t dq_rows)
+  BackwardScratch(const Packed& packed, bool elementwise, bool softcap, size_t lanes,
+                  size_t dq_rows)
       : width(round_up(kBlockQueries, lanes)),
         pt(AllocateFloats(kBlockKeys * width)),
         dst(AllocateFloats(kBlockKeys * width)),
         add(AllocateFloats(elementwise ? kBlockKeys * width : 0)),
+        cap(AllocateFloats(softcap ? kBlockKeys * width : 0)),
         acc(AllocateFloats(kBlockKeys * (packed.d_ld + packed.dv_ld))),
         k_pad(AllocateFloats(packed.pad_q_rows ? kBlockKeys * packed.d_ld : 0)),
         dq(AllocateFloats(dq_rows * packed.d_ld)),
         partial(AllocateFloats(std::max<size_t>(kBlockKeys, width) *
                                std::max(packed.d_ld, packed.dv_ld))),
-        key_end(width, 0) {}
+        key_begin(width, 0),
+        key_end(width, 0),
+        dropout_keys(width, 0) {}
 };
 
 // What every block function of one call reads.
@@ -167,7 +179,10 @@ void PackQueryBlock(const detail::BackwardProblem<float>& p, const detail::TileP
 
   float* lse = packed.lse_of(b, h) + first;
   float* delta = packed.delta_of(b, h) + first;
+  float* sink_terms = packed.sink_terms_of(b, h) + first;
+  const detail::ScoreModifiers& mods = p.modifiers;
   for (size_t i = 0; i < cols; ++i) {
+    sink_terms[i] = 0.0f;
     if (i >= count) {
       lse[i] = kPlusInf;
       delta[i] = 0.0f;
@@ -185,6 +200,11 @@ void PackQueryBlock(const detail::BackwardProblem<float>& p, const detail::TileP
     double dot_product = 0.0;
     for (size_t c = 0; c < dv; ++c) dot_product += static_cast<double>(dout[c]) * out[c];
     delta[i] = static_cast<float>(dot_product);
+    // The sink is a softmax entry without a value: dP_sink = 0, so
+    // dS_sink = P_sink·(0 − D_i) with P_sink = exp(sink − lse_i).
+    if (mods.has_sinks() && value != kMinusInf)
+      sink_terms[i] = static_cast<float>(-std::exp(static_cast<double>(mods.sinks[h]) - value) *
+                                         dot_product);
   }
   if (packed.pad_q_rows)
     PackRowsPadded(rows.q(b, first, h), p.args.q.strides[1], count, d,
@@ -201,14 +221,19 @@ QueryRows DescribeQueryBlock(const Context& c, int64_t b, int64_t h, int64_t fir
   QueryRows rows{.batch = b, .head = h, .first = first,
                  .count = std::min(kBlockQueries, c.p.mask.q_len(b) - first),
                  .degenerate = c.plan.degenerate_rows(b, h, first)};
-  describe_rows(c.p.mask, rows, s.key_end.data());
-  std::fill(s.key_end.begin() + rows.count, s.key_end.end(), 0);
+  describe_rows(c.p.mask, rows, s.key_begin.data(), s.key_end.data(), s.width);
+  const Dropout& dropout = c.p.modifiers.dropout;
+  if (dropout.p > 0.0f) {
+    const uint32_t head_key = detail::dropout_head_key(dropout.seed, dropout.offset, b, h);
+    for (size_t i = 0; i < s.width; ++i)
+      s.dropout_keys[i] = detail::dropout_row_key(head_key, first + static_cast<int64_t>(i));
+  }
   return rows;
 }
 
-// Pᵀ and dSᵀ of one (key block, query block) tile into scratch.pt and scratch.dst, masked
-// exactly as the forward masked it. Returns the columns (queries, padded to whole
-// vectors) computed.
+// Pᵀ (with dropout: P·Z, as the forward multiplied V by) and dSᵀ of one (key block,
+// query block) tile into scratch.pt and scratch.dst, scored and masked exactly as the
+// forward did. Returns the columns (queries, padded to whole vectors) computed.
 size_t ScoreBlock(const Context& c, const QueryRows& rows, detail::Tile tile, int64_t kv_head,
                   int64_t first_key, int64_t keys, BackwardScratch& s) {
   const auto& p = c.p;
@@ -224,6 +249,13 @@ size_t ScoreBlock(const Context& c, const QueryRows& rows, detail::Tile tile, in
   Gemm(kn, width, static_cast<size_t>(e.head_dim),
        StridedA{k, static_cast<size_t>(p.args.k.strides[1]), 1},
        c.packed.qt_of(rows.batch, rows.head) + offset, nq_ld, s.pt.get(), width, false);
+  // The forward's variants, in its order: soft-cap (keeping its slope), ALiBi, masks.
+  const detail::ScoreModifiers& mods = p.modifiers;
+  if (mods.softcap > 0.0f) SoftcapTile(s.pt.get(), kn, width, mods.softcap, s.cap.get());
+  if (mods.has_alibi())
+    AlibiTile(s.pt.get(), kn, width, first_key,
+              rows.first + detail::ScoreModifiers::alibi_offset(p.mask, rows.batch),
+              mods.alibi_slopes[rows.head]);
   if (tile == detail::Tile::partial) {
     const float* add = nullptr;
     size_t add_ld = width;
@@ -236,7 +268,7 @@ size_t ScoreBlock(const Context& c, const QueryRows& rows, detail::Tile tile, in
         add = s.add.get();
       }
     }
-    MaskTile(s.pt.get(), kn, width, first_key, s.key_end.data(), add, add_ld);
+    MaskTile(s.pt.get(), kn, width, first_key, s.key_begin.data(), s.key_end.data(), add, add_ld);
     overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.pt.get(), width);
   }
   ProbabilitiesFromLse(s.pt.get(), kn, width, c.packed.lse_of(rows.batch, rows.head) + offset);
@@ -244,8 +276,17 @@ size_t ScoreBlock(const Context& c, const QueryRows& rows, detail::Tile tile, in
   Gemm(kn, width, static_cast<size_t>(e.v_dim),
        StridedA{v, static_cast<size_t>(p.args.v.strides[1]), 1},
        c.packed.dot_of(rows.batch, rows.head) + offset, nq_ld, s.dst.get(), width, false);
+  // Dropout: the forward summed P·Z·V, so dP = Z ⊙ (dO·Vᵀ), and dV takes P·Z (below).
+  const bool dropout = mods.has_dropout();
+  const uint32_t threshold = detail::dropout_threshold(mods.dropout.p);
+  const float dropout_scale = 1.0f / (1.0f - mods.dropout.p);
+  if (dropout)
+    DropoutTile(s.dst.get(), kn, width, first_key, s.dropout_keys.data(), threshold, dropout_scale);
   ScoreGradient(s.pt.get(), s.dst.get(), kn, width,
                 c.packed.delta_of(rows.batch, rows.head) + offset);
+  if (mods.softcap > 0.0f) MultiplyTile(s.dst.get(), s.cap.get(), kn * width);  // through tanh
+  if (dropout)
+    DropoutTile(s.pt.get(), kn, width, first_key, s.dropout_keys.data(), threshold, dropout_scale);
   return width;
 }
 
@@ -392,7 +433,10 @@ void BackwardImpl(const detail::BackwardProblem<float>& p) {
   const detail::TilePlan plan(p.mask, e, kBlockQueries, kBlockKeys, p.threads);
   const std::vector<ForwardTask> query_tasks = forward_tasks(e, p.mask, plan);
   const std::vector<KeyTask> kv_tasks = key_tasks(e, p.mask, plan);
-  if (query_tasks.empty() && kv_tasks.empty()) return;
+  if (query_tasks.empty() && kv_tasks.empty()) {
+    std::fill(p.args.dsinks.begin(), p.args.dsinks.end(), 0.0f);  // no rows: no gradient
+    return;
+  }
 
   Packed packed(e, p.mask.sequences, lanes);
   KeyValueFinite finite(e);
@@ -419,7 +463,8 @@ void BackwardImpl(const detail::BackwardProblem<float>& p) {
     for (size_t t = 0; t < query_tasks.size(); ++t) PackQueryBlock(p, plan, query_tasks[t], packed);
     // (implicit barrier: every task below reads every query block's packed panels, the
     // finite flags and the shared mask tiles)
-    BackwardScratch scratch(packed, p.mask.has_elementwise(), lanes, dq_rows);
+    BackwardScratch scratch(packed, p.mask.has_elementwise(), p.modifiers.softcap > 0.0f, lanes,
+                            dq_rows);
     if (single_pass) {
 #pragma omp for schedule(dynamic, 1)
       for (size_t t = 0; t < head_groups.size(); ++t)
@@ -431,6 +476,17 @@ void BackwardImpl(const detail::BackwardProblem<float>& p) {
 #pragma omp for schedule(dynamic, 1)
       for (size_t t = 0; t < query_tasks.size(); ++t)
         QueryBlockGradient(context, query_tasks[t], scratch);
+    }
+  }
+  // ∂L/∂sink_h = Σ over entries and rows of the per-row terms, in a fixed order.
+  if (!p.args.dsinks.empty()) {
+    for (int64_t h = 0; h < e.q_heads; ++h) {
+      double sum = 0.0;
+      for (int64_t b = 0; b < e.batch; ++b) {
+        const float* terms = packed.sink_terms_of(b, h);
+        for (int64_t i = 0; i < p.mask.q_len(b); ++i) sum += terms[i];
+      }
+      p.args.dsinks[static_cast<size_t>(h)] = static_cast<float>(sum);
     }
   }
 }

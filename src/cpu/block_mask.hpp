@@ -20,16 +20,24 @@ struct QueryRows {
   int64_t head = 0;
   int64_t first = 0;                 // index of the first query in its sequence
   int64_t count = 0;                 // queries in the block
-  const int32_t* key_end = nullptr;  // per query: one past its last visible key
+  const int32_t* key_begin = nullptr;  // per query: its first visible key (window)
+  const int32_t* key_end = nullptr;    // per query: one past its last visible key
   // Per query (null: none): a degenerate row's largest bias, 0 for ordinary rows
   // (MaskRule, TilePlan::degenerate_rows).
   const float* degenerate = nullptr;
 };
 
-// Fills key_end[0..count) (lengths fit int32: validation caps them).
-inline void describe_rows(const detail::MaskRule& mask, QueryRows& rows, int32_t* key_end) {
-  for (int64_t i = 0; i < rows.count; ++i)
+// Fills key_begin and key_end for the block's queries and empties the `width − count`
+// padding columns after them (lengths fit int32: validation caps them).
+inline void describe_rows(const detail::MaskRule& mask, QueryRows& rows, int32_t* key_begin,
+                          int32_t* key_end, std::size_t width) {
+  for (int64_t i = 0; i < rows.count; ++i) {
+    key_begin[i] = static_cast<int32_t>(mask.key_begin(rows.batch, rows.first + i));
     key_end[i] = static_cast<int32_t>(mask.key_end(rows.batch, rows.first + i));
+  }
+  std::fill(key_begin + rows.count, key_begin + width, 0);
+  std::fill(key_end + rows.count, key_end + width, 0);
+  rows.key_begin = key_begin;
   rows.key_end = key_end;
 }
 
@@ -73,10 +81,11 @@ inline void overwrite_degenerate_columns(const detail::MaskRule& mask, const Que
     const float shift = rows.degenerate[i];
     if (shift == 0.0f) continue;
     const int64_t query = rows.first + i;
-    const int64_t key_end = rows.key_end[i];
+    const int64_t key_begin = rows.key_begin[i], key_end = rows.key_end[i];
     for (int64_t j = 0; j < keys; ++j) {
       const int64_t key = first_key + j;
-      const bool takes_part = key < key_end && mask.takes_part(rows.batch, rows.head, query, key, true);
+      const bool takes_part = key >= key_begin && key < key_end &&
+                              mask.takes_part(rows.batch, rows.head, query, key, true);
       st[static_cast<std::size_t>(j) * ld + static_cast<std::size_t>(i)] =
           takes_part ? mask.bias_at(rows.batch, rows.head, query, key) - shift
                      : -std::numeric_limits<float>::infinity();
@@ -91,7 +100,7 @@ inline void overwrite_degenerate_columns(const detail::MaskRule& mask, const Que
 inline float degenerate_row_lse(const detail::MaskRule& mask, int64_t b, int64_t h, int64_t i,
                                 float shift) {
   double sum = 0.0;
-  for (int64_t j = 0, end = mask.key_end(b, i); j < end; ++j)
+  for (int64_t j = mask.key_begin(b, i), end = mask.key_end(b, i); j < end; ++j)
     if (mask.takes_part(b, h, i, j, true))
       sum += std::exp(static_cast<double>(mask.bias_at(b, h, i, j)) - shift);
   return static_cast<float>(std::log(sum));

@@ -21,6 +21,7 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
+#include "core/dropout.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
@@ -89,11 +90,12 @@ HWY_INLINE bool AllFinite(const float* HWY_RESTRICT src, int64_t src_row, size_t
 }
 
 // Masks a partial tile st[key][query] (`keys` rows, `width` columns, a multiple of the
-// vector length): entry (j, i) becomes −inf where key first_key + j is past key_end[i]
-// or add[j][i] is −inf, and st + add[j][i] elsewhere (add null: the key_end edge only,
-// as causality and key padding need; rows of add are add_ld floats apart). key_end holds
-// `width` entries.
+// vector length): entry (j, i) becomes −inf where key first_key + j lies outside
+// [key_begin[i], key_end[i]) or add[j][i] is −inf, and st + add[j][i] elsewhere (add null:
+// the window/causal/padding edges only; rows of add are add_ld floats apart). key_begin
+// and key_end hold `width` entries.
 HWY_INLINE void MaskTile(float* HWY_RESTRICT st, size_t keys, size_t width, int64_t first_key,
+                         const int32_t* HWY_RESTRICT key_begin,
                          const int32_t* HWY_RESTRICT key_end, const float* HWY_RESTRICT add,
                          size_t add_ld) {
   const FloatTag d;
@@ -104,7 +106,8 @@ HWY_INLINE void MaskTile(float* HWY_RESTRICT st, size_t keys, size_t width, int6
     const auto key = hn::Set(di, static_cast<int32_t>(first_key + static_cast<int64_t>(j)));
     float* row = st + j * width;
     for (size_t i = 0; i < width; i += lanes) {
-      auto visible = hn::RebindMask(d, hn::Lt(key, hn::LoadU(di, key_end + i)));
+      auto visible = hn::RebindMask(d, hn::And(hn::Lt(key, hn::LoadU(di, key_end + i)),
+                                               hn::Not(hn::Lt(key, hn::LoadU(di, key_begin + i)))));
       auto x = hn::LoadU(d, row + i);
       if (add != nullptr) {
         const auto a = hn::LoadU(d, add + j * add_ld + i);
@@ -114,6 +117,77 @@ HWY_INLINE void MaskTile(float* HWY_RESTRICT st, size_t keys, size_t width, int6
       hn::StoreU(hn::IfThenElse(visible, x, minus_inf), d, row + i);
     }
   }
+}
+
+// Soft-capping of a score tile: s ← c·tanh(s/c). With slope non-null, also stores
+// ds_capped/ds = 1 − tanh² per entry (same layout) for the backward.
+HWY_INLINE void SoftcapTile(float* HWY_RESTRICT st, size_t keys, size_t width, float cap,
+                            float* HWY_RESTRICT slope) {
+  const FloatTag d;
+  const size_t lanes = hn::Lanes(d);
+  const auto c = hn::Set(d, cap), inverse = hn::Set(d, 1.0f / cap), one = hn::Set(d, 1.0f);
+  for (size_t e = 0; e < keys * width; e += lanes) {
+    const auto t = hn::Tanh(d, hn::Mul(hn::LoadU(d, st + e), inverse));
+    hn::StoreU(hn::Mul(c, t), d, st + e);
+    if (slope != nullptr) hn::StoreU(hn::NegMulAdd(t, t, one), d, slope + e);
+  }
+}
+
+// ALiBi: st[j][i] −= slope·|first_query + i + offset − (first_key + j)| (exact in float
+// for positions below 2²⁴).
+HWY_INLINE void AlibiTile(float* HWY_RESTRICT st, size_t keys, size_t width, int64_t first_key,
+                          int64_t first_query_plus_offset, float slope) {
+  const FloatTag d;
+  const size_t lanes = hn::Lanes(d);
+  const auto minus_slope = hn::Set(d, -slope);
+  for (size_t j = 0; j < keys; ++j) {
+    const float base = static_cast<float>(first_query_plus_offset - first_key - static_cast<int64_t>(j));
+    float* row = st + j * width;
+    for (size_t i = 0; i < width; i += lanes) {
+      const auto distance = hn::Abs(hn::Add(hn::Iota(d, static_cast<float>(i)), hn::Set(d, base)));
+      hn::StoreU(hn::MulAdd(minus_slope, distance, hn::LoadU(d, row + i)), d, row + i);
+    }
+  }
+}
+
+// Dropout on a weight tile pt[key][query]: kept entries × scale, dropped ones 0, with
+// the bits of core/dropout.hpp (row_keys: the per-query row keys, `width` entries).
+HWY_INLINE void DropoutTile(float* HWY_RESTRICT pt, size_t keys, size_t width, int64_t first_key,
+                            const uint32_t* HWY_RESTRICT row_keys, uint32_t threshold,
+                            float scale) {
+  const FloatTag d;
+  const hn::RebindToUnsigned<FloatTag> du;
+  const hn::RebindToSigned<FloatTag> di;
+  const size_t lanes = hn::Lanes(d);
+  const auto sign = hn::Set(du, 0x80000000u);
+  // Unsigned x ≥ threshold as a signed comparison with both sign bits flipped.
+  const auto limit = hn::BitCast(di, hn::Xor(hn::Set(du, threshold), sign));
+  const auto factor = hn::Set(d, scale);
+  const auto m1 = hn::Set(du, 0x85EBCA6Bu), m2 = hn::Set(du, 0xC2B2AE35u);
+  for (size_t j = 0; j < keys; ++j) {
+    const uint32_t key = static_cast<uint32_t>(first_key + static_cast<int64_t>(j));
+    const auto salt = hn::Set(du, key * detail::kDropoutKeyStep + detail::kDropoutKeyBias);
+    float* row = pt + j * width;
+    for (size_t i = 0; i < width; i += lanes) {
+      auto x = hn::Xor(hn::LoadU(du, row_keys + i), salt);  // fmix32, lane-wise
+      x = hn::Xor(x, hn::ShiftRight<16>(x));
+      x = hn::Mul(x, m1);
+      x = hn::Xor(x, hn::ShiftRight<13>(x));
+      x = hn::Mul(x, m2);
+      x = hn::Xor(x, hn::ShiftRight<16>(x));
+      const auto kept = hn::Not(hn::Lt(hn::BitCast(di, hn::Xor(x, sign)), limit));
+      const auto p = hn::LoadU(d, row + i);
+      hn::StoreU(hn::IfThenElseZero(hn::RebindMask(d, kept), hn::Mul(p, factor)), d, row + i);
+    }
+  }
+}
+
+// Elementwise a ⊙= b over keys × width entries.
+HWY_INLINE void MultiplyTile(float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t count) {
+  const FloatTag d;
+  const size_t lanes = hn::Lanes(d);
+  for (size_t e = 0; e < count; e += lanes)
+    hn::StoreU(hn::Mul(hn::LoadU(d, a + e), hn::LoadU(d, b + e)), d, a + e);
 }
 
 // What OnlineSoftmaxStep keeps besides m and l: nothing, or the centred sum u for the

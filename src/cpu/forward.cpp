@@ -1,17 +1,21 @@
 // Fused forward, FlashAttention-2 style. For each (batch, head, block of 64 queries):
 //
 //   Qᵀ ← scale · Q_blockᵀ                                  packed once, d × 64
+//   m = sink or −inf, l = 1 or 0                             (a sink: a key with no value)
 //   for each key block whose tile the plan (core/tile_plan.hpp) does not skip (64 keys):
 //     Sᵀ = K_blk · Qᵀ                                       micro-kernel, K read in place
-//     partial tiles only: mask Sᵀ (key_end edge, elementwise masks; SIMD)
+//     variants: Sᵀ ← c·tanh(Sᵀ/c) (soft-cap), Sᵀ −= slope·|i + off − j| (ALiBi)
+//     partial tiles only: mask Sᵀ (window/causal/padding edges, elementwise masks; SIMD)
 //     m' = max(m, max_j Sᵀ),  P = exp(Sᵀ − m'),  l = l·e^(m−m') + Σ_j P
+//     dropout: P ← P ⊙ Z  (Z = 0 or 1/(1−p), a hash of the indices; l keeps Σ P)
 //     acc = acc·e^(m−m') + P·V_blk      micro-kernel (V read in place), summed per block
 //   out = acc / l,   lse = m + log l                        (l = 0: out 0, lse -inf)
 //
 // With statistics asked for (qkv/attention_stats.hpp), the online softmax also keeps
-// u = Σ e^(S−m)(S−m) per query, and each row's largest weight 1/l and entropy ln l − u/l
-// are summed per block (in double); the blocks' sums are added per (batch, head) in task order after
-// the parallel loop, so they too are the same for any thread count.
+// u = Σ e^(S−m)(S−m) per query (a sink included, before dropout), and each row's largest
+// weight 1/l and entropy ln l − u/l are summed per block (in double); the blocks' sums
+// are added per (batch, head) in task order after the parallel loop, so they too are the
+// same for any thread count.
 //
 // Extra memory: per thread, Qᵀ (d × 64), Sᵀ (64 × 64), acc (64 × dv) and a few vectors;
 // nothing grows with N. Work is handed out heaviest first (causal: late query blocks),
@@ -60,7 +64,8 @@ struct ForwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> partial;  // width × dv_ld: one block's P·V
   hwy::AlignedFreeUniquePtr<float[]> v_pad;  // kBlockKeys × dv_ld, only for dv % lanes ≠ 0
   hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha, u: 4 × width
-  std::vector<int32_t> key_end;              // width (0 past the block's queries)
+  std::vector<int32_t> key_begin, key_end;   // width (0 past the block's queries)
+  std::vector<uint32_t> dropout_keys;        // width: dropout row keys of the block
 
   ForwardScratch(const detail::ForwardProblem<float>& p, size_t lanes)
       : width(round_up(kBlockQueries, lanes)),
@@ -73,7 +78,9 @@ struct ForwardScratch {
         v_pad(AllocateFloats(p.extents.v_dim % static_cast<int64_t>(lanes) ? kBlockKeys * dv_ld
                                                                              : 0)),
         stats(AllocateFloats(4 * width)),
-        key_end(width, 0) {}
+        key_begin(width, 0),
+        key_end(width, 0),
+        dropout_keys(width, 0) {}
 };
 
 // Attention health of a block's rows from the online softmax's own sums (see
@@ -119,10 +126,19 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
   QueryRows rows{.batch = b, .head = h, .first = task.first_query,
                  .count = std::min(kBlockQueries, p.mask.q_len(b) - task.first_query),
                  .degenerate = plan.degenerate_rows(b, h, task.first_query)};
-  describe_rows(p.mask, rows, s.key_end.data());
   const size_t count = static_cast<size_t>(rows.count);
   const size_t width = round_up(count, lanes);  // query columns computed this block
-  std::fill(s.key_end.begin() + rows.count, s.key_end.end(), 0);
+  describe_rows(p.mask, rows, s.key_begin.data(), s.key_end.data(), width);
+  const detail::ScoreModifiers& mods = p.modifiers;
+  const float slope = mods.has_alibi() ? mods.alibi_slopes[h] : 0.0f;
+  const int64_t alibi_first = rows.first + detail::ScoreModifiers::alibi_offset(p.mask, b);
+  const uint32_t dropout_threshold = detail::dropout_threshold(mods.dropout.p);
+  const float dropout_scale = 1.0f / (1.0f - mods.dropout.p);
+  if (mods.has_dropout()) {
+    const uint32_t head_key = detail::dropout_head_key(mods.dropout.seed, mods.dropout.offset, b, h);
+    for (size_t i = 0; i < width; ++i)
+      s.dropout_keys[i] = detail::dropout_row_key(head_key, rows.first + static_cast<int64_t>(i));
+  }
 
   PackTransposed(rows_of.q(b, rows.first, h), p.args.q.strides[1], count, d,
                  static_cast<float>(p.scale), s.qt.get(), width, width);
@@ -131,8 +147,10 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
   float* l = m + s.width;
   float* alpha = l + s.width;
   float* u = alpha + s.width;
-  std::fill(m, m + width, kMinusInf);
-  std::fill(l, l + width, 0.0f);
+  // A sink is a key with logit sinks[h] and no value: it starts every row's max and sum
+  // (and adds e^0·0 = 0 to u).
+  std::fill(m, m + width, mods.has_sinks() ? mods.sinks[h] : kMinusInf);
+  std::fill(l, l + width, mods.has_sinks() ? 1.0f : 0.0f);
   if (block_stats != nullptr) std::fill(u, u + width, 0.0f);
   std::fill(s.acc.get(), s.acc.get() + count * s.dv_ld, 0.0f);
 
@@ -149,6 +167,8 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
     // Sᵀ = K_blk · (scale·Qᵀ)
     Gemm(static_cast<size_t>(keys), width, d, StridedA{k, static_cast<size_t>(k_row), 1},
          s.qt.get(), width, s.st.get(), width, /*accumulate=*/false);
+    if (mods.softcap > 0.0f) SoftcapTile(s.st.get(), static_cast<size_t>(keys), width, mods.softcap, nullptr);
+    if (mods.has_alibi()) AlibiTile(s.st.get(), static_cast<size_t>(keys), width, first_key, alibi_first, slope);
     const bool partial = tile == detail::Tile::partial;
     if (partial) {
       const float* add = nullptr;
@@ -162,8 +182,8 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
           add = s.add.get();
         }
       }
-      MaskTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.key_end.data(), add,
-               add_ld);
+      MaskTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.key_begin.data(),
+               s.key_end.data(), add, add_ld);
       overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.st.get(), width);
     }
 
@@ -176,6 +196,11 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
       OnlineSoftmaxStep<SoftmaxStats::unmasked>(s.st.get(), static_cast<size_t>(keys), width, m,
                                                 l, alpha, u);
     }
+    // Dropout acts on the weights that reach V; l keeps the undropped sum (and u is of
+    // the softmax before dropout: the statistics describe P itself).
+    if (mods.has_dropout())
+      DropoutTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.dropout_keys.data(),
+                  dropout_threshold, dropout_scale);
 
     // acc = acc·alpha + P·V_blk, with P read in place from Pᵀ. A removed key's V may hold
     // NaN/Inf (scanned once per call): then only the terms with P ≠ 0 are summed.

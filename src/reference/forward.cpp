@@ -31,36 +31,45 @@ template <class T>
 void forward_impl(const detail::ForwardProblem<T>& problem) {
   const detail::Extents& e = problem.extents;
   const auto& args = problem.args;
+  const auto& mods = problem.modifiers;
   const auto rows = problem.rows();
-  std::vector<double> scores, weights, row_out(e.v_dim);
+  RowScores row;
+  std::vector<double> row_out(e.v_dim);
   for (int64_t b = 0; b < e.batch; ++b) {
+    const int64_t k_len = problem.mask.sequences.k_len(b);
     for (int64_t h = 0; h < e.q_heads; ++h) {
       const int64_t kv_head = e.kv_head_of(h);
       detail::HeadStatsSum head_stats;
+      const uint32_t head_key =
+          detail::dropout_head_key(mods.dropout.seed, mods.dropout.offset, b, h);
       for (int64_t i = 0; i < problem.mask.q_len(b); ++i) {
-        const double lse =
-            score_row(e, problem.mask, problem.scale, rows, b, h, i, scores, weights);
-        // O_i = Σ_j P_ij · V_j over the keys that take part (a removed key's V is never
-        // read, so a NaN there cannot leak into rows that do not see it).
+        score_row(e, problem.mask, mods, problem.scale, rows, b, h, i, row);
+        const uint32_t row_key = detail::dropout_row_key(head_key, i);
+        // O_i = Σ_j P_ij · Z_ij · V_j over the keys that take part (a removed key's V is
+        // never read, so a NaN there cannot leak into rows that do not see it; Z is the
+        // dropout factor — a dropped key still takes part, so its NaN still shows, as in
+        // PyTorch; the sink has no value).
         std::fill(row_out.begin(), row_out.end(), 0.0);
-        for (std::size_t j = 0; j < scores.size(); ++j) {
-          if (scores[j] == -INFINITY) continue;
-          const T* v = rows.v(b, static_cast<int64_t>(j), kv_head);
-          for (int64_t c = 0; c < e.v_dim; ++c) row_out[c] += weights[j] * static_cast<double>(v[c]);
+        for (int64_t j = 0; j < k_len; ++j) {
+          if (row.scores[j] == -INFINITY) continue;
+          const double weight = row.weights[j] * dropout_factor(mods, row_key, j);
+          const T* v = rows.v(b, j, kv_head);
+          for (int64_t c = 0; c < e.v_dim; ++c) row_out[c] += weight * static_cast<double>(v[c]);
         }
         T* out = rows.out(b, i, h);
         for (int64_t c = 0; c < e.v_dim; ++c) out[c] = static_cast<T>(row_out[c]);
-        if (!args.lse.empty()) rows.lse(b, h, i) = static_cast<T>(lse);
+        if (!args.lse.empty()) rows.lse(b, h, i) = static_cast<T>(row.lse);
         if (!args.weights.empty()) {  // dense calls only (varlen has no weights output)
-          for (std::size_t j = 0; j < weights.size(); ++j) {
-            args.weights(b, h, i, static_cast<int64_t>(j)) = static_cast<T>(weights[j]);
+          for (int64_t j = 0; j < k_len; ++j) {
+            args.weights(b, h, i, j) = static_cast<T>(row.weights[j]);
           }
         }
         if (problem.collect_stats) {
-          // A row without keys (lse = -inf) has no distribution: 0s, and not counted.
-          const RowHealth health = row_health(weights, lse);
+          // Of P before dropout, the sink included. A row without keys (lse = -inf) has
+          // no distribution: 0s, and not counted.
+          const RowHealth health = row_health(row.weights, row.lse);
           detail::write_row_stats(problem, b, h, i, health.max_weight, health.entropy);
-          if (lse != -INFINITY) {
+          if (row.lse != -INFINITY) {
             head_stats.add_row(health.max_weight, health.entropy,
                                problem.stats.saturation_threshold);
           }

@@ -37,7 +37,8 @@ inline Tensor<T, 4> widen(const Tensor<float, 4>& t) {
 }
 
 // Runs forward (and backward when dout is given) on the cpu backend, in the case's layout.
-inline Results run_cpu(const Case<float>& c, const CpuCase& how, const Tensor<float, 4>* dout) {
+inline Results run_cpu(const Case<float>& c, const CpuCase& how, const Tensor<float, 4>* dout,
+                       std::span<float> dsinks = {}) {
   const CaseSpec& s = c.spec;
   AttentionOptions options = c.options;
   options.execution.backend = Backend::cpu;
@@ -90,7 +91,7 @@ inline Results run_cpu(const Case<float>& c, const CpuCase& how, const Tensor<fl
   if (dout != nullptr) {
     attention_backward({.q = q, .k = c.k.cview(), .v = c.v.cview(), .out = r.out.cview(),
                         .lse = r.lse.cview(), .dout = dout->cview(), .dq = r.dq.view(),
-                        .dk = r.dk.view(), .dv = r.dv.view()},
+                        .dk = r.dk.view(), .dv = r.dv.view(), .dsinks = dsinks},
                        options);
   }
   return r;
@@ -101,7 +102,8 @@ struct Reference {
   Tensor<double, 3> lse;
 };
 
-inline Reference run_reference(const Case<float>& c, const Tensor<float, 4>* dout) {
+inline Reference run_reference(const Case<float>& c, const Tensor<float, 4>* dout,
+                               std::span<float> dsinks = {}) {
   const CaseSpec& s = c.spec;
   const auto q = widen<double>(c.q), k = widen<double>(c.k), v = widen<double>(c.v);
   Reference r{Tensor<double, 4>({s.batch, s.q_len, s.q_heads, s.v_dim}), Tensor<double, 4>(c.q.shape()),
@@ -113,7 +115,7 @@ inline Reference run_reference(const Case<float>& c, const Tensor<float, 4>* dou
     const auto g = widen<double>(*dout);
     attention_backward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = r.out.cview(),
                         .lse = r.lse.cview(), .dout = g.cview(), .dq = r.dq.view(), .dk = r.dk.view(),
-                        .dv = r.dv.view()},
+                        .dv = r.dv.view(), .dsinks = dsinks},
                        c.options);
   }
   return r;

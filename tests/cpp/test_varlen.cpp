@@ -19,7 +19,19 @@ struct VarlenSpec {
   std::vector<int64_t> q_lens, k_lens;
   int64_t q_heads = 2, kv_heads = 1, head_dim = 24, v_dim = 16;
   Causal causal = Causal::none;
+  bool variants = false;  // window, ALiBi, soft-cap and sinks on top
 };
+
+// The variants' per-head arrays for 4 query heads (static: options point at them).
+const std::vector<float> kSlopes{0.5f, 0.25f, 0.125f, 0.0625f}, kSinks{0.1f, -0.4f, 0.9f, 0.0f};
+
+void add_variants(const VarlenSpec& spec, AttentionOptions& options) {
+  if (!spec.variants) return;
+  options.window = {20, 5};
+  options.alibi_slopes = kSlopes;
+  options.sinks = kSinks;
+  options.softcap = 2.0f;
+}
 
 std::ostream& operator<<(std::ostream& out, const VarlenSpec& s) { return out << s.name; }
 
@@ -62,6 +74,7 @@ struct Packed {
     options.causal = spec.causal;
     options.execution.backend = backend;
     options.execution.threads = threads;
+    add_variants(spec, options);
     varlen_attention_forward(forward_args(), options);
     varlen_attention_backward(backward_args(), options);
   }
@@ -86,6 +99,7 @@ void expect_matches_dense_per_sequence(const VarlenSpec& spec, Backend backend, 
   for (std::size_t i = 0; i < packed.dout.size(); ++i) wide.dout[i] = packed.dout[i];
   AttentionOptions options = test::reference_options();
   options.causal = spec.causal;
+  add_variants(spec, options);
   for (std::size_t s = 0; s + 1 < packed.cu_q.size(); ++s) {
     const int64_t q0 = packed.cu_q[s], nq = packed.cu_q[s + 1] - q0;
     const int64_t k0 = packed.cu_k[s], nk = packed.cu_k[s + 1] - k0;
@@ -120,6 +134,8 @@ std::vector<VarlenSpec> varlen_specs() {
       {"causal_bottom_right", {1, 65, 20, 7}, {64, 130, 20, 0}, 4, 4, 16, 24, Causal::bottom_right},
       {"gqa_8_to_1", {33, 100}, {47, 190}, 8, 1, 64, 64},
       {"odd_dims_queries_only", {0, 0, 9}, {0, 5, 9}, 3, 1, 59, 13},
+      {"window_alibi_softcap_sinks", {1, 65, 40, 0}, {64, 130, 40, 3}, 4, 2, 16, 16,
+       Causal::bottom_right, true},
   };
 }
 

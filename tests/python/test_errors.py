@@ -179,10 +179,10 @@ def test_sdpa_rejects_what_torch_rejects(case):
 
 
 SDPA_ERRORS = [
-    ("dropout", dict(dropout_p=0.1), NotImplementedError,
-     r"dropout_p=0\.1: qkv has no attention dropout yet; pass dropout_p=0\.0"),
     ("dropout out of range", dict(dropout_p=1.5), ValueError,
-     r"dropout_p: expected a probability in \[0, 1\], got 1\.5"),
+     r"dropout_p: expected a probability in \[0, 1\), got 1\.5"),
+    ("dropout 1", dict(dropout_p=1.0), ValueError,
+     r"dropout_p: expected a probability in \[0, 1\), got 1\.0"),
     ("negative scale", dict(scale=-1.0), ValueError,
      r"options\.scale: expected a finite value > 0, got -1"),
     ("mask not a tensor", dict(attn_mask=np.ones((5, 6), bool)), TypeError,

@@ -1,0 +1,66 @@
+// Checks of the variant options (window, ALiBi, soft-cap, sinks, dropout), shared by the
+// dense and varlen validators, and their normalized form for the backends.
+#include <cmath>
+#include <string>
+
+#include "core/checker.hpp"
+#include "core/validate.hpp"
+
+namespace qkv::detail {
+namespace {
+
+void expect_per_head(const Checker& check, std::span<const float> values, const char* name,
+                     int64_t q_heads) {
+  if (values.empty()) return;
+  if (static_cast<int64_t>(values.size()) != q_heads) {
+    check.fail(std::string(name) + ": expected one value per query head (" +
+               std::to_string(q_heads) + "), got " + std::to_string(values.size()));
+  }
+  for (std::size_t h = 0; h < values.size(); ++h) {
+    if (!std::isfinite(values[h])) {
+      check.fail(std::string(name) + "[" + std::to_string(h) + "]: expected a finite value, got " +
+                 std::to_string(values[h]));
+    }
+  }
+}
+
+}  // namespace
+
+void check_variants(const Checker& check, const AttentionOptions& options, const Extents& e,
+                    MaskRule& mask, ScoreModifiers& modifiers) {
+  const Window& window = options.window;
+  if (window.left < -1 || window.right < -1) {
+    check.fail("options.window: expected left and right >= 0, or -1 for unbounded, got (" +
+               std::to_string(window.left) + ", " + std::to_string(window.right) + ")");
+  }
+  mask.window = window;
+  expect_per_head(check, options.alibi_slopes, "options.alibi_slopes", e.q_heads);
+  expect_per_head(check, options.sinks, "options.sinks", e.q_heads);
+  if (!std::isfinite(options.softcap) || options.softcap < 0.0f) {
+    check.fail("options.softcap: expected 0 (off) or a finite value > 0, got " +
+               std::to_string(options.softcap));
+  }
+  const float p = options.dropout.p;
+  if (!(p >= 0.0f && p < 1.0f)) {
+    check.fail("options.dropout.p: expected a probability in [0, 1), got " + std::to_string(p));
+  }
+  mask.has_sinks = !options.sinks.empty();
+  modifiers.softcap = options.softcap;
+  modifiers.alibi_slopes = options.alibi_slopes;
+  modifiers.sinks = options.sinks;
+  modifiers.dropout = options.dropout;
+}
+
+void check_sink_gradient(const Checker& check, const AttentionOptions& options,
+                         std::span<float> dsinks, int64_t q_heads) {
+  if (dsinks.empty()) return;
+  if (options.sinks.empty()) {
+    check.fail("dsinks: given, but options.sinks is empty (no sinks, no gradient)");
+  }
+  if (static_cast<int64_t>(dsinks.size()) != q_heads) {
+    check.fail("dsinks: expected one value per query head (" + std::to_string(q_heads) +
+               "), got " + std::to_string(dsinks.size()));
+  }
+}
+
+}  // namespace qkv::detail
