@@ -530,6 +530,104 @@ TEST(AttentionStats, EmptyProblems) {
   }
 }
 
+// ---- variants ----------------------------------------------------------------------
+
+// Every variant changes P, and the statistics are those of the P the call computes.
+// Tolerance: the plain-float yardstick above does not model the variants, so a fixed one:
+// on these shapes (O(1) logits, ≤ 200 keys) the cpu rows are within 2e-6 of the
+// reference without variants (measured); 2e-5 leaves 10× room and still fails any wrong
+// term, which moves a row's values by far more.
+TEST(AttentionStats, VariantsMatchTheReference) {
+  const CaseSpec spec{.name = "variants", .batch = 2, .q_len = 150, .k_len = 170, .q_heads = 4,
+                      .kv_heads = 2, .head_dim = 32, .v_dim = 16, .causal = Causal::bottom_right,
+                      .key_padding = true};
+  const std::vector<float> slopes{0.5f, 0.25f, 0.125f, 0.0625f}, sinks{0.5f, -1.0f, 2.0f, 0.0f};
+  for (int variant = 0; variant < 5; ++variant) {
+    Case<float> c(spec, 50 + variant);
+    const char* names[] = {"window", "alibi", "softcap", "sinks", "all"};
+    SCOPED_TRACE(names[variant]);
+    if (variant == 0 || variant == 4) c.options.window = {.left = 40, .right = 0};
+    if (variant == 1 || variant == 4) c.options.alibi_slopes = slopes;
+    if (variant == 2 || variant == 4) c.options.softcap = 2.0f;
+    if (variant == 3 || variant == 4) c.options.sinks = sinks;
+    const CpuRun cpu = run_cpu(c, 2);
+    const ReferenceRun ref = run_reference(c);
+    EXPECT_LE(test::error(cpu.stats.row_max_weight, ref.stats.row_max_weight), 2e-5);
+    EXPECT_LE(test::error(cpu.stats.row_entropy, ref.stats.row_entropy), 2e-5);
+    EXPECT_LE(nan_aware_error(cpu.stats.max_weight_mean, ref.stats.max_weight_mean), 2e-5);
+    EXPECT_LE(nan_aware_error(cpu.stats.entropy_mean, ref.stats.entropy_mean), 2e-5);
+    EXPECT_LE(nan_aware_error(cpu.stats.rows, ref.stats.rows), 0.0);
+  }
+}
+
+// A sink is an entry of the softmax without a value: it is part of the distribution the
+// statistics describe (weight 1 − Σ_j P_ij), and a row whose keys are all masked but
+// that has a sink is counted (all its weight on the sink: 1 and 0).
+TEST(AttentionStats, SinksJoinTheDistribution) {
+  Case<float> c({.name = "sinks", .batch = 2, .q_len = 20, .k_len = 30, .q_heads = 2,
+                 .kv_heads = 1, .head_dim = 8, .v_dim = 8, .key_padding = true},
+                60);
+  const std::vector<float> sinks{1.5f, -0.5f};
+  const std::vector<int64_t> lengths{30, 0};
+  c.options.sinks = sinks;
+  c.options.key_lengths = lengths;
+  const ReferenceRun ref = run_reference(c);
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t h = 0; h < 2; ++h) {
+      EXPECT_EQ(ref.stats.rows(b, h), 20);
+      for (int64_t i = 0; i < 20; ++i) {
+        double keys = 0.0, largest = 0.0, entropy = 0.0;
+        for (int64_t j = 0; j < 30; ++j) {
+          const double p = ref.weights(b, h, i, j);
+          keys += p;
+          largest = std::max(largest, p);
+          if (p > 0) entropy -= p * std::log(p);
+        }
+        const double sink = 1.0 - keys;
+        largest = std::max(largest, sink);
+        if (sink > 0) entropy -= sink * std::log(sink);
+        EXPECT_NEAR(ref.stats.row_max_weight(b, h, i), largest, 1e-12);
+        EXPECT_NEAR(ref.stats.row_entropy(b, h, i), entropy, 1e-12);
+      }
+    }
+  const CpuRun cpu = run_cpu(c, 2);
+  EXPECT_LE(test::error(cpu.stats.row_entropy, ref.stats.row_entropy), 2e-5);
+  EXPECT_EQ(cpu.stats.rows(1, 0), 20);
+  EXPECT_EQ(cpu.stats.max_weight_mean(1, 0), 1.0f);
+  EXPECT_EQ(cpu.stats.entropy_mean(1, 0), 0.0f);
+}
+
+// Dropout acts after the softmax: the statistics are those of P itself, the same bits as
+// without dropout.
+TEST(AttentionStats, DropoutLeavesTheStatisticsOfP) {
+  Case<float> c({.name = "dropout", .batch = 2, .q_len = 100, .k_len = 100, .q_heads = 2,
+                 .kv_heads = 2, .head_dim = 16, .v_dim = 16, .causal = Causal::top_left},
+                61);
+  const CpuRun plain = run_cpu(c, 2);
+  c.options.dropout = {.p = 0.3f, .seed = 7};
+  const CpuRun dropped = run_cpu(c, 2);
+  const auto same = [](const auto& a, const auto& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  EXPECT_FALSE(same(plain.out, dropped.out));
+  EXPECT_TRUE(same(plain.stats.row_entropy, dropped.stats.row_entropy));
+  EXPECT_TRUE(same(plain.stats.entropy_mean, dropped.stats.entropy_mean));
+  EXPECT_TRUE(same(plain.stats.max_weight_max, dropped.stats.max_weight_max));
+}
+
+// Decode shapes (≤ 16 queries) with statistics run the tiled forward: same statistics as
+// the reference, and out as the decode kernel would give it within the usual rounding.
+TEST(AttentionStats, DecodeShapesGetStatistics) {
+  const Case<float> c({.name = "decode", .batch = 3, .q_len = 4, .k_len = 500, .q_heads = 8,
+                       .kv_heads = 2, .head_dim = 64, .v_dim = 64, .causal = Causal::bottom_right,
+                       .key_padding = true},
+                      62);
+  const CpuRun with = run_cpu(c, 2);
+  const CpuRun without = run_cpu(c, 2, kThreshold, /*with_stats=*/false);
+  expect_cpu_matches_reference(c, with, run_reference(c), kThreshold);
+  EXPECT_LE(test::max_abs_diff(with.out, without.out), 1e-5);
+}
+
 // ---- varlen ------------------------------------------------------------------------
 
 // Each sequence of a packed call gets the statistics of a dense call on it alone.
