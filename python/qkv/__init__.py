@@ -5,6 +5,8 @@
 Functions (NumPy arrays or torch tensors, float32 or float64, CPU, never copied):
 
     attention(q, k, v, ...)            forward; differentiable for torch tensors
+                                       (return_stats=True: softmax saturation and
+                                       entropy per head, from the same pass)
     attention_backward(q, k, v, out, lse, dout, ...)   dq, dk, dv
     attention_weights(q, k, v, ...)    the weights P of the exact reference backend
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)   packed sequences, no padding

@@ -27,8 +27,9 @@ void run_forward(const detail::ForwardProblem<T>& problem, Backend backend) {
     if (backend == Backend::cpu) {
       if constexpr (std::is_same_v<T, float>) {
         // Few queries against many keys: the decode kernel reads each K/V head once per
-        // GQA group and splits the keys across threads.
-        if (cpu::forward_by_decode(problem)) return;
+        // GQA group and splits the keys across threads. It keeps no softmax statistics
+        // (yet): calls that ask for them run the tiled forward, which does.
+        if (!problem.collect_stats && cpu::forward_by_decode(problem)) return;
       }
       return cpu::forward(problem);
     }

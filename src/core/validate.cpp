@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/checker.hpp"
+#include "core/validate_stats.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::detail {
@@ -135,6 +136,14 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
     check.expect_extent(weights, 3, "keys", e.k_len, "as k.shape[1]");
     outputs.push_back(weights);
   }
+  if (args.stats != nullptr) {
+    check_stats<LseOf<T>, 3>(check, *args.stats,
+                      {{{e.batch, "batch", "as q.shape[0]"}, {e.q_heads, "heads", "as q.shape[2]"}}},
+                      {{{e.batch, "batch", "as q.shape[0]"},
+                        {e.q_heads, "heads", "as q.shape[2]"},
+                        {e.q_len, "seq", "as q.shape[1]"}}},
+                      outputs);
+  }
 
   std::vector<Described> inputs{describe("q", args.q), describe("k", args.k),
                                 describe("v", args.v)};
@@ -146,6 +155,11 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
   problem.scale = resolve_scale(check, options, e.head_dim);
   problem.threads = resolve_threads(check, options);
   problem.args = args;
+  problem.args.stats = nullptr;
+  if (args.stats != nullptr) {
+    problem.stats = *args.stats;
+    problem.collect_stats = true;
+  }
   return problem;
 }
 
