@@ -1,6 +1,6 @@
 // The experiments of `qkv explain` and their presentation (text, JSON, gnuplot).
-// Every number comes out of the library: attention_forward (log-sum-exp and weights),
-// attention_backward, qkv::softmax and qkv::softmax_jacobian. This file only draws the
+// Every number comes out of the library: attention_forward (log-sum-exp, weights and
+// softmax statistics), attention_backward, qkv::softmax and qkv::softmax_jacobian. This file only draws the
 // inputs and averages what the library returns.
 #include "explain.hpp"
 
@@ -24,7 +24,8 @@ constexpr int64_t kChunkFloats = int64_t{1} << 22;
 
 // Per-row values of every statistic, for one scaling.
 struct RowSamples {
-  std::vector<double> max_weight, entropy, jacobian_norm, grad_norm, query_grad_norm, dead;
+  std::vector<double> max_weight, entropy, jacobian_norm, grad_norm, query_grad_norm, dead,
+      saturated;
 };
 
 Estimate estimate(std::vector<double> values) {
@@ -52,6 +53,7 @@ RowStats summarize(RowSamples samples) {
   stats.grad_norm = estimate(std::move(samples.grad_norm));
   stats.query_grad_norm = estimate(std::move(samples.query_grad_norm));
   stats.dead = estimate(std::move(samples.dead));
+  stats.saturated = estimate(std::move(samples.saturated));
   return stats;
 }
 
@@ -82,13 +84,17 @@ struct Chunk {
   Tensor<float, 3> single_lse;
   Tensor<float, 4> out, weights, dq, dk, dv;
   Tensor<float, 3> lse;
+  // Softmax statistics: one row per batch entry, so per-entry shares are 0 or 1.
+  Tensor<float, 3> row_max_weight, row_entropy;
+  Tensor<float, 2> saturated_share;
 
   Chunk(int64_t rows_, int64_t keys_, int64_t dim_)
       : rows(rows_), keys(keys_), dim(dim_), q({rows_, 1, 1, dim_}), k({rows_, keys_, 1, dim_}),
         v({rows_, keys_, 1, keys_}), upstream({rows_, 1, 1, keys_}), single_value({rows_, 1, 1, 1}),
         single_out({rows_, 1, 1, 1}), single_lse({rows_, 1, 1}), out({rows_, 1, 1, keys_}),
         weights({rows_, 1, 1, keys_}), dq({rows_, 1, 1, dim_}), dk({rows_, keys_, 1, dim_}),
-        dv({rows_, keys_, 1, keys_}), lse({rows_, 1, 1}) {
+        dv({rows_, keys_, 1, keys_}), lse({rows_, 1, 1}), row_max_weight({rows_, 1, 1}),
+        row_entropy({rows_, 1, 1}), saturated_share({rows_, 1}) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < keys; ++j) v(r, j, 0, j) = 1.0f;
   }
@@ -116,8 +122,12 @@ struct Chunk {
   // (b) and (c) for every row of the chunk.
   void rows_statistics(bool scaled, RowSamples& into) {
     const AttentionOptions options = scale_options(scaled);
+    const AttentionStats<float> stats{.saturated_share = saturated_share.view(),
+                                      .row_max_weight = row_max_weight.view(),
+                                      .row_entropy = row_entropy.view(),
+                                      .saturation_threshold = kSaturated};
     attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = out.view(),
-                       .lse = lse.view(), .weights = weights.view()},
+                       .lse = lse.view(), .weights = weights.view(), .stats = &stats},
                       options);
     // With V = I, out = P and dout = g is ∂L/∂P; attention_backward's dq is ∂L/∂q.
     attention_backward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = out.cview(),
@@ -132,11 +142,6 @@ struct Chunk {
         p[j] = weights(r, 0, 0, static_cast<int64_t>(j));
         g[j] = upstream(r, 0, 0, static_cast<int64_t>(j));
       }
-      double largest = 0.0, entropy = 0.0;
-      for (double pj : p) {
-        largest = std::max(largest, pj);
-        if (pj > 0.0) entropy -= pj * std::log(pj);  // 0·log 0 = 0
-      }
       softmax_jacobian(std::span<const double>(p), std::span<double>(jacobian));
       double j_norm2 = 0.0, ds_norm2 = 0.0;
       for (std::size_t i = 0; i < n; ++i) {
@@ -150,8 +155,9 @@ struct Chunk {
       double dq_norm2 = 0.0;
       for (int64_t c = 0; c < dim; ++c) dq_norm2 += static_cast<double>(dq(r, 0, 0, c)) * dq(r, 0, 0, c);
 
-      into.max_weight.push_back(largest);
-      into.entropy.push_back(entropy);
+      into.max_weight.push_back(row_max_weight(r, 0, 0));
+      into.entropy.push_back(row_entropy(r, 0, 0));
+      into.saturated.push_back(saturated_share(r, 0));
       into.jacobian_norm.push_back(std::sqrt(j_norm2));
       into.grad_norm.push_back(std::sqrt(ds_norm2));
       into.query_grad_norm.push_back(std::sqrt(dq_norm2));
@@ -334,8 +340,10 @@ void print_text(const ExplainResults& results, std::ostream& out) {
 
   out << "\n(b) Large logits saturate the softmax\n"
       << "    Mean over rows of the largest attention weight (uniform " << format("%.4g", 1.0 / L)
-      << ", one-hot 1)\n    and of the entropy −Σ P·ln P in nats (uniform ln " << c.keys << " = "
-      << format("%.4g", std::log(L)) << ", one-hot 0).\n\n";
+      << ", one-hot 1), of the\n    entropy −Σ P·ln P in nats (uniform ln " << c.keys << " = "
+      << format("%.4g", std::log(L)) << ", one-hot 0), and the share of saturated rows\n"
+      << "    (largest weight > " << format("%g", kSaturated)
+      << "), from attention_forward's softmax statistics (return_stats).\n\n";
   {
     Table table;
     table.add_column("d");
@@ -345,10 +353,15 @@ void print_text(const ExplainResults& results, std::ostream& out) {
     table.add_group("entropy", 2);
     table.add_column("unscaled");
     table.add_column("scaled");
+    table.add_group("saturated rows", 2);
+    table.add_column("unscaled");
+    table.add_column("scaled");
+    const auto percent = [](double share) { return format("%.1f", 100.0 * share) + " %"; };
     for (const DimResult& r : results.dims) {
       table.add_row({std::to_string(r.d), format("%.4f", r.unscaled.max_weight.mean),
                      format("%.4f", r.scaled.max_weight.mean), format("%.4f", r.unscaled.entropy.mean),
-                     format("%.4f", r.scaled.entropy.mean)});
+                     format("%.4f", r.scaled.entropy.mean), percent(r.unscaled.saturated.mean),
+                     percent(r.scaled.saturated.mean)});
     }
     table.print(out, "    ");
   }
@@ -417,6 +430,7 @@ void print_json(const ExplainResults& results, std::ostream& out) {
   for (int64_t d : c.dims) json.value(d);
   json.end_array();
   json.field("dead_jacobian_threshold", kDeadJacobian);
+  json.field("saturation_threshold", kSaturated);
   json.key("backends").begin_object();
   json.field("weights", results.weights_backend);
   json.field("backward", results.backward_backend);
@@ -450,6 +464,7 @@ void print_json(const ExplainResults& results, std::ostream& out) {
     write_estimate("grad_norm", s.grad_norm);
     write_estimate("query_grad_norm", s.query_grad_norm);
     write_estimate("dead", s.dead);
+    write_estimate("saturated", s.saturated);
     json.end_object();
   };
   json.key("rows").begin_array();

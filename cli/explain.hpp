@@ -8,8 +8,9 @@
 //
 //   (a) logit variance: q·k_1 with scale 1 and 1/√d, taken from attention_forward's
 //       log-sum-exp over the single key k_1 (lse = scale·q·k_1 exactly);
-//   (b) saturation: the attention weights P of the row (attention_forward's `weights`):
-//       largest weight and entropy −Σ P log P;
+//   (b) saturation: largest weight and entropy −Σ P log P of each row, and whether its
+//       largest weight exceeds kSaturated, all from attention_forward's softmax
+//       statistics (qkv/attention_stats.hpp), the same numbers any user gets;
 //   (c) gradient flow: J = softmax_jacobian(P) = diag(P) − P·Pᵀ, ‖J‖_F; for a random
 //       upstream gradient g = ∂L/∂P ~ N(0, I), ∂L/∂S = J·g; and the gradient that
 //       reaches the query, ∂L/∂q from attention_backward with V = I (so out = P and
@@ -39,6 +40,8 @@ inline constexpr int64_t kMaxDim = 1 << 16;
 // A row is "dead" when ‖J‖_F < this: whatever the upstream gradient g, the softmax
 // passes back ‖J·g‖ ≤ ‖J‖₂‖g‖ ≤ ‖J‖_F‖g‖, under 0.1 % of it.
 inline constexpr double kDeadJacobian = 1e-3;
+// A row is saturated when its largest weight exceeds this (the library's default).
+inline constexpr double kSaturated = 0.99;
 
 // Mean of one per-row statistic, its standard error (sample sd / √n) and its median.
 struct Estimate {
@@ -54,6 +57,7 @@ struct RowStats {
   Estimate grad_norm;      // ‖∂L/∂S‖ = ‖J·g‖
   Estimate query_grad_norm;  // ‖∂L/∂q‖
   Estimate dead;           // share of rows with ‖J‖_F < kDeadJacobian (mean of 0/1)
+  Estimate saturated;      // share of rows with largest weight > kSaturated (mean of 0/1)
 };
 
 struct DimResult {

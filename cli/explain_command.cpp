@@ -44,7 +44,7 @@ Command register_explain(CLI::App& parent) {
       "Runs, through qkv's own attention forward/backward and softmax Jacobian, on random\n"
       "N(0, 1) queries and keys for each head dim d, scaled (1/√d) and unscaled:\n"
       "  (a) the variance of q·k and q·k/√d against the theory (d and 1)\n"
-      "  (b) softmax saturation: mean largest weight and entropy of attention rows\n"
+      "  (b) softmax saturation: mean largest weight, entropy and saturated share of rows\n"
       "  (c) gradient flow: ‖J‖_F of J = diag(s) − s·sᵀ, ‖∂L/∂S‖ and ‖∂L/∂q‖ for a random\n"
       "      upstream gradient, and the share of rows whose gradient vanished\n"
       "  (d) softmax((1, 2, 3, 10⁶)) and its Jacobian, computed without overflow\n"

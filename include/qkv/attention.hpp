@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <span>
 
+#include "qkv/attention_stats.hpp"
 #include "qkv/half.hpp"
 #include "qkv/options.hpp"
 #include "qkv/tensor.hpp"
@@ -57,6 +58,9 @@ struct ForwardArgs {
   View4<T> out;
   View3<LseOf<T>> lse;  // optional: log-sum-exp of each row, needed by attention_backward
   View4<T> weights;  // optional: the attention weights P (reference backend only)
+  // Optional: softmax saturation and entropy per head and per row, written into the
+  // views it holds (qkv/attention_stats.hpp). Null: not computed, at no cost.
+  const AttentionStats<LseOf<T>>* stats = nullptr;  // float for 16-bit storage
 };
 
 template <class T>
@@ -118,6 +122,8 @@ struct VarlenForwardArgs {
   // Optional (0: not given). When given, must be ≥ every sequence's length (as in
   // FlashAttention, where it sizes the launch); qkv needs neither and checks both.
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  // Optional: per-sequence and per-row softmax statistics (qkv/attention_stats.hpp).
+  const VarlenAttentionStats<LseOf<T>>* stats = nullptr;  // float for 16-bit storage
 };
 
 template <class T>

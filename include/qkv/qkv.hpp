@@ -2,7 +2,10 @@
 #pragma once
 
 #include "qkv/attention.hpp"
+#include "qkv/decode.hpp"
 #include "qkv/error.hpp"
+#include "qkv/half.hpp"
+#include "qkv/kv_cache.hpp"
 #include "qkv/options.hpp"
 #include "qkv/softmax.hpp"
 #include "qkv/tensor.hpp"

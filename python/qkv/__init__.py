@@ -5,12 +5,18 @@
 Functions (NumPy arrays or torch tensors, float32 or float64, CPU, never copied):
 
     attention(q, k, v, ...)            forward; differentiable for torch tensors
+                                       (return_stats=True: softmax saturation and
+                                       entropy per head, from the same pass)
     attention_backward(q, k, v, out, lse, dout, ...)   dq, dk, dv
     attention_weights(q, k, v, ...)    the weights P of the exact reference backend
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)   packed sequences, no padding
     varlen_attention_backward(...)     its dq, dk, dv
     softmax, log_softmax, softmax_jacobian, softmax_backward   the textbook math
     available_backends()               which backends this build runs
+    KVCache(batch, capacity, kv_heads, head_dim, dtype=..., paged=...)   a key/value
+                                       cache for generation: append(k, v), attend(q)
+    decode(q, k_cache, v_cache, cache_lengths, block_table=None)   attention against
+                                       caller-owned caches (contiguous or paged), in place
 
 and ``qkv.torch.scaled_dot_product_attention``, a drop-in for
 ``torch.nn.functional.scaled_dot_product_attention``. Every bad call raises TypeError
@@ -20,6 +26,7 @@ message.
 
 from ._qkv import Error, __version__
 from ._attention import attention, attention_backward, attention_weights, available_backends
+from ._decode import KVCache, decode
 from ._softmax import log_softmax, softmax, softmax_backward, softmax_jacobian
 from ._varlen import varlen_attention, varlen_attention_backward
 from ._dropout import dropout_mask
@@ -28,12 +35,14 @@ Error.__module__ = "qkv"  # raised as qkv.Error (a ValueError), however deep it 
 
 __all__ = [
     "Error",
+    "KVCache",
     "__version__",
     "attention",
     "attention_backward",
     "attention_weights",
     "available_backends",
     "dropout_mask",
+    "decode",
     "log_softmax",
     "softmax",
     "softmax_backward",

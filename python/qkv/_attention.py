@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import functools
 
-from . import _core, _qkv
-from ._arrays import Torch, check_layout, check_rank4, framework_of
+from . import _core, _qkv, _stats
+from ._arrays import Torch, check_layout, check_rank4, dims, framework_of
 from ._options import Error, make_options
 
 _COMMON_DOC = """
@@ -59,9 +59,10 @@ _COMMON_DOC = """
 
 
 def attention(q, k, v, *, causal=None, mask=None, scale=None, key_lengths=None,
-              return_lse=False, layout="bhsd", backend="auto", threads=None,
-              check_finite=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
-              dropout_p=0.0, seed=None):
+              return_lse=False, return_stats=False, return_row_stats=False,
+              saturation_threshold=_stats.DEFAULT_THRESHOLD, layout="bhsd", backend="auto",
+              threads=None, check_finite=False, window=None, alibi_slopes=None, softcap=None,
+              sinks=None, dropout_p=0.0, seed=None):
     fn = "qkv.attention"
     fw = framework_of(fn, q=q, k=k, v=v, mask=mask)
     check_layout(fn, layout)
@@ -71,26 +72,39 @@ def attention(q, k, v, *, causal=None, mask=None, scale=None, key_lengths=None,
                            check_finite=check_finite, window=window,
                            alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
                            dropout_p=dropout_p, seed=seed)
+    stats = library_stats = None
+    if return_stats or return_row_stats:
+        threshold = _stats.check_threshold(fn, saturation_threshold)
+        batch, q_len, q_heads, _ = dims(q, layout)
+        stats = _stats.allocate(fw, q, (batch, q_heads),
+                                (batch, q_heads, q_len) if return_row_stats else None)
+        library_stats = _stats.for_library(fw, stats, threshold)
     if fw is Torch:
         from . import _torch_ops
 
-        out, lse = _torch_ops.forward_with_autograd(q, k, v, layout=layout, options=options)
+        out, lse = _torch_ops.forward_with_autograd(q, k, v, layout=layout, options=options,
+                                                    stats=library_stats)
     else:
         out, lse, _ = _core.forward(fw, q, k, v, layout=layout, options=options,
-                                    want_lse=return_lse)
-    return (out, lse) if return_lse else out
+                                    want_lse=return_lse, stats=library_stats)
+    result = (out, lse) if return_lse else (out,)
+    if stats is not None:
+        result += (stats,)
+    return result if len(result) > 1 else out
 
 
 attention.__doc__ = """Scaled dot-product attention: ``softmax(scale·q·kᵀ + mask)·v``.
 
     Returns ``out`` (a new array of the caller's type, dtype and layout, shaped like q
     with v's last dimension), or ``(out, lse)`` with ``return_lse=True``, where
-    ``lse [B, Hq, Nq]`` is each row's log-sum-exp (what attention_backward needs).
+    ``lse [B, Hq, Nq]`` is each row's log-sum-exp (what attention_backward needs);
+    with ``return_stats=True`` the statistics dict comes last: ``(out, stats)`` or
+    ``(out, lse, stats)``.
 
     With torch tensors the call is the operator ``torch.ops.qkv.attention_forward`` and
     autograd differentiates it through qkv's backward (lse itself is not
     differentiable; a float mask that requires grad raises NotImplementedError).
-""" + _COMMON_DOC
+""" + _stats.STATS_DOC + _COMMON_DOC
 
 
 def attention_backward(q, k, v, out, lse, dout, *, causal=None, mask=None, scale=None,

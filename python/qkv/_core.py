@@ -14,9 +14,10 @@ from ._options import Options
 
 
 def forward(fw, q, k, v, *, layout: str, options: Options, want_lse: bool,
-            want_weights: bool = False):
+            want_weights: bool = False, stats=None):
     """(out, lse or None, weights or None); out in `layout`, lse [B, Hq, Nq],
-    weights [B, Hq, Nq, Nk]."""
+    weights [B, Hq, Nq, Nk]. `stats`: None or the library's dict of statistics outputs
+    (_stats.for_library), written in place."""
     batch, q_len, q_heads, _ = dims(q, layout)
     k_len = dims(k, layout)[1]
     v_dim = dims(v, layout)[3]
@@ -31,6 +32,7 @@ def forward(fw, q, k, v, *, layout: str, options: Options, want_lse: bool,
         lse=None if lse is None else fw.for_library(lse),
         weights=None if weights is None else fw.for_library(weights),
         storage=fw.storage(q),
+        stats=stats,
         **options.for_library(fw),
     )
     return out, lse, weights

@@ -129,11 +129,11 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, keep, bias, key_lengths, scale, causal, layout, backend,
-                threads, check_finite):
+                threads, check_finite, stats=None):
         options = _options(keep, bias, key_lengths, scale, causal, backend, threads,
                            check_finite)
         out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options,
-                                    want_lse=True)
+                                    want_lse=True, stats=stats)
         ctx.save_for_backward(q, k, v, out, lse, keep, bias, key_lengths)
         ctx.settings = (scale, causal, layout, backend, threads, check_finite)
         ctx.mark_non_differentiable(lse)
@@ -155,20 +155,23 @@ class _Attention(torch.autograd.Function):
                                check_finite)
             grads = _core.backward(Torch, q, k, v, out, lse, dout, layout=layout,
                                    options=options)
-        return (*grads, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
-def forward_with_autograd(q, k, v, *, layout: str, options: Options):
+def forward_with_autograd(q, k, v, *, layout: str, options: Options, stats=None):
     """(out, lse), recorded by autograd when an input requires grad.
 
     Eager calls with plain CPU tensors run the library directly, through _Attention when
     a graph is needed; traced calls (torch.compile, fake tensors) go through the
-    operator torch.ops.qkv.attention_forward, whose autograd formula is the same."""
+    operator torch.ops.qkv.attention_forward, whose autograd formula is the same.
+    `stats`: None or the library's dict of statistics outputs (_stats.for_library),
+    filled by the same forward; eager calls only (the operator has no such output)."""
     grad = torch.is_grad_enabled()
     if options.has_variants():  # window, ALiBi, soft-cap, sinks, dropout: eager only
         from . import _variants
 
-        return _variants.forward_with_autograd(q, k, v, layout=layout, options=options)
+        return _variants.forward_with_autograd(q, k, v, layout=layout, options=options,
+                                               stats=stats)
     if options.bias is not None and options.bias.requires_grad and grad:
         raise NotImplementedError(
             "qkv: the gradient with respect to a float attention mask is not implemented "
@@ -177,10 +180,16 @@ def forward_with_autograd(q, k, v, *, layout: str, options: Options):
     args = (q, k, v, options.keep, options.bias, options.key_lengths, options.scale,
             options.causal, layout, options.backend, options.threads, options.check_finite)
     if torch.compiler.is_compiling() or not all(type(x) is torch.Tensor for x in (q, k, v)):
+        if stats is not None:
+            raise NotImplementedError(
+                "qkv: attention statistics (return_stats) are computed by eager calls on "
+                "plain tensors only, not under torch.compile or with tensor subclasses"
+            )
         return attention_forward(*args)
     if grad and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(*args)
+        return _Attention.apply(*args, stats)
     if options.threads == TORCH_THREADS:
         options = dataclasses.replace(options, threads=torch.get_num_threads())
-    out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options, want_lse=True)
+    out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options, want_lse=True,
+                                stats=stats)
     return out, lse

@@ -23,9 +23,10 @@ def _resolved(options):
 
 class _VariantAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, options, layout):
+    def forward(ctx, q, k, v, sinks, options, layout, stats=None):
         options = _resolved(dataclasses.replace(options, sinks=None if sinks is None else sinks.detach()))
-        out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options, want_lse=True)
+        out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options, want_lse=True,
+                                    stats=stats)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options, ctx.layout = options, layout
         ctx.mark_non_differentiable(lse)
@@ -41,11 +42,12 @@ class _VariantAttention(torch.autograd.Function):
             dsinks = torch.empty(options.sinks.shape, dtype=torch.float32)
         dq, dk, dv = _core.backward(Torch, q, k, v, out, lse, Torch.inner_contiguous(dout),
                                     layout=ctx.layout, options=options, dsinks=dsinks)
-        return dq, dk, dv, dsinks, None, None
+        return dq, dk, dv, dsinks, None, None, None
 
 
-def forward_with_autograd(q, k, v, *, layout: str, options):
-    """(out, lse) for a call with variants; sinks (a float tensor) get a gradient."""
+def forward_with_autograd(q, k, v, *, layout: str, options, stats=None):
+    """(out, lse) for a call with variants; sinks (a float tensor) get a gradient.
+    `stats`: None or the library's statistics outputs, filled by the same forward."""
     if torch.compiler.is_compiling() or not all(type(x) is torch.Tensor for x in (q, k, v)):
         raise NotImplementedError(
             "qkv: window, alibi_slopes, softcap, sinks and dropout are not traced by "
@@ -59,7 +61,7 @@ def forward_with_autograd(q, k, v, *, layout: str, options):
         q.requires_grad or k.requires_grad or v.requires_grad
         or (sinks is not None and sinks.requires_grad))
     if needs_graph:
-        return _VariantAttention.apply(q, k, v, sinks, options, layout)
+        return _VariantAttention.apply(q, k, v, sinks, options, layout, stats)
     out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=_resolved(options),
-                                want_lse=True)
+                                want_lse=True, stats=stats)
     return out, lse

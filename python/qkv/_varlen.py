@@ -4,7 +4,7 @@ layout), with no padding and so no work spent on padding."""
 
 from __future__ import annotations
 
-from . import _qkv
+from . import _qkv, _stats
 from ._arrays import Torch, framework_of
 from ._options import Error, causal_mode, make_options
 
@@ -51,11 +51,11 @@ def _check_rank3(fn, **arrays):
                         f"got shape {tuple(x.shape)}")
 
 
-def _forward(fw, q, k, v, cu_q, cu_k, settings):
+def _forward(fw, q, k, v, cu_q, cu_k, settings, stats=None):
     out = fw.empty((q.shape[0], q.shape[1], v.shape[2]), q)
     lse = fw.empty_lse((q.shape[1], q.shape[0]), q)
     _qkv.varlen_forward(fw.for_library(q), fw.for_library(k), fw.for_library(v),
-                        fw.for_library(out), cu_q, cu_k, lse=fw.for_library(lse),
+                        fw.for_library(out), cu_q, cu_k, lse=fw.for_library(lse), stats=stats,
                         storage=fw.storage(q), **settings)
     return out, lse
 
@@ -72,32 +72,47 @@ def _backward(fw, q, k, v, out, lse, dout, cu_q, cu_k, settings, dsinks=None):
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                      max_seqlen_k=None, causal=None, scale=None, return_lse=False,
-                     threads=None, backend="auto", **variants):
+                     return_stats=False, return_row_stats=False,
+                     saturation_threshold=_stats.DEFAULT_THRESHOLD, threads=None,
+                     backend="auto", **variants):
     fn = "qkv.varlen_attention"
     fw = framework_of(fn, q=q, k=k, v=v)
     _check_rank3(fn, q=q, k=k, v=v)
     settings, sinks = _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q,
                                 max_seqlen_k, variants)
     cu_q, cu_k = _offsets(fw, "cu_seqlens_q", cu_seqlens_q), _offsets(fw, "cu_seqlens_k", cu_seqlens_k)
+    stats = library_stats = None
+    if return_stats or return_row_stats:
+        threshold = _stats.check_threshold(fn, saturation_threshold)
+        sequences = max(len(cu_q) - 1, 0)
+        stats = _stats.allocate(fw, q, (sequences, q.shape[1]),
+                                (q.shape[1], q.shape[0]) if return_row_stats else None)
+        library_stats = _stats.for_library(fw, stats, threshold)
     if fw is Torch:
         import torch
 
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad)):
-            out, lse = _torch_function().apply(q, k, v, sinks, cu_q, cu_k, settings)
+            out, lse = _torch_function().apply(q, k, v, sinks, cu_q, cu_k, settings,
+                                               library_stats)
         else:
-            out, lse = _forward(fw, q, k, v, cu_q, cu_k, settings)
+            out, lse = _forward(fw, q, k, v, cu_q, cu_k, settings, library_stats)
     else:
-        out, lse = _forward(fw, q, k, v, cu_q, cu_k, settings)
-    return (out, lse) if return_lse else out
+        out, lse = _forward(fw, q, k, v, cu_q, cu_k, settings, library_stats)
+    result = (out, lse) if return_lse else (out,)
+    if stats is not None:
+        result += (stats,)
+    return result if len(result) > 1 else out
 
 
 varlen_attention.__doc__ = """Attention over packed sequences of different lengths.
 
     Returns ``out [total_q, Hq, dv]`` (a new array of q's type), or ``(out, lse)`` with
-    ``return_lse=True``, ``lse [Hq, total_q]`` (what varlen_attention_backward needs).
-    Differentiable for torch tensors (autograd runs qkv's backward).
-""" + _DOC
+    ``return_lse=True``, ``lse [Hq, total_q]`` (what varlen_attention_backward needs);
+    with ``return_stats=True`` the statistics dict comes last, its per-head arrays
+    ``[sequences, Hq]`` and its per-row arrays ``[Hq, total_q]``. Differentiable for
+    torch tensors (autograd runs qkv's backward).
+""" + _stats.STATS_DOC + _DOC
 
 
 def varlen_attention_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, *,
@@ -132,8 +147,8 @@ def _torch_function():
 
         class _Varlen(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, q, k, v, sinks, cu_q, cu_k, settings):
-                out, lse = _forward(Torch, q, k, v, cu_q, cu_k, settings)
+            def forward(ctx, q, k, v, sinks, cu_q, cu_k, settings, stats):
+                out, lse = _forward(Torch, q, k, v, cu_q, cu_k, settings, stats)
                 ctx.save_for_backward(q, k, v, out, lse)
                 ctx.offsets = (cu_q, cu_k)
                 ctx.settings = settings
@@ -150,7 +165,7 @@ def _torch_function():
                     dsinks = torch.empty(ctx.sinks_shape, dtype=torch.float32)
                 dq, dk, dv = _backward(Torch, q, k, v, out, lse, Torch.inner_contiguous(dout),
                                        *ctx.offsets, ctx.settings, dsinks)
-                return dq, dk, dv, dsinks, None, None, None
+                return dq, dk, dv, dsinks, None, None, None, None
 
         _function = _Varlen
     return _function

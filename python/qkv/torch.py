@@ -6,6 +6,12 @@ model switches by changing one import::
 
     from qkv.torch import scaled_dot_product_attention
     # was: from torch.nn.functional import scaled_dot_product_attention
+
+``collect_stats()`` records how saturated every attention call's softmax is (largest
+weight, entropy per head), from the same forward, without changing the call::
+
+    with qkv.torch.collect_stats() as stats:
+        model(batch)
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ import math
 
 import torch
 
-from . import _torch_ops
+from . import _torch_ops, _torch_stats
 from ._arrays import Torch
 from ._options import Options, make_options
 from ._qkv import Error
+from ._torch_stats import StatsCollector, collect_stats, stats_label
 
 _FN = "qkv.torch.scaled_dot_product_attention"
 
@@ -110,7 +117,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             options, window=variants.window, alibi_slopes=variants.alibi_slopes,
             softcap=variants.softcap, sinks=variants.sinks, dropout_p=variants.dropout_p,
             seed=variants.seed)
-    out, _ = _torch_ops.forward_with_autograd(q, k, v, layout="bhsd", options=options)
+    # Attention health, only while qkv.torch.collect_stats() is active, in eager calls
+    # (asked first: torch.compile cannot trace the collectors' ContextVar).
+    stats = library_stats = None
+    if not torch.compiler.is_compiling():
+        collectors = _torch_stats.active()
+        if collectors and all(type(x) is torch.Tensor for x in (q, k, v)):
+            stats, library_stats = _torch_stats.prepare(collectors, q, batch, heads, q_len)
+    out, _ = _torch_ops.forward_with_autograd(q, k, v, layout="bhsd", options=options,
+                                              stats=library_stats)
+    if stats is not None:
+        _torch_stats.record(collectors, stats, (batch, heads, q_len, k_len))
     return out.reshape(out_shape)
 
 
@@ -207,4 +224,4 @@ def _mask_views(mask, dtype, out_rank, rank, batch_shape, heads, q_len, k_len):
     return None, mask.to(torch.float32)
 
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["scaled_dot_product_attention", "collect_stats", "stats_label", "StatsCollector"]

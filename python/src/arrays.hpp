@@ -111,4 +111,15 @@ void with_storage(const CallStorage& storage, F&& f) {
 // and PyTorch store bool as one byte holding 0 or 1).
 TensorView<const std::uint8_t, 4> byte_mask_view(const char* name, const InArray& array);
 
+// Calls float32() or float64(), decided by q's dtype; anything else is a TypeError naming
+// q's dtype. The entry points whose other arrays follow q's dtype dispatch through this.
+template <class Float32, class Float64>
+void dispatch_on_q(const InArray& q, Float32&& float32, Float64&& float64) {
+  expect_cpu("q", q.device_type());
+  if (q.dtype() == nb::dtype<float>()) return float32();
+  if (q.dtype() == nb::dtype<double>()) return float64();
+  throw nb::type_error(
+      ("q: expected dtype float32 or float64, got " + dtype_name(q.dtype())).c_str());
+}
+
 }  // namespace qkv::python

@@ -13,6 +13,7 @@
 #include "debug.hpp"
 #include "options.hpp"
 #include "qkv/attention.hpp"
+#include "stats.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::python {
@@ -27,7 +28,8 @@ constexpr const char* kLseBecause =
 template <class T>
 void forward_typed(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
                    const std::optional<OutArray>& lse, const std::optional<OutArray>& weights,
-                   const AttentionOptions& options, bool bits) {
+                   const std::optional<nanobind::dict>& stats, const AttentionOptions& options,
+                   bool bits) {
   ForwardArgs<T> args;
   args.q = view_of<const T, 4>("q", q, kAsQ, bits);
   args.k = view_of<const T, 4>("k", k, kAsQ, bits);
@@ -35,6 +37,11 @@ void forward_typed(const InArray& q, const InArray& k, const InArray& v, const O
   args.out = view_of<T, 4>("out", out, kAsQ, bits);
   if (lse) args.lse = view_of<LseOf<T>, 3>("lse", *lse, kLseBecause<T>);
   if (weights) args.weights = view_of<T, 4>("weights", *weights, kAsQ, bits);
+  AttentionStats<LseOf<T>> stats_out;
+  if (stats) {
+    stats_out = stats_views<LseOf<T>, 3>(*stats);
+    args.stats = &stats_out;
+  }
 
   debug_begin_call();
   debug_record("q", args.q);
@@ -90,11 +97,12 @@ void backward_typed(const InArray& q, const InArray& k, const InArray& v, const 
 // TypeError naming q's dtype.
 void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
              const std::optional<OutArray>& lse, const std::optional<OutArray>& weights,
-             const OptionArgs& option_args, const std::string& storage) {
+             const std::optional<nanobind::dict>& stats, const OptionArgs& option_args,
+             const std::string& storage) {
   const CallStorage call = call_storage(q, storage);
   const AttentionOptions options = make_options(option_args);
   with_storage(call, [&]<class T>() {
-    forward_typed<T>(q, k, v, out, lse, weights, options, call.bits);
+    forward_typed<T>(q, k, v, out, lse, weights, stats, options, call.bits);
   });
 }
 
@@ -149,9 +157,9 @@ void bind_attention(nanobind::module_& m) {
          std::optional<OutArray> lse, std::optional<OutArray> weights,
          std::optional<InArray> keep, std::optional<InArray> bias,
          std::optional<InArray> key_lengths, std::optional<double> scale, std::string causal,
-         std::string backend, int threads, bool check_finite, std::string storage,
+         std::string backend, int threads, bool check_finite, std::optional<nb::dict> stats, std::string storage,
          const nb::kwargs& variants) {
-        forward(q, k, v, out, lse, weights,
+        forward(q, k, v, out, lse, weights, stats,
                 option_args(std::move(keep), std::move(bias), std::move(key_lengths), scale,
                             std::move(causal), std::move(backend), threads, check_finite,
                             variants),
@@ -162,7 +170,8 @@ void bind_attention(nanobind::module_& m) {
       nb::arg("keep").none() = nb::none(), nb::arg("bias").none() = nb::none(),
       nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(),
       nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
-      nb::arg("check_finite") = false, nb::arg("storage") = "", nb::arg("variants"),
+      nb::arg("check_finite") = false, nb::arg("stats").none() = nb::none(),
+      nb::arg("storage") = "", nb::arg("variants"),
       "qkv::attention_forward on [B, N, H, d] views of the given arrays; writes out, lse "
       "and weights in place. The GIL is released while computing. storage: '' (q's dtype) "
       "or 'bfloat16'/'float16' for 16-bit integer arrays holding those bits. Further "

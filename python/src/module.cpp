@@ -5,6 +5,7 @@
 #include "attention.hpp"
 #include "debug.hpp"
 #include "dist.hpp"
+#include "decode.hpp"
 #include "qkv/error.hpp"
 #include "qkv/version.hpp"
 #include "softmax.hpp"
@@ -25,4 +26,5 @@ NB_MODULE(_qkv, m) {
   qkv::python::bind_dropout(m);
   qkv::python::bind_debug(m);
   qkv::python::bind_dist(m);
+  qkv::python::bind_decode(m);
 }

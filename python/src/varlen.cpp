@@ -7,6 +7,7 @@
 #include "arrays.hpp"
 #include "options.hpp"
 #include "qkv/attention.hpp"
+#include "stats.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::python {
@@ -51,7 +52,8 @@ AttentionOptions varlen_options(std::optional<double> scale, const std::string& 
 template <class T>
 void forward_typed(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
                    const std::optional<OutArray>& lse, const InArray& cu_q, const InArray& cu_k,
-                   int64_t max_q, int64_t max_k, const AttentionOptions& options, bool bits) {
+                   int64_t max_q, int64_t max_k, const std::optional<nanobind::dict>& stats,
+                   const AttentionOptions& options, bool bits) {
   VarlenForwardArgs<T> args;
   args.q = view_of<const T, 3>("q", q, kAsQ, bits);
   args.k = view_of<const T, 3>("k", k, kAsQ, bits);
@@ -62,6 +64,11 @@ void forward_typed(const InArray& q, const InArray& k, const InArray& v, const O
   args.cu_seqlens_k = offsets_of("cu_seqlens_k", cu_k);
   args.max_seqlen_q = max_q;
   args.max_seqlen_k = max_k;
+  VarlenAttentionStats<LseOf<T>> stats_out;
+  if (stats) {
+    stats_out = stats_views<LseOf<T>, 2>(*stats);
+    args.stats = &stats_out;
+  }
   nanobind::gil_scoped_release release;
   varlen_attention_forward(args, options);
 }
@@ -104,12 +111,13 @@ void bind_varlen(nanobind::module_& m) {
       [](const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
          const InArray& cu_q, const InArray& cu_k, std::optional<OutArray> lse, int64_t max_q,
          int64_t max_k, std::optional<double> scale, std::string causal, std::string backend,
-         int threads, bool check_finite, std::string storage, const nb::kwargs& variants) {
+         int threads, bool check_finite, std::optional<nb::dict> stats, std::string storage,
+         const nb::kwargs& variants) {
         const CallStorage call = call_storage(q, storage);
         const AttentionOptions options =
             varlen_options(scale, causal, backend, threads, check_finite, variants);
         with_storage(call, [&]<class T>() {
-          forward_typed<T>(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, options, call.bits);
+          forward_typed<T>(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, stats, options, call.bits);
         });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("cu_seqlens_q"),
@@ -117,9 +125,10 @@ void bind_varlen(nanobind::module_& m) {
       nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
       nb::arg("scale").none() = nb::none(), nb::arg("causal") = "none",
       nb::arg("backend") = "auto", nb::arg("threads") = 0, nb::arg("check_finite") = false,
-      nb::arg("storage") = "", nb::arg("variants"),
+      nb::arg("stats").none() = nb::none(), nb::arg("storage") = "", nb::arg("variants"),
       "qkv::varlen_attention_forward on packed [total, heads, dim] arrays; writes out (and "
-      "lse [heads, total_q]) in place. The GIL is released while computing.");
+      "lse [heads, total_q], and the stats dict's arrays) in place. The GIL is released "
+      "while computing.");
   m.def(
       "varlen_backward",
       [](const InArray& q, const InArray& k, const InArray& v, const InArray& out,

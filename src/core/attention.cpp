@@ -5,6 +5,7 @@
 
 #include "core/validate.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cpu/decode_dispatch.hpp"
 #include "reference/reference.hpp"
 
 namespace qkv {
@@ -23,7 +24,15 @@ namespace {
 template <class T>
 void run_forward(const detail::ForwardProblem<T>& problem, Backend backend) {
   if constexpr (!std::is_same_v<T, double>) {
-    if (backend == Backend::cpu) return cpu::forward(problem);
+    if (backend == Backend::cpu) {
+      if constexpr (std::is_same_v<T, float>) {
+        // Few queries against many keys: the decode kernel reads each K/V head once per
+        // GQA group and splits the keys across threads. It keeps no softmax statistics
+        // (yet): calls that ask for them run the tiled forward, which does.
+        if (!problem.collect_stats && cpu::forward_by_decode(problem)) return;
+      }
+      return cpu::forward(problem);
+    }
   }
   reference::forward(problem);
 }

@@ -191,8 +191,13 @@ struct ForwardProblem {
   double scale = 1.0;
   MaskRule mask;  // holds the Sequences too
   ScoreModifiers modifiers;
-  ForwardArgs<T> args;
+  ForwardArgs<T> args;  // args.stats is null: read `stats` below
   int threads = 1;  // resolved: ≥ 1
+  // Softmax statistics (qkv/attention_stats.hpp, core/head_stats.hpp), normalized like
+  // the other views: per-row views [B, Hq, Nq] (varlen: batch stride 0, rows addressed
+  // through the sequence offsets). `collect_stats` is false when none were asked for.
+  AttentionStats<LseOf<T>> stats;  // float for 16-bit storage, like the LSE
+  bool collect_stats = false;
 
   const Sequences& sequences() const { return mask.sequences; }
   RowAccess<ForwardArgs<T>> rows() const { return {&mask.sequences, &args}; }

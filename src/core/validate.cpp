@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/checker.hpp"
+#include "core/validate_stats.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::detail {
@@ -135,21 +136,30 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
     check.expect_extent(weights, 3, "keys", e.k_len, "as k.shape[1]");
     outputs.push_back(weights);
   }
+  if (args.stats != nullptr) {
+    check_stats<LseOf<T>, 3>(check, *args.stats,
+                      {{{e.batch, "batch", "as q.shape[0]"}, {e.q_heads, "heads", "as q.shape[2]"}}},
+                      {{{e.batch, "batch", "as q.shape[0]"},
+                        {e.q_heads, "heads", "as q.shape[2]"},
+                        {e.q_len, "seq", "as q.shape[1]"}}},
+                      outputs);
+  }
 
   std::vector<Described> inputs{describe("q", args.q), describe("k", args.k),
                                 describe("v", args.v)};
   if (!options.mask.keep.empty()) inputs.push_back(describe("mask.keep", options.mask.keep));
   if (!options.mask.bias.empty()) inputs.push_back(describe("mask.bias", options.mask.bias));
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    check.expect_no_self_overlap(outputs[i]);
-    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
-    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
-  }
+  check.expect_outputs_apart(outputs, inputs);
 
   check_backend(check, options, std::is_same_v<T, double>, !args.weights.empty());
   problem.scale = resolve_scale(check, options, e.head_dim);
   problem.threads = resolve_threads(check, options);
   problem.args = args;
+  problem.args.stats = nullptr;
+  if (args.stats != nullptr) {
+    problem.stats = *args.stats;
+    problem.collect_stats = true;
+  }
   return problem;
 }
 
@@ -197,11 +207,7 @@ BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
   if (!options.mask.keep.empty()) inputs.push_back(describe("mask.keep", options.mask.keep));
   if (!options.mask.bias.empty()) inputs.push_back(describe("mask.bias", options.mask.bias));
   const std::vector<Described> outputs{dq, dk, dv};
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    check.expect_no_self_overlap(outputs[i]);
-    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
-    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
-  }
+  check.expect_outputs_apart(outputs, inputs);
   if (options.execution.check_finite) {
     check.expect_finite<T>(dout);
     check.expect_finite<T>(out);

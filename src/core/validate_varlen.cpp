@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/checker.hpp"
+#include "core/validate_stats.hpp"
 #include "core/validate.hpp"
 
 namespace qkv::detail {
@@ -128,15 +129,6 @@ void check_varlen_common(const Checker& check, const Args& args, const Attention
   }
 }
 
-void expect_outputs_apart(const Checker& check, const std::vector<Described>& outputs,
-                          const std::vector<Described>& inputs) {
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    check.expect_no_self_overlap(outputs[i]);
-    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
-    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
-  }
-}
-
 template <class T>
 ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
                                           const AttentionOptions& options) {
@@ -160,8 +152,15 @@ ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
     check.expect_extent(lse, 1, "total_q", total_q, "as q.shape[0]");
     outputs.push_back(lse);
   }
-  expect_outputs_apart(check, outputs,
-                       {describe("q", args.q), describe("k", args.k), describe("v", args.v)});
+  if (args.stats != nullptr) {
+    check_stats<LseOf<T>, 2>(check, *args.stats,
+                      {{{e.batch, "sequences", "as cu_seqlens_q.size() - 1"},
+                        {e.q_heads, "heads", "as q.shape[1]"}}},
+                      {{{e.q_heads, "heads", "as q.shape[1]"}, {total_q, "total_q", "as q.shape[0]"}}},
+                      outputs);
+  }
+  check.expect_outputs_apart(
+      outputs, {describe("q", args.q), describe("k", args.k), describe("v", args.v)});
   check_backend(check, options, std::is_same_v<T, double>, false);
   problem.scale = resolve_scale(check, options, e.head_dim);
   problem.threads = resolve_threads(check, options);
@@ -170,6 +169,21 @@ ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
   problem.args.v = as_batched(args.v, e.batch);
   problem.args.out = as_batched(args.out, e.batch);
   if (!args.lse.empty()) problem.args.lse = lse_as_batched(args.lse, e.batch);
+  if (args.stats != nullptr) {
+    const VarlenAttentionStats<LseOf<T>>& stats = *args.stats;
+    problem.stats.max_weight_mean = stats.max_weight_mean;
+    problem.stats.max_weight_max = stats.max_weight_max;
+    problem.stats.entropy_mean = stats.entropy_mean;
+    problem.stats.saturated_share = stats.saturated_share;
+    problem.stats.rows = stats.rows;
+    // Per-row views are laid out like the lse: [Hq, total_q] seen as [sequences, Hq, total_q].
+    if (!stats.row_max_weight.empty())
+      problem.stats.row_max_weight = lse_as_batched(stats.row_max_weight, e.batch);
+    if (!stats.row_entropy.empty())
+      problem.stats.row_entropy = lse_as_batched(stats.row_entropy, e.batch);
+    problem.stats.saturation_threshold = stats.saturation_threshold;
+    problem.collect_stats = true;
+  }
   return problem;
 }
 
@@ -208,9 +222,8 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
   expect_like(dq, total_q, e.q_heads, e.head_dim, "q");
   expect_like(dk, total_k, e.kv_heads, e.head_dim, "k");
   expect_like(dv, total_k, e.kv_heads, e.v_dim, "v");
-  expect_outputs_apart(check, {dq, dk, dv},
-                       {describe("q", args.q), describe("k", args.k), describe("v", args.v), out,
-                        lse, dout});
+  check.expect_outputs_apart({dq, dk, dv}, {describe("q", args.q), describe("k", args.k),
+                                            describe("v", args.v), out, lse, dout});
   if (options.execution.check_finite) {
     check.expect_finite<T>(dout);
     check.expect_finite<T>(out);

@@ -14,6 +14,9 @@
 //     the same Pᵀ and dSᵀ, then dQ += dS·K_blk              (scaled once at the end)
 // Run separately, pass 2 recomputes S and dP (7 block products instead of 5): the price
 // of using every core on one head without per-thread copies of dQ.
+// Variants mirror the forward: S is soft-capped (its slope 1 − tanh² kept to multiply
+// dS), ALiBi added and masked as there; with dropout dP ← Z ⊙ dP and dV takes P ⊙ Z;
+// the sinks' gradient is −Σ_i exp(sink − lse_i)·D_i, summed in a fixed order.
 //
 // One source for every storage type T (storage-inl.h). The packed panels are float
 // already; with bfloat16/float16 storage the Q and dO row operands are packed as float

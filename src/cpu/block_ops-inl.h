@@ -193,16 +193,25 @@ HWY_INLINE void MultiplyTile(float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
     hn::StoreU(hn::Mul(hn::LoadU(d, a + e), hn::LoadU(d, b + e)), d, a + e);
 }
 
+// What OnlineSoftmaxStep keeps besides m and l: nothing, or the centred sum u for the
+// softmax statistics (see there), either on a full tile (no removed keys, so no −inf
+// score unless an input is non-finite or q·k overflows, which makes that row's
+// statistics NaN) or on a masked tile, whose −inf entries must add 0 (one more op).
+enum class SoftmaxStats { none, unmasked, masked };
+
 // One group of C query vectors (columns i .. i + C·lanes) of OnlineSoftmaxStep. The C
-// columns are independent, so their Exp chains overlap in the pipeline.
-template <size_t C>
+// columns are independent, so their Exp chains overlap in the pipeline. The statistics
+// code is compiled out for SoftmaxStats::none.
+template <size_t C, SoftmaxStats kStats>
 HWY_INLINE void OnlineSoftmaxColumns(float* HWY_RESTRICT st, size_t keys, size_t width,
                                      size_t i, float* HWY_RESTRICT m, float* HWY_RESTRICT l,
-                                     float* HWY_RESTRICT alpha) {
+                                     float* HWY_RESTRICT alpha, float* HWY_RESTRICT u) {
+  constexpr bool kKeep = kStats != SoftmaxStats::none;
   const FloatTag d;
   const size_t lanes = hn::Lanes(d);
   const auto minus_inf = hn::Set(d, kMinusInf);
   FloatVec shift[C], sum[C];
+  [[maybe_unused]] FloatVec centred[C];  // Σ_j P·(S − m') of this tile
   for (size_t c = 0; c < C; ++c) shift[c] = minus_inf;
   for (size_t j = 0; j < keys; ++j)
     for (size_t c = 0; c < C; ++c)
@@ -216,20 +225,37 @@ HWY_INLINE void OnlineSoftmaxColumns(float* HWY_RESTRICT st, size_t keys, size_t
     shift[c] = hn::IfThenZeroElse(all_masked, m_new);
     const auto a =
         hn::IfThenElse(all_masked, hn::Set(d, 1.0f), ExpKeepNaN(d, hn::Sub(m_old, shift[c])));
+    if constexpr (kKeep) {
+      // Re-centre u on the new max: u' = α·(u + (m − m')·l). While m is −inf, l and u
+      // are 0 and so is the correction (−inf·0 would be NaN).
+      const auto moved = hn::IfThenZeroElse(hn::Eq(m_old, minus_inf), hn::Sub(m_old, shift[c]));
+      hn::StoreU(hn::Mul(a, hn::MulAdd(moved, hn::LoadU(d, l + col), hn::LoadU(d, u + col))), d,
+                 u + col);
+      centred[c] = hn::Zero(d);
+    }
     hn::StoreU(m_new, d, m + col);
     hn::StoreU(a, d, alpha + col);
     sum[c] = hn::Zero(d);
   }
+  // Removed keys of a masked tile have S − m' = −inf and P = 0: clamping to the lowest
+  // float keeps their P·(S − m') at 0 instead of 0·(−inf) = NaN.
+  [[maybe_unused]] const auto lowest = hn::Set(d, std::numeric_limits<float>::lowest());
   for (size_t j = 0; j < keys; ++j)
     for (size_t c = 0; c < C; ++c) {
       float* row = st + j * width + i + c * lanes;
-      const auto p = ExpKeepNaN(d, hn::Sub(hn::LoadU(d, row), shift[c]));
+      const auto centred_score = hn::Sub(hn::LoadU(d, row), shift[c]);
+      const auto p = ExpKeepNaN(d, centred_score);
       hn::StoreU(p, d, row);
       sum[c] = hn::Add(sum[c], p);
+      if constexpr (kStats == SoftmaxStats::unmasked)
+        centred[c] = hn::MulAdd(p, centred_score, centred[c]);
+      if constexpr (kStats == SoftmaxStats::masked)
+        centred[c] = hn::MulAdd(p, hn::Max(centred_score, lowest), centred[c]);
     }
   for (size_t c = 0; c < C; ++c) {
     const size_t col = i + c * lanes;
     hn::StoreU(hn::MulAdd(hn::LoadU(d, l + col), hn::LoadU(d, alpha + col), sum[c]), d, l + col);
+    if constexpr (kKeep) hn::StoreU(hn::Add(hn::LoadU(d, u + col), centred[c]), d, u + col);
   }
 }
 
@@ -239,15 +265,21 @@ HWY_INLINE void OnlineSoftmaxColumns(float* HWY_RESTRICT st, size_t keys, size_t
 //   m' = max(m, max_key st),  alpha = exp(m − m'),  P = exp(st − m'),  l' = l·alpha + Σ P
 // P overwrites st; alpha is written for rescaling the output accumulator. A query whose
 // keys are all -inf so far keeps m' = -inf, P = 0, alpha = 1.
+//
+// With kStats ≠ none (attention health, qkv/attention_stats.hpp) it also keeps, per query,
+//   u = Σ_j e^(S_j − m)·(S_j − m)   (centred on the running max: no cancellation, u ≤ 0)
+// rescaled like l, so that at the end the row's largest weight is 1/l and its entropy
+// H = lse − Σ_j P_j S_j = ln l − u/l. With none, u is never touched (may be null).
+template <SoftmaxStats kStats = SoftmaxStats::none>
 HWY_INLINE void OnlineSoftmaxStep(float* HWY_RESTRICT st, size_t keys, size_t width,
                                   float* HWY_RESTRICT m, float* HWY_RESTRICT l,
-                                  float* HWY_RESTRICT alpha) {
+                                  float* HWY_RESTRICT alpha, float* HWY_RESTRICT u = nullptr) {
   const size_t lanes = hn::Lanes(FloatTag());
   constexpr size_t kColumns = 4;  // vectors of queries per pass over the keys
   size_t i = 0;
   for (; i + kColumns * lanes <= width; i += kColumns * lanes)
-    OnlineSoftmaxColumns<kColumns>(st, keys, width, i, m, l, alpha);
-  for (; i < width; i += lanes) OnlineSoftmaxColumns<1>(st, keys, width, i, m, l, alpha);
+    OnlineSoftmaxColumns<kColumns, kStats>(st, keys, width, i, m, l, alpha, u);
+  for (; i < width; i += lanes) OnlineSoftmaxColumns<1, kStats>(st, keys, width, i, m, l, alpha, u);
 }
 
 // Backward: P = exp(st − lse) in place, for lse already adjusted so that masked or

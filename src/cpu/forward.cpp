@@ -1,12 +1,21 @@
 // Fused forward, FlashAttention-2 style. For each (batch, head, block of 64 queries):
 //
 //   Qᵀ ← scale · Q_blockᵀ                                  packed once, d × 64
+//   m = sink or −inf, l = 1 or 0                             (a sink: a key with no value)
 //   for each key block whose tile the plan (core/tile_plan.hpp) does not skip (64 keys):
 //     Sᵀ = K_blk · Qᵀ                                       micro-kernel, K read in place
-//     partial tiles only: mask Sᵀ (key_end edge, elementwise masks; SIMD)
+//     variants: Sᵀ ← c·tanh(Sᵀ/c) (soft-cap), Sᵀ −= slope·|i + off − j| (ALiBi)
+//     partial tiles only: mask Sᵀ (window/causal/padding edges, elementwise masks; SIMD)
 //     m' = max(m, max_j Sᵀ),  P = exp(Sᵀ − m'),  l = l·e^(m−m') + Σ_j P
+//     dropout: P ← P ⊙ Z  (Z = 0 or 1/(1−p), a hash of the indices; l keeps Σ P)
 //     acc = acc·e^(m−m') + P·V_blk      micro-kernel (V read in place), summed per block
 //   out = acc / l,   lse = m + log l                        (l = 0: out 0, lse -inf)
+//
+// With statistics asked for (qkv/attention_stats.hpp), the online softmax also keeps
+// u = Σ e^(S−m)(S−m) per query (a sink included, before dropout), and each row's largest
+// weight 1/l and entropy ln l − u/l are summed per block (in double); the blocks' sums
+// are added per (batch, head) in task order after the parallel loop, so they too are the
+// same for any thread count.
 //
 // Extra memory: per thread, Qᵀ (d × 64), Sᵀ (64 × 64), acc (64 × dv) and a few vectors;
 // nothing grows with N. One source for every storage type T (storage-inl.h): float K
@@ -32,6 +41,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/head_stats.hpp"
 #include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
 #include "cpu/finite_scan.hpp"
@@ -57,7 +67,7 @@ struct ForwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> partial;  // width × dv_ld: one block's P·V
   hwy::AlignedFreeUniquePtr<float[]> v_pad;  // kBlockKeys × dv_ld: V padded (dv % lanes ≠ 0) or widened
   hwy::AlignedFreeUniquePtr<float[]> k_wide; // kBlockKeys × d: K widened, 16-bit storage only
-  hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha: 3 × width
+  hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha, u: 4 × width
   std::vector<int32_t> key_begin, key_end;   // width (0 past the block's queries)
   std::vector<uint32_t> dropout_keys;        // width: dropout row keys of the block
 
@@ -75,16 +85,46 @@ struct ForwardScratch {
                                  : 0)),
         k_wide(AllocateFloats(kIsHalf<T> ? kBlockKeys * static_cast<size_t>(p.extents.head_dim)
                                          : 0)),
-        stats(AllocateFloats(3 * width)),
+        stats(AllocateFloats(4 * width)),
         key_begin(width, 0),
         key_end(width, 0),
         dropout_keys(width, 0) {}
 };
 
+// Attention health of a block's rows from the online softmax's own sums (see
+// OnlineSoftmaxStep): largest weight 1/l and entropy ln l − u/l, with SIMD (Highway's
+// Log: 4 ULP), into `weight` and in place of u; rows without keys (l = 0) get 0s. Then
+// the block's sums in row order; rows without keys add nothing but their 0 row values.
+template <class T>
+void RowStatistics(const detail::ForwardProblem<T>& p, const QueryRows& rows,
+                   const float* HWY_RESTRICT l, float* HWY_RESTRICT u,
+                   float* HWY_RESTRICT weight, size_t width, detail::HeadStatsSum& sum) {
+  const FloatTag d;
+  const size_t lanes = hn::Lanes(d);
+  const auto zero = hn::Zero(d), one = hn::Set(d, 1.0f);
+  for (size_t i = 0; i < width; i += lanes) {
+    const auto total = hn::LoadU(d, l + i);
+    const auto empty = hn::Eq(total, zero);
+    const auto inverse = hn::Div(one, total);
+    const auto entropy = hn::NegMulAdd(hn::LoadU(d, u + i), inverse, hn::Log(d, total));
+    hn::StoreU(hn::IfThenZeroElse(empty, inverse), d, weight + i);
+    hn::StoreU(hn::IfThenZeroElse(empty, entropy), d, u + i);
+  }
+  detail::HeadStatsSum block;  // summed here, stored once: no false sharing between tasks
+  const double threshold = p.stats.saturation_threshold;
+  const bool row_views = p.stats.any_row_view();
+  for (int64_t i = 0; i < rows.count; ++i) {
+    if (row_views) detail::write_row_stats(p, rows.batch, rows.head, rows.first + i, weight[i], u[i]);
+    if (l[i] != 0.0f) block.add_row(weight[i], u[i], threshold);
+  }
+  sum = block;
+}
+
+// block_stats: where the block's statistics go, or null when none are asked for.
 template <class T>
 void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& plan,
                   const KeyValueFinite& finite, const SharedMaskTiles& shared,
-                  const ForwardTask& task, ForwardScratch& s) {
+                  const ForwardTask& task, ForwardScratch& s, detail::HeadStatsSum* block_stats) {
   const detail::Extents& e = p.extents;
   const auto rows_of = p.rows();
   const size_t lanes = VectorLanes();
@@ -116,9 +156,12 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
   float* m = s.stats.get();
   float* l = m + s.width;
   float* alpha = l + s.width;
-  // A sink is a key with logit sinks[h] and no value: it starts every row's max and sum.
+  float* u = alpha + s.width;
+  // A sink is a key with logit sinks[h] and no value: it starts every row's max and sum
+  // (and adds e^0·0 = 0 to u).
   std::fill(m, m + width, mods.has_sinks() ? mods.sinks[h] : kMinusInf);
   std::fill(l, l + width, mods.has_sinks() ? 1.0f : 0.0f);
+  if (block_stats != nullptr) std::fill(u, u + width, 0.0f);
   std::fill(s.acc.get(), s.acc.get() + count * s.dv_ld, 0.0f);
 
   const int64_t k_row = p.args.k.strides[1], v_row = p.args.v.strides[1];
@@ -166,8 +209,17 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
       overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.st.get(), width);
     }
 
-    OnlineSoftmaxStep(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha);
-    // Dropout acts on the weights that reach V; l keeps the undropped sum.
+    if (block_stats == nullptr) {
+      OnlineSoftmaxStep(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha);
+    } else if (partial) {
+      OnlineSoftmaxStep<SoftmaxStats::masked>(s.st.get(), static_cast<size_t>(keys), width, m,
+                                              l, alpha, u);
+    } else {
+      OnlineSoftmaxStep<SoftmaxStats::unmasked>(s.st.get(), static_cast<size_t>(keys), width, m,
+                                                l, alpha, u);
+    }
+    // Dropout acts on the weights that reach V; l keeps the undropped sum (and u is of
+    // the softmax before dropout: the statistics describe P itself).
     if (mods.has_dropout())
       DropoutTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.dropout_keys.data(),
                   dropout_threshold, dropout_scale);
@@ -209,6 +261,23 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
       rows_of.lse(b, h, query) = l[i] == 0.0f ? kMinusInf : m[i] + std::log(l[i]) + shift;
     }
   }
+  // alpha is free now: it takes the rows' largest weights.
+  if (block_stats != nullptr) RowStatistics(p, rows, l, u, alpha, width, *block_stats);
+}
+
+// The per-(batch, head) statistics: the blocks' sums added in task order (fixed by the
+// problem, not by the threads).
+template <class T>
+void WriteHeadStatistics(const detail::ForwardProblem<T>& p,
+                         const std::vector<ForwardTask>& tasks,
+                         const std::vector<detail::HeadStatsSum>& block_stats) {
+  const detail::Extents& e = p.extents;
+  std::vector<detail::HeadStatsSum> heads(static_cast<size_t>(e.batch * e.q_heads));
+  for (size_t t = 0; t < tasks.size(); ++t)
+    heads[static_cast<size_t>(tasks[t].batch * e.q_heads + tasks[t].head)].add(block_stats[t]);
+  for (int64_t b = 0; b < e.batch; ++b)
+    for (int64_t h = 0; h < e.q_heads; ++h)
+      detail::write_head_stats(p.stats, b, h, heads[static_cast<size_t>(b * e.q_heads + h)]);
 }
 
 }  // namespace
@@ -217,7 +286,11 @@ template <class T>
 void ForwardImpl(const detail::ForwardProblem<T>& p) {
   const detail::TilePlan plan(p.mask, p.extents, kBlockQueries, kBlockKeys, p.threads);
   const std::vector<ForwardTask> tasks = forward_tasks(p.extents, p.mask, plan);
-  if (tasks.empty()) return;
+  std::vector<detail::HeadStatsSum> block_stats(p.collect_stats ? tasks.size() : 0);
+  if (tasks.empty()) {
+    if (p.collect_stats) WriteHeadStatistics(p, tasks, block_stats);  // no rows: NaN, 0
+    return;
+  }
   KeyValueFinite finite(p.extents);
   const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
   const SharedMaskTiles shared(p.mask, p.extents, plan);
@@ -232,8 +305,11 @@ void ForwardImpl(const detail::ForwardProblem<T>& p) {
     for (size_t t = 0; t < shared.size(); ++t) shared.build(p.mask, plan, t);
     ForwardScratch scratch(p, VectorLanes());
 #pragma omp for schedule(dynamic, 1)
-    for (size_t t = 0; t < tasks.size(); ++t) ForwardBlock(p, plan, finite, shared, tasks[t], scratch);
+    for (size_t t = 0; t < tasks.size(); ++t)
+      ForwardBlock(p, plan, finite, shared, tasks[t], scratch,
+                   p.collect_stats ? &block_stats[t] : nullptr);
   }
+  if (p.collect_stats) WriteHeadStatistics(p, tasks, block_stats);
 }
 
 // One entry per storage type (HWY_EXPORT takes plain functions, not templates).

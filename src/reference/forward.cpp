@@ -1,12 +1,31 @@
 // Reference forward: S = scale·Q·Kᵀ (+ mask), P = softmax(S), O = P·V, all in double.
+// Softmax statistics come straight from the definitions on the materialized P_i
+// (max_j P_ij and −Σ_j P_ij ln P_ij): the oracle for the cpu backend's online version.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "core/head_stats.hpp"
 #include "reference/reference.hpp"
 #include "reference/scores.hpp"
 
 namespace qkv::reference {
 namespace {
+
+// Largest weight and entropy of one row of P; NaN when the row is poisoned (lse NaN).
+struct RowHealth {
+  double max_weight = 0.0, entropy = 0.0;
+};
+
+RowHealth row_health(const std::vector<double>& weights, double lse) {
+  RowHealth health;
+  if (std::isnan(lse)) return {lse, lse};
+  for (double p : weights) {
+    health.max_weight = std::max(health.max_weight, p);
+    if (p > 0.0) health.entropy -= p * std::log(p);  // 0·ln 0 = 0
+  }
+  return health;
+}
 
 template <class T>
 void forward_impl(const detail::ForwardProblem<T>& problem) {
@@ -20,6 +39,7 @@ void forward_impl(const detail::ForwardProblem<T>& problem) {
     const int64_t k_len = problem.mask.sequences.k_len(b);
     for (int64_t h = 0; h < e.q_heads; ++h) {
       const int64_t kv_head = e.kv_head_of(h);
+      detail::HeadStatsSum head_stats;
       const uint32_t head_key =
           detail::dropout_head_key(mods.dropout.seed, mods.dropout.offset, b, h);
       for (int64_t i = 0; i < problem.mask.q_len(b); ++i) {
@@ -44,7 +64,18 @@ void forward_impl(const detail::ForwardProblem<T>& problem) {
             args.weights(b, h, i, j) = store_as<T>(row.weights[j]);
           }
         }
+        if (problem.collect_stats) {
+          // Of P before dropout, the sink included. A row without keys (lse = -inf) has
+          // no distribution: 0s, and not counted.
+          const RowHealth health = row_health(row.weights, row.lse);
+          detail::write_row_stats(problem, b, h, i, health.max_weight, health.entropy);
+          if (row.lse != -INFINITY) {
+            head_stats.add_row(health.max_weight, health.entropy,
+                               problem.stats.saturation_threshold);
+          }
+        }
       }
+      if (problem.collect_stats) detail::write_head_stats(problem.stats, b, h, head_stats);
     }
   }
 }

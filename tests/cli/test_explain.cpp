@@ -48,7 +48,8 @@ const ExplainResults& results() {
 
 // Per-row values of every statistic from the conditional distribution of the logits.
 struct Reference {
-  std::vector<double> max_weight, entropy, jacobian_norm, grad_norm, query_grad_norm, dead;
+  std::vector<double> max_weight, entropy, jacobian_norm, grad_norm, query_grad_norm, dead,
+      saturated;
 };
 
 double chi_square(std::mt19937_64& rng, int64_t k) {
@@ -95,6 +96,7 @@ Reference reference(int64_t d, bool scaled, std::uint64_t seed) {
     ref.grad_norm.push_back(std::sqrt(ds2));
     ref.query_grad_norm.push_back(std::sqrt(dq2));
     ref.dead.push_back(j_norm < kDeadJacobian ? 1.0 : 0.0);
+    ref.saturated.push_back(largest > kSaturated ? 1.0 : 0.0);
   }
   return ref;
 }
@@ -161,6 +163,7 @@ TEST(Explain, SaturationAndGradientsMatchAnIndependentMonteCarlo) {
       expect_mean_matches(got.grad_norm, ref.grad_norm, "‖∂L/∂S‖, " + where);
       expect_mean_matches(got.query_grad_norm, ref.query_grad_norm, "‖∂L/∂q‖, " + where);
       expect_mean_matches(got.dead, ref.dead, "dead rows, " + where, true);
+      expect_mean_matches(got.saturated, ref.saturated, "saturated rows, " + where, true);
       expect_median_matches(got.grad_norm, ref.grad_norm, "median ‖∂L/∂S‖, " + where);
       expect_median_matches(got.query_grad_norm, ref.query_grad_norm, "median ‖∂L/∂q‖, " + where);
       // The reported standard error is the sample sd over √n. A sample sd from n rows has

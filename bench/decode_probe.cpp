@@ -1,0 +1,148 @@
+// Machine and small-call probes for bench/bench_decode.py, in one C++ process:
+//   qkv_decode_probe bandwidth THREADS   streaming read bandwidth (GB/s) over 1 GiB,
+//                                        THREADS threads, best of 5 passes
+//   qkv_decode_probe decode HQ HKV D N TYPE THREADS [PAGE]
+//                                        best ms and GB/s of qkv::decode, one query per
+//                                        head, N keys, TYPE f32|bf16|f16, PAGE 0 = contiguous
+//   qkv_decode_probe small-call          mean µs of attention_forward on q [1,12,1,64]
+//                                        against 64 keys (1 and 2 threads), and of qkv::decode
+// Prints "key=value" lines.
+#include <omp.h>
+
+#include <qkv/decode.hpp>
+#include <qkv/qkv.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "hwy/highway.h"
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Sum of a 1 GiB float array with `threads` threads, 4 independent accumulators each:
+// the rate at which the cores can pull data from DRAM.
+double bandwidth(int threads) {
+  const std::size_t count = std::size_t{1} << 28;  // 1 GiB of floats
+  float* data = static_cast<float*>(std::aligned_alloc(64, count * sizeof(float)));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::size_t i = 0; i < count; ++i) data[i] = 1.0f;
+  double best = 0.0;
+  volatile float sink = 0.0f;
+  for (int pass = 0; pass < 5; ++pass) {
+    const auto start = std::chrono::steady_clock::now();
+    float total = 0.0f;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
+    for (std::size_t block = 0; block < count / 64; ++block) {
+      const float* p = data + block * 64;
+      float a[16] = {};
+      for (int i = 0; i < 64; i += 16)
+        for (int j = 0; j < 16; ++j) a[j] += p[i + j];
+      float s = 0.0f;
+      for (float x : a) s += x;
+      total += s;
+    }
+    sink = total;
+    best = std::max(best, static_cast<double>(count * sizeof(float)) / seconds_since(start) / 1e9);
+  }
+  (void)sink;
+  std::free(data);
+  return best;
+}
+
+void small_call() {
+  using namespace qkv;
+  const int64_t heads = 12, d = 64, keys = 64;
+  Tensor<float, 4> q({1, 1, heads, d}), k({1, keys, heads, d}), v({1, keys, heads, d}), out({1, 1, heads, d});
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = v[i] = static_cast<float>(i % 7) * 0.1f;
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = 0.01f * static_cast<float>(i % 5);
+  std::vector<int64_t> lengths{keys};
+  for (int threads : {1, 2}) {
+    AttentionOptions options;
+    options.execution.threads = threads;
+    auto forward = [&] {
+      attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = out.view()}, options);
+    };
+    DecodeOptions decode_options;
+    decode_options.threads = threads;
+    auto direct = [&] {
+      decode(DecodeArgs<float>{.q = q.cview(), .k_cache = k.cview(), .v_cache = v.cview(),
+                               .cache_lengths = lengths, .out = out.view()},
+             decode_options);
+    };
+    for (auto [name, fn] : {std::pair<const char*, std::function<void()>>{"attention_forward", forward},
+                            {"decode", direct}}) {
+      for (int i = 0; i < 2000; ++i) fn();
+      double best = 1e9;
+      for (int round = 0; round < 5; ++round) {
+        const int calls = 20000;
+        const auto start = std::chrono::steady_clock::now();
+        for (int i = 0; i < calls; ++i) fn();
+        best = std::min(best, seconds_since(start) / calls * 1e6);
+      }
+      std::printf("small_call_us_%s_threads%d=%.2f\n", name, threads, best);
+    }
+  }
+}
+
+template <class T>
+void decode_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, int threads, int64_t page) {
+  using namespace qkv;
+  Tensor<float, 4> q({1, 1, q_heads, d}), out({1, 1, q_heads, d});
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = 0.01f * static_cast<float>(i % 13);
+  const int64_t blocks = page > 0 ? (n + page - 1) / page : 1;
+  Tensor<T, 4> k(page > 0 ? std::array<int64_t, 4>{blocks, page, kv_heads, d} : std::array<int64_t, 4>{1, n, kv_heads, d});
+  Tensor<T, 4> v(k.shape());
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = v[i] = T(static_cast<float>(i % 17) * 0.05f);
+  Tensor<int32_t, 2> table({1, blocks});
+  for (int64_t j = 0; j < blocks; ++j) table(0, j) = static_cast<int32_t>((j * 7919) % blocks);  // scattered
+  std::vector<int64_t> lengths{n};
+  DecodeArgs<T> args{.q = q.cview(), .k_cache = k.cview(), .v_cache = v.cview(), .cache_lengths = lengths,
+                     .out = out.view()};
+  if (page > 0) args.block_table = table.cview();
+  DecodeOptions options;
+  options.threads = threads;
+  decode(args, options);
+  double best = 1e9;
+  for (int round = 0; round < 15; ++round) {
+    const auto start = std::chrono::steady_clock::now();
+    decode(args, options);
+    best = std::min(best, seconds_since(start));
+  }
+  const double bytes = static_cast<double>(n * kv_heads * 2 * d) * sizeof(T);
+  std::printf("decode_ms=%.3f decode_gbs=%.2f\n", best * 1e3, bytes / best / 1e9);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc >= 3 && std::string(argv[1]) == "bandwidth") {
+    std::printf("bandwidth_gbs=%.2f\n", bandwidth(std::atoi(argv[2])));
+    return 0;
+  }
+  if (argc >= 8 && std::string(argv[1]) == "decode") {
+    const int64_t hq = std::atoll(argv[2]), hkv = std::atoll(argv[3]), d = std::atoll(argv[4]), n = std::atoll(argv[5]);
+    const std::string type = argv[6];
+    const int threads = std::atoi(argv[7]);
+    const int64_t page = argc >= 9 ? std::atoll(argv[8]) : 0;
+    if (type == "bf16") decode_rate<qkv::bfloat16>(hq, hkv, d, n, threads, page);
+    else if (type == "f16") decode_rate<qkv::float16>(hq, hkv, d, n, threads, page);
+    else decode_rate<float>(hq, hkv, d, n, threads, page);
+    return 0;
+  }
+  if (argc >= 2 && std::string(argv[1]) == "small-call") {
+    small_call();
+    return 0;
+  }
+  std::fprintf(stderr, "usage: qkv_decode_probe bandwidth THREADS | decode HQ HKV D N TYPE THREADS [PAGE] | small-call\n");
+  return 2;
+}

@@ -1,0 +1,55 @@
+// qkv::decode — attention of a few new queries per sequence against a key/value cache
+// that the caller owns, read in place: the step of autoregressive generation.
+//
+//   q        [B, Nq, Hq, d]    float32, any strides (last dimension contiguous)
+//   cache, contiguous:  k_cache [B, capacity, Hkv, d],  v_cache [B, capacity, Hkv, dv]
+//   cache, paged:       k_cache [num_blocks, block_size, Hkv, d] (the pool), v_cache alike,
+//                       block_table [B, max_blocks] (int32): key j of sequence b lives in
+//                       pool block block_table[b, j / block_size], row j % block_size
+//   cache_lengths [B]   keys held for each sequence, the new tokens' own keys included
+//   out      [B, Nq, Hq, dv]   float32;  lse [B, Hq, Nq] optional
+//
+// K/V elements are float32, bfloat16 or float16 (widened exactly; arithmetic in float32).
+// With the default Causal::bottom_right, the Nq queries are the last Nq tokens of their
+// sequence: query i of sequence b sees keys j ≤ i + cache_lengths[b] − Nq. A query that
+// sees no key (a sequence shorter than Nq, or empty) gets out 0 and lse −inf.
+// Keys at or past cache_lengths[b] are never read.
+//
+// Every argument is validated before any output is written; a bad call throws qkv::Error
+// naming the argument. Results are bitwise identical for every thread count.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+
+#include "qkv/half.hpp"
+#include "qkv/options.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv {
+
+template <class T>  // the cache's storage type: float, bfloat16 or float16
+struct DecodeArgs {
+  View4<const float> q;
+  View4<const T> k_cache, v_cache;
+  std::span<const int64_t> cache_lengths;
+  TensorView<const int32_t, 2> block_table;  // empty: contiguous cache
+  View4<float> out;
+  View3<float> lse;  // optional
+};
+
+struct DecodeOptions {
+  // Multiplies q·kᵀ; unset: 1/√d. Must be finite and > 0.
+  std::optional<double> scale;
+  // bottom_right: queries are the sequence's last tokens (the usual decode and chunked
+  // prefill); top_left: query i sees keys 0..i; none: every query sees every cached key.
+  Causal causal = Causal::bottom_right;
+  int threads = 0;  // 0: every hardware thread. Results never depend on it.
+};
+
+void decode(const DecodeArgs<float>& args, const DecodeOptions& options = {});
+void decode(const DecodeArgs<bfloat16>& args, const DecodeOptions& options = {});
+void decode(const DecodeArgs<float16>& args, const DecodeOptions& options = {});
+
+}  // namespace qkv

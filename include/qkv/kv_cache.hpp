@@ -1,0 +1,99 @@
+// qkv::KVCache — the keys and values of B sequences kept across generation steps.
+//
+// Memory is allocated once, at construction; append() never reallocates.
+//   contiguous: K [B, capacity, Hkv, d] and V [B, capacity, Hkv, dv]
+//   paged:      a pool of blocks K [num_blocks, block_size, Hkv, d] (V alike) and a block
+//               table [B, ⌈capacity / block_size⌉] (int32, -1 = no block yet): the layout
+//               vLLM uses. append() takes blocks from the pool as sequences grow;
+//               reset(seq) gives a sequence's blocks back.
+// Storage is float32, bfloat16 or float16: appended values are rounded once (to nearest
+// even); attention widens them exactly and computes in float32.
+//
+//   KVCache cache({.batch = 1, .capacity = 4096, .kv_heads = 8, .head_dim = 128,
+//                  .dtype = StorageType::bfloat16});
+//   cache.append(k_new, v_new);           // [B, T, Hkv, d]: T new tokens per sequence
+//   cache.attend(q, out);                 // q [B, T, Hq, d] against everything cached
+//
+// attend() aligns the queries with the newest keys (Causal::bottom_right): query i of
+// sequence b sees keys 0 .. length(b) − T + i. decode() (qkv/decode.hpp) is the same
+// computation over caches the caller owns; views() hands this cache's memory to it.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "qkv/decode.hpp"
+#include "qkv/half.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv {
+
+struct KVCacheConfig {
+  int64_t batch = 1;      // sequences, ≥ 1
+  int64_t capacity = 0;   // keys per sequence at most, ≥ 1
+  int64_t kv_heads = 1;   // ≥ 1
+  int64_t head_dim = 0;   // d ≥ 1
+  int64_t v_dim = 0;      // dv; 0: head_dim
+  StorageType dtype = StorageType::float32;
+  bool paged = false;
+  int64_t block_size = 16;  // paged: keys per block, 1..4096 (16..256 typical)
+  int64_t num_blocks = 0;   // paged: pool size; 0: enough for every sequence at capacity
+};
+
+class KVCache {
+ public:
+  explicit KVCache(const KVCacheConfig& config);
+
+  const KVCacheConfig& config() const { return config_; }
+  // Keys held per sequence.
+  std::span<const int64_t> lengths() const { return lengths_; }
+  // Paged: blocks not assigned to any sequence.
+  int64_t free_blocks() const { return static_cast<int64_t>(free_.size()); }
+
+  // Appends T new tokens to each sequence of `seqs` (default: every sequence, in order):
+  // k [n, T, Hkv, d], v [n, T, Hkv, dv] with n = seqs.size() (or batch). Throws
+  // qkv::Error, changing nothing, on a bad shape, a repeated or unknown sequence, a
+  // sequence that would pass capacity, or a pool with too few free blocks.
+  void append(View4<const float> k, View4<const float> v, std::span<const int64_t> seqs = {});
+
+  // out [B, T, Hq, dv] (and lse [B, Hq, T]) = attention of q [B, T, Hq, d] against every
+  // sequence's cached keys, bottom-right aligned unless options say otherwise.
+  void attend(View4<const float> q, View4<float> out, View3<float> lse = {},
+              const DecodeOptions& options = {}) const;
+
+  void reset();             // every sequence empty (paged: all blocks back to the pool)
+  void reset(int64_t seq);  // one sequence empty
+
+  // The cache's memory as decode() takes it, in the storage type T (must match dtype).
+  template <class T>
+  DecodeArgs<T> views() const;
+
+  // Raw storage, for bindings that hand it out without copying.
+  const void* k_data() const { return k_.get(); }
+  const void* v_data() const { return v_.get(); }
+  void* k_data() { return k_.get(); }
+  void* v_data() { return v_.get(); }
+  // The 4-D shape of the K (or V, with dv) storage: [B, capacity, …] or [num_blocks, block_size, …].
+  std::array<int64_t, 4> k_shape() const;
+  std::array<int64_t, 4> v_shape() const;
+  // Paged: [B, blocks per sequence], row-major; empty when contiguous.
+  std::span<const int32_t> block_table() const { return table_; }
+  int64_t blocks_per_sequence() const { return blocks_per_sequence_; }
+
+ private:
+  struct FreeBytes {
+    void operator()(std::byte* p) const;
+  };
+  KVCacheConfig config_;
+  int64_t blocks_per_sequence_ = 0;
+  std::unique_ptr<std::byte, FreeBytes> k_, v_;
+  std::vector<int64_t> lengths_;
+  std::vector<int32_t> table_;  // paged: [batch, blocks_per_sequence_], -1 = none
+  std::vector<int32_t> free_;   // paged: unassigned pool blocks, taken from the back
+};
+
+}  // namespace qkv

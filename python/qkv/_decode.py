@@ -1,0 +1,260 @@
+"""qkv.KVCache and qkv.decode: attention of new tokens against a key/value cache, for a
+generation loop. Caches are read in place (torch or NumPy, float32, bfloat16 or
+float16); queries and outputs are the caller's type and dtype, computed in float32.
+
+Layouts: with ``layout="bhsd"`` (the default, PyTorch's and Hugging Face's) q, k, v and
+out are ``[batch, heads, seq, dim]``; with ``"bshd"`` ``[batch, seq, heads, dim]``. A
+paged cache is always the vLLM pool ``[num_blocks, block_size, kv_heads, dim]``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from . import _qkv
+from ._arrays import LAYOUTS, Error
+
+_STORAGE = ("float32", "bfloat16", "float16")
+
+
+def _is_torch(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _storage_name(dtype) -> str:
+    """'float32', 'bfloat16' or 'float16' from a name, a NumPy or a torch dtype."""
+    name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+    if name in ("float", "float32", "<class 'numpy.float32'>"):
+        return "float32"
+    if name in ("half", "float16", "<class 'numpy.float16'>"):
+        return "float16"
+    if name in ("bfloat16",):
+        return "bfloat16"
+    raise Error(f"dtype: expected float32, bfloat16 or float16, got {dtype!r}")
+
+
+def _check_layout(function: str, layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise Error(f"{function}: layout: expected 'bhsd' or 'bshd', got {layout!r}")
+
+
+def _float32_logical(x, layout: str, name: str, function: str):
+    """x as the library's float32 [batch, seq, heads, dim] array (a view when x is
+    float32 already; a converted copy otherwise: queries and new tokens are small)."""
+    if getattr(x, "ndim", None) != 4:
+        raise Error(f"{function}: {name}: expected 4 dimensions, got shape {tuple(getattr(x, 'shape', ()))}")
+    if _is_torch(x):
+        import torch
+
+        if x.device.type != "cpu":
+            raise TypeError(f"{function}: {name}: expected a CPU tensor, got device {x.device}")
+        x = x.detach()
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)
+        if layout == "bhsd":
+            x = x.transpose(1, 2)
+        if x.shape[-1] > 1 and x.stride(-1) != 1:
+            x = x.contiguous()
+        return x.numpy()
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{function}: {name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        x = x.astype(np.float32)
+    return x.swapaxes(1, 2) if layout == "bhsd" else x
+
+
+def _empty_out(like, batch: int, seq: int, heads: int, dim: int, layout: str):
+    """(out in the caller's type, dtype and layout; its float32 [B, S, H, D] view or a
+    float32 scratch when the caller's dtype is not float32)."""
+    if _is_torch(like):
+        import torch
+
+        shape = (batch, heads, seq, dim) if layout == "bhsd" else (batch, seq, heads, dim)
+        out = torch.empty(shape, dtype=like.dtype if like.is_floating_point() else torch.float32)
+        work = out if out.dtype == torch.float32 else torch.empty(shape, dtype=torch.float32)
+        logical = work.transpose(1, 2) if layout == "bhsd" else work
+        return out, work, logical.numpy()
+    shape = (batch, heads, seq, dim) if layout == "bhsd" else (batch, seq, heads, dim)
+    out = np.empty(shape, dtype=like.dtype if like.dtype in (np.float32, np.float64, np.float16) else np.float32)
+    work = out if out.dtype == np.float32 else np.empty(shape, dtype=np.float32)
+    return out, work, (work.swapaxes(1, 2) if layout == "bhsd" else work)
+
+
+def _finish(out, work):
+    if work is not out:
+        if _is_torch(out):
+            out.copy_(work)
+        else:
+            out[...] = work
+    return out
+
+
+def _cache_array(x, name: str, function: str):
+    """(array the library reads in place, bits_as): torch bfloat16 goes over as int16 bits."""
+    if _is_torch(x):
+        import torch
+
+        if x.device.type != "cpu":
+            raise TypeError(f"{function}: {name}: expected a CPU tensor, got device {x.device}")
+        x = x.detach()
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).numpy(), "bfloat16"
+        if x.dtype == torch.float16:
+            return x.view(torch.int16).numpy(), "float16"
+        if x.dtype == torch.float32:
+            return x.numpy(), ""
+        raise TypeError(f"{function}: {name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+    if isinstance(x, np.ndarray):
+        return x, ""
+    raise TypeError(f"{function}: {name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+
+
+def _int_array(values, dtype, name: str, function: str):
+    if _is_torch(values):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{function}: {name}: expected integers, got dtype {array.dtype}")
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
+           layout="bhsd", return_lse=False, threads=None):
+    """Attention of q against caller-owned caches, read in place (no copy of the cache).
+
+    q: ``[B, Hq, Nq, d]`` (layout "bhsd") or ``[B, Nq, Hq, d]`` ("bshd"), any float dtype
+    (computed in float32, returned in q's dtype).
+    k_cache, v_cache: contiguous ``[B, Hkv, capacity, d]`` ("bhsd") / ``[B, capacity, Hkv, d]``
+    ("bshd"); or, with ``block_table [B, max_blocks]`` (int32), the paged pool
+    ``[num_blocks, block_size, Hkv, d]``. float32, bfloat16 or float16.
+    cache_lengths: ``[B]`` keys held per sequence, the new tokens' own keys included.
+    causal: ``"bottom_right"`` (default: the queries are each sequence's last tokens),
+    ``"top_left"`` or None.
+    Returns out like q (with v's last dimension), or ``(out, lse [B, Hq, Nq])``.
+    """
+    fn = "qkv.decode"
+    _check_layout(fn, layout)
+    q_lib = _float32_logical(q, layout, "q", fn)
+    k_lib, bits_as = _cache_array(k_cache, "k_cache", fn)
+    v_lib, v_bits = _cache_array(v_cache, "v_cache", fn)
+    if bits_as != v_bits:
+        raise TypeError(f"{fn}: v_cache: expected the dtype of k_cache")
+    if block_table is None:
+        if k_lib.ndim != 4 or v_lib.ndim != 4:
+            raise Error(f"{fn}: k_cache, v_cache: expected 4 dimensions")
+        if layout == "bhsd":
+            k_lib, v_lib = k_lib.swapaxes(1, 2), v_lib.swapaxes(1, 2)
+        table = None
+    else:
+        table = _int_array(block_table, np.int32, "block_table", fn)
+    lengths = _int_array(cache_lengths, np.int64, "cache_lengths", fn)
+    batch, q_len, q_heads, _ = q_lib.shape
+    v_dim = v_lib.shape[3] if v_lib.ndim == 4 else 0
+    out, work, out_lib = _empty_out(q, batch, q_len, q_heads, v_dim, layout)
+    lse = None
+    if return_lse:
+        lse = np.empty((batch, q_heads, q_len), dtype=np.float32)
+    _qkv.decode(q_lib, k_lib, v_lib, lengths, out_lib, lse=lse, block_table=table, bits_as=bits_as,
+                scale=scale, causal="none" if causal is None else causal, threads=threads or 0)
+    out = _finish(out, work)
+    if not return_lse:
+        return out
+    if _is_torch(q):
+        import torch
+
+        lse = torch.from_numpy(lse)
+    return out, lse
+
+
+class KVCache:
+    """Keys and values of `batch` sequences, allocated once (appends never reallocate).
+
+        cache = qkv.KVCache(batch, capacity, kv_heads, head_dim, dtype="bfloat16")
+        cache.append(k, v)        # k, v [B, Hkv, T, d]: T new tokens per sequence
+        out = cache.attend(q)     # q [B, Hq, T, d] against everything cached
+
+    dtype: "float32", "bfloat16" or "float16" (or the torch/NumPy dtype): appended values
+    are rounded once to it. paged=True keeps a pool of `num_blocks` blocks of
+    `block_size` keys (default: enough for every sequence at capacity) and a block table
+    per sequence, the layout vLLM uses; blocks are taken as sequences grow and returned
+    by reset(seq).
+    """
+
+    def __init__(self, batch, capacity, kv_heads, head_dim, *, v_dim=None, dtype="float32", paged=False,
+                 block_size=16, num_blocks=None, layout="bhsd"):
+        _check_layout("qkv.KVCache", layout)
+        self.layout = layout
+        self._cache = _qkv.KVCache(batch, capacity, kv_heads, head_dim, v_dim or 0, _storage_name(dtype),
+                                   bool(paged), block_size, num_blocks or 0)
+        self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
+        self.v_dim = v_dim or head_dim
+
+    # Read-only facts.
+    dtype = property(lambda self: self._cache.dtype)
+    paged = property(lambda self: self._cache.paged)
+    block_size = property(lambda self: self._cache.block_size)
+    capacity = property(lambda self: self._cache.capacity)
+    free_blocks = property(lambda self: self._cache.free_blocks)
+
+    @property
+    def lengths(self):
+        """Keys held per sequence (a new list)."""
+        return self._cache.lengths
+
+    def append(self, k, v, seq=None):
+        """Appends T new tokens: k ``[n, Hkv, T, d]``, v ``[n, Hkv, T, dv]`` (layout "bhsd")
+        for the sequences `seq` (an int, a list of ints, or None for all `batch`)."""
+        fn = "qkv.KVCache.append"
+        seqs = None if seq is None else ([int(seq)] if np.ndim(seq) == 0 else [int(s) for s in seq])
+        self._cache.append(_float32_logical(k, self.layout, "k", fn), _float32_logical(v, self.layout, "v", fn),
+                           seqs)
+
+    def attend(self, q, *, scale=None, causal="bottom_right", return_lse=False, threads=None):
+        """Attention of q ``[B, Hq, T, d]`` against every sequence's cache, the T queries
+        aligned with each sequence's newest keys. Returns out like q, or (out, lse)."""
+        fn = "qkv.KVCache.attend"
+        q_lib = _float32_logical(q, self.layout, "q", fn)
+        batch, q_len, q_heads, _ = q_lib.shape
+        out, work, out_lib = _empty_out(q, batch, q_len, q_heads, self.v_dim, self.layout)
+        lse = np.empty((batch, q_heads, q_len), dtype=np.float32) if return_lse else None
+        self._cache.attend(q_lib, out_lib, lse=lse, scale=scale, causal="none" if causal is None else causal,
+                           threads=threads or 0)
+        out = _finish(out, work)
+        if not return_lse:
+            return out
+        if _is_torch(q):
+            import torch
+
+            lse = torch.from_numpy(lse)
+        return out, lse
+
+    def reset(self, seq=None):
+        """Empties one sequence (or all); a paged cache gets their blocks back."""
+        if seq is None:
+            self._cache.reset()
+        else:
+            self._cache.reset(int(seq))
+
+    def storage(self):
+        """(keys, values): NumPy views of the cache memory — ``[B, capacity, Hkv, d]`` or
+        the paged pool ``[num_blocks, block_size, Hkv, d]``; float32, or uint16 holding
+        bfloat16/float16 bits. Shares memory with the cache (it stays alive with them)."""
+        return self._cache.key_storage(), self._cache.value_storage()
+
+    def torch_storage(self):
+        """(keys, values) as torch tensors of the cache's dtype over its memory (no copy)."""
+        import torch
+
+        keys, values = self.storage()
+        to = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        k, v = torch.from_numpy(keys), torch.from_numpy(values)
+        if to is not torch.float32:
+            k, v = k.view(torch.int16).view(to), v.view(torch.int16).view(to)
+        return k, v
+
+    def block_table(self):
+        """Paged: ``[batch, blocks per sequence]`` int32 view, -1 where no block is assigned."""
+        return self._cache.block_table()

@@ -1,0 +1,20 @@
+// The `stats` keyword of the forward bindings (attention.cpp, varlen.cpp): a dict of
+// caller-allocated output arrays, any subset of
+//   max_weight_mean, max_weight_max, entropy_mean, saturated_share   [B, Hq], q's dtype
+//   rows                                                               [B, Hq], int64
+//   row_max_weight, row_entropy                                        like lse, q's dtype
+// plus "saturation_threshold" (a float), as the library's statistics views
+// (qkv/attention_stats.hpp). Shapes are the library's to check.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include "qkv/attention_stats.hpp"
+
+namespace qkv::python {
+
+// R = 3 for dense calls (rows [B, Hq, Nq]), 2 for varlen ([Hq, total_q]).
+template <class T, int R>
+BasicAttentionStats<T, R> stats_views(const nanobind::dict& stats);
+
+}  // namespace qkv::python

@@ -1,0 +1,214 @@
+// KVCache: owns the cache memory, appends tokens (rounding once to the storage type),
+// and attends through qkv::decode.
+#include "qkv/kv_cache.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <new>
+#include <string>
+#include <type_traits>
+
+#include "core/checker.hpp"
+#include "qkv/error.hpp"
+
+namespace qkv {
+namespace {
+
+constexpr std::size_t kAlignment = 64;
+
+std::byte* allocate_bytes(std::size_t bytes) {
+  const std::size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  void* raw = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
+  if (raw == nullptr) throw std::bad_alloc();
+  return static_cast<std::byte*>(raw);
+}
+
+template <class T>
+void store_row(const float* src, int64_t count, void* dst) {
+  T* out = static_cast<T*>(dst);
+  for (int64_t c = 0; c < count; ++c) {
+    if constexpr (std::is_same_v<T, float>) {
+      out[c] = src[c];
+    } else {
+      out[c] = T(src[c]);  // round to nearest even, once
+    }
+  }
+}
+
+void store_row(StorageType type, const float* src, int64_t count, void* dst) {
+  switch (type) {
+    case StorageType::float32: return store_row<float>(src, count, dst);
+    case StorageType::bfloat16: return store_row<bfloat16>(src, count, dst);
+    case StorageType::float16: return store_row<float16>(src, count, dst);
+  }
+}
+
+}  // namespace
+
+void KVCache::FreeBytes::operator()(std::byte* p) const { std::free(p); }
+
+KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
+  const detail::Checker check("qkv::KVCache");
+  auto positive = [&](const char* name, int64_t value) {
+    if (value < 1) check.fail(std::string("config.") + name + ": expected >= 1, got " + std::to_string(value));
+  };
+  positive("batch", config.batch);
+  positive("capacity", config.capacity);
+  positive("kv_heads", config.kv_heads);
+  positive("head_dim", config.head_dim);
+  if (config.v_dim < 0) check.fail("config.v_dim: expected >= 0 (0 = head_dim), got " + std::to_string(config.v_dim));
+  if (config_.v_dim == 0) config_.v_dim = config.head_dim;
+  if (config.dtype != StorageType::float32 && config.dtype != StorageType::bfloat16 &&
+      config.dtype != StorageType::float16)
+    check.fail("config.dtype: expected float32, bfloat16 or float16, got value " +
+               std::to_string(static_cast<int>(config.dtype)));
+  int64_t rows = config.batch * config.capacity;  // key rows of storage
+  if (config.paged) {
+    if (config.block_size < 1 || config.block_size > 4096)
+      check.fail("config.block_size: expected 1..4096 keys per block, got " + std::to_string(config.block_size));
+    blocks_per_sequence_ = (config.capacity + config.block_size - 1) / config.block_size;
+    if (config.num_blocks < 0) check.fail("config.num_blocks: expected >= 0 (0 = enough for every sequence), got " + std::to_string(config.num_blocks));
+    if (config_.num_blocks == 0) config_.num_blocks = config.batch * blocks_per_sequence_;
+    if (config_.num_blocks > std::numeric_limits<int32_t>::max())
+      check.fail("config.num_blocks: at most 2^31 - 1 blocks (the block table is int32), got " + std::to_string(config_.num_blocks));
+    rows = config_.num_blocks * config.block_size;
+    table_.assign(static_cast<std::size_t>(config.batch * blocks_per_sequence_), -1);
+    free_.resize(static_cast<std::size_t>(config_.num_blocks));
+    // Taken from the back: block 0 first, so a fresh cache fills the pool in order.
+    for (std::size_t i = 0; i < free_.size(); ++i) free_[i] = static_cast<int32_t>(free_.size() - 1 - i);
+  }
+  const auto bytes = static_cast<std::size_t>(storage_bytes(config.dtype));
+  const auto heads = static_cast<std::size_t>(config.kv_heads);
+  k_.reset(allocate_bytes(static_cast<std::size_t>(rows) * heads * static_cast<std::size_t>(config_.head_dim) * bytes));
+  v_.reset(allocate_bytes(static_cast<std::size_t>(rows) * heads * static_cast<std::size_t>(config_.v_dim) * bytes));
+  lengths_.assign(static_cast<std::size_t>(config.batch), 0);
+}
+
+std::array<int64_t, 4> KVCache::k_shape() const {
+  if (config_.paged) return {config_.num_blocks, config_.block_size, config_.kv_heads, config_.head_dim};
+  return {config_.batch, config_.capacity, config_.kv_heads, config_.head_dim};
+}
+
+std::array<int64_t, 4> KVCache::v_shape() const {
+  auto shape = k_shape();
+  shape[3] = config_.v_dim;
+  return shape;
+}
+
+void KVCache::append(View4<const float> k, View4<const float> v, std::span<const int64_t> seqs) {
+  const detail::Checker check("qkv::KVCache::append", detail::Checker::Wording::terse);
+  const detail::Described kf = detail::describe("k", k), vf = detail::describe("v", v);
+  check.expect_well_formed(kf);
+  check.expect_well_formed(vf);
+  const int64_t count = seqs.empty() ? config_.batch : static_cast<int64_t>(seqs.size());
+  const std::string rows_because = seqs.empty() ? "the cache's batch" : "one per entry of seqs";
+  check.expect_extent(kf, 0, "sequences", count, rows_because);
+  check.expect_extent(kf, 2, "kv heads", config_.kv_heads, "the cache's kv_heads");
+  check.expect_extent(kf, 3, "head_dim", config_.head_dim, "the cache's head_dim");
+  check.expect_extent(vf, 0, "sequences", count, rows_because);
+  check.expect_extent(vf, 1, "tokens", k.shape[1], "as k.shape[1]");
+  check.expect_extent(vf, 2, "kv heads", config_.kv_heads, "the cache's kv_heads");
+  check.expect_extent(vf, 3, "head_dim", config_.v_dim, "the cache's v_dim");
+  const int64_t tokens = k.shape[1];
+
+  std::vector<bool> seen(static_cast<std::size_t>(config_.batch), false);
+  int64_t blocks_needed = 0;
+  for (int64_t n = 0; n < count; ++n) {
+    const int64_t seq = seqs.empty() ? n : seqs[static_cast<std::size_t>(n)];
+    if (seq < 0 || seq >= config_.batch)
+      check.fail("seqs[" + std::to_string(n) + "]: expected a sequence 0.." + std::to_string(config_.batch - 1) + ", got " + std::to_string(seq));
+    if (seen[static_cast<std::size_t>(seq)])
+      check.fail("seqs[" + std::to_string(n) + "]: sequence " + std::to_string(seq) + " appears twice");
+    seen[static_cast<std::size_t>(seq)] = true;
+    const int64_t length = lengths_[static_cast<std::size_t>(seq)];
+    if (length + tokens > config_.capacity)
+      check.fail("k.shape[1] (tokens): sequence " + std::to_string(seq) + " holds " + std::to_string(length) +
+                 " of " + std::to_string(config_.capacity) + " keys; " + std::to_string(tokens) + " more do not fit");
+    if (config_.paged) {
+      const int64_t bs = config_.block_size;
+      blocks_needed += (length + tokens + bs - 1) / bs - (length + bs - 1) / bs;
+    }
+  }
+  if (config_.paged && blocks_needed > free_blocks())
+    check.fail("k.shape[1] (tokens): the pool has " + std::to_string(free_blocks()) + " free blocks, " +
+               std::to_string(blocks_needed) + " are needed (config.num_blocks)");
+
+  // Everything checked: from here on nothing throws.
+  const auto bytes = static_cast<std::size_t>(storage_bytes(config_.dtype));
+  const int64_t hkv = config_.kv_heads, d = config_.head_dim, dv = config_.v_dim;
+  auto* kb = reinterpret_cast<std::byte*>(k_.get());
+  auto* vb = reinterpret_cast<std::byte*>(v_.get());
+  for (int64_t n = 0; n < count; ++n) {
+    const int64_t seq = seqs.empty() ? n : seqs[static_cast<std::size_t>(n)];
+    int64_t& length = lengths_[static_cast<std::size_t>(seq)];
+    for (int64_t t = 0; t < tokens; ++t, ++length) {
+      int64_t row = seq * config_.capacity + length;  // storage row of (seq, key)
+      if (config_.paged) {
+        int32_t& block = table_[static_cast<std::size_t>(seq * blocks_per_sequence_ + length / config_.block_size)];
+        if (block < 0) {
+          block = free_.back();
+          free_.pop_back();
+        }
+        row = static_cast<int64_t>(block) * config_.block_size + length % config_.block_size;
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        store_row(config_.dtype, &k(n, t, h, 0), d,
+                  kb + static_cast<std::size_t>((row * hkv + h) * d) * bytes);
+        store_row(config_.dtype, &v(n, t, h, 0), dv,
+                  vb + static_cast<std::size_t>((row * hkv + h) * dv) * bytes);
+      }
+    }
+  }
+}
+
+void KVCache::reset() {
+  for (int64_t seq = 0; seq < config_.batch; ++seq) reset(seq);
+}
+
+void KVCache::reset(int64_t seq) {
+  if (seq < 0 || seq >= config_.batch)
+    detail::Checker("qkv::KVCache::reset").fail("seq: expected 0.." + std::to_string(config_.batch - 1) + ", got " + std::to_string(seq));
+  lengths_[static_cast<std::size_t>(seq)] = 0;
+  if (!config_.paged) return;
+  for (int64_t j = 0; j < blocks_per_sequence_; ++j) {
+    int32_t& block = table_[static_cast<std::size_t>(seq * blocks_per_sequence_ + j)];
+    if (block >= 0) free_.push_back(block);
+    block = -1;
+  }
+}
+
+template <class T>
+DecodeArgs<T> KVCache::views() const {
+  if (storage_type_of<T> != config_.dtype)
+    detail::Checker("qkv::KVCache::views").fail(std::string("the cache stores ") + storage_name(config_.dtype) +
+                                                   ", asked for " + storage_name(storage_type_of<T>));
+  DecodeArgs<T> args;
+  args.k_cache = View4<const T>::contiguous(static_cast<const T*>(k_data()), k_shape());
+  args.v_cache = View4<const T>::contiguous(static_cast<const T*>(v_data()), v_shape());
+  args.cache_lengths = lengths_;
+  if (config_.paged)
+    args.block_table = TensorView<const int32_t, 2>::contiguous(table_.data(), {config_.batch, blocks_per_sequence_});
+  return args;
+}
+
+template DecodeArgs<float> KVCache::views<float>() const;
+template DecodeArgs<bfloat16> KVCache::views<bfloat16>() const;
+template DecodeArgs<float16> KVCache::views<float16>() const;
+
+void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
+                     const DecodeOptions& options) const {
+  auto run = [&](auto args) {
+    args.q = q;
+    args.out = out;
+    args.lse = lse;
+    decode(args, options);
+  };
+  switch (config_.dtype) {
+    case StorageType::float32: return run(views<float>());
+    case StorageType::bfloat16: return run(views<bfloat16>());
+    case StorageType::float16: return run(views<float16>());
+  }
+}
+
+}  // namespace qkv

@@ -1,0 +1,102 @@
+// The decode kernel's problem: few queries per sequence against many cached keys, read
+// in place from contiguous or paged memory stored as float32, bfloat16 or float16.
+// Built by the public entry points (qkv::decode, KVCache::attend, and attention_forward
+// when its shape calls for it) after they validated everything; the kernel may assume
+// every invariant written here.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "qkv/half.hpp"
+#include "qkv/options.hpp"
+
+namespace qkv::cpu {
+
+// Where key/value rows live. Row (sequence b, key j, kv head h) of K starts at
+//   contiguous: k + b·batch_stride + j·row_stride + h·head_stride
+//   paged:      k + page·batch_stride + (j % page_size)·row_stride + h·head_stride,
+//               page = block_table[b·table_stride + j / page_size]
+// (paged: batch_stride is the stride between pool blocks). Elements of `type`; strides
+// in elements; each row's head_dim (or v_dim) elements are contiguous.
+struct KvSource {
+  StorageType type = StorageType::float32;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  const int32_t* block_table = nullptr;  // null: contiguous
+  int64_t table_stride = 0;
+  int64_t page_size = 0;
+
+  bool paged() const { return block_table != nullptr; }
+
+  // Element offset of row (b, j, h) of K or V.
+  int64_t k_offset(int64_t batch, int64_t key, int64_t head) const {
+    return offset(batch, key, head, k_batch_stride, k_row_stride, k_head_stride);
+  }
+  int64_t v_offset(int64_t batch, int64_t key, int64_t head) const {
+    return offset(batch, key, head, v_batch_stride, v_row_stride, v_head_stride);
+  }
+  // Keys [key, run_end(key)) lie row_stride apart (the rest of key's page).
+  int64_t run_end(int64_t key) const {
+    return paged() ? (key / page_size + 1) * page_size : INT64_MAX;
+  }
+
+ private:
+  int64_t offset(int64_t batch, int64_t key, int64_t head, int64_t batch_stride,
+                 int64_t row_stride, int64_t head_stride) const {
+    if (!paged()) return batch * batch_stride + key * row_stride + head * head_stride;
+    const int64_t page = block_table[batch * table_stride + key / page_size];
+    return page * batch_stride + (key % page_size) * row_stride + head * head_stride;
+  }
+};
+
+struct DecodeProblem {
+  int64_t batch = 0;
+  int64_t q_len = 0;     // Nq, any (tiles of 16 queries share one pass over K/V)
+  int64_t q_heads = 0;   // Hq, a multiple of kv_heads
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;  // d ≥ 1
+  int64_t v_dim = 0;     // dv ≥ 1
+
+  const float* q = nullptr;  // q[b·q_batch + i·q_row + h·q_head + c]
+  int64_t q_batch = 0, q_row = 0, q_head = 0;
+  KvSource kv;
+
+  // Keys of sequence b: [0, lengths[b]) (null: key_len for every sequence); query i sees
+  // the prefix causality leaves it, exactly as MaskRule::key_end.
+  const int64_t* lengths = nullptr;
+  int64_t key_len = 0;
+  Causal causal = Causal::none;
+
+  float* out = nullptr;  // out[b·out_batch + i·out_row + h·out_head + c], c < v_dim
+  int64_t out_batch = 0, out_row = 0, out_head = 0;
+  float* lse = nullptr;  // optional: lse[b·lse_batch + h·lse_head + i·lse_row]
+  int64_t lse_batch = 0, lse_head = 0, lse_row = 0;
+
+  double scale = 1.0;
+  int threads = 1;  // resolved, ≥ 1
+
+  int64_t group() const { return q_heads / kv_heads; }
+  int64_t valid_keys(int64_t b) const { return lengths == nullptr ? key_len : lengths[b]; }
+  // One past the last key query row i of sequence b sees.
+  int64_t key_end(int64_t b, int64_t i) const {
+    const int64_t valid = valid_keys(b);
+    switch (causal) {
+      case Causal::top_left:
+        return std::min(valid, i + 1);
+      case Causal::bottom_right:
+        return std::clamp<int64_t>(i + 1 + (valid - q_len), 0, valid);
+      case Causal::none:
+        break;
+    }
+    return valid;
+  }
+};
+
+// Runs the decode kernel (fused, fp32 arithmetic, SIMD target chosen at runtime).
+// Results are bitwise identical for every thread count.
+void decode(const DecodeProblem& problem);
+
+}  // namespace qkv::cpu

@@ -1,0 +1,131 @@
+// The decode kernel's work, planned once per call: query tiles, key chunks, block size,
+// the layout of each chunk's partial softmax state, and how many threads are worth it.
+// Everything here depends on the shape only — never on the thread count — so the
+// chunks, and with them the bits of the result, are the same for any number of threads.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "cpu/blocking.hpp"
+#include "cpu/decode.hpp"
+#include "qkv/half.hpp"
+
+namespace qkv::cpu {
+
+// Queries of one sequence that share a pass over its keys. With G query heads per kv
+// head, G·16 rows share each K/V row read (GQA 8: 128 rows, 32 KiB of scores at 64 keys).
+inline constexpr int64_t kDecodeQueries = 16;
+
+// Keys per chunk (the unit of parallel work): at least kMinChunkKeys, so a chunk's
+// fixed costs (packing queries, its partial state, its share of the merge) stay below
+// ~1% of its streaming; at most kMaxChunks per sequence, so the partial states stay
+// small next to the cache (≤ 16·rows·(dv + 2) floats per sequence), while a single
+// sequence of ≥ 1024 keys still splits across cores.
+inline constexpr int64_t kMinChunkKeys = 512;
+inline constexpr int64_t kMaxChunks = 16;
+
+// Below these a thread is not worth waking (see threads_for in work_order.hpp).
+inline constexpr double kDecodeMinFlopsPerThread = 4e6;
+inline constexpr double kDecodeMinBytesPerThread = 1 << 20;  // ~40 µs of DRAM streaming
+
+// One chunk of keys of one (sequence, query tile): the unit a thread runs.
+struct DecodeTask {
+  int64_t batch = 0;
+  int64_t first_query = 0;
+  int64_t queries = 0;
+  int64_t first_key = 0;
+  int64_t end_key = 0;
+  std::size_t index = 0;  // position in DecodePlan::tasks, and of its partial state
+};
+
+// One (sequence, query tile) and its chunks, tasks [first_task, first_task + chunks).
+struct DecodeUnit {
+  int64_t batch = 0;
+  int64_t first_query = 0;
+  int64_t queries = 0;
+  std::size_t first_task = 0;
+  int64_t chunks = 0;
+};
+
+// Partial softmax state of a chunk: per row (h, i) of the tile, row index h·tile + i:
+// acc[row·dv_pad + c], m[row], l[row].
+struct ChunkState {
+  float* acc;
+  float* m;
+  float* l;
+};
+
+struct DecodePlan {
+  std::size_t d_pad = 0;       // head_dim rounded up to whole vectors
+  std::size_t dv_pad = 0;      // v_dim rounded up to whole vectors
+  std::size_t block_keys = 0;  // keys per block (a multiple of the vector length)
+  std::size_t q_heads = 0;
+  std::size_t group = 0;       // query heads per kv head
+  std::size_t max_tile = 0;    // queries in the largest tile
+  std::size_t state_floats = 0;  // per task
+  std::vector<DecodeTask> tasks;
+  std::vector<DecodeUnit> units;
+  std::vector<std::size_t> order;  // task indices, longest chunk first
+  double flops = 0.0;
+  double bytes = 0.0;
+
+  DecodePlan(const DecodeProblem& p, std::size_t lanes)
+      : d_pad(round_up(static_cast<std::size_t>(p.head_dim), lanes)),
+        dv_pad(round_up(static_cast<std::size_t>(p.v_dim), lanes)),
+        // A block of one head's keys (block × d floats) stays in L1: 16 KiB up to d = 64.
+        block_keys(round_up(d_pad <= 64 ? 64 : 32, lanes)),
+        q_heads(static_cast<std::size_t>(p.q_heads)),
+        group(static_cast<std::size_t>(p.group())),
+        max_tile(static_cast<std::size_t>(std::min(p.q_len, kDecodeQueries))),
+        state_floats(q_heads * max_tile * (dv_pad + 2)) {
+    const double element_bytes = storage_bytes(p.kv.type);
+    const auto block = static_cast<int64_t>(block_keys);
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t first = 0; first < p.q_len; first += kDecodeQueries) {
+        DecodeUnit unit{b, first, std::min(kDecodeQueries, p.q_len - first), tasks.size(), 0};
+        // Causal prefixes grow with the query index: the tile's last query sees most.
+        const int64_t end = p.key_end(b, first + unit.queries - 1);
+        const int64_t chunk =
+            static_cast<int64_t>(round_up(static_cast<std::size_t>(std::max(
+                                              kMinChunkKeys, (end + kMaxChunks - 1) / kMaxChunks)),
+                                          static_cast<std::size_t>(block)));
+        for (int64_t key = 0; key < end; key += chunk) {
+          tasks.push_back({b, first, unit.queries, key, std::min(key + chunk, end), tasks.size()});
+          ++unit.chunks;
+          const auto keys = static_cast<double>(tasks.back().end_key - key);
+          flops += 2.0 * keys * static_cast<double>(p.q_heads * unit.queries) *
+                   static_cast<double>(p.head_dim + p.v_dim);
+          bytes += keys * static_cast<double>(p.kv_heads * (p.head_dim + p.v_dim)) * element_bytes;
+        }
+        units.push_back(unit);
+      }
+    order.resize(tasks.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
+      return tasks[x].end_key - tasks[x].first_key > tasks[y].end_key - tasks[y].first_key;
+    });
+  }
+
+  std::size_t tile_rows() const { return q_heads * max_tile; }
+  std::size_t group_rows() const { return group * max_tile; }
+
+  ChunkState chunk_state(float* state, std::size_t tile) const {
+    const std::size_t rows = q_heads * tile;
+    return {state, state + rows * dv_pad, state + rows * dv_pad + rows};
+  }
+
+  // Threads worth starting: no more than asked, than tasks, or than the work pays for.
+  // Changes speed only, never results.
+  int threads(int requested) const {
+    const double by_work = std::max({1.0, flops / kDecodeMinFlopsPerThread,
+                                     bytes / kDecodeMinBytesPerThread});
+    return static_cast<int>(std::min({static_cast<double>(requested),
+                                      static_cast<double>(tasks.size()), by_work}));
+  }
+};
+
+}  // namespace qkv::cpu

@@ -1,0 +1,482 @@
+// qkv::decode against the fp64 reference backend on the same (rounded) cache values:
+// contiguous and paged caches, float32/bfloat16/float16 storage, GQA, 1..17 queries,
+// ragged lengths (0 and 1 included), causal alignments, thread counts (bitwise
+// identical), every compiled SIMD target, non-finite values behind masks.
+//
+// Tolerance, as for the fused forward: max |decode − ref64| ≤ 2·max |plain32 − ref64| +
+// floor, with plain32 the unfused fp32 loop (plain_fp32.hpp) on the same rounded cache
+// and floor = 8·ε₃₂·max(1, max |ref64|).
+#include <gtest/gtest.h>
+
+#include <qkv/decode.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+
+#include "cpu/cpu_backend.hpp"
+#include "hwy/targets.h"
+#include "plain_fp32.hpp"
+
+namespace qkv {
+namespace {
+
+struct DecodeSpec {
+  std::string name;
+  int64_t batch = 1, q_len = 1, capacity = 64, q_heads = 1, kv_heads = 1, head_dim = 64, v_dim = 64;
+  std::vector<int64_t> lengths;  // empty: every sequence full
+  StorageType type = StorageType::float32;
+  int64_t block_size = 0;  // 0: contiguous cache
+  Causal causal = Causal::bottom_right;
+  int threads = 2;
+};
+
+template <class T>
+T to_storage(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return T(x);
+}
+
+// One decode problem: the case's values rounded to the storage type, the cache in
+// storage (contiguous or a shuffled paged pool) with NaN everywhere no key lives.
+template <class T>
+struct DecodeCase {
+  test::Case<float> c;
+  Tensor<T, 4> k_cache, v_cache;
+  Tensor<int32_t, 2> table;
+  std::vector<int64_t> lengths;
+
+  explicit DecodeCase(const DecodeSpec& s, std::uint64_t seed = 7)
+      : c(test::CaseSpec{.name = s.name, .batch = s.batch, .q_len = s.q_len, .k_len = s.capacity,
+                         .q_heads = s.q_heads, .kv_heads = s.kv_heads, .head_dim = s.head_dim,
+                         .v_dim = s.v_dim, .causal = s.causal},
+          seed) {
+    lengths = s.lengths.empty() ? std::vector<int64_t>(static_cast<std::size_t>(s.batch), s.capacity) : s.lengths;
+    c.key_lengths = lengths;
+    c.options.key_lengths = c.key_lengths;
+    for (std::size_t i = 0; i < c.k.size(); ++i) c.k[i] = static_cast<float>(to_storage<T>(c.k[i]));
+    for (std::size_t i = 0; i < c.v.size(); ++i) c.v[i] = static_cast<float>(to_storage<T>(c.v[i]));
+    const T poison = to_storage<T>(std::nanf(""));
+    auto copy_rows = [&](Tensor<T, 4>& dst, const Tensor<float, 4>& src, int64_t b, int64_t j,
+                         int64_t block, int64_t row) {
+      const int64_t heads = src.shape()[2], dim = src.shape()[3];
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t x = 0; x < dim; ++x)
+          dst(block, row, h, x) = j < lengths[static_cast<std::size_t>(b)] ? to_storage<T>(src(b, j, h, x)) : poison;
+    };
+    if (s.block_size == 0) {
+      k_cache = Tensor<T, 4>({s.batch, s.capacity, s.kv_heads, s.head_dim});
+      v_cache = Tensor<T, 4>({s.batch, s.capacity, s.kv_heads, s.v_dim});
+      for (int64_t b = 0; b < s.batch; ++b)
+        for (int64_t j = 0; j < s.capacity; ++j) {
+          copy_rows(k_cache, c.k, b, j, b, j);
+          copy_rows(v_cache, c.v, b, j, b, j);
+        }
+      return;
+    }
+    const int64_t per_sequence = (s.capacity + s.block_size - 1) / s.block_size;
+    const int64_t pool = s.batch * per_sequence + 3;  // a few blocks nobody uses
+    std::vector<int32_t> order(static_cast<std::size_t>(pool));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<unsigned>(seed)));
+    k_cache = Tensor<T, 4>({pool, s.block_size, s.kv_heads, s.head_dim});
+    v_cache = Tensor<T, 4>({pool, s.block_size, s.kv_heads, s.v_dim});
+    for (std::size_t i = 0; i < k_cache.size(); ++i) k_cache[i] = poison;
+    for (std::size_t i = 0; i < v_cache.size(); ++i) v_cache[i] = poison;
+    table = Tensor<int32_t, 2>({s.batch, per_sequence});
+    for (int64_t b = 0; b < s.batch; ++b)
+      for (int64_t n = 0; n < per_sequence; ++n) {
+        const bool used = n * s.block_size < lengths[static_cast<std::size_t>(b)];
+        table(b, n) = used ? order[static_cast<std::size_t>(b * per_sequence + n)] : -1;
+        if (!used) continue;
+        for (int64_t row = 0; row < s.block_size; ++row) {
+          const int64_t j = n * s.block_size + row;
+          if (j >= s.capacity) break;
+          copy_rows(k_cache, c.k, b, j, table(b, n), row);
+          copy_rows(v_cache, c.v, b, j, table(b, n), row);
+        }
+      }
+  }
+
+  DecodeArgs<T> args(Tensor<float, 4>& out, Tensor<float, 3>& lse) const {
+    DecodeArgs<T> a;
+    a.q = c.q.cview();
+    a.k_cache = k_cache.cview();
+    a.v_cache = v_cache.cview();
+    a.cache_lengths = lengths;
+    if (table.size() > 0) a.block_table = table.cview();
+    a.out = out.view();
+    a.lse = lse.view();
+    return a;
+  }
+};
+
+struct Outputs {
+  Tensor<float, 4> out;
+  Tensor<float, 3> lse;
+};
+
+template <class T>
+Outputs run_decode(const DecodeCase<T>& dc, const DecodeSpec& s, int threads) {
+  Outputs r{Tensor<float, 4>({s.batch, s.q_len, s.q_heads, s.v_dim}), Tensor<float, 3>({s.batch, s.q_heads, s.q_len})};
+  DecodeOptions options;
+  options.causal = s.causal;
+  options.threads = threads;
+  decode(dc.args(r.out, r.lse), options);
+  return r;
+}
+
+template <class T, int R>
+Tensor<T, R> widen(const Tensor<float, R>& t) {
+  Tensor<T, R> w(t.shape());
+  for (std::size_t i = 0; i < t.size(); ++i) w[i] = static_cast<T>(t[i]);
+  return w;
+}
+
+template <int R>
+double error(const Tensor<float, R>& x, const Tensor<double, R>& ref) {
+  double worst = 0.0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (std::isinf(ref[i]) && static_cast<double>(x[i]) == ref[i]) continue;
+    const double e = std::abs(static_cast<double>(x[i]) - ref[i]);
+    if (std::isnan(e)) return INFINITY;
+    worst = std::max(worst, e);
+  }
+  return worst;
+}
+
+template <int R>
+double max_abs(const Tensor<double, R>& t) {
+  double m = 0.0;
+  for (std::size_t i = 0; i < t.size(); ++i)
+    if (std::isfinite(t[i])) m = std::max(m, std::abs(t[i]));
+  return m;
+}
+
+template <class T>
+void check_spec(const DecodeSpec& s) {
+  SCOPED_TRACE(s.name + " storage=" + storage_name(s.type) + " block=" + std::to_string(s.block_size));
+  const DecodeCase<T> dc(s);
+  const Outputs got = run_decode(dc, s, s.threads);
+
+  const auto q = widen<double>(dc.c.q), k = widen<double>(dc.c.k), v = widen<double>(dc.c.v);
+  Tensor<double, 4> ref_out({s.batch, s.q_len, s.q_heads, s.v_dim});
+  Tensor<double, 3> ref_lse({s.batch, s.q_heads, s.q_len});
+  attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = ref_out.view(), .lse = ref_lse.view()},
+                    dc.c.options);
+  const test::PlainResult plain = test::plain_fp32(dc.c, nullptr);
+  const double floor = 8.0 * std::numeric_limits<float>::epsilon() * std::max(1.0, max_abs(ref_out));
+  EXPECT_LE(error(got.out, ref_out), 2.0 * error(plain.out, ref_out) + floor)
+      << "plain fp32 error " << error(plain.out, ref_out);
+  const double lse_floor = 8.0 * std::numeric_limits<float>::epsilon() * std::max(1.0, max_abs(ref_lse));
+  EXPECT_LE(error(got.lse, ref_lse), 2.0 * error(plain.lse, ref_lse) + lse_floor)
+      << "plain fp32 error " << error(plain.lse, ref_lse);
+}
+
+void check_any(const DecodeSpec& s) {
+  switch (s.type) {
+    case StorageType::float32: return check_spec<float>(s);
+    case StorageType::bfloat16: return check_spec<bfloat16>(s);
+    case StorageType::float16: return check_spec<float16>(s);
+  }
+}
+
+std::vector<DecodeSpec> decode_specs() {
+  std::vector<DecodeSpec> specs;
+  const std::vector<DecodeSpec> shapes{
+      {.name = "mha_d64", .batch = 3, .q_len = 1, .capacity = 200, .q_heads = 4, .kv_heads = 4,
+       .lengths = {200, 1, 0}},
+      {.name = "gqa4_d128", .batch = 2, .q_len = 2, .capacity = 700, .q_heads = 8, .kv_heads = 2,
+       .head_dim = 128, .v_dim = 128, .lengths = {700, 333}},
+      {.name = "gqa8_q16", .batch = 2, .q_len = 16, .capacity = 150, .q_heads = 16, .kv_heads = 2,
+       .head_dim = 32, .v_dim = 32, .lengths = {150, 9}},
+      {.name = "q17_two_tiles", .batch = 1, .q_len = 17, .capacity = 90, .q_heads = 2, .kv_heads = 1,
+       .head_dim = 16, .v_dim = 16},
+      {.name = "odd_dims", .batch = 2, .q_len = 3, .capacity = 77, .q_heads = 3, .kv_heads = 1,
+       .head_dim = 59, .v_dim = 13, .lengths = {77, 2}},
+      {.name = "d1", .batch = 1, .q_len = 1, .capacity = 5, .q_heads = 1, .kv_heads = 1, .head_dim = 1, .v_dim = 1},
+      {.name = "d256_mqa", .batch = 1, .q_len = 4, .capacity = 100, .q_heads = 4, .kv_heads = 1,
+       .head_dim = 256, .v_dim = 256, .lengths = {97}},
+      {.name = "chunks", .batch = 2, .q_len = 1, .capacity = 2600, .q_heads = 8, .kv_heads = 8,
+       .head_dim = 64, .v_dim = 64, .lengths = {2600, 1100}, .threads = 3},
+      {.name = "top_left", .batch = 1, .q_len = 5, .capacity = 40, .q_heads = 2, .kv_heads = 2,
+       .head_dim = 8, .v_dim = 8, .lengths = {30}, .causal = Causal::top_left},
+      {.name = "not_causal", .batch = 2, .q_len = 5, .capacity = 40, .q_heads = 4, .kv_heads = 2,
+       .head_dim = 24, .v_dim = 40, .lengths = {3, 40}, .causal = Causal::none},
+      // Fewer keys than queries: the first rows see nothing (out 0, lse -inf).
+      {.name = "short_sequence", .batch = 2, .q_len = 6, .capacity = 20, .q_heads = 2, .kv_heads = 1,
+       .head_dim = 16, .v_dim = 16, .lengths = {4, 0}},
+  };
+  for (const DecodeSpec& shape : shapes)
+    for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16})
+      for (int64_t block : {0, 16, 128}) {
+        DecodeSpec s = shape;
+        s.type = type;
+        s.block_size = block;
+        specs.push_back(s);
+      }
+  // Odd page sizes: blocks that straddle pages, pages smaller than a vector.
+  specs.push_back({.name = "page7", .batch = 2, .q_len = 3, .capacity = 100, .q_heads = 4, .kv_heads = 2,
+                   .head_dim = 48, .v_dim = 48, .lengths = {100, 50}, .block_size = 7});
+  specs.push_back({.name = "page1_bf16", .batch = 1, .q_len = 1, .capacity = 30, .q_heads = 2, .kv_heads = 1,
+                   .head_dim = 16, .v_dim = 16, .type = StorageType::bfloat16, .block_size = 1});
+  return specs;
+}
+
+TEST(Decode, MatchesTheReferenceOnEveryLayoutAndStorage) {
+  for (const DecodeSpec& s : decode_specs()) check_any(s);
+}
+
+TEST(Decode, EveryCompiledSimdTargetMatchesTheReference) {
+  const std::vector<int64_t> targets = cpu::compiled_simd_targets();
+  ASSERT_FALSE(targets.empty());
+  const std::vector<DecodeSpec> specs{
+      {.name = "t_gqa", .batch = 2, .q_len = 2, .capacity = 300, .q_heads = 4, .kv_heads = 2,
+       .lengths = {300, 17}, .type = StorageType::bfloat16, .block_size = 16},
+      {.name = "t_odd", .batch = 1, .q_len = 3, .capacity = 70, .q_heads = 3, .kv_heads = 3, .head_dim = 37,
+       .v_dim = 19, .type = StorageType::float16},
+      {.name = "t_f32", .batch = 1, .q_len = 1, .capacity = 1500, .q_heads = 8, .kv_heads = 1,
+       .head_dim = 128, .v_dim = 128, .lengths = {1499}},
+  };
+  for (int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (const DecodeSpec& s : specs) check_any(s);
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+template <class T>
+void expect_thread_count_invariant(DecodeSpec s) {
+  const DecodeCase<T> dc(s, 11);
+  const Outputs first = run_decode(dc, s, 1);
+  for (int threads : {1, 2, 3, 8}) {
+    const Outputs again = run_decode(dc, s, threads);
+    EXPECT_EQ(std::memcmp(first.out.data(), again.out.data(), first.out.size() * sizeof(float)), 0)
+        << threads << " threads, " << storage_name(s.type);
+    EXPECT_EQ(std::memcmp(first.lse.data(), again.lse.data(), first.lse.size() * sizeof(float)), 0)
+        << threads << " threads, " << storage_name(s.type);
+  }
+}
+
+TEST(Decode, BitwiseIdenticalForAnyThreadCount) {
+  // Several chunks per sequence (≥ 1024 keys), ragged lengths, a paged pool.
+  DecodeSpec s{.name = "det", .batch = 3, .q_len = 2, .capacity = 5000, .q_heads = 8, .kv_heads = 2,
+               .lengths = {5000, 1700, 1}, .block_size = 32};
+  expect_thread_count_invariant<float>(s);
+  s.type = StorageType::bfloat16;
+  s.block_size = 0;
+  expect_thread_count_invariant<bfloat16>(s);
+}
+
+// attention_forward picks the decode kernel for few queries (no elementwise mask): same
+// bits as a direct decode call on the same float32 tensors.
+TEST(Decode, AttentionForwardRoutesSmallQueryCountsToDecode) {
+  const DecodeSpec s{.name = "route", .batch = 2, .q_len = 3, .capacity = 600, .q_heads = 8, .kv_heads = 2,
+                     .lengths = {600, 250}};
+  const DecodeCase<float> dc(s);
+  const Outputs direct = run_decode(dc, s, 2);
+  Tensor<float, 4> out({s.batch, s.q_len, s.q_heads, s.v_dim});
+  Tensor<float, 3> lse({s.batch, s.q_heads, s.q_len});
+  AttentionOptions options = dc.c.options;
+  options.execution.backend = Backend::cpu;
+  options.execution.threads = 2;
+  attention_forward({.q = dc.c.q.cview(), .k = dc.k_cache.cview(), .v = dc.v_cache.cview(), .out = out.view(),
+                     .lse = lse.view()},
+                    options);
+  EXPECT_EQ(std::memcmp(out.data(), direct.out.data(), out.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(lse.data(), direct.lse.data(), lse.size() * sizeof(float)), 0);
+}
+
+// NaN/Inf in keys/values a row does not see (its causal future within the tile) reach
+// no other row; the rows that see them are NaN.
+TEST(Decode, NonFiniteBehindTheCausalEdgeStaysThere) {
+  for (StorageType type : {StorageType::float32, StorageType::float16}) {
+    const DecodeSpec s{.name = "nan", .batch = 1, .q_len = 4, .capacity = 40, .q_heads = 2, .kv_heads = 1,
+                       .head_dim = 16, .v_dim = 16, .type = type};
+    auto poisoned_run = [&](auto tag) {
+      using T = decltype(tag);
+      DecodeCase<T> dc(s);
+      // Key 38 is seen by queries 2 and 3 only (bottom-right: query i sees j ≤ 36 + i).
+      dc.k_cache(0, 38, 0, 3) = to_storage<T>(std::nanf(""));
+      dc.v_cache(0, 38, 0, 5) = to_storage<T>(INFINITY);
+      const Outputs r = run_decode(dc, s, 2);
+      const DecodeCase<T> clean(s);
+      const Outputs ok = run_decode(clean, s, 2);
+      for (int64_t i = 0; i < 4; ++i)
+        for (int64_t h = 0; h < 2; ++h) {
+          bool any_nan = false;
+          for (int64_t x = 0; x < 16; ++x) any_nan = any_nan || std::isnan(r.out(0, i, h, x));
+          EXPECT_EQ(any_nan, i >= 2) << "query " << i << " head " << h;
+          if (i >= 2) continue;
+          // The exact path sums in another order: a few ulps at most.
+          for (int64_t x = 0; x < 16; ++x) EXPECT_NEAR(r.out(0, i, h, x), ok.out(0, i, h, x), 1e-6);
+        }
+    };
+    if (type == StorageType::float32) poisoned_run(float{});
+    else poisoned_run(float16{});
+  }
+}
+
+TEST(Decode, EmptySequencesGiveZeroAndMinusInfinity) {
+  const DecodeSpec s{.name = "empty", .batch = 2, .q_len = 2, .capacity = 8, .q_heads = 2, .kv_heads = 1,
+                     .head_dim = 4, .v_dim = 4, .lengths = {0, 8}};
+  const DecodeCase<float> dc(s);
+  const Outputs r = run_decode(dc, s, 2);
+  for (int64_t i = 0; i < 2; ++i)
+    for (int64_t h = 0; h < 2; ++h) {
+      EXPECT_EQ(r.lse(0, h, i), -INFINITY);
+      for (int64_t x = 0; x < 4; ++x) EXPECT_EQ(r.out(0, i, h, x), 0.0f);
+      EXPECT_TRUE(std::isfinite(r.lse(1, h, i)));
+    }
+}
+
+TEST(Decode, HugeLogitsStayFinite) {
+  DecodeSpec s{.name = "huge", .batch = 1, .q_len = 1, .capacity = 300, .q_heads = 2, .kv_heads = 1,
+               .head_dim = 64, .v_dim = 8};
+  DecodeCase<float> dc(s);
+  for (std::size_t i = 0; i < dc.k_cache.size(); ++i) dc.k_cache[i] *= 200.0f;
+  Tensor<float, 4> q = dc.c.q;
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] *= 200.0f;  // logits ~ 1e5
+  Tensor<float, 4> out({1, 1, 2, 8});
+  Tensor<float, 3> lse({1, 2, 1});
+  DecodeArgs<float> a = dc.args(out, lse);
+  a.q = q.cview();
+  decode(a);
+  EXPECT_TRUE(test::all_finite(out));
+  EXPECT_TRUE(test::all_finite(lse));
+}
+
+// ----------------------------------------------------------------------------------
+// Bad calls: a qkv::Error naming the argument, and nothing written.
+
+struct BadCall {
+  Tensor<float, 4> q{{2, 1, 4, 8}}, k{{2, 10, 2, 8}}, v{{2, 10, 2, 8}}, out{{2, 1, 4, 8}};
+  Tensor<float, 3> lse{{2, 4, 1}};
+  std::vector<int64_t> lengths{10, 3};
+  Tensor<int32_t, 2> table{{2, 3}};
+  DecodeArgs<float> args() {
+    return {.q = q.cview(), .k_cache = k.cview(), .v_cache = v.cview(), .cache_lengths = lengths,
+            .out = out.view(), .lse = lse.view()};
+  }
+};
+
+void expect_error(const DecodeArgs<float>& args, const std::string& needle, const Tensor<float, 4>& out,
+                  const DecodeOptions& options = {}) {
+  Tensor<float, 4> before = out;
+  try {
+    decode(args, options);
+    ADD_FAILURE() << "no error; expected one mentioning " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("qkv::decode"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(std::memcmp(before.data(), out.data(), out.size() * sizeof(float)), 0) << needle;
+}
+
+TEST(DecodeErrors, NameTheArgument) {
+  BadCall c;
+  test::fill(c.out, 5.0f);
+  auto a = c.args();
+  a.cache_lengths = std::span<const int64_t>(c.lengths.data(), 1);
+  expect_error(a, "cache_lengths: expected one length per sequence (2), got 1", c.out);
+  c.lengths = {11, 3};
+  expect_error(c.args(), "cache_lengths[0]: expected 0..10", c.out);
+  c.lengths = {10, -1};
+  expect_error(c.args(), "cache_lengths[1]", c.out);
+  c.lengths = {10, 3};
+
+  Tensor<float, 4> q5({2, 1, 5, 8});
+  a = c.args();
+  a.q = q5.cview();
+  expect_error(a, "q.shape[2] (heads): expected a multiple of k_cache.shape[2]", c.out);
+  Tensor<float, 4> k7({2, 10, 2, 7});
+  a = c.args();
+  a.k_cache = k7.cview();
+  expect_error(a, "k_cache.shape[3] (head_dim): expected 8", c.out);
+  Tensor<float, 4> v9({2, 9, 2, 8});
+  a = c.args();
+  a.v_cache = v9.cview();
+  expect_error(a, "v_cache.shape[1] (capacity): expected 10", c.out);
+  Tensor<float, 4> k3({3, 10, 2, 8});
+  a = c.args();
+  a.k_cache = k3.cview();
+  a.v_cache = k3.cview();
+  expect_error(a, "k_cache.shape[0] (batch): expected 2", c.out);
+  a = c.args();
+  a.out.shape[3] = 4;
+  expect_error(a, "out.shape[3] (head_dim): expected 8", c.out);
+  a = c.args();
+  a.lse.shape[1] = 3;
+  expect_error(a, "lse.shape[1] (heads): expected 4", c.out);
+  a = c.args();
+  a.q.strides[3] = 2;
+  expect_error(a, "q.strides[3]: expected 1", c.out);
+  a = c.args();
+  a.out.data = c.q.data();  // aliasing an input
+  a.out = View4<float>(c.q.data(), c.out.shape(), a.out.strides);
+  expect_error(a, "out: must not share memory with q", c.q);
+  a = c.args();
+  a.lse = View3<float>(c.out.data(), {2, 4, 1}, {4, 1, 1});
+  expect_error(a, "lse: must not share memory with out", c.out);
+  a = c.args();
+  a.out.strides[2] = 0;
+  expect_error(a, "out: an output's elements must not overlap", c.out);
+
+  DecodeOptions bad_scale;
+  bad_scale.scale = -1.0;
+  expect_error(c.args(), "options.scale: expected a finite value > 0", c.out, bad_scale);
+  DecodeOptions bad_threads;
+  bad_threads.threads = -2;
+  expect_error(c.args(), "options.threads: expected >= 0", c.out, bad_threads);
+  DecodeOptions bad_causal;
+  bad_causal.causal = static_cast<Causal>(9);
+  expect_error(c.args(), "options.causal", c.out, bad_causal);
+
+  // Paged: the pool is k_cache [blocks, block_size, Hkv, d]; table [B, blocks per sequence].
+  Tensor<float, 4> pool({4, 4, 2, 8});
+  for (int32_t i = 0; i < 6; ++i) c.table[static_cast<std::size_t>(i)] = i % 4;
+  a = c.args();
+  a.k_cache = pool.cview();
+  a.v_cache = pool.cview();
+  a.block_table = c.table.cview();
+  c.lengths = {12, 3};
+  decode(a);  // fine: 3 blocks of 4 keys, all in the pool
+  c.lengths = {13, 3};
+  expect_error(a, "cache_lengths[0]: expected 0..12 (block_table.shape[1] · block_size)", c.out);
+  c.lengths = {12, 3};
+  c.table(1, 0) = 4;
+  expect_error(a, "block_table[1, 0]: expected a pool block 0..3", c.out);
+  c.table(1, 0) = 0;
+  c.table(1, 1) = -7;  // not used by a sequence of 3 keys: never read, never checked
+  decode(a);
+  Tensor<int32_t, 2> table3({3, 3});
+  a.block_table = table3.cview();
+  expect_error(a, "block_table.shape[0] (batch): expected 2", c.out);
+}
+
+}  // namespace
+}  // namespace qkv
+
+namespace qkv {
+namespace {
+
+// A NaN query poisons its own row only, across several chunks of keys.
+TEST(Decode, NanQueryReachesOnlyItsRow) {
+  const DecodeSpec s{.name = "nan_q", .batch = 1, .q_len = 2, .capacity = 2100, .q_heads = 4, .kv_heads = 2,
+                     .head_dim = 16, .v_dim = 16};
+  DecodeCase<float> dc(s);
+  dc.c.q(0, 1, 2, 7) = std::nanf("");
+  const Outputs r = run_decode(dc, s, 2);
+  for (int64_t i = 0; i < 2; ++i)
+    for (int64_t h = 0; h < 4; ++h) {
+      const bool poisoned = i == 1 && h == 2;
+      EXPECT_EQ(std::isnan(r.lse(0, h, i)), poisoned) << i << " " << h;
+      for (int64_t x = 0; x < 16; ++x) EXPECT_EQ(std::isnan(r.out(0, i, h, x)), poisoned) << i << " " << h;
+    }
+}
+
+}  // namespace
+}  // namespace qkv
