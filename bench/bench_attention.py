@@ -12,6 +12,14 @@ backend).
 FLOPs: forward 4·B·H·Nq·Nk·d (half when causal); forward+backward counts the backward
 as 2.5× the forward, so fwd+bwd = 3.5× forward.
 
+--dtype bfloat16|float16: the inputs are rounded to that type and both run on them (torch
+SDPA and qkv in that dtype); the row adds qkv's own fp32 time on the same (widened)
+values and the ratio half/fp32 (the storage type should cost almost nothing: widened on
+load, fp32 inside, rounded once on store). In that mode the three (torch, qkv half, qkv
+fp32) are timed interleaved, call after call, so a shared machine's load swings hit all
+three alike. Errors are then against the fp64 result on
+the rounded inputs.
+
 Fairness: torch.set_num_threads(T) for T in --threads (PyTorch uses one thread here
 unless told); glibc malloc is told (mallopt) to keep freed large blocks instead of
 returning them to the kernel on every call, which would otherwise charge page faults
@@ -61,7 +69,9 @@ class Shape:
         return f / 2 if self.causal else f
 
 
-def shapes(quick: bool) -> list[Shape]:
+def shapes(quick: bool, half: bool = False) -> list[Shape]:
+    if half:  # the half-precision issue's rows
+        return [Shape(1, 8, 8, 4096, d, causal) for causal in (False, True) for d in (64, 128)]
     rows = []
     ns = (512, 1024, 2048, 4096) if quick else (512, 1024, 2048, 4096, 8192)
     for causal in (False, True):
@@ -74,13 +84,14 @@ def shapes(quick: bool) -> list[Shape]:
     return rows
 
 
-def fma_peak(threads: int) -> float:
+def fma_peak(threads: int) -> tuple[float, str]:
+    """(GFLOP/s, the SIMD target Highway picks: the one qkv's kernels dispatch to)."""
     exe = os.path.join(os.path.dirname(__file__), "..", "build", "release", "bench", "qkv_fma_peak")
     out = subprocess.run([exe, str(threads)], check=True, capture_output=True, text=True).stdout
     for line in out.splitlines():
         fields = dict(f.split("=") for f in line.split())
         if int(fields["threads"]) == threads:
-            return float(fields["gflops"])
+            return float(fields["gflops"]), fields.get("target", "?")
     raise RuntimeError(out)
 
 
@@ -92,6 +103,20 @@ def median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def median_times_interleaved(fns, repeats: int) -> list[float]:
+    """Median time of each function, the calls interleaved (a, b, c, a, b, c, ...) so
+    that a shared machine's load swings hit every one of them alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, t in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def make_inputs(s: Shape, seed: int = 0):
@@ -158,32 +183,60 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="skip N=8192")
     parser.add_argument("--filter", default="", help="only rows whose label contains this")
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="storage type of q, k, v, dout (half: the issue-10 rows, with "
+                             "qkv's fp32 time on the same values)")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    half = dtype != torch.float32
 
     keep_freed_memory()
-    peaks = {t: fma_peak(t) for t in args.threads}
+    measured = {t: fma_peak(t) for t in args.threads}
+    peaks = {t: gflops for t, (gflops, _) in measured.items()}
+    target = next(iter(measured.values()))[1]
     print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus; "
-          f"torch {torch.__version__}; qkv {qkv.__version__}; FMA peak "
+          f"torch {torch.__version__}; qkv {qkv.__version__}; SIMD {target}; "
+          f"dtype {args.dtype}; FMA peak "
           + ", ".join(f"{t} thr {p:.0f} GFLOP/s" for t, p in peaks.items()))
-    print("| shape | pass | thr | torch ms | qkv ms | qkv GFLOP/s | % peak | qkv/torch speed | "
-          "qkv err | torch err |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    if half:
+        print("| shape | pass | thr | torch ms | qkv ms | qkv fp32 ms | qkv half/fp32 | "
+              "qkv GFLOP/s | qkv/torch speed | qkv err | torch err |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+    else:
+        print("| shape | pass | thr | torch ms | qkv ms | qkv GFLOP/s | % peak | qkv/torch speed | "
+              "qkv err | torch err |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     with torch.inference_mode(False):
-        for s in shapes(args.quick):
+        for s in shapes(args.quick, half):
             if args.filter not in s.label():
                 continue
-            q, k, v, dout = make_inputs(s)
+            q, k, v, dout = (x.to(dtype) for x in make_inputs(s))
+            widened = [x.float() for x in (q, k, v, dout)]
             for backward in ((False,) if args.no_backward else (False, True)):
                 ref_out, ref_grads = oracle(s, q, k, v, dout, backward)
                 reference = ref_grads if backward else [ref_out]
                 flops = s.forward_flops() * (3.5 if backward else 1.0)
                 for threads in args.threads:
                     torch.set_num_threads(threads)
-                    t_torch = median_time(lambda: run_torch(s, q, k, v, dout, backward), args.repeats)
-                    t_qkv = median_time(lambda: run_qkv(s, q, k, v, dout, backward, threads), args.repeats)
+                    if half:  # interleaved: the half/fp32 ratio is what the row is about
+                        t_torch, t_qkv, t_fp32 = median_times_interleaved(
+                            [lambda: run_torch(s, q, k, v, dout, backward),
+                             lambda: run_qkv(s, q, k, v, dout, backward, threads),
+                             lambda: run_qkv(s, *widened, backward, threads)], args.repeats)
+                    else:
+                        t_torch = median_time(lambda: run_torch(s, q, k, v, dout, backward),
+                                              args.repeats)
+                        t_qkv = median_time(lambda: run_qkv(s, q, k, v, dout, backward, threads),
+                                            args.repeats)
                     e_torch = max_error(run_torch(s, q, k, v, dout, backward), reference)
                     e_qkv = max_error(run_qkv(s, q, k, v, dout, backward, threads), reference)
                     gflops = flops / t_qkv / 1e9
+                    if half:
+                        print(f"| {s.label()} | {'fwd+bwd' if backward else 'fwd'} | {threads} | "
+                              f"{t_torch * 1e3:.1f} | {t_qkv * 1e3:.1f} | {t_fp32 * 1e3:.1f} | "
+                              f"{t_qkv / t_fp32:.2f}× | {gflops:.1f} | {t_torch / t_qkv:.2f}× | "
+                              f"{e_qkv:.1e} | {e_torch:.1e} |", flush=True)
+                        continue
                     print(f"| {s.label()} | {'fwd+bwd' if backward else 'fwd'} | {threads} | "
                           f"{t_torch * 1e3:.1f} | {t_qkv * 1e3:.1f} | {gflops:.1f} | "
                           f"{100 * gflops / peaks[threads]:.0f}% | {t_torch / t_qkv:.2f}× | "

@@ -5,7 +5,9 @@
 //   backward 2.5 × forward   (five matmuls instead of two)
 // Every configuration runs once untimed (warm-up; it also produces out and lse for the
 // backward), then repeatedly until both --reps runs and --min-time seconds are done; the
-// table reports the median and the fastest run, and GFLOP/s from the median.
+// table reports the median and the fastest run, GFLOP/s from the median, and that as a
+// share of the machine's fp32 FMA peak, measured just before with the same threads by
+// the probe bench/bench_attention.py uses (bench/fma_probe.hpp).
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -15,6 +17,7 @@
 
 #include "bench.hpp"
 #include "command.hpp"
+#include "fma_probe.hpp"
 #include "format.hpp"
 #include "qkv/qkv.hpp"
 #include "random.hpp"
@@ -167,11 +170,14 @@ struct BenchFlags {
   bool json = false;
 };
 
-std::vector<std::string> row_cells(const BenchRow& r) {
+// Rounds of the FMA probe per thread and repeat: ~0.05 s each on the CPUs we know.
+constexpr long kPeakIterations = 20'000'000;
+
+std::vector<std::string> row_cells(const BenchRow& r, double peak_gflops) {
   return {std::to_string(r.shape.batch), std::to_string(r.shape.heads), std::to_string(r.shape.seq),
           std::to_string(r.shape.dim), causal_name(r.shape.causal), r.backward ? "backward" : "forward",
           std::to_string(r.reps), format("%.3f", r.median_s * 1e3), format("%.3f", r.min_s * 1e3),
-          format("%.2f", r.gflops)};
+          format("%.2f", r.gflops), format("%.1f%%", 100 * r.gflops / peak_gflops)};
 }
 
 int bench(BenchFlags flags, Streams streams) {
@@ -187,18 +193,22 @@ int bench(BenchFlags flags, Streams streams) {
   const BenchConfig& c = flags.config;
   const Backend backend = resolve_backend(AttentionOptions{.execution = {.backend = c.backend}}, false, false);
   const int threads = c.threads > 0 ? c.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const bench::FmaPeak peak = bench::measure_fma_peak(threads, kPeakIterations, 3);
   if (!flags.json) {
     streams.out << "qkv bench — fp32, backend " << backend_name(backend) << ", " << threads
                 << (threads == 1 ? " thread" : " threads")
                 << "; FLOPs: forward 4·B·H·N²·d (half if causal), backward 2.5× forward\n"
                 << "  time: median and fastest of `runs` runs after one warm-up; GFLOP/s from "
-                   "the median\n\n";
+                   "the median\n"
+                << "  % peak: of the fp32 FMA peak measured now, " << format("%.1f", peak.gflops)
+                << " GFLOP/s on " << threads << (threads == 1 ? " thread" : " threads") << " ("
+                << peak.target << ")\n\n";
   }
   // Rows are printed as they finish (slow backends take a while), so the table's widths
   // are fixed here rather than fitted.
-  static constexpr int kWidths[] = {3, 3, 6, 5, 12, 8, 5, 11, 11, 9};
+  static constexpr int kWidths[] = {3, 3, 6, 5, 12, 8, 5, 11, 11, 9, 7};
   static constexpr const char* kHeaders[] = {"B", "H", "N", "d", "causal", "pass", "runs",
-                                             "median ms", "min ms", "GFLOP/s"};
+                                             "median ms", "min ms", "GFLOP/s", "% peak"};
   const auto print_cells = [&](const std::vector<std::string>& cells) {
     streams.out << " ";
     for (std::size_t i = 0; i < cells.size(); ++i) {
@@ -210,7 +220,7 @@ int bench(BenchFlags flags, Streams streams) {
   };
   if (!flags.json) print_cells(std::vector<std::string>(std::begin(kHeaders), std::end(kHeaders)));
   const std::vector<BenchRow> rows = run_bench(c, [&](const BenchRow& row) {
-    if (!flags.json) print_cells(row_cells(row));
+    if (!flags.json) print_cells(row_cells(row, peak.gflops));
   });
   if (flags.json) {
     Json json(streams.out);
@@ -218,6 +228,8 @@ int bench(BenchFlags flags, Streams streams) {
     json.field("backend", backend_name(backend));
     json.field("threads", static_cast<int64_t>(threads));
     json.field("seed", static_cast<int64_t>(c.seed));
+    json.field("fma_peak_gflops", peak.gflops);
+    json.field("simd_target", peak.target);
     json.key("rows").begin_array();
     for (const BenchRow& r : rows) {
       json.begin_object();
@@ -232,6 +244,7 @@ int bench(BenchFlags flags, Streams streams) {
       json.field("min_s", r.min_s);
       json.field("flops", r.flops);
       json.field("gflops", r.gflops);
+      json.field("peak_share", r.gflops / peak.gflops);
       json.end_object();
     }
     json.end_array();
@@ -247,11 +260,12 @@ Command register_bench(CLI::App& parent) {
   auto flags = std::make_shared<BenchFlags>();
   BenchConfig& c = flags->config;
   CLI::App* app = parent.add_subcommand(
-      "bench", "Time attention forward and backward and report GFLOP/s (qkv alone)");
+      "bench", "Time attention forward and backward: GFLOP/s and share of the FMA peak (qkv alone)");
   app->footer(
       "fp32 random inputs [batch, seq, heads, dim], Nq = Nk = N. FLOPs: forward 4·B·H·N²·d\n"
       "(half with a causal mask), backward 2.5× forward. Each row: one warm-up run, then\n"
       "runs until both --reps and --min-time are reached; median and fastest are shown.\n"
+      "% peak: GFLOP/s over the fp32 FMA peak, measured first with the same threads.\n"
       "The Python benchmark (bench/) compares with PyTorch in the same process.");
   app->add_option("--batch", c.batch, "Batch size")->capture_default_str();
   app->add_option("--heads", c.heads, "Heads")->capture_default_str();

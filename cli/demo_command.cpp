@@ -1,7 +1,7 @@
 // qkv demo: train a small character-level transformer on "Alice's Adventures in
 // Wonderland" (built into the library), then show generated text, one head's attention
 // as a heatmap, and the final loss next to the text's unigram entropy.
-// The work is qkv::nn::run_demo (include/qkv/nn/demo.hpp); this file is its flags.
+// The work is qkv::demo::run_demo (cli/demo/demo.hpp); this file is its flags.
 #include <unistd.h>
 
 #include <iostream>
@@ -10,12 +10,13 @@
 #include <string>
 
 #include "command.hpp"
-#include "qkv/nn/demo.hpp"
+#include "demo/demo.hpp"
+#include "stop_signals.hpp"
 
 namespace qkv::cli {
 
 Command register_demo(CLI::App& parent) {
-  auto options = std::make_shared<nn::DemoOptions>();
+  auto options = std::make_shared<demo::DemoOptions>();
   auto progress = std::make_shared<std::string>("auto");
   CLI::App* app = parent.add_subcommand(
       "demo", "Train a small transformer on Alice in Wonderland, in C++ (about a minute)");
@@ -25,7 +26,9 @@ Command register_demo(CLI::App& parent) {
       "head's attention. The same flags give the same bits on any machine with the same\n"
       "kernels, for any --threads. --steps N --save f, then --resume f --steps N+M, is bit for\n"
       "bit the run --steps N+M (the learning-rate schedule depends on --schedule-steps only).\n"
-      "Checkpoints are safetensors files, written atomically.\n"
+      "Checkpoints are safetensors files, written atomically. Ctrl-C (or SIGTERM) finishes\n"
+      "the step in progress, saves if --save is given and exits; resuming that checkpoint\n"
+      "gives the bits of the run never interrupted. A second Ctrl-C stops at once.\n"
       "Example: qkv demo --steps 200 --save alice.safetensors");
   app->add_option("--seed", options->seed, "Seed of initialization, batches and sampling")
       ->capture_default_str();
@@ -39,7 +42,13 @@ Command register_demo(CLI::App& parent) {
                   "Threads (0: all cores); results never depend on it")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app->add_option("--save", options->save, "Write a checkpoint here at the end")->type_name("FILE");
+  CLI::Option* save =
+      app->add_option("--save", options->save, "Write a checkpoint here at the end (and on Ctrl-C)")
+          ->type_name("FILE");
+  app->add_option("--save-every", options->save_every, "Also write it every N steps")
+      ->type_name("N")
+      ->check(CLI::PositiveNumber)
+      ->needs(save);
   app->add_option("--resume", options->resume, "Continue from this checkpoint")->type_name("FILE");
 
   const char* model = "Model and training (a resumed run must use the checkpoint's)";
@@ -75,11 +84,13 @@ Command register_demo(CLI::App& parent) {
       CLI::IsMember({"auto", "lines", "bar"}));
 
   return {app, [options, progress](Streams streams) {
-            nn::DemoOptions run = *options;
+            demo::DemoOptions run = *options;
             run.interactive = *progress == "bar" ||
                               (*progress == "auto" && &streams.out == &std::cout &&
                                ::isatty(STDOUT_FILENO) == 1);
-            return nn::run_demo(run, streams.out);
+            const StopOnSignals signals;
+            run.stop = &signals.requested();
+            return demo::run_demo(run, streams.out);
           }};
 }
 

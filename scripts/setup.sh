@@ -12,6 +12,7 @@ apt_packages=(
   gnuplot-nox                 # qkv explain --plot
   libopenblas-dev             # OpenBLAS: qkv::nn's GEMMs
   libopenmpi-dev openmpi-bin  # OpenMPI: qkv::dist (ring attention) and its mpiexec tests
+  nlohmann-json3-dev          # nlohmann/json: safetensors headers (qkv::nn checkpoints)
 )
 missing=()
 for package in "${apt_packages[@]}"; do

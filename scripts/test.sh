@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up and runs every test: the optimized build (warnings are errors, includes the
 # install + find_package check, the CLI tests), the same suite under ASan + UBSan, the
-# Python package (pip install ., pytest against PyTorch), then a bounded fuzz run.
+# Python package (pip install ., pytest against PyTorch), then bounded fuzz runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,5 +16,5 @@ ctest --preset asan
 
 bash scripts/test_python.sh
 
-# The .npy reader under libFuzzer (ASan + UBSan), for a bounded time.
-bash scripts/fuzz_npy.sh 60
+# The .npy and safetensors readers under libFuzzer (ASan + UBSan), 40 s each.
+bash scripts/fuzz.sh 40

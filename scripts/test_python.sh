@@ -19,6 +19,13 @@ pip_install=("$python" -m pip install --quiet --disable-pip-version-check --root
 # An unpinned `torch` would fetch a CUDA build of several GB. qkv itself does not
 # depend on torch; only its tests (and qkv.torch users) need it.
 "${pip_install[@]}" "torch==2.13.0" "numpy>=1.23" "pytest>=7"
+# transformers, for tests/python/test_transformers.py (qkv.transformers), pinned to the
+# release those tests were written against: 5.x routes BERT through the attention
+# registry too (4.57.1 passes the decoder tests and skips the BERT ones).
+"${pip_install[@]}" "transformers==5.24.0"
+# NumPy's bfloat16 (qkv reads ml_dtypes.bfloat16 arrays in place; the test is skipped
+# without it).
+"${pip_install[@]}" "ml_dtypes>=0.4"
 # The build backend and its tools, installed here so that the build below can run
 # without an isolated environment (which would move nanobind and force a full rebuild).
 "${pip_install[@]}" "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja

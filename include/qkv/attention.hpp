@@ -18,33 +18,57 @@
 // Every function validates all arguments before touching any output and throws
 // qkv::Error on a bad call. float runs on every backend; double runs on the reference
 // backend (Backend::automatic picks it), which is what gradient checks want.
+//
+// Half precision: bfloat16 and float16 (qkv/half.hpp) run on every backend. q, k, v,
+// out, dout, dq, dk, dv are all of the call's one storage type; lse is always float
+// (LseOf<T>). The cpu kernels widen inputs exactly to float, compute in float and round
+// each output element once (to nearest even); the reference widens them to double.
 #pragma once
 
 #include <cstdint>
 #include <span>
 
 #include "qkv/attention_stats.hpp"
+#include "qkv/half.hpp"
 #include "qkv/options.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
 
+// The element type of lse for storage type T: float for the 16-bit types (a log-sum-exp
+// rounded to 8 or 11 bits would cost the backward its accuracy), T otherwise.
+template <class T>
+struct LseType {
+  using type = T;
+};
+template <>
+struct LseType<bfloat16> {
+  using type = float;
+};
+template <>
+struct LseType<float16> {
+  using type = float;
+};
+template <class T>
+using LseOf = typename LseType<T>::type;
+
 template <class T>
 struct ForwardArgs {
   View4<const T> q, k, v;
   View4<T> out;
-  View3<T> lse;      // optional: log-sum-exp of each row, needed by attention_backward
+  View3<LseOf<T>> lse;  // optional: log-sum-exp of each row, needed by attention_backward
   View4<T> weights;  // optional: the attention weights P (reference backend only)
   // Optional: softmax saturation and entropy per head and per row, written into the
-  // views it holds (qkv/attention_stats.hpp). Null: not computed, at no cost.
-  const AttentionStats<T>* stats = nullptr;
+  // views it holds (qkv/attention_stats.hpp; float for the 16-bit types, like lse).
+  // Null: not computed, at no cost.
+  const AttentionStats<LseOf<T>>* stats = nullptr;
 };
 
 template <class T>
 struct BackwardArgs {
   View4<const T> q, k, v;
   View4<const T> out;   // the forward's output
-  View3<const T> lse;   // the forward's log-sum-exp
+  View3<const LseOf<T>> lse;  // the forward's log-sum-exp
   View4<const T> dout;  // ∂L/∂out
   View4<T> dq, dk, dv;  // written, not accumulated into
   // With options.sinks: ∂L/∂sinks, one per query head (float, written). Optional.
@@ -53,9 +77,13 @@ struct BackwardArgs {
 
 void attention_forward(const ForwardArgs<float>& args, const AttentionOptions& options = {});
 void attention_forward(const ForwardArgs<double>& args, const AttentionOptions& options = {});
+void attention_forward(const ForwardArgs<bfloat16>& args, const AttentionOptions& options = {});
+void attention_forward(const ForwardArgs<float16>& args, const AttentionOptions& options = {});
 
 void attention_backward(const BackwardArgs<float>& args, const AttentionOptions& options = {});
 void attention_backward(const BackwardArgs<double>& args, const AttentionOptions& options = {});
+void attention_backward(const BackwardArgs<bfloat16>& args, const AttentionOptions& options = {});
+void attention_backward(const BackwardArgs<float16>& args, const AttentionOptions& options = {});
 
 // ---------------------------------------------------------------------------------------
 // Varlen (packed) attention, FlashAttention's `flash_attn_varlen_func` layout: a batch of
@@ -90,20 +118,20 @@ template <class T>
 struct VarlenForwardArgs {
   View3<const T> q, k, v;
   View3<T> out;
-  TensorView<T, 2> lse;  // optional: [Hq, total_q], needed by the backward
+  TensorView<LseOf<T>, 2> lse;  // optional: [Hq, total_q], needed by the backward
   SeqOffsets cu_seqlens_q, cu_seqlens_k;
   // Optional (0: not given). When given, must be ≥ every sequence's length (as in
   // FlashAttention, where it sizes the launch); qkv needs neither and checks both.
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   // Optional: per-sequence and per-row softmax statistics (qkv/attention_stats.hpp).
-  const VarlenAttentionStats<T>* stats = nullptr;
+  const VarlenAttentionStats<LseOf<T>>* stats = nullptr;
 };
 
 template <class T>
 struct VarlenBackwardArgs {
   View3<const T> q, k, v;
   View3<const T> out;
-  TensorView<const T, 2> lse;
+  TensorView<const LseOf<T>, 2> lse;
   View3<const T> dout;
   View3<T> dq, dk, dv;  // written, not accumulated into
   std::span<float> dsinks;  // optional, with options.sinks
@@ -115,9 +143,17 @@ void varlen_attention_forward(const VarlenForwardArgs<float>& args,
                               const AttentionOptions& options = {});
 void varlen_attention_forward(const VarlenForwardArgs<double>& args,
                               const AttentionOptions& options = {});
+void varlen_attention_forward(const VarlenForwardArgs<bfloat16>& args,
+                              const AttentionOptions& options = {});
+void varlen_attention_forward(const VarlenForwardArgs<float16>& args,
+                              const AttentionOptions& options = {});
 void varlen_attention_backward(const VarlenBackwardArgs<float>& args,
                                const AttentionOptions& options = {});
 void varlen_attention_backward(const VarlenBackwardArgs<double>& args,
+                               const AttentionOptions& options = {});
+void varlen_attention_backward(const VarlenBackwardArgs<bfloat16>& args,
+                               const AttentionOptions& options = {});
+void varlen_attention_backward(const VarlenBackwardArgs<float16>& args,
                                const AttentionOptions& options = {});
 
 // The backend `Backend::automatic` resolves to for this element type and these outputs.

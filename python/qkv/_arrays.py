@@ -3,6 +3,11 @@
 Outputs are allocated in the caller's type (and, for torch, its device and dtype), and
 the [batch, heads, seq, dim] <-> [batch, seq, heads, dim] change of layout is a view
 (a transpose), never a copy. torch is imported only when the caller already has it.
+
+Half precision: float16 arrays go to the library as they are; bfloat16 (torch's, or
+ml_dtypes' for NumPy), which NumPy cannot describe, goes as an int16 view of the same
+memory with ``storage="bfloat16"`` telling the library what the bits are. The
+log-sum-exp of a 16-bit call is float32.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ def _is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _is_numpy_bfloat16(dtype) -> bool:
+    return dtype.name == "bfloat16"  # ml_dtypes.bfloat16 (NumPy has no bfloat16 of its own)
+
+
 class NumPy:
     name = "numpy"
 
@@ -34,12 +43,27 @@ class NumPy:
         return np.empty(shape, dtype=like.dtype)
 
     @staticmethod
+    def empty_lse(shape, like):
+        """The log-sum-exp output: float32 for 16-bit inputs, else like's dtype."""
+        return np.empty(shape, dtype=np.float32 if NumPy.is_half(like) else like.dtype)
+
+    @staticmethod
     def swap_axes_1_2(x):
         return x.swapaxes(1, 2)
 
     @staticmethod
     def for_library(x):
-        return x
+        """x, or for ml_dtypes bfloat16 an int16 view of the same memory."""
+        return x.view(np.int16) if _is_numpy_bfloat16(x.dtype) else x
+
+    @staticmethod
+    def storage(x) -> str:
+        """The library's `storage` argument for a call whose q is x."""
+        return "bfloat16" if _is_numpy_bfloat16(x.dtype) else ""
+
+    @staticmethod
+    def is_half(x) -> bool:
+        return x.dtype == np.float16 or _is_numpy_bfloat16(x.dtype)
 
     @staticmethod
     def dtype_name(x) -> str:
@@ -101,6 +125,14 @@ class Torch:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
 
     @staticmethod
+    def empty_lse(shape, like):
+        """The log-sum-exp output: float32 for 16-bit inputs, else like's dtype."""
+        import torch
+
+        dtype = torch.float32 if Torch.is_half(like) else like.dtype
+        return torch.empty(shape, dtype=dtype, device=like.device)
+
+    @staticmethod
     def swap_axes_1_2(x):
         return x.transpose(1, 2)
 
@@ -110,9 +142,29 @@ class Torch:
         view (.numpy() shares the memory, strides included, and nanobind imports it in
         about a microsecond, where torch's own __dlpack__ costs ~10 µs in Python per
         tensor). Other devices go through DLPack so the library can name the device.
-        Detached first: the library records no autograd graph."""
+        Detached first: the library records no autograd graph. bfloat16, which NumPy
+        cannot hold, goes as an int16 view of the same memory (see storage())."""
+        import torch
+
         x = x.detach()
-        return x.numpy() if x.device.type == "cpu" else x
+        if x.device.type != "cpu":
+            return x
+        if x.dtype == torch.bfloat16:
+            x = x.view(torch.int16)
+        return x.numpy()
+
+    @staticmethod
+    def storage(x) -> str:
+        """The library's `storage` argument for a call whose q is x."""
+        import torch
+
+        return "bfloat16" if x.dtype == torch.bfloat16 else ""
+
+    @staticmethod
+    def is_half(x) -> bool:
+        import torch
+
+        return x.dtype in (torch.bfloat16, torch.float16)
 
     @staticmethod
     def dtype_name(x) -> str:

@@ -48,8 +48,11 @@ _COMMON_DOC = """
     A query row whose keys are all removed gives output 0, log-sum-exp -inf and zero
     gradients, never NaN.
 
-    Raises TypeError for a wrong array type, dtype (float32 or float64 only) or device
-    (CPU only), and ValueError (qkv.Error) for anything else, with the library's message
+    dtypes: float32, float64, float16 or bfloat16 (torch's, or ml_dtypes' with NumPy),
+    one for q, k, v. The 16-bit ones are read in place, widened exactly to float32,
+    computed in float32 and rounded once to the input dtype; their lse is float32.
+
+    Raises TypeError for a wrong array type, dtype or device (CPU only), and ValueError (qkv.Error) for anything else, with the library's message
     naming the argument, the expected and the actual value. The GIL is released while
     the library computes.
 """

@@ -22,7 +22,7 @@ def forward(fw, q, k, v, *, layout: str, options: Options, want_lse: bool,
     k_len = dims(k, layout)[1]
     v_dim = dims(v, layout)[3]
     out, out_view = empty_in_layout(fw, q, batch, q_len, q_heads, v_dim, layout)
-    lse = fw.empty((batch, q_heads, q_len), q) if want_lse else None
+    lse = fw.empty_lse((batch, q_heads, q_len), q) if want_lse else None
     weights = fw.empty((batch, q_heads, q_len, k_len), q) if want_weights else None
     _qkv.forward(
         to_logical(fw, q, layout),
@@ -32,6 +32,7 @@ def forward(fw, q, k, v, *, layout: str, options: Options, want_lse: bool,
         lse=None if lse is None else fw.for_library(lse),
         weights=None if weights is None else fw.for_library(weights),
         stats=stats,
+        storage=fw.storage(q),
         **options.for_library(fw),
     )
     return out, lse, weights
@@ -53,6 +54,7 @@ def backward(fw, q, k, v, out, lse, dout, *, layout: str, options: Options, dsin
         fw.for_library(dq_view),
         fw.for_library(dk_view),
         fw.for_library(dv_view),
+        storage=fw.storage(q),
         dsinks=None if dsinks is None else fw.for_library(dsinks),
         **options.for_library(fw),
     )

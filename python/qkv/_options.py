@@ -4,7 +4,8 @@ Masks follow PyTorch: shape [B|1, H|1, Nq|1, Nk] over the score matrix, whatever
 layout of q, k and v, with fewer dimensions broadcast from the left. A boolean (or uint8)
 mask says which keys take part (True = attend); a float mask is added to the scaled
 logits (-inf removes a key). qkv adds float masks in float32: a float64 mask is rounded
-to float32 first (one copy), which is exact for 0 and ±inf.
+to float32 first (one copy), which is exact for 0 and ±inf; a float16 or bfloat16 mask is
+widened to float32 (one copy, exact).
 """
 
 from __future__ import annotations
@@ -105,11 +106,11 @@ def mask_arrays(function: str, fw, mask):
         return mask, None
     if fw.is_float32(mask):
         return None, mask
-    if fw.is_float64(mask):
+    if fw.is_float64(mask) or fw.is_half(mask):
         return None, fw.to_float32(mask)
     raise TypeError(
-        f"{function}: mask: expected dtype bool or uint8 (True = attend) or float32/float64 "
-        f"(added to the logits), got {fw.dtype_name(mask)}"
+        f"{function}: mask: expected dtype bool or uint8 (True = attend) or float32, float64, "
+        f"float16 or bfloat16 (added to the logits), got {fw.dtype_name(mask)}"
     )
 
 

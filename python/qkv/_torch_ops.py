@@ -63,7 +63,8 @@ def _(q, k, v, keep, bias, key_lengths, scale, causal, layout, backend, threads,
     batch, q_len, q_heads, _ = dims(q, layout)
     v_dim = dims(v, layout)[3]
     shape = (batch, q_heads, q_len, v_dim) if layout == "bhsd" else (batch, q_len, q_heads, v_dim)
-    return q.new_empty(shape), q.new_empty((batch, q_heads, q_len))
+    lse_dtype = torch.float32 if Torch.is_half(q) else q.dtype
+    return q.new_empty(shape), q.new_empty((batch, q_heads, q_len), dtype=lse_dtype)
 
 
 @torch.library.custom_op("qkv::attention_backward", mutates_args=())

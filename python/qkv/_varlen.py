@@ -18,6 +18,8 @@ _DOC = """
     causal: None, ``"top_left"`` or ``"bottom_right"``, applied per sequence.
     scale: default 1/sqrt(d). Hq a multiple of Hkv (GQA). threads: None = all.
     Errors name the argument (qkv.Error), e.g. a cu_seqlens entry that decreases.
+    dtypes: float32, float64, float16 or bfloat16 (one for q, k, v; lse is float32 for
+    the 16-bit ones, which are computed in float32 and rounded once on output).
     Variants as in qkv.attention: window, alibi_slopes, softcap, sinks (differentiable for
     torch; varlen_attention_backward then also returns dsinks), dropout_p, seed.
 """
@@ -51,10 +53,10 @@ def _check_rank3(fn, **arrays):
 
 def _forward(fw, q, k, v, cu_q, cu_k, settings, stats=None):
     out = fw.empty((q.shape[0], q.shape[1], v.shape[2]), q)
-    lse = fw.empty((q.shape[1], q.shape[0]), q)
+    lse = fw.empty_lse((q.shape[1], q.shape[0]), q)
     _qkv.varlen_forward(fw.for_library(q), fw.for_library(k), fw.for_library(v),
                         fw.for_library(out), cu_q, cu_k, lse=fw.for_library(lse), stats=stats,
-                        **settings)
+                        storage=fw.storage(q), **settings)
     return out, lse
 
 
@@ -64,7 +66,7 @@ def _backward(fw, q, k, v, out, lse, dout, cu_q, cu_k, settings, dsinks=None):
                          fw.for_library(out), fw.for_library(lse), fw.for_library(dout),
                          fw.for_library(dq), fw.for_library(dk), fw.for_library(dv),
                          cu_q, cu_k, dsinks=None if dsinks is None else fw.for_library(dsinks),
-                         **settings)
+                         storage=fw.storage(q), **settings)
     return dq, dk, dv
 
 

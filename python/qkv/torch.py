@@ -57,8 +57,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     - Keyword-only extensions (qkv.attention documents them): ``window=(left, right)``,
       ``alibi_slopes``, ``softcap``, ``sinks`` (differentiable). Calls using them or
       dropout run eagerly (not under torch.compile yet).
-    - float32 and float64 on the CPU only (TypeError otherwise): convert half precision
-      with ``.float()``.
+    - float32, float64, bfloat16 and float16 on the CPU only (TypeError otherwise).
+      bfloat16 and float16 are read in place, computed in float32 and rounded once to
+      the input dtype (gradients too).
     - ``scale`` must be finite and > 0, and E >= 1.
     - A float ``attn_mask`` that requires grad raises NotImplementedError (its gradient
       is not implemented yet); a bool mask or a detached float mask is fine.
@@ -141,9 +142,9 @@ def _check_tensors(query, key, value):
     if not query.dtype == key.dtype == value.dtype:
         raise TypeError(f"{_FN}: expected query, key and value of one dtype, got "
                         f"{query.dtype}, {key.dtype} and {value.dtype}")
-    if query.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"{_FN}: qkv computes in torch.float32 or torch.float64, got "
-                        f"{query.dtype} (convert with .float())")
+    if query.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise TypeError(f"{_FN}: qkv takes torch.float32, torch.float64, torch.bfloat16 or "
+                        f"torch.float16, got {query.dtype}")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.device.type != "cpu":
             raise TypeError(f"{_FN}: {name}: qkv computes on the CPU, got a tensor on "

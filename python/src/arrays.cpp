@@ -48,6 +48,31 @@ void expect_dtype(const char* name, nb::dlpack::dtype actual, nb::dlpack::dtype 
   }
 }
 
+CallStorage call_storage(const InArray& q, const std::string& storage) {
+  expect_cpu("q", q.device_type());
+  if (storage == "bfloat16" || storage == "float16") {
+    const bool half_dtype = q.dtype() == (storage == "bfloat16" ? dlpack_dtype<bfloat16>()
+                                                              : dlpack_dtype<float16>());
+    if (!half_dtype && !holds_16_bit_patterns(q.dtype())) {
+      throw nb::type_error(("q: expected dtype " + storage + " (or 16-bit integers holding " +
+                            storage + " bits), got " + dtype_name(q.dtype()))
+                               .c_str());
+    }
+    return {storage == "bfloat16" ? Storage::bfloat16 : Storage::float16, true};
+  }
+  if (!storage.empty()) {
+    throw nb::value_error(("storage: expected '', 'bfloat16' or 'float16', got '" + storage + "'")
+                              .c_str());
+  }
+  if (q.dtype() == nb::dtype<float>()) return {Storage::float32, false};
+  if (q.dtype() == nb::dtype<double>()) return {Storage::float64, false};
+  if (q.dtype() == dlpack_dtype<bfloat16>()) return {Storage::bfloat16, false};
+  if (q.dtype() == dlpack_dtype<float16>()) return {Storage::float16, false};
+  throw nb::type_error(("q: expected dtype float32, float64, bfloat16 or float16, got " +
+                        dtype_name(q.dtype()))
+                           .c_str());
+}
+
 TensorView<const std::uint8_t, 4> byte_mask_view(const char* name, const InArray& array) {
   // bool and uint8 are the same bytes: re-describe the array, never convert it.
   if (array.dtype() == nb::dtype<bool>()) return raw_view<const std::uint8_t, 4>(name, array);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 
+#include "qkv/half.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv::python {
@@ -53,16 +54,72 @@ TensorView<T, R> raw_view(const char* name, const Array& array) {
   return TensorView<T, R>(data, shape, strides);
 }
 
+// The DLPack dtype of an element type, the 16-bit storage types included.
+template <class T>
+nb::dlpack::dtype dlpack_dtype() {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  } else if constexpr (std::is_same_v<T, float16>) {
+    return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+  } else {
+    return nb::dtype<T>();
+  }
+}
+
+// Whether `dtype` is 16-bit integers: how the Python package hands over bfloat16 memory
+// that NumPy cannot describe (torch's `tensor.view(torch.int16).numpy()`, an
+// ml_dtypes array's `.view(np.int16)`): the same bytes, read as the call's storage type.
+inline bool holds_16_bit_patterns(nb::dlpack::dtype dtype) {
+  return dtype == nb::dtype<std::int16_t>() || dtype == nb::dtype<std::uint16_t>();
+}
+
 // A view of `array` as T, rank R; `because` says where the expected dtype comes from
-// ("the dtype of q").
+// ("the dtype of q"). For the 16-bit types, with `bits` set (the call's storage was named
+// explicitly), 16-bit integer arrays are taken as holding T's bit patterns.
 template <class T, int R, class Array>
-TensorView<T, R> view_of(const char* name, const Array& array, const char* because) {
-  expect_dtype(name, array.dtype(), nb::dtype<std::remove_const_t<T>>(), because);
+TensorView<T, R> view_of(const char* name, const Array& array, const char* because,
+                         bool bits = false) {
+  using Element = std::remove_const_t<T>;
+  if constexpr (std::is_same_v<Element, bfloat16> || std::is_same_v<Element, float16>) {
+    if (bits && holds_16_bit_patterns(array.dtype())) return raw_view<T, R>(name, array);
+  }
+  expect_dtype(name, array.dtype(), dlpack_dtype<Element>(), because);
   return raw_view<T, R>(name, array);
+}
+
+// The storage type of a call: named by the caller ("bfloat16"/"float16", for arrays
+// that hold the bits as 16-bit integers) or, when `storage` is empty, q's own dtype.
+enum class Storage { float32, float64, bfloat16, float16 };
+struct CallStorage {
+  Storage type;
+  bool bits;  // 16-bit integer arrays hold the storage type's bit patterns
+};
+CallStorage call_storage(const InArray& q, const std::string& storage);
+
+// Runs f.template operator()<T>() for the call's storage type T.
+template <class F>
+void with_storage(const CallStorage& storage, F&& f) {
+  switch (storage.type) {
+    case Storage::float32: return f.template operator()<float>();
+    case Storage::float64: return f.template operator()<double>();
+    case Storage::bfloat16: return f.template operator()<bfloat16>();
+    case Storage::float16: return f.template operator()<float16>();
+  }
 }
 
 // A boolean or uint8 array as the uint8 view qkv's keep masks use (same bytes: NumPy
 // and PyTorch store bool as one byte holding 0 or 1).
 TensorView<const std::uint8_t, 4> byte_mask_view(const char* name, const InArray& array);
+
+// Calls float32() or float64(), decided by q's dtype; anything else is a TypeError naming
+// q's dtype. The entry points whose other arrays follow q's dtype dispatch through this.
+template <class Float32, class Float64>
+void dispatch_on_q(const InArray& q, Float32&& float32, Float64&& float64) {
+  expect_cpu("q", q.device_type());
+  if (q.dtype() == nb::dtype<float>()) return float32();
+  if (q.dtype() == nb::dtype<double>()) return float64();
+  throw nb::type_error(
+      ("q: expected dtype float32 or float64, got " + dtype_name(q.dtype())).c_str());
+}
 
 }  // namespace qkv::python

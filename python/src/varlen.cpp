@@ -14,6 +14,9 @@ namespace qkv::python {
 namespace {
 
 constexpr const char* kAsQ = "the dtype of q";
+template <class T>
+constexpr const char* kLseBecause =
+    std::is_same_v<LseOf<T>, T> ? kAsQ : "lse is float32 for 16-bit inputs";
 
 // A contiguous int32 or int64 vector as the library's SeqOffsets.
 SeqOffsets offsets_of(const char* name, const InArray& array) {
@@ -50,20 +53,20 @@ template <class T>
 void forward_typed(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
                    const std::optional<OutArray>& lse, const InArray& cu_q, const InArray& cu_k,
                    int64_t max_q, int64_t max_k, const std::optional<nanobind::dict>& stats,
-                   const AttentionOptions& options) {
+                   const AttentionOptions& options, bool bits) {
   VarlenForwardArgs<T> args;
-  args.q = view_of<const T, 3>("q", q, kAsQ);
-  args.k = view_of<const T, 3>("k", k, kAsQ);
-  args.v = view_of<const T, 3>("v", v, kAsQ);
-  args.out = view_of<T, 3>("out", out, kAsQ);
-  if (lse) args.lse = view_of<T, 2>("lse", *lse, kAsQ);
+  args.q = view_of<const T, 3>("q", q, kAsQ, bits);
+  args.k = view_of<const T, 3>("k", k, kAsQ, bits);
+  args.v = view_of<const T, 3>("v", v, kAsQ, bits);
+  args.out = view_of<T, 3>("out", out, kAsQ, bits);
+  if (lse) args.lse = view_of<LseOf<T>, 2>("lse", *lse, kLseBecause<T>);
   args.cu_seqlens_q = offsets_of("cu_seqlens_q", cu_q);
   args.cu_seqlens_k = offsets_of("cu_seqlens_k", cu_k);
   args.max_seqlen_q = max_q;
   args.max_seqlen_k = max_k;
-  VarlenAttentionStats<T> stats_out;
+  VarlenAttentionStats<LseOf<T>> stats_out;  // float for 16-bit inputs, like lse
   if (stats) {
-    stats_out = stats_views<T, 2>(*stats);
+    stats_out = stats_views<LseOf<T>, 2>(*stats, kLseBecause<T>);
     args.stats = &stats_out;
   }
   nanobind::gil_scoped_release release;
@@ -75,36 +78,28 @@ void backward_typed(const InArray& q, const InArray& k, const InArray& v, const 
                     const InArray& lse, const InArray& dout, const OutArray& dq,
                     const OutArray& dk, const OutArray& dv, const InArray& cu_q,
                     const InArray& cu_k, int64_t max_q, int64_t max_k,
-                    const std::optional<OutArray>& dsinks, const AttentionOptions& options) {
+                    const std::optional<OutArray>& dsinks, const AttentionOptions& options,
+                    bool bits) {
   VarlenBackwardArgs<T> args;
   if (dsinks) {
     const auto view = view_of<float, 1>("dsinks", *dsinks, "sinks are float32");
     args.dsinks = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
   }
-  args.q = view_of<const T, 3>("q", q, kAsQ);
-  args.k = view_of<const T, 3>("k", k, kAsQ);
-  args.v = view_of<const T, 3>("v", v, kAsQ);
-  args.out = view_of<const T, 3>("out", out, kAsQ);
-  args.lse = view_of<const T, 2>("lse", lse, kAsQ);
-  args.dout = view_of<const T, 3>("dout", dout, kAsQ);
-  args.dq = view_of<T, 3>("dq", dq, kAsQ);
-  args.dk = view_of<T, 3>("dk", dk, kAsQ);
-  args.dv = view_of<T, 3>("dv", dv, kAsQ);
+  args.q = view_of<const T, 3>("q", q, kAsQ, bits);
+  args.k = view_of<const T, 3>("k", k, kAsQ, bits);
+  args.v = view_of<const T, 3>("v", v, kAsQ, bits);
+  args.out = view_of<const T, 3>("out", out, kAsQ, bits);
+  args.lse = view_of<const LseOf<T>, 2>("lse", lse, kLseBecause<T>);
+  args.dout = view_of<const T, 3>("dout", dout, kAsQ, bits);
+  args.dq = view_of<T, 3>("dq", dq, kAsQ, bits);
+  args.dk = view_of<T, 3>("dk", dk, kAsQ, bits);
+  args.dv = view_of<T, 3>("dv", dv, kAsQ, bits);
   args.cu_seqlens_q = offsets_of("cu_seqlens_q", cu_q);
   args.cu_seqlens_k = offsets_of("cu_seqlens_k", cu_k);
   args.max_seqlen_q = max_q;
   args.max_seqlen_k = max_k;
   nanobind::gil_scoped_release release;
   varlen_attention_backward(args, options);
-}
-
-template <class Float32, class Float64>
-void dispatch_on_q(const InArray& q, Float32&& float32, Float64&& float64) {
-  expect_cpu("q", q.device_type());
-  if (q.dtype() == nanobind::dtype<float>()) return float32();
-  if (q.dtype() == nanobind::dtype<double>()) return float64();
-  throw nanobind::type_error(
-      ("q: expected dtype float32 or float64, got " + dtype_name(q.dtype())).c_str());
 }
 
 }  // namespace
@@ -116,25 +111,22 @@ void bind_varlen(nanobind::module_& m) {
       [](const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
          const InArray& cu_q, const InArray& cu_k, std::optional<OutArray> lse, int64_t max_q,
          int64_t max_k, std::optional<double> scale, std::string causal, std::string backend,
-         int threads, bool check_finite, std::optional<nb::dict> stats,
+         int threads, bool check_finite, std::string storage, std::optional<nb::dict> stats,
          const nb::kwargs& variants) {
+        const CallStorage call = call_storage(q, storage);
         const AttentionOptions options =
             varlen_options(scale, causal, backend, threads, check_finite, variants);
-        dispatch_on_q(
-            q,
-            [&] {
-              forward_typed<float>(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, stats, options);
-            },
-            [&] {
-              forward_typed<double>(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, stats, options);
-            });
+        with_storage(call, [&]<class T>() {
+          forward_typed<T>(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, stats, options,
+                           call.bits);
+        });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("cu_seqlens_q"),
       nb::arg("cu_seqlens_k"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
       nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
       nb::arg("scale").none() = nb::none(), nb::arg("causal") = "none",
       nb::arg("backend") = "auto", nb::arg("threads") = 0, nb::arg("check_finite") = false,
-      nb::arg("stats").none() = nb::none(), nb::arg("variants"),
+      nb::arg("storage") = "", nb::arg("stats").none() = nb::none(), nb::arg("variants"),
       "qkv::varlen_attention_forward on packed [total, heads, dim] arrays; writes out (and "
       "lse [heads, total_q], and the stats dict's arrays) in place. The GIL is released "
       "while computing.");
@@ -144,27 +136,23 @@ void bind_varlen(nanobind::module_& m) {
          const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
          const OutArray& dv, const InArray& cu_q, const InArray& cu_k, int64_t max_q,
          int64_t max_k, std::optional<double> scale, std::string causal, std::string backend,
-         int threads, bool check_finite, std::optional<OutArray> dsinks,
+         int threads, bool check_finite, std::optional<OutArray> dsinks, std::string storage,
          const nb::kwargs& variants) {
+        const CallStorage call = call_storage(q, storage);
         const AttentionOptions options =
             varlen_options(scale, causal, backend, threads, check_finite, variants);
-        dispatch_on_q(
-            q,
-            [&] {
-              backward_typed<float>(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, max_q,
-                                    max_k, dsinks, options);
-            },
-            [&] {
-              backward_typed<double>(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, max_q,
-                                     max_k, dsinks, options);
-            });
+        with_storage(call, [&]<class T>() {
+          backward_typed<T>(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, max_q, max_k,
+                            dsinks, options, call.bits);
+        });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"),
       nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("cu_seqlens_q"),
       nb::arg("cu_seqlens_k"), nb::kw_only(), nb::arg("max_seqlen_q") = 0,
       nb::arg("max_seqlen_k") = 0, nb::arg("scale").none() = nb::none(),
       nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
-      nb::arg("check_finite") = false, nb::arg("dsinks").none() = nb::none(), nb::arg("variants"),
+      nb::arg("check_finite") = false, nb::arg("dsinks").none() = nb::none(),
+      nb::arg("storage") = "", nb::arg("variants"),
       "qkv::varlen_attention_backward on packed arrays; writes dq, dk, dv in place.");
 }
 

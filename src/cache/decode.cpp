@@ -2,40 +2,37 @@
 // call as a cpu::DecodeProblem, run the decode kernel.
 #include "qkv/decode.hpp"
 
-#include <algorithm>
-#include <cmath>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "cache/view_checks.hpp"
+#include "core/checker.hpp"
 #include "cpu/decode.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv {
 namespace {
 
-using detail::ViewChecker;
-using detail::ViewFacts;
-using detail::facts_of;
+using detail::Checker;
+using detail::Described;
+using detail::describe;
 
 template <class T>
 cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options) {
-  const ViewChecker check("qkv::decode");
-  const ViewFacts q = facts_of("q", a.q), k = facts_of("k_cache", a.k_cache),
-                  v = facts_of("v_cache", a.v_cache), out = facts_of("out", a.out);
-  for (const ViewFacts* view : {&q, &k, &v, &out}) check.well_formed(*view);
-  check.at_least_one(q, 2, "heads");
-  check.at_least_one(q, 3, "head_dim");
-  check.at_least_one(k, 2, "kv heads");
-  check.extent(k, 3, "head_dim", a.q.shape[3], "as q.shape[3]");
-  check.extent(v, 0, a.block_table.empty() ? "batch" : "blocks", a.k_cache.shape[0],
-               "as k_cache.shape[0]");
-  check.extent(v, 1, a.block_table.empty() ? "capacity" : "block_size", a.k_cache.shape[1],
-               "as k_cache.shape[1]");
-  check.extent(v, 2, "kv heads", a.k_cache.shape[2], "as k_cache.shape[2]");
-  check.at_least_one(v, 3, "head_dim");
+  const Checker check("qkv::decode", Checker::Wording::terse);
+  const Described q = describe("q", a.q), k = describe("k_cache", a.k_cache),
+                  v = describe("v_cache", a.v_cache), out = describe("out", a.out);
+  for (const Described* view : {&q, &k, &v, &out}) check.expect_well_formed(*view);
+  check.expect_at_least_one(q, 2, "heads");
+  check.expect_at_least_one(q, 3, "head_dim");
+  check.expect_at_least_one(k, 2, "kv heads");
+  check.expect_extent(k, 3, "head_dim", a.q.shape[3], "as q.shape[3]");
+  check.expect_extent(v, 0, a.block_table.empty() ? "batch" : "blocks", a.k_cache.shape[0],
+                      "as k_cache.shape[0]");
+  check.expect_extent(v, 1, a.block_table.empty() ? "capacity" : "block_size",
+                      a.k_cache.shape[1], "as k_cache.shape[1]");
+  check.expect_extent(v, 2, "kv heads", a.k_cache.shape[2], "as k_cache.shape[2]");
+  check.expect_at_least_one(v, 3, "head_dim");
   if (a.q.shape[2] % a.k_cache.shape[2] != 0) {
     std::ostringstream msg;
     msg << "q.shape[2] (heads): expected a multiple of k_cache.shape[2] (kv heads) = "
@@ -47,17 +44,17 @@ cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options
 
   // Where keys live: capacity per sequence, and for a paged cache its table.
   int64_t capacity = 0;
-  std::vector<ViewFacts> inputs{q, k, v};
+  std::vector<Described> inputs{q, k, v};
   const bool paged = !a.block_table.empty();
   if (paged) {
-    const ViewFacts table = facts_of("block_table", a.block_table);
-    check.well_formed(table);
-    check.extent(table, 0, "batch", batch, "as q.shape[0]");
-    check.at_least_one(k, 1, "block_size");
+    const Described table = describe("block_table", a.block_table);
+    check.expect_well_formed(table);
+    check.expect_extent(table, 0, "batch", batch, "as q.shape[0]");
+    check.expect_at_least_one(k, 1, "block_size");
     capacity = a.block_table.shape[1] * a.k_cache.shape[1];
     inputs.push_back(table);
   } else {
-    check.extent(k, 0, "batch", batch, "as q.shape[0]");
+    check.expect_extent(k, 0, "batch", batch, "as q.shape[0]");
     capacity = a.k_cache.shape[1];
   }
 
@@ -86,29 +83,25 @@ cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options
     }
   }
 
-  check.extent(out, 0, "batch", batch, "as q.shape[0]");
-  check.extent(out, 1, "seq", q_len, "as q.shape[1]");
-  check.extent(out, 2, "heads", q_heads, "as q.shape[2]");
-  check.extent(out, 3, "head_dim", v_dim, "as v_cache.shape[3]");
-  std::vector<ViewFacts> outputs{out};
+  check.expect_extent(out, 0, "batch", batch, "as q.shape[0]");
+  check.expect_extent(out, 1, "seq", q_len, "as q.shape[1]");
+  check.expect_extent(out, 2, "heads", q_heads, "as q.shape[2]");
+  check.expect_extent(out, 3, "head_dim", v_dim, "as v_cache.shape[3]");
+  std::vector<Described> outputs{out};
   if (!a.lse.empty()) {
-    const ViewFacts lse = facts_of("lse", a.lse);
-    check.well_formed(lse);
-    check.extent(lse, 0, "batch", batch, "as q.shape[0]");
-    check.extent(lse, 1, "heads", q_heads, "as q.shape[2]");
-    check.extent(lse, 2, "seq", q_len, "as q.shape[1]");
+    const Described lse = describe("lse", a.lse);
+    check.expect_well_formed(lse);
+    check.expect_extent(lse, 0, "batch", batch, "as q.shape[0]");
+    check.expect_extent(lse, 1, "heads", q_heads, "as q.shape[2]");
+    check.expect_extent(lse, 2, "seq", q_len, "as q.shape[1]");
     outputs.push_back(lse);
   }
-  check.outputs_apart(outputs, inputs);
+  check.expect_outputs_apart(outputs, inputs);
 
   cpu::DecodeProblem p;
-  p.causal = options.causal;
-  if (p.causal != Causal::none && p.causal != Causal::top_left && p.causal != Causal::bottom_right) {
-    check.fail("options.causal: expected none, top_left or bottom_right, got value " +
-               std::to_string(static_cast<int>(p.causal)));
-  }
-  p.scale = check.scale(options.scale, a.q.shape[3]);
-  p.threads = check.threads(options.threads);
+  p.causal = detail::checked_causal(check, options.causal);
+  p.scale = detail::resolve_scale(check, options.scale, a.q.shape[3]);
+  p.threads = detail::resolve_threads(check, options.threads, "options.threads");
   p.batch = batch;
   p.q_len = q_len;
   p.q_heads = q_heads;

@@ -9,7 +9,7 @@
 #include <string>
 #include <type_traits>
 
-#include "cache/view_checks.hpp"
+#include "core/checker.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv {
@@ -49,7 +49,7 @@ void store_row(StorageType type, const float* src, int64_t count, void* dst) {
 void KVCache::FreeBytes::operator()(std::byte* p) const { std::free(p); }
 
 KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
-  const detail::ViewChecker check("qkv::KVCache");
+  const detail::Checker check("qkv::KVCache");
   auto positive = [&](const char* name, int64_t value) {
     if (value < 1) check.fail(std::string("config.") + name + ": expected >= 1, got " + std::to_string(value));
   };
@@ -97,19 +97,19 @@ std::array<int64_t, 4> KVCache::v_shape() const {
 }
 
 void KVCache::append(View4<const float> k, View4<const float> v, std::span<const int64_t> seqs) {
-  const detail::ViewChecker check("qkv::KVCache::append");
-  const detail::ViewFacts kf = detail::facts_of("k", k), vf = detail::facts_of("v", v);
-  check.well_formed(kf);
-  check.well_formed(vf);
+  const detail::Checker check("qkv::KVCache::append", detail::Checker::Wording::terse);
+  const detail::Described kf = detail::describe("k", k), vf = detail::describe("v", v);
+  check.expect_well_formed(kf);
+  check.expect_well_formed(vf);
   const int64_t count = seqs.empty() ? config_.batch : static_cast<int64_t>(seqs.size());
   const std::string rows_because = seqs.empty() ? "the cache's batch" : "one per entry of seqs";
-  check.extent(kf, 0, "sequences", count, rows_because);
-  check.extent(kf, 2, "kv heads", config_.kv_heads, "the cache's kv_heads");
-  check.extent(kf, 3, "head_dim", config_.head_dim, "the cache's head_dim");
-  check.extent(vf, 0, "sequences", count, rows_because);
-  check.extent(vf, 1, "tokens", k.shape[1], "as k.shape[1]");
-  check.extent(vf, 2, "kv heads", config_.kv_heads, "the cache's kv_heads");
-  check.extent(vf, 3, "head_dim", config_.v_dim, "the cache's v_dim");
+  check.expect_extent(kf, 0, "sequences", count, rows_because);
+  check.expect_extent(kf, 2, "kv heads", config_.kv_heads, "the cache's kv_heads");
+  check.expect_extent(kf, 3, "head_dim", config_.head_dim, "the cache's head_dim");
+  check.expect_extent(vf, 0, "sequences", count, rows_because);
+  check.expect_extent(vf, 1, "tokens", k.shape[1], "as k.shape[1]");
+  check.expect_extent(vf, 2, "kv heads", config_.kv_heads, "the cache's kv_heads");
+  check.expect_extent(vf, 3, "head_dim", config_.v_dim, "the cache's v_dim");
   const int64_t tokens = k.shape[1];
 
   std::vector<bool> seen(static_cast<std::size_t>(config_.batch), false);
@@ -168,7 +168,7 @@ void KVCache::reset() {
 
 void KVCache::reset(int64_t seq) {
   if (seq < 0 || seq >= config_.batch)
-    detail::ViewChecker("qkv::KVCache::reset").fail("seq: expected 0.." + std::to_string(config_.batch - 1) + ", got " + std::to_string(seq));
+    detail::Checker("qkv::KVCache::reset").fail("seq: expected 0.." + std::to_string(config_.batch - 1) + ", got " + std::to_string(seq));
   lengths_[static_cast<std::size_t>(seq)] = 0;
   if (!config_.paged) return;
   for (int64_t j = 0; j < blocks_per_sequence_; ++j) {
@@ -181,7 +181,7 @@ void KVCache::reset(int64_t seq) {
 template <class T>
 DecodeArgs<T> KVCache::views() const {
   if (storage_type_of<T> != config_.dtype)
-    detail::ViewChecker("qkv::KVCache::views").fail(std::string("the cache stores ") + storage_name(config_.dtype) +
+    detail::Checker("qkv::KVCache::views").fail(std::string("the cache stores ") + storage_name(config_.dtype) +
                                                    ", asked for " + storage_name(storage_type_of<T>));
   DecodeArgs<T> args;
   args.k_cache = View4<const T>::contiguous(static_cast<const T*>(k_data()), k_shape());

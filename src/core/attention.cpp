@@ -19,15 +19,18 @@ Backend resolve_backend(const AttentionOptions& options, bool is_double, bool wa
 
 namespace {
 
-// Validation has already refused cpu for double and for weights.
+// Validation has already refused cpu for double and for weights. The cpu kernels take
+// float and the 16-bit storage types (widened to float inside).
 template <class T>
 void run_forward(const detail::ForwardProblem<T>& problem, Backend backend) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (!std::is_same_v<T, double>) {
     if (backend == Backend::cpu) {
-      // Few queries against many keys: the decode kernel reads each K/V head once per
-      // GQA group and splits the keys across threads. It keeps no softmax statistics
-      // (yet): calls that ask for them run the tiled forward, which does.
-      if (!problem.collect_stats && cpu::forward_by_decode(problem)) return;
+      if constexpr (std::is_same_v<T, float>) {
+        // Few queries against many keys: the decode kernel reads each K/V head once per
+        // GQA group and splits the keys across threads. It keeps no softmax statistics
+        // (yet): calls that ask for them run the tiled forward, which does.
+        if (!problem.collect_stats && cpu::forward_by_decode(problem)) return;
+      }
       return cpu::forward(problem);
     }
   }
@@ -36,53 +39,58 @@ void run_forward(const detail::ForwardProblem<T>& problem, Backend backend) {
 
 template <class T>
 void run_backward(const detail::BackwardProblem<T>& problem, Backend backend) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (!std::is_same_v<T, double>) {
     if (backend == Backend::cpu) return cpu::backward(problem);
   }
   reference::backward(problem);
 }
 
-}  // namespace
-
-void attention_forward(const ForwardArgs<float>& args, const AttentionOptions& options) {
+template <class T>
+void forward_entry(const ForwardArgs<T>& args, const AttentionOptions& options) {
   const auto problem = detail::validate(args, options);
-  run_forward(problem, resolve_backend(options, false, !args.weights.empty()));
+  run_forward(problem, resolve_backend(options, std::is_same_v<T, double>, !args.weights.empty()));
 }
 
-void attention_forward(const ForwardArgs<double>& args, const AttentionOptions& options) {
+template <class T>
+void backward_entry(const BackwardArgs<T>& args, const AttentionOptions& options) {
   const auto problem = detail::validate(args, options);
-  run_forward(problem, resolve_backend(options, true, !args.weights.empty()));
-}
-
-void attention_backward(const BackwardArgs<float>& args, const AttentionOptions& options) {
-  const auto problem = detail::validate(args, options);
-  run_backward(problem, resolve_backend(options, false, false));
-}
-
-void attention_backward(const BackwardArgs<double>& args, const AttentionOptions& options) {
-  const auto problem = detail::validate(args, options);
-  run_backward(problem, resolve_backend(options, true, false));
+  run_backward(problem, resolve_backend(options, std::is_same_v<T, double>, false));
 }
 
 // Varlen calls validate into ordinary problems (batch entries = sequences).
-void varlen_attention_forward(const VarlenForwardArgs<float>& args,
-                              const AttentionOptions& options) {
-  run_forward(detail::validate(args, options), resolve_backend(options, false, false));
+template <class T>
+void varlen_forward_entry(const VarlenForwardArgs<T>& args, const AttentionOptions& options) {
+  run_forward(detail::validate(args, options),
+              resolve_backend(options, std::is_same_v<T, double>, false));
 }
 
-void varlen_attention_forward(const VarlenForwardArgs<double>& args,
-                              const AttentionOptions& options) {
-  run_forward(detail::validate(args, options), resolve_backend(options, true, false));
+template <class T>
+void varlen_backward_entry(const VarlenBackwardArgs<T>& args, const AttentionOptions& options) {
+  run_backward(detail::validate(args, options),
+               resolve_backend(options, std::is_same_v<T, double>, false));
 }
 
-void varlen_attention_backward(const VarlenBackwardArgs<float>& args,
-                               const AttentionOptions& options) {
-  run_backward(detail::validate(args, options), resolve_backend(options, false, false));
-}
+}  // namespace
 
-void varlen_attention_backward(const VarlenBackwardArgs<double>& args,
-                               const AttentionOptions& options) {
-  run_backward(detail::validate(args, options), resolve_backend(options, true, false));
-}
+#define QKV_DEFINE_ENTRY_POINTS(T)                                                           \
+  void attention_forward(const ForwardArgs<T>& args, const AttentionOptions& options) {      \
+    forward_entry(args, options);                                                            \
+  }                                                                                          \
+  void attention_backward(const BackwardArgs<T>& args, const AttentionOptions& options) {    \
+    backward_entry(args, options);                                                           \
+  }                                                                                          \
+  void varlen_attention_forward(const VarlenForwardArgs<T>& args,                            \
+                                const AttentionOptions& options) {                           \
+    varlen_forward_entry(args, options);                                                     \
+  }                                                                                          \
+  void varlen_attention_backward(const VarlenBackwardArgs<T>& args,                          \
+                                 const AttentionOptions& options) {                          \
+    varlen_backward_entry(args, options);                                                    \
+  }
+QKV_DEFINE_ENTRY_POINTS(float)
+QKV_DEFINE_ENTRY_POINTS(double)
+QKV_DEFINE_ENTRY_POINTS(bfloat16)
+QKV_DEFINE_ENTRY_POINTS(float16)
+#undef QKV_DEFINE_ENTRY_POINTS
 
 }  // namespace qkv

@@ -1,13 +1,14 @@
-// Argument checking shared by the validators of every entry point (validate.cpp,
-// validate_varlen.cpp): a view reduced to what the checks need, and a Checker whose
-// failures throw qkv::Error naming the function, the argument, the expected and the
-// actual value.
+// Argument checking shared by the validators of every entry point (core/validate.cpp,
+// core/validate_varlen.cpp, cache/decode.cpp, cache/kv_cache.cpp): a view reduced to what
+// the checks need, and a Checker whose failures throw qkv::Error naming the function, the
+// argument, the expected and the actual value.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "qkv/error.hpp"
+#include "qkv/half.hpp"
 #include "qkv/options.hpp"
 
 namespace qkv::detail {
@@ -47,6 +49,11 @@ struct Described {
   }
 };
 
+inline double widen_for_check(double value) { return value; }
+inline float widen_for_check(float value) { return value; }
+inline float widen_for_check(bfloat16 value) { return static_cast<float>(value); }
+inline float widen_for_check(float16 value) { return static_cast<float>(value); }
+
 template <class T, int R>
 Described describe(const std::string& name, const TensorView<T, R>& view) {
   Described d;
@@ -71,7 +78,13 @@ inline std::string format_index(const std::array<int64_t, 4>& index, int rank) {
 
 class Checker {
  public:
-  explicit Checker(std::string function) : function_(std::move(function)) {}
+  // How much a failure says beyond "argument: expected …, got …". qkv::decode and KVCache
+  // keep their shorter messages (terse): no "(heads may not be empty)", no count of the
+  // elements an overlapping stride revisits, no shape of a null view.
+  enum class Wording { detailed, terse };
+
+  explicit Checker(std::string function, Wording wording = Wording::detailed)
+      : function_(std::move(function)), wording_(wording) {}
 
   [[noreturn]] void fail(const std::string& what) const {
     throw Error(function_ + ": " + what);
@@ -102,7 +115,8 @@ class Checker {
     if (view.shape[axis] < 1) {
       std::ostringstream out;
       out << view.name << ".shape[" << axis << "] (" << axis_name << "): expected >= 1, got "
-          << view.shape[axis] << " (" << axis_name << " may not be empty)";
+          << view.shape[axis];
+      if (wording_ == Wording::detailed) out << " (" << axis_name << " may not be empty)";
       fail(out.str());
     }
   }
@@ -135,8 +149,10 @@ class Checker {
       fail(out.str());
     }
     if (view.data == nullptr && view.numel() > 0) {
-      fail(view.name + ": data is null but the shape " +
-           format_index(view.shape, view.rank) + " has elements");
+      fail(view.name + ": data is null but the " +
+           (wording_ == Wording::detailed ? "shape " + format_index(view.shape, view.rank)
+                                          : std::string("view")) +
+           " has elements");
     }
   }
 
@@ -155,7 +171,8 @@ class Checker {
         std::ostringstream out;
         out << view.name << ": an output's elements must not overlap, but strides[" << axis
             << "] = " << view.strides[axis] << " revisits memory already spanned by the axes"
-            << " with smaller strides (" << spanned << " elements)";
+            << " with smaller strides";
+        if (wording_ == Wording::detailed) out << " (" << spanned << " elements)";
         fail(out.str());
       }
       spanned = view.strides[axis] * (view.shape[axis] - 1) + spanned;
@@ -172,6 +189,17 @@ class Checker {
     }
   }
 
+  // Every output has one index per element and shares no memory with an input or with
+  // another output.
+  void expect_outputs_apart(const std::vector<Described>& outputs,
+                            const std::vector<Described>& inputs) const {
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      expect_no_self_overlap(outputs[i]);
+      for (const Described& input : inputs) expect_disjoint(outputs[i], input);
+      for (std::size_t j = 0; j < i; ++j) expect_disjoint(outputs[i], outputs[j]);
+    }
+  }
+
   template <class T>
   void expect_finite(const Described& view, bool allow_minus_inf = false) const {
     if (view.numel() == 0) return;
@@ -181,7 +209,8 @@ class Checker {
     while (true) {
       int64_t offset = 0;
       for (int axis = 0; axis < rank; ++axis) offset += index[axis] * view.strides[axis];
-      const T value = base[offset];
+      // Half types widen exactly to float, so the value printed is the stored one.
+      const auto value = static_cast<double>(widen_for_check(base[offset]));
       const bool ok = std::isfinite(value) || (allow_minus_inf && value == -INFINITY);
       if (!ok) {
         std::ostringstream out;
@@ -196,36 +225,50 @@ class Checker {
 
  private:
   std::string function_;
+  Wording wording_;
 };
 
-inline double resolve_scale(const Checker& check, const AttentionOptions& options, int64_t head_dim) {
-  if (!options.scale) return 1.0 / std::sqrt(static_cast<double>(head_dim));
-  const double scale = *options.scale;
-  if (!std::isfinite(scale) || scale <= 0.0) {
+// The scale of q·kᵀ: 1/√head_dim when unset (`scale` is options.scale of any entry point).
+inline double resolve_scale(const Checker& check, const std::optional<double>& scale,
+                            int64_t head_dim) {
+  if (!scale) return 1.0 / std::sqrt(static_cast<double>(head_dim));
+  if (!std::isfinite(*scale) || *scale <= 0.0) {
     std::ostringstream out;
-    out << "options.scale: expected a finite value > 0, got " << scale;
+    out << "options.scale: expected a finite value > 0, got " << *scale;
     check.fail(out.str());
   }
-  return scale;
+  return *scale;
 }
 
-inline int resolve_threads(const Checker& check, const AttentionOptions& options) {
-  const int requested = options.execution.threads;
+inline double resolve_scale(const Checker& check, const AttentionOptions& options, int64_t head_dim) {
+  return resolve_scale(check, options.scale, head_dim);
+}
+
+// The thread count to run with: 0 means every hardware thread. `option` names the field
+// in messages, since the entry points keep it in different places.
+inline int resolve_threads(const Checker& check, int requested, const char* option) {
   if (requested < 0) {
-    check.fail("options.execution.threads: expected >= 0 (0 = all hardware threads), got " +
+    check.fail(std::string(option) + ": expected >= 0 (0 = all hardware threads), got " +
                std::to_string(requested));
   }
   if (requested > 0) return requested;
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-inline Causal checked_causal(const Checker& check, const AttentionOptions& options) {
-  if (options.causal != Causal::none && options.causal != Causal::top_left &&
-      options.causal != Causal::bottom_right) {
+inline int resolve_threads(const Checker& check, const AttentionOptions& options) {
+  return resolve_threads(check, options.execution.threads, "options.execution.threads");
+}
+
+inline Causal checked_causal(const Checker& check, Causal causal) {
+  if (causal != Causal::none && causal != Causal::top_left && causal != Causal::bottom_right) {
     check.fail("options.causal: expected none, top_left or bottom_right, got value " +
-               std::to_string(static_cast<int>(options.causal)));
+               std::to_string(static_cast<int>(causal)));
   }
-  return options.causal;
+  return causal;
+}
+
+inline Causal checked_causal(const Checker& check, const AttentionOptions& options) {
+  return checked_causal(check, options.causal);
 }
 
 inline void check_backend(const Checker& check, const AttentionOptions& options, bool is_double,

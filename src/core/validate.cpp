@@ -137,23 +137,20 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
     outputs.push_back(weights);
   }
   if (args.stats != nullptr) {
-    check_stats<T, 3>(check, *args.stats,
-                      {{{e.batch, "batch", "as q.shape[0]"}, {e.q_heads, "heads", "as q.shape[2]"}}},
-                      {{{e.batch, "batch", "as q.shape[0]"},
-                        {e.q_heads, "heads", "as q.shape[2]"},
-                        {e.q_len, "seq", "as q.shape[1]"}}},
-                      outputs);
+    check_stats<LseOf<T>, 3>(
+        check, *args.stats,
+        {{{e.batch, "batch", "as q.shape[0]"}, {e.q_heads, "heads", "as q.shape[2]"}}},
+        {{{e.batch, "batch", "as q.shape[0]"},
+          {e.q_heads, "heads", "as q.shape[2]"},
+          {e.q_len, "seq", "as q.shape[1]"}}},
+        outputs);
   }
 
   std::vector<Described> inputs{describe("q", args.q), describe("k", args.k),
                                 describe("v", args.v)};
   if (!options.mask.keep.empty()) inputs.push_back(describe("mask.keep", options.mask.keep));
   if (!options.mask.bias.empty()) inputs.push_back(describe("mask.bias", options.mask.bias));
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    check.expect_no_self_overlap(outputs[i]);
-    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
-    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
-  }
+  check.expect_outputs_apart(outputs, inputs);
 
   check_backend(check, options, std::is_same_v<T, double>, !args.weights.empty());
   problem.scale = resolve_scale(check, options, e.head_dim);
@@ -211,11 +208,7 @@ BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
   if (!options.mask.keep.empty()) inputs.push_back(describe("mask.keep", options.mask.keep));
   if (!options.mask.bias.empty()) inputs.push_back(describe("mask.bias", options.mask.bias));
   const std::vector<Described> outputs{dq, dk, dv};
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    check.expect_no_self_overlap(outputs[i]);
-    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
-    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
-  }
+  check.expect_outputs_apart(outputs, inputs);
   if (options.execution.check_finite) {
     check.expect_finite<T>(dout);
     check.expect_finite<T>(out);
@@ -230,20 +223,22 @@ BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
 
 }  // namespace
 
-ForwardProblem<float> validate(const ForwardArgs<float>& args, const AttentionOptions& options) {
+template <class T>
+ForwardProblem<T> validate(const ForwardArgs<T>& args, const AttentionOptions& options) {
   return validate_forward(args, options);
 }
-ForwardProblem<double> validate(const ForwardArgs<double>& args,
-                                const AttentionOptions& options) {
-  return validate_forward(args, options);
-}
-BackwardProblem<float> validate(const BackwardArgs<float>& args,
-                                const AttentionOptions& options) {
+template <class T>
+BackwardProblem<T> validate(const BackwardArgs<T>& args, const AttentionOptions& options) {
   return validate_backward(args, options);
 }
-BackwardProblem<double> validate(const BackwardArgs<double>& args,
-                                 const AttentionOptions& options) {
-  return validate_backward(args, options);
-}
+
+#define QKV_INSTANTIATE_VALIDATE(T)                                                      \
+  template ForwardProblem<T> validate(const ForwardArgs<T>&, const AttentionOptions&); \
+  template BackwardProblem<T> validate(const BackwardArgs<T>&, const AttentionOptions&);
+QKV_INSTANTIATE_VALIDATE(float)
+QKV_INSTANTIATE_VALIDATE(double)
+QKV_INSTANTIATE_VALIDATE(bfloat16)
+QKV_INSTANTIATE_VALIDATE(float16)
+#undef QKV_INSTANTIATE_VALIDATE
 
 }  // namespace qkv::detail

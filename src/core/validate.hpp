@@ -1,21 +1,16 @@
 // Argument checking for the public entry points: turns a call into a Problem or throws
 // qkv::Error naming the argument, the expected and the actual value. Never writes to
-// any output.
+// any output. Instantiated for every storage type: float, double, bfloat16, float16.
 #pragma once
 
 #include "core/problem.hpp"
 
 namespace qkv::detail {
 
-ForwardProblem<float> validate(const ForwardArgs<float>& args, const AttentionOptions& options);
-ForwardProblem<double> validate(const ForwardArgs<double>& args, const AttentionOptions& options);
-BackwardProblem<float> validate(const BackwardArgs<float>& args, const AttentionOptions& options);
-BackwardProblem<double> validate(const BackwardArgs<double>& args,
-                                 const AttentionOptions& options);
-
-}  // namespace qkv::detail
-
-namespace qkv::detail {
+template <class T>
+ForwardProblem<T> validate(const ForwardArgs<T>& args, const AttentionOptions& options);
+template <class T>
+BackwardProblem<T> validate(const BackwardArgs<T>& args, const AttentionOptions& options);
 
 class Checker;
 
@@ -28,13 +23,9 @@ void check_sink_gradient(const Checker& check, const AttentionOptions& options,
 
 // Varlen calls become ordinary problems whose batch entries are the sequences
 // (Sequences::cu_q/cu_k set, views [sequences, total, heads, dim] with batch stride 0).
-ForwardProblem<float> validate(const VarlenForwardArgs<float>& args,
-                               const AttentionOptions& options);
-ForwardProblem<double> validate(const VarlenForwardArgs<double>& args,
-                                const AttentionOptions& options);
-BackwardProblem<float> validate(const VarlenBackwardArgs<float>& args,
-                                const AttentionOptions& options);
-BackwardProblem<double> validate(const VarlenBackwardArgs<double>& args,
-                                 const AttentionOptions& options);
+template <class T>
+ForwardProblem<T> validate(const VarlenForwardArgs<T>& args, const AttentionOptions& options);
+template <class T>
+BackwardProblem<T> validate(const VarlenBackwardArgs<T>& args, const AttentionOptions& options);
 
 }  // namespace qkv::detail

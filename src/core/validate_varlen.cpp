@@ -129,15 +129,6 @@ void check_varlen_common(const Checker& check, const Args& args, const Attention
   }
 }
 
-void expect_outputs_apart(const Checker& check, const std::vector<Described>& outputs,
-                          const std::vector<Described>& inputs) {
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    check.expect_no_self_overlap(outputs[i]);
-    for (const Described& input : inputs) check.expect_disjoint(outputs[i], input);
-    for (std::size_t j = 0; j < i; ++j) check.expect_disjoint(outputs[i], outputs[j]);
-  }
-}
-
 template <class T>
 ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
                                           const AttentionOptions& options) {
@@ -162,14 +153,15 @@ ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
     outputs.push_back(lse);
   }
   if (args.stats != nullptr) {
-    check_stats<T, 2>(check, *args.stats,
-                      {{{e.batch, "sequences", "as cu_seqlens_q.size() - 1"},
-                        {e.q_heads, "heads", "as q.shape[1]"}}},
-                      {{{e.q_heads, "heads", "as q.shape[1]"}, {total_q, "total_q", "as q.shape[0]"}}},
-                      outputs);
+    check_stats<LseOf<T>, 2>(check, *args.stats,
+                             {{{e.batch, "sequences", "as cu_seqlens_q.size() - 1"},
+                               {e.q_heads, "heads", "as q.shape[1]"}}},
+                             {{{e.q_heads, "heads", "as q.shape[1]"},
+                               {total_q, "total_q", "as q.shape[0]"}}},
+                             outputs);
   }
-  expect_outputs_apart(check, outputs,
-                       {describe("q", args.q), describe("k", args.k), describe("v", args.v)});
+  check.expect_outputs_apart(
+      outputs, {describe("q", args.q), describe("k", args.k), describe("v", args.v)});
   check_backend(check, options, std::is_same_v<T, double>, false);
   problem.scale = resolve_scale(check, options, e.head_dim);
   problem.threads = resolve_threads(check, options);
@@ -179,7 +171,7 @@ ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
   problem.args.out = as_batched(args.out, e.batch);
   if (!args.lse.empty()) problem.args.lse = lse_as_batched(args.lse, e.batch);
   if (args.stats != nullptr) {
-    const VarlenAttentionStats<T>& stats = *args.stats;
+    const VarlenAttentionStats<LseOf<T>>& stats = *args.stats;
     problem.stats.max_weight_mean = stats.max_weight_mean;
     problem.stats.max_weight_max = stats.max_weight_max;
     problem.stats.entropy_mean = stats.entropy_mean;
@@ -231,9 +223,8 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
   expect_like(dq, total_q, e.q_heads, e.head_dim, "q");
   expect_like(dk, total_k, e.kv_heads, e.head_dim, "k");
   expect_like(dv, total_k, e.kv_heads, e.v_dim, "v");
-  expect_outputs_apart(check, {dq, dk, dv},
-                       {describe("q", args.q), describe("k", args.k), describe("v", args.v), out,
-                        lse, dout});
+  check.expect_outputs_apart({dq, dk, dv}, {describe("q", args.q), describe("k", args.k),
+                                            describe("v", args.v), out, lse, dout});
   if (options.execution.check_finite) {
     check.expect_finite<T>(dout);
     check.expect_finite<T>(out);
@@ -256,21 +247,22 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
 
 }  // namespace
 
-ForwardProblem<float> validate(const VarlenForwardArgs<float>& args,
-                               const AttentionOptions& options) {
+template <class T>
+ForwardProblem<T> validate(const VarlenForwardArgs<T>& args, const AttentionOptions& options) {
   return validate_varlen_forward(args, options);
 }
-ForwardProblem<double> validate(const VarlenForwardArgs<double>& args,
-                                const AttentionOptions& options) {
-  return validate_varlen_forward(args, options);
-}
-BackwardProblem<float> validate(const VarlenBackwardArgs<float>& args,
-                                const AttentionOptions& options) {
+template <class T>
+BackwardProblem<T> validate(const VarlenBackwardArgs<T>& args, const AttentionOptions& options) {
   return validate_varlen_backward(args, options);
 }
-BackwardProblem<double> validate(const VarlenBackwardArgs<double>& args,
-                                 const AttentionOptions& options) {
-  return validate_varlen_backward(args, options);
-}
+
+#define QKV_INSTANTIATE_VALIDATE(T)                                                            \
+  template ForwardProblem<T> validate(const VarlenForwardArgs<T>&, const AttentionOptions&); \
+  template BackwardProblem<T> validate(const VarlenBackwardArgs<T>&, const AttentionOptions&);
+QKV_INSTANTIATE_VALIDATE(float)
+QKV_INSTANTIATE_VALIDATE(double)
+QKV_INSTANTIATE_VALIDATE(bfloat16)
+QKV_INSTANTIATE_VALIDATE(float16)
+#undef QKV_INSTANTIATE_VALIDATE
 
 }  // namespace qkv::detail

@@ -17,6 +17,11 @@
 // Variants mirror the forward: S is soft-capped (its slope 1 − tanh² kept to multiply
 // dS), ALiBi added and masked as there; with dropout dP ← Z ⊙ dP and dV takes P ⊙ Z;
 // the sinks' gradient is −Σ_i exp(sink − lse_i)·D_i, summed in a fixed order.
+//
+// One source for every storage type T (storage-inl.h). The packed panels are float
+// already; with bfloat16/float16 storage the Q and dO row operands are packed as float
+// copies too, and each K/V block is widened once per task and key block into per-thread
+// scratch (float K and V are read in place). dQ, dK, dV are rounded to T once.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -68,12 +73,14 @@ struct Packed {
   const detail::Extents* e = nullptr;
   const detail::Sequences* sequences = nullptr;
 
-  Packed(const detail::Extents& extents, const detail::Sequences& seqs, size_t vector_lanes)
+  // widen: the storage type is not float, so Q and dO rows need float copies anyway.
+  Packed(const detail::Extents& extents, const detail::Sequences& seqs, size_t vector_lanes,
+         bool widen)
       : lanes(vector_lanes),
         d_ld(round_up(static_cast<size_t>(extents.head_dim), vector_lanes)),
         dv_ld(round_up(static_cast<size_t>(extents.v_dim), vector_lanes)),
-        pad_q_rows(static_cast<size_t>(extents.head_dim) % vector_lanes != 0),
-        pad_dout_rows(static_cast<size_t>(extents.v_dim) % vector_lanes != 0),
+        pad_q_rows(widen || static_cast<size_t>(extents.head_dim) % vector_lanes != 0),
+        pad_dout_rows(widen || static_cast<size_t>(extents.v_dim) % vector_lanes != 0),
         e(&extents),
         sequences(&seqs) {
     size_t columns = 0;
@@ -125,7 +132,8 @@ struct BackwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> add;   // kBlockKeys × width: a partial tile's mask
   hwy::AlignedFreeUniquePtr<float[]> cap;   // kBlockKeys × width: soft-cap slope 1 − tanh²
   hwy::AlignedFreeUniquePtr<float[]> acc;   // kBlockKeys × (d_ld + dv_ld): dK, dV
-  hwy::AlignedFreeUniquePtr<float[]> k_pad; // kBlockKeys × d_ld, only if d % lanes ≠ 0
+  hwy::AlignedFreeUniquePtr<float[]> k_pad; // kBlockKeys × d_ld: K padded (d % lanes ≠ 0) or widened
+  hwy::AlignedFreeUniquePtr<float[]> v_wide;  // kBlockKeys × dv_ld: V widened, 16-bit storage only
   hwy::AlignedFreeUniquePtr<float[]> dq;    // dQ accumulator: dq_rows × d_ld
   hwy::AlignedFreeUniquePtr<float[]> partial;  // one block product before it is added
   std::vector<int32_t> key_begin, key_end;  // width (0 past the block's queries)
@@ -133,7 +141,7 @@ struct BackwardScratch {
 
   // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass).
   BackwardScratch(const Packed& packed, bool elementwise, bool softcap, size_t lanes,
-                  size_t dq_rows)
+                  size_t dq_rows, bool widen)
       : width(round_up(kBlockQueries, lanes)),
         pt(AllocateFloats(kBlockKeys * width)),
         dst(AllocateFloats(kBlockKeys * width)),
@@ -141,6 +149,7 @@ struct BackwardScratch {
         cap(AllocateFloats(softcap ? kBlockKeys * width : 0)),
         acc(AllocateFloats(kBlockKeys * (packed.d_ld + packed.dv_ld))),
         k_pad(AllocateFloats(packed.pad_q_rows ? kBlockKeys * packed.d_ld : 0)),
+        v_wide(AllocateFloats(widen ? kBlockKeys * packed.dv_ld : 0)),
         dq(AllocateFloats(dq_rows * packed.d_ld)),
         partial(AllocateFloats(std::max<size_t>(kBlockKeys, width) *
                                std::max(packed.d_ld, packed.dv_ld))),
@@ -150,15 +159,46 @@ struct BackwardScratch {
 };
 
 // What every block function of one call reads.
+template <class T>
 struct Context {
-  const detail::BackwardProblem<float>& p;
+  const detail::BackwardProblem<T>& p;
   const detail::TilePlan& plan;
   const KeyValueFinite& finite;
   const SharedMaskTiles& shared;
   const Packed& packed;
 };
 
-void PackQueryBlock(const detail::BackwardProblem<float>& p, const detail::TilePlan& plan,
+// One key block's K and V rows as float operands: in place for float storage, else
+// widened into scratch (rows d_ld / dv_ld apart, zero-padded to whole vectors).
+struct KeyValueRows {
+  const float* k;
+  size_t k_ld;
+  const float* v;
+  size_t v_ld;
+  bool k_padded;  // k's rows are whole vectors (d_ld apart, zero-padded)
+};
+
+template <class T>
+KeyValueRows LoadKeyValues(const Context<T>& c, int64_t b, int64_t kv_head, int64_t first_key,
+                           int64_t keys, BackwardScratch& s) {
+  const auto access = c.p.rows();
+  const auto* k = access.k(b, first_key, kv_head);
+  const auto* v = access.v(b, first_key, kv_head);
+  const int64_t k_row = c.p.args.k.strides[1], v_row = c.p.args.v.strides[1];
+  if constexpr (kIsHalf<T>) {
+    const size_t kn = static_cast<size_t>(keys);
+    WidenRows(k, k_row, kn, static_cast<size_t>(c.p.extents.head_dim), s.k_pad.get(),
+              c.packed.d_ld);
+    WidenRows(v, v_row, kn, static_cast<size_t>(c.p.extents.v_dim), s.v_wide.get(),
+              c.packed.dv_ld);
+    return {s.k_pad.get(), c.packed.d_ld, s.v_wide.get(), c.packed.dv_ld, true};
+  } else {
+    return {k, static_cast<size_t>(k_row), v, static_cast<size_t>(v_row), false};
+  }
+}
+
+template <class T>
+void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan& plan,
                     const ForwardTask& task, Packed& packed) {
   const auto rows = p.rows();
   const detail::Extents& e = p.extents;
@@ -195,10 +235,11 @@ void PackQueryBlock(const detail::BackwardProblem<float>& p, const detail::TileP
     if (shifts != nullptr && shifts[i] != 0.0f && value != kMinusInf)  // see block_mask.hpp
       lse[i] = degenerate_row_lse(p.mask, b, h, query, shifts[i]);
     // D_i = ⟨dO_i, O_i⟩ in double: it is subtracted from every dP_ij of the row.
-    const float* dout = rows.dout(b, query, h);
-    const float* out = rows.out(b, query, h);
+    const T* dout = rows.dout(b, query, h);
+    const T* out = rows.out(b, query, h);
     double dot_product = 0.0;
-    for (size_t c = 0; c < dv; ++c) dot_product += static_cast<double>(dout[c]) * out[c];
+    for (size_t c = 0; c < dv; ++c)
+      dot_product += static_cast<double>(Widen(dout[c])) * Widen(out[c]);
     delta[i] = static_cast<float>(dot_product);
     // The sink is a softmax entry without a value: dP_sink = 0, so
     // dS_sink = P_sink·(0 − D_i) with P_sink = exp(sink − lse_i).
@@ -207,16 +248,17 @@ void PackQueryBlock(const detail::BackwardProblem<float>& p, const detail::TileP
                                          dot_product);
   }
   if (packed.pad_q_rows)
-    PackRowsPadded(rows.q(b, first, h), p.args.q.strides[1], count, d,
-                   packed.q_rows_of(b, h) + static_cast<size_t>(first) * packed.d_ld, packed.d_ld);
+    WidenRows(rows.q(b, first, h), p.args.q.strides[1], count, d,
+              packed.q_rows_of(b, h) + static_cast<size_t>(first) * packed.d_ld, packed.d_ld);
   if (packed.pad_dout_rows)
-    PackRowsPadded(rows.dout(b, first, h), p.args.dout.strides[1], count, dv,
-                   packed.dout_rows_of(b, h) + static_cast<size_t>(first) * packed.dv_ld,
-                   packed.dv_ld);
+    WidenRows(rows.dout(b, first, h), p.args.dout.strides[1], count, dv,
+              packed.dout_rows_of(b, h) + static_cast<size_t>(first) * packed.dv_ld,
+              packed.dv_ld);
 }
 
 // The query rows of block (b, h, first) with their key_end and degenerate flags.
-QueryRows DescribeQueryBlock(const Context& c, int64_t b, int64_t h, int64_t first,
+template <class T>
+QueryRows DescribeQueryBlock(const Context<T>& c, int64_t b, int64_t h, int64_t first,
                              BackwardScratch& s) {
   QueryRows rows{.batch = b, .head = h, .first = first,
                  .count = std::min(kBlockQueries, c.p.mask.q_len(b) - first),
@@ -234,20 +276,17 @@ QueryRows DescribeQueryBlock(const Context& c, int64_t b, int64_t h, int64_t fir
 // Pᵀ (with dropout: P·Z, as the forward multiplied V by) and dSᵀ of one (key block,
 // query block) tile into scratch.pt and scratch.dst, scored and masked exactly as the
 // forward did. Returns the columns (queries, padded to whole vectors) computed.
-size_t ScoreBlock(const Context& c, const QueryRows& rows, detail::Tile tile, int64_t kv_head,
-                  int64_t first_key, int64_t keys, BackwardScratch& s) {
+template <class T>
+size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
+                  const KeyValueRows& kv, int64_t first_key, int64_t keys, BackwardScratch& s) {
   const auto& p = c.p;
-  const auto access = p.rows();
   const detail::Extents& e = p.extents;
   const size_t width = round_up(static_cast<size_t>(rows.count), VectorLanes());
   const size_t kn = static_cast<size_t>(keys);
-  const float* k = access.k(rows.batch, first_key, kv_head);
-  const float* v = access.v(rows.batch, first_key, kv_head);
   const size_t offset = static_cast<size_t>(rows.first);
   const size_t nq_ld = c.packed.nq_ld(rows.batch);
 
-  Gemm(kn, width, static_cast<size_t>(e.head_dim),
-       StridedA{k, static_cast<size_t>(p.args.k.strides[1]), 1},
+  Gemm(kn, width, static_cast<size_t>(e.head_dim), StridedA{kv.k, kv.k_ld, 1},
        c.packed.qt_of(rows.batch, rows.head) + offset, nq_ld, s.pt.get(), width, false);
   // The forward's variants, in its order: soft-cap (keeping its slope), ALiBi, masks.
   const detail::ScoreModifiers& mods = p.modifiers;
@@ -273,8 +312,7 @@ size_t ScoreBlock(const Context& c, const QueryRows& rows, detail::Tile tile, in
   }
   ProbabilitiesFromLse(s.pt.get(), kn, width, c.packed.lse_of(rows.batch, rows.head) + offset);
 
-  Gemm(kn, width, static_cast<size_t>(e.v_dim),
-       StridedA{v, static_cast<size_t>(p.args.v.strides[1]), 1},
+  Gemm(kn, width, static_cast<size_t>(e.v_dim), StridedA{kv.v, kv.v_ld, 1},
        c.packed.dot_of(rows.batch, rows.head) + offset, nq_ld, s.dst.get(), width, false);
   // Dropout: the forward summed P·Z·V, so dP = Z ⊙ (dO·Vᵀ), and dV takes P·Z (below).
   const bool dropout = mods.has_dropout();
@@ -291,15 +329,16 @@ size_t ScoreBlock(const Context& c, const QueryRows& rows, detail::Tile tile, in
 }
 
 // dQ_rows += dS·K_blk for the tile just scored (dS read in place from dSᵀ in s.dst).
-void AccumulateQueryGradient(const Context& c, const QueryRows& rows, detail::Tile tile,
-                             size_t width, int64_t kv_head, int64_t first_key, int64_t keys,
-                             float* dq_rows, BackwardScratch& s) {
-  const auto& p = c.p;
+template <class T>
+void AccumulateQueryGradient(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
+                             size_t width, int64_t kv_head, const KeyValueRows& kv,
+                             int64_t first_key, int64_t keys, float* dq_rows,
+                             BackwardScratch& s) {
   const Packed& packed = c.packed;
-  const size_t d = static_cast<size_t>(p.extents.head_dim);
+  const size_t d = static_cast<size_t>(c.p.extents.head_dim);
   const size_t kn = static_cast<size_t>(keys), count = static_cast<size_t>(rows.count);
-  const float* k = p.rows().k(rows.batch, first_key, kv_head);
-  const int64_t k_row = p.args.k.strides[1];
+  const float* k = kv.k;
+  const int64_t k_row = static_cast<int64_t>(kv.k_ld);
   // A removed key's K row may hold NaN/Inf (scanned once per call): skip its dS = 0 terms.
   if (tile == detail::Tile::partial &&
       !c.finite.keys(rows.batch, kv_head, first_key / kBlockKeys)) {
@@ -307,8 +346,8 @@ void AccumulateQueryGradient(const Context& c, const QueryRows& rows, detail::Ti
     return;
   }
   const float* k_operand = k;
-  size_t k_ld = static_cast<size_t>(k_row);
-  if (packed.pad_q_rows) {  // d is not whole vectors: pad K's rows like Q's
+  size_t k_ld = kv.k_ld;
+  if (packed.pad_q_rows && !kv.k_padded) {  // d is not whole vectors: pad K's rows like Q's
     PackRowsPadded(k, k_row, kn, d, s.k_pad.get(), packed.d_ld);
     k_operand = s.k_pad.get();
     k_ld = packed.d_ld;
@@ -320,7 +359,8 @@ void AccumulateQueryGradient(const Context& c, const QueryRows& rows, detail::Ti
 // dK, dV of one key block over every query tile the plan does not skip. With dq_group
 // (the single-pass schedule), also adds dS·K_blk to the group's dQ rows
 // [head][query][d_ld].
-void KeyValueBlock(const Context& c, const KeyTask& task, BackwardScratch& s,
+template <class T>
+void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
                    float* dq_group = nullptr) {
   const auto& p = c.p;
   const Packed& packed = c.packed;
@@ -335,21 +375,22 @@ void KeyValueBlock(const Context& c, const KeyTask& task, BackwardScratch& s,
   float* dv_acc = dk_acc + kBlockKeys * packed.d_ld;  // kn × dv_ld
   std::fill(dk_acc, dk_acc + kn * packed.d_ld, 0.0f);
   std::fill(dv_acc, dv_acc + kn * packed.dv_ld, 0.0f);
+  const KeyValueRows kv = LoadKeyValues(c, b, task.kv_head, first_key, keys, s);
 
   for (int64_t h = task.kv_head * e.group(); h < (task.kv_head + 1) * e.group(); ++h) {
-    const Rows q_rows = packed.pad_q_rows
-                            ? Rows{packed.q_rows_of(b, h), packed.d_ld}
-                            : Rows{access.q(b, 0, h), static_cast<size_t>(p.args.q.strides[1])};
-    const Rows dout_rows =
-        packed.pad_dout_rows
-            ? Rows{packed.dout_rows_of(b, h), packed.dv_ld}
-            : Rows{access.dout(b, 0, h), static_cast<size_t>(p.args.dout.strides[1])};
+    Rows q_rows{packed.q_rows_of(b, h), packed.d_ld};
+    Rows dout_rows{packed.dout_rows_of(b, h), packed.dv_ld};
+    if constexpr (!kIsHalf<T>) {  // float rows of whole vectors are read in place
+      if (!packed.pad_q_rows) q_rows = Rows{access.q(b, 0, h), static_cast<size_t>(p.args.q.strides[1])};
+      if (!packed.pad_dout_rows)
+        dout_rows = Rows{access.dout(b, 0, h), static_cast<size_t>(p.args.dout.strides[1])};
+    }
     for (int64_t q_block = 0; q_block < c.plan.query_blocks(b); ++q_block) {
       const detail::Tile tile = c.plan.at(b, h, q_block, k_block);
       if (tile == detail::Tile::empty) continue;  // nobody in this block sees these keys
       const int64_t first = q_block * kBlockQueries;
       const QueryRows rows = DescribeQueryBlock(c, b, h, first, s);
-      const size_t width = ScoreBlock(c, rows, tile, task.kv_head, first_key, keys, s);
+      const size_t width = ScoreBlock(c, rows, tile, kv, first_key, keys, s);
       const size_t count = static_cast<size_t>(rows.count);
       // dV += Pᵀ·dO_blk and dK += dSᵀ·Q_blk (the sum runs over this block's queries).
       GemmAddBlock(kn, packed.dv_ld, count, StridedA{s.pt.get(), width, 1},
@@ -362,36 +403,39 @@ void KeyValueBlock(const Context& c, const KeyTask& task, BackwardScratch& s,
         const size_t head_in_group = static_cast<size_t>(h - task.kv_head * e.group());
         float* dq_rows =
             dq_group + (head_in_group * group_rows + static_cast<size_t>(first)) * packed.d_ld;
-        AccumulateQueryGradient(c, rows, tile, width, task.kv_head, first_key, keys, dq_rows, s);
+        AccumulateQueryGradient(c, rows, tile, width, task.kv_head, kv, first_key, keys, dq_rows,
+                                s);
       }
     }
   }
   const float scale = static_cast<float>(p.scale);
   for (size_t j = 0; j < kn; ++j) {
     const int64_t key = first_key + static_cast<int64_t>(j);
-    float* dk = access.dk(b, key, task.kv_head);
-    float* dvv = access.dv(b, key, task.kv_head);
-    for (size_t x = 0; x < d; ++x) dk[x] = scale * dk_acc[j * packed.d_ld + x];
-    for (size_t x = 0; x < dv; ++x) dvv[x] = dv_acc[j * packed.dv_ld + x];
+    T* dk = access.dk(b, key, task.kv_head);
+    T* dvv = access.dv(b, key, task.kv_head);
+    for (size_t x = 0; x < d; ++x) dk[x] = StoreAs<T>(scale * dk_acc[j * packed.d_ld + x]);
+    for (size_t x = 0; x < dv; ++x) dvv[x] = StoreAs<T>(dv_acc[j * packed.dv_ld + x]);
   }
 }
 
 // dq = scale·dq_acc for `count` rows starting at query `first` of head h.
-void WriteQueryGradient(const detail::BackwardProblem<float>& p, const Packed& packed,
+template <class T>
+void WriteQueryGradient(const detail::BackwardProblem<T>& p, const Packed& packed,
                         int64_t b, int64_t h, int64_t first, int64_t count,
                         const float* dq_acc) {
   const size_t d = static_cast<size_t>(p.extents.head_dim);
   const float scale = static_cast<float>(p.scale);
   const auto access = p.rows();
   for (int64_t i = 0; i < count; ++i) {
-    float* dq = access.dq(b, first + i, h);
+    T* dq = access.dq(b, first + i, h);
     const float* acc = dq_acc + static_cast<size_t>(i) * packed.d_ld;
-    for (size_t c = 0; c < d; ++c) dq[c] = scale * acc[c];
+    for (size_t c = 0; c < d; ++c) dq[c] = StoreAs<T>(scale * acc[c]);
   }
 }
 
 // Pass 2 of the two-pass schedule: one query block's dQ over every tile it does not skip.
-void QueryBlockGradient(const Context& c, const ForwardTask& task, BackwardScratch& s) {
+template <class T>
+void QueryBlockGradient(const Context<T>& c, const ForwardTask& task, BackwardScratch& s) {
   const detail::Extents& e = c.p.extents;
   const int64_t b = task.batch, h = task.head, kv_head = e.kv_head_of(h);
   const int64_t q_block = task.first_query / kBlockQueries;
@@ -405,15 +449,17 @@ void QueryBlockGradient(const Context& c, const ForwardTask& task, BackwardScrat
     if (tile == detail::Tile::empty) continue;
     const int64_t first_key = k_block * kBlockKeys;
     const int64_t keys = std::min(kBlockKeys, k_len - first_key);
-    const size_t width = ScoreBlock(c, rows, tile, kv_head, first_key, keys, s);
-    AccumulateQueryGradient(c, rows, tile, width, kv_head, first_key, keys, dq_acc, s);
+    const KeyValueRows kv = LoadKeyValues(c, b, kv_head, first_key, keys, s);
+    const size_t width = ScoreBlock(c, rows, tile, kv, first_key, keys, s);
+    AccumulateQueryGradient(c, rows, tile, width, kv_head, kv, first_key, keys, dq_acc, s);
   }
   WriteQueryGradient(c.p, c.packed, b, h, rows.first, rows.count, dq_acc);
 }
 
 // The single-pass schedule: one (entry, kv head) does every key block in order, and
 // adds each block's dS·K to the group's dQ as it goes (fixed order: deterministic).
-void HeadGroupGradient(const Context& c, int64_t b, int64_t kv_head, BackwardScratch& s) {
+template <class T>
+void HeadGroupGradient(const Context<T>& c, int64_t b, int64_t kv_head, BackwardScratch& s) {
   const detail::Extents& e = c.p.extents;
   const size_t rows_per_head = static_cast<size_t>(e.q_len) * c.packed.d_ld;
   float* dq_group = s.dq.get();  // group × Nq × d_ld
@@ -427,7 +473,8 @@ void HeadGroupGradient(const Context& c, int64_t b, int64_t kv_head, BackwardScr
 
 }  // namespace
 
-void BackwardImpl(const detail::BackwardProblem<float>& p) {
+template <class T>
+void BackwardImpl(const detail::BackwardProblem<T>& p) {
   const detail::Extents& e = p.extents;
   const size_t lanes = VectorLanes();
   const detail::TilePlan plan(p.mask, e, kBlockQueries, kBlockKeys, p.threads);
@@ -438,11 +485,11 @@ void BackwardImpl(const detail::BackwardProblem<float>& p) {
     return;
   }
 
-  Packed packed(e, p.mask.sequences, lanes);
+  Packed packed(e, p.mask.sequences, lanes, kIsHalf<T>);
   KeyValueFinite finite(e);
   const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
   const SharedMaskTiles shared(p.mask, e, plan);
-  const Context context{p, plan, finite, shared, packed};
+  const Context<T> context{p, plan, finite, shared, packed};
 
   const bool single_pass = backward_single_pass(e);
   const std::vector<std::pair<int64_t, int64_t>> head_groups =
@@ -464,7 +511,7 @@ void BackwardImpl(const detail::BackwardProblem<float>& p) {
     // (implicit barrier: every task below reads every query block's packed panels, the
     // finite flags and the shared mask tiles)
     BackwardScratch scratch(packed, p.mask.has_elementwise(), p.modifiers.softcap > 0.0f, lanes,
-                            dq_rows);
+                            dq_rows, kIsHalf<T>);
     if (single_pass) {
 #pragma omp for schedule(dynamic, 1)
       for (size_t t = 0; t < head_groups.size(); ++t)
@@ -491,15 +538,28 @@ void BackwardImpl(const detail::BackwardProblem<float>& p) {
   }
 }
 
+// One entry per storage type (HWY_EXPORT takes plain functions, not templates).
+void BackwardFloat32(const detail::BackwardProblem<float>& p) { BackwardImpl(p); }
+void BackwardBfloat16(const detail::BackwardProblem<bfloat16>& p) { BackwardImpl(p); }
+void BackwardFloat16(const detail::BackwardProblem<float16>& p) { BackwardImpl(p); }
+
 }  // namespace qkv::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace qkv::cpu {
-HWY_EXPORT(BackwardImpl);
+HWY_EXPORT(BackwardFloat32);
+HWY_EXPORT(BackwardBfloat16);
+HWY_EXPORT(BackwardFloat16);
 
 void backward(const detail::BackwardProblem<float>& problem) {
-  HWY_DYNAMIC_DISPATCH(BackwardImpl)(problem);
+  HWY_DYNAMIC_DISPATCH(BackwardFloat32)(problem);
+}
+void backward(const detail::BackwardProblem<bfloat16>& problem) {
+  HWY_DYNAMIC_DISPATCH(BackwardBfloat16)(problem);
+}
+void backward(const detail::BackwardProblem<float16>& problem) {
+  HWY_DYNAMIC_DISPATCH(BackwardFloat16)(problem);
 }
 
 const char* simd_target_name() {

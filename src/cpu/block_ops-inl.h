@@ -22,6 +22,7 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "core/dropout.hpp"
+#include "cpu/storage-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
@@ -46,13 +47,15 @@ HWY_INLINE FloatVec ExpKeepNaN(FloatTag d, FloatVec x) {
 }
 
 // dst[c·ld + i] = scale · src(i, c) for i < rows, c < cols; columns rows ≤ i < width
-// of dst are zeroed. `src` rows are `src_row` floats apart and contiguous along c.
-HWY_INLINE void PackTransposed(const float* HWY_RESTRICT src, int64_t src_row, size_t rows,
+// of dst are zeroed. `src` rows are `src_row` elements apart and contiguous along c; a
+// 16-bit storage type is widened here (storage-inl.h).
+template <class T>
+HWY_INLINE void PackTransposed(const T* HWY_RESTRICT src, int64_t src_row, size_t rows,
                                size_t cols, float scale, float* HWY_RESTRICT dst, size_t ld,
                                size_t width) {
   for (size_t i = 0; i < rows; ++i) {
-    const float* in = src + static_cast<int64_t>(i) * src_row;
-    for (size_t c = 0; c < cols; ++c) dst[c * ld + i] = scale * in[c];
+    const T* in = src + static_cast<int64_t>(i) * src_row;
+    for (size_t c = 0; c < cols; ++c) dst[c * ld + i] = scale * Widen(in[c]);
   }
   for (size_t c = 0; c < cols; ++c)
     for (size_t i = rows; i < width; ++i) dst[c * ld + i] = 0.0f;

@@ -1,4 +1,4 @@
-// The fused fp32 CPU backend: FlashAttention-2 style forward and backward (tiled, online
+// The fused CPU backend (fp32 arithmetic): FlashAttention-2 style forward and backward (tiled, online
 // softmax, no Nq×Nk buffer), SIMD through Highway with runtime dispatch, OpenMP threads.
 // Results are bitwise identical for every thread count: each output block has exactly
 // one writer and is computed the same way whichever thread runs it.
@@ -11,8 +11,13 @@
 
 namespace qkv::cpu {
 
+// Storage: float, bfloat16 or float16 (widened to float inside, rounded once on store).
 void forward(const detail::ForwardProblem<float>& problem);
+void forward(const detail::ForwardProblem<bfloat16>& problem);
+void forward(const detail::ForwardProblem<float16>& problem);
 void backward(const detail::BackwardProblem<float>& problem);
+void backward(const detail::BackwardProblem<bfloat16>& problem);
+void backward(const detail::BackwardProblem<float16>& problem);
 
 // Name of the SIMD target the next call will use (e.g. "AVX3", "AVX2"), for benchmarks
 // and tests.

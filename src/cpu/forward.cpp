@@ -18,7 +18,10 @@
 // same for any thread count.
 //
 // Extra memory: per thread, Qᵀ (d × 64), Sᵀ (64 × 64), acc (64 × dv) and a few vectors;
-// nothing grows with N. Work is handed out heaviest first (causal: late query blocks),
+// nothing grows with N. One source for every storage type T (storage-inl.h): float K
+// and V are read in place; bfloat16/float16 blocks are widened to float once per (task,
+// key block) into per-thread scratch (64·(d + dv) conversions against 64·64·(d + dv)
+// FMAs), Q is widened as it is packed, out is rounded to T once per element. Work is handed out heaviest first (causal: late query blocks),
 // dynamically; each output block has one writer, so any thread count gives the same bits.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/forward.cpp"
@@ -62,12 +65,14 @@ struct ForwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> add;    // kBlockKeys × width: a partial tile's mask
   hwy::AlignedFreeUniquePtr<float[]> acc;    // width × dv_ld: unnormalized output rows
   hwy::AlignedFreeUniquePtr<float[]> partial;  // width × dv_ld: one block's P·V
-  hwy::AlignedFreeUniquePtr<float[]> v_pad;  // kBlockKeys × dv_ld, only for dv % lanes ≠ 0
+  hwy::AlignedFreeUniquePtr<float[]> v_pad;  // kBlockKeys × dv_ld: V padded (dv % lanes ≠ 0) or widened
+  hwy::AlignedFreeUniquePtr<float[]> k_wide; // kBlockKeys × d: K widened, 16-bit storage only
   hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha, u: 4 × width
   std::vector<int32_t> key_begin, key_end;   // width (0 past the block's queries)
   std::vector<uint32_t> dropout_keys;        // width: dropout row keys of the block
 
-  ForwardScratch(const detail::ForwardProblem<float>& p, size_t lanes)
+  template <class T>
+  ForwardScratch(const detail::ForwardProblem<T>& p, size_t lanes)
       : width(round_up(kBlockQueries, lanes)),
         dv_ld(round_up(static_cast<size_t>(p.extents.v_dim), lanes)),
         qt(AllocateFloats(static_cast<size_t>(p.extents.head_dim) * width)),
@@ -75,8 +80,11 @@ struct ForwardScratch {
         add(AllocateFloats(p.mask.has_elementwise() ? kBlockKeys * width : 0)),
         acc(AllocateFloats(width * dv_ld)),
         partial(AllocateFloats(width * dv_ld)),
-        v_pad(AllocateFloats(p.extents.v_dim % static_cast<int64_t>(lanes) ? kBlockKeys * dv_ld
-                                                                             : 0)),
+        v_pad(AllocateFloats(kIsHalf<T> || p.extents.v_dim % static_cast<int64_t>(lanes)
+                                 ? kBlockKeys * dv_ld
+                                 : 0)),
+        k_wide(AllocateFloats(kIsHalf<T> ? kBlockKeys * static_cast<size_t>(p.extents.head_dim)
+                                         : 0)),
         stats(AllocateFloats(4 * width)),
         key_begin(width, 0),
         key_end(width, 0),
@@ -87,7 +95,8 @@ struct ForwardScratch {
 // OnlineSoftmaxStep): largest weight 1/l and entropy ln l − u/l, with SIMD (Highway's
 // Log: 4 ULP), into `weight` and in place of u; rows without keys (l = 0) get 0s. Then
 // the block's sums in row order; rows without keys add nothing but their 0 row values.
-void RowStatistics(const detail::ForwardProblem<float>& p, const QueryRows& rows,
+template <class T>
+void RowStatistics(const detail::ForwardProblem<T>& p, const QueryRows& rows,
                    const float* HWY_RESTRICT l, float* HWY_RESTRICT u,
                    float* HWY_RESTRICT weight, size_t width, detail::HeadStatsSum& sum) {
   const FloatTag d;
@@ -112,7 +121,8 @@ void RowStatistics(const detail::ForwardProblem<float>& p, const QueryRows& rows
 }
 
 // block_stats: where the block's statistics go, or null when none are asked for.
-void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan& plan,
+template <class T>
+void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& plan,
                   const KeyValueFinite& finite, const SharedMaskTiles& shared,
                   const ForwardTask& task, ForwardScratch& s, detail::HeadStatsSum* block_stats) {
   const detail::Extents& e = p.extents;
@@ -161,11 +171,23 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
     if (tile == detail::Tile::empty) continue;
     const int64_t first_key = k_block * kBlockKeys;
     const int64_t keys = std::min(kBlockKeys, k_len - first_key);
-    const float* k = rows_of.k(b, first_key, kv_head);
-    const float* v = rows_of.v(b, first_key, kv_head);
+    // K and V as float rows: in place, or widened into scratch (V then padded to dv_ld).
+    const float* k;
+    const float* v;
+    size_t k_ld, v_ld;
+    if constexpr (kIsHalf<T>) {
+      WidenRows(rows_of.k(b, first_key, kv_head), k_row, static_cast<size_t>(keys), d,
+                s.k_wide.get(), d);
+      WidenRows(rows_of.v(b, first_key, kv_head), v_row, static_cast<size_t>(keys), dv,
+                s.v_pad.get(), s.dv_ld);
+      k = s.k_wide.get(), k_ld = d, v = s.v_pad.get(), v_ld = s.dv_ld;
+    } else {
+      k = rows_of.k(b, first_key, kv_head), k_ld = static_cast<size_t>(k_row);
+      v = rows_of.v(b, first_key, kv_head), v_ld = static_cast<size_t>(v_row);
+    }
 
     // Sᵀ = K_blk · (scale·Qᵀ)
-    Gemm(static_cast<size_t>(keys), width, d, StridedA{k, static_cast<size_t>(k_row), 1},
+    Gemm(static_cast<size_t>(keys), width, d, StridedA{k, k_ld, 1},
          s.qt.get(), width, s.st.get(), width, /*accumulate=*/false);
     if (mods.softcap > 0.0f) SoftcapTile(s.st.get(), static_cast<size_t>(keys), width, mods.softcap, nullptr);
     if (mods.has_alibi()) AlibiTile(s.st.get(), static_cast<size_t>(keys), width, first_key, alibi_first, slope);
@@ -206,13 +228,12 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
     // NaN/Inf (scanned once per call): then only the terms with P ≠ 0 are summed.
     if (partial && !finite.values(b, kv_head, k_block)) {
       ScaleRows(s.acc.get(), count, s.dv_ld, s.dv_ld, alpha);
-      AccumulateSkippingZeros(s.st.get(), width, count, static_cast<size_t>(keys), v, v_row, dv,
-                              s.acc.get(), s.dv_ld);
+      AccumulateSkippingZeros(s.st.get(), width, count, static_cast<size_t>(keys), v,
+                              static_cast<int64_t>(v_ld), dv, s.acc.get(), s.dv_ld);
       continue;
     }
     const float* v_operand = v;
-    size_t v_ld = static_cast<size_t>(v_row);
-    if (dv % lanes != 0) {  // odd value dims: pad rows to whole vectors
+    if (!kIsHalf<T> && dv % lanes != 0) {  // odd value dims: pad rows to whole vectors
       PackRowsPadded(v, v_row, static_cast<size_t>(keys), dv, s.v_pad.get(), s.dv_ld);
       v_operand = s.v_pad.get();
       v_ld = s.dv_ld;
@@ -227,12 +248,12 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
   // out = acc / l; a query that saw no key at all has l = 0: out 0, lse -inf.
   for (size_t i = 0; i < count; ++i) {
     const int64_t query = rows.first + static_cast<int64_t>(i);
-    float* out = rows_of.out(b, query, h);
+    T* out = rows_of.out(b, query, h);
     const float* acc = s.acc.get() + i * s.dv_ld;
     if (l[i] == 0.0f) {
-      std::fill(out, out + dv, 0.0f);
+      std::fill(out, out + dv, StoreAs<T>(0.0f));
     } else {
-      for (size_t c = 0; c < dv; ++c) out[c] = acc[c] / l[i];  // one rounding, not two
+      for (size_t c = 0; c < dv; ++c) out[c] = StoreAs<T>(acc[c] / l[i]);  // no 1/l rounding
     }
     if (!p.args.lse.empty()) {
       // A degenerate row was computed shifted by its largest bias (block_mask.hpp).
@@ -246,7 +267,8 @@ void ForwardBlock(const detail::ForwardProblem<float>& p, const detail::TilePlan
 
 // The per-(batch, head) statistics: the blocks' sums added in task order (fixed by the
 // problem, not by the threads).
-void WriteHeadStatistics(const detail::ForwardProblem<float>& p,
+template <class T>
+void WriteHeadStatistics(const detail::ForwardProblem<T>& p,
                          const std::vector<ForwardTask>& tasks,
                          const std::vector<detail::HeadStatsSum>& block_stats) {
   const detail::Extents& e = p.extents;
@@ -260,7 +282,8 @@ void WriteHeadStatistics(const detail::ForwardProblem<float>& p,
 
 }  // namespace
 
-void ForwardImpl(const detail::ForwardProblem<float>& p) {
+template <class T>
+void ForwardImpl(const detail::ForwardProblem<T>& p) {
   const detail::TilePlan plan(p.mask, p.extents, kBlockQueries, kBlockKeys, p.threads);
   const std::vector<ForwardTask> tasks = forward_tasks(p.extents, p.mask, plan);
   std::vector<detail::HeadStatsSum> block_stats(p.collect_stats ? tasks.size() : 0);
@@ -289,15 +312,28 @@ void ForwardImpl(const detail::ForwardProblem<float>& p) {
   if (p.collect_stats) WriteHeadStatistics(p, tasks, block_stats);
 }
 
+// One entry per storage type (HWY_EXPORT takes plain functions, not templates).
+void ForwardFloat32(const detail::ForwardProblem<float>& p) { ForwardImpl(p); }
+void ForwardBfloat16(const detail::ForwardProblem<bfloat16>& p) { ForwardImpl(p); }
+void ForwardFloat16(const detail::ForwardProblem<float16>& p) { ForwardImpl(p); }
+
 }  // namespace qkv::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace qkv::cpu {
-HWY_EXPORT(ForwardImpl);
+HWY_EXPORT(ForwardFloat32);
+HWY_EXPORT(ForwardBfloat16);
+HWY_EXPORT(ForwardFloat16);
 
 void forward(const detail::ForwardProblem<float>& problem) {
-  HWY_DYNAMIC_DISPATCH(ForwardImpl)(problem);
+  HWY_DYNAMIC_DISPATCH(ForwardFloat32)(problem);
+}
+void forward(const detail::ForwardProblem<bfloat16>& problem) {
+  HWY_DYNAMIC_DISPATCH(ForwardBfloat16)(problem);
+}
+void forward(const detail::ForwardProblem<float16>& problem) {
+  HWY_DYNAMIC_DISPATCH(ForwardFloat16)(problem);
 }
 }  // namespace qkv::cpu
 #endif

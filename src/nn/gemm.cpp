@@ -1,15 +1,14 @@
 // GEMM through CBLAS (OpenBLAS): single-threaded calls on output blocks spread over the
-// OpenMP pool (see qkv/nn/threads.hpp), and OpenBLAS's kernel selection.
+// OpenMP pool (see qkv/nn/threads.hpp), and what OpenBLAS says about its kernels.
 #include "gemm.hpp"
 
 #include <cblas.h>
-#include <dlfcn.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <string>
 
+#include "blas_coretype.hpp"
 #include "check.hpp"
 #include "parallel.hpp"
 #include "qkv/nn/threads.hpp"
@@ -55,43 +54,9 @@ void scale_only(T beta, Matrix<T> c) {
 
 CBLAS_TRANSPOSE trans(Op op) { return op == Op::none ? CblasNoTrans : CblasTrans; }
 
-// OpenBLAS picks its kernels once, from the CPU model, when it is loaded. A release
-// older than the CPU does not know the model and falls back to its SSE3 "Prescott"
-// kernels: on this project's Xeon (family 6, model 207) OpenBLAS 0.3.21 does, and its
-// sgemm runs at ~16 GFLOP/s instead of ~115 with the AVX-512 ones. In that case only,
-// and only if the user has not chosen with OPENBLAS_CORETYPE, ask OpenBLAS to choose
-// again the way that variable makes it: "SkylakeX" (AVX-512 kernels) or "Haswell"
-// (AVX2 + FMA). The re-selection entry points exist only in OpenBLAS's DYNAMIC_ARCH
-// builds (Debian's), hence dlsym; without them nothing changes.
-void select_blas_kernels() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
-  const char* chosen = openblas_get_corename();
-  if (chosen == nullptr || std::strcmp(chosen, "Prescott") != 0) return;
-  __builtin_cpu_init();
-  const char* better = nullptr;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    better = "SkylakeX";
-  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    better = "Haswell";
-  }
-  if (better == nullptr) return;
-  using Hook = void (*)();
-  const auto quit = reinterpret_cast<Hook>(::dlsym(RTLD_DEFAULT, "gotoblas_dynamic_quit"));
-  const auto init = reinterpret_cast<Hook>(::dlsym(RTLD_DEFAULT, "gotoblas_dynamic_init"));
-  if (quit == nullptr || init == nullptr) return;
-  ::setenv("OPENBLAS_CORETYPE", better, 0);
-  quit();
-  init();
-  ::unsetenv("OPENBLAS_CORETYPE");
-#endif
-}
-
 void ensure_blas_ready() {
   static std::once_flag once;
   std::call_once(once, [] {
-    select_blas_kernels();
     openblas_set_num_threads(1);  // parallelism comes from above, see threads.hpp
   });
 }
@@ -153,6 +118,12 @@ std::string blas_kernels() {
   detail::ensure_blas_ready();
   const char* name = openblas_get_corename();
   return std::string("OpenBLAS ") + (name != nullptr ? name : "?");
+}
+
+std::string faster_blas_coretype() {
+  const char* name = openblas_get_corename();
+  return detail::faster_coretype(name != nullptr ? name : "", std::getenv("OPENBLAS_CORETYPE") != nullptr,
+                                 detail::cpu_vector_features());
 }
 
 }  // namespace qkv::nn

@@ -89,14 +89,14 @@ void backward_impl(const detail::BackwardProblem<T>& problem) {
             }
           }
           T* dq = rows.dq(b, i, h);
-          for (int64_t c = 0; c < e.head_dim; ++c) dq[c] = static_cast<T>(dq_row[c]);
+          for (int64_t c = 0; c < e.head_dim; ++c) dq[c] = store_as<T>(dq_row[c]);
         }
       }
       for (int64_t j = 0; j < nk; ++j) {
         T* dk = rows.dk(b, j, kv_head);
         T* dv = rows.dv(b, j, kv_head);
-        for (int64_t c = 0; c < e.head_dim; ++c) dk[c] = static_cast<T>(dk_acc[j * e.head_dim + c]);
-        for (int64_t c = 0; c < e.v_dim; ++c) dv[c] = static_cast<T>(dv_acc[j * e.v_dim + c]);
+        for (int64_t c = 0; c < e.head_dim; ++c) dk[c] = store_as<T>(dk_acc[j * e.head_dim + c]);
+        for (int64_t c = 0; c < e.v_dim; ++c) dv[c] = store_as<T>(dv_acc[j * e.v_dim + c]);
       }
     }
   }
@@ -109,5 +109,7 @@ void backward_impl(const detail::BackwardProblem<T>& problem) {
 
 void backward(const detail::BackwardProblem<float>& problem) { backward_impl(problem); }
 void backward(const detail::BackwardProblem<double>& problem) { backward_impl(problem); }
+void backward(const detail::BackwardProblem<bfloat16>& problem) { backward_impl(problem); }
+void backward(const detail::BackwardProblem<float16>& problem) { backward_impl(problem); }
 
 }  // namespace qkv::reference

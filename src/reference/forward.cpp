@@ -57,11 +57,11 @@ void forward_impl(const detail::ForwardProblem<T>& problem) {
           for (int64_t c = 0; c < e.v_dim; ++c) row_out[c] += weight * static_cast<double>(v[c]);
         }
         T* out = rows.out(b, i, h);
-        for (int64_t c = 0; c < e.v_dim; ++c) out[c] = static_cast<T>(row_out[c]);
-        if (!args.lse.empty()) rows.lse(b, h, i) = static_cast<T>(row.lse);
+        for (int64_t c = 0; c < e.v_dim; ++c) out[c] = store_as<T>(row_out[c]);
+        if (!args.lse.empty()) rows.lse(b, h, i) = static_cast<LseOf<T>>(row.lse);
         if (!args.weights.empty()) {  // dense calls only (varlen has no weights output)
           for (int64_t j = 0; j < k_len; ++j) {
-            args.weights(b, h, i, j) = static_cast<T>(row.weights[j]);
+            args.weights(b, h, i, j) = store_as<T>(row.weights[j]);
           }
         }
         if (problem.collect_stats) {
@@ -84,5 +84,7 @@ void forward_impl(const detail::ForwardProblem<T>& problem) {
 
 void forward(const detail::ForwardProblem<float>& problem) { forward_impl(problem); }
 void forward(const detail::ForwardProblem<double>& problem) { forward_impl(problem); }
+void forward(const detail::ForwardProblem<bfloat16>& problem) { forward_impl(problem); }
+void forward(const detail::ForwardProblem<float16>& problem) { forward_impl(problem); }
 
 }  // namespace qkv::reference

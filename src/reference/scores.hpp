@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "core/dropout.hpp"
@@ -12,6 +13,16 @@
 #include "reference/softmax_row.hpp"
 
 namespace qkv::reference {
+
+// An exact (double) result stored in T. The 16-bit types round through float.
+template <class T>
+T store_as(double value) {
+  if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
+    return T(static_cast<float>(value));
+  } else {
+    return static_cast<T>(value);
+  }
+}
 
 // One query row as the reference sees it: the logits of the keys of q_i's sequence (keys
 // that do not take part at −inf, never read), then the sink logit when the call has sinks

@@ -2,7 +2,11 @@
 #include <gtest/gtest.h>
 
 #include <cctype>
+#include <iterator>
+#include <nlohmann/json.hpp>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "bench.hpp"
 #include "cli_test_support.hpp"
@@ -68,13 +72,36 @@ TEST(Bench, PrintsATableAndJson) {
                               "--min-time", "0", "--pass", "forward", "--causal", "none,top_left"});
   ASSERT_EQ(table.code, 0) << table.err;
   EXPECT_NE(table.out.find("GFLOP/s"), std::string::npos);
+  EXPECT_NE(table.out.find("% peak"), std::string::npos);
+  // "% peak: of the fp32 FMA peak measured now, 123.4 GFLOP/s on 2 threads (AVX3)"
+  const std::string peak_prefix = "% peak: of the fp32 FMA peak measured now, ";
+  const auto peak_at = table.out.find(peak_prefix);
+  ASSERT_NE(peak_at, std::string::npos) << table.out;
+  std::size_t peak_digits = 0;
+  const double peak = std::stod(table.out.substr(peak_at + peak_prefix.size()), &peak_digits);
+  EXPECT_EQ(table.out.compare(peak_at + peak_prefix.size() + peak_digits, 11, " GFLOP/s on"), 0)
+      << table.out;
+  EXPECT_GT(peak, 0.5);
   std::istringstream lines(table.out);
   std::string line;
   int rows = 0;
   while (std::getline(lines, line)) {
     const auto first = line.find_first_not_of(' ');
-    rows += first != std::string::npos && std::isdigit(static_cast<unsigned char>(line[first])) &&
-            line.find(" forward ") != std::string::npos;
+    const bool row = first != std::string::npos &&
+                     std::isdigit(static_cast<unsigned char>(line[first])) &&
+                     line.find(" forward ") != std::string::npos;
+    if (!row) continue;
+    ++rows;
+    // The last two cells: GFLOP/s and its share of the peak, "12.3%".
+    std::istringstream cells(line);
+    std::vector<std::string> words{std::istream_iterator<std::string>(cells), {}};
+    ASSERT_EQ(words.back().back(), '%') << line;
+    const double gflops = std::stod(words[words.size() - 2]);
+    // Both are printed rounded (%.2f, %.1f%%) and so is the peak (%.1f): the share
+    // recomputed from them may be off by the three roundings.
+    const double share = 100 * gflops / peak;
+    EXPECT_NEAR(std::stod(words.back()), share, 0.05 + 100 * 0.005 / peak + share * 0.05 / peak + 1e-9)
+        << line;
   }
   EXPECT_EQ(rows, 4);  // 2 seqs × 2 causal modes, forward only
 
@@ -83,6 +110,13 @@ TEST(Bench, PrintsATableAndJson) {
   EXPECT_EQ(json.out.front(), '{');
   EXPECT_NE(json.out.find("\"pass\": \"backward\""), std::string::npos);
   EXPECT_NE(json.out.find("\"flops\": 8192,"), std::string::npos);  // 4·B·H·N²·d = 4·1·8·64·4
+  const auto parsed = nlohmann::json::parse(json.out);
+  const double json_peak = parsed.at("fma_peak_gflops").get<double>();
+  EXPECT_GT(json_peak, 0.5);  // any CPU of this century, even under load
+  EXPECT_FALSE(parsed.at("simd_target").get<std::string>().empty());
+  for (const auto& row : parsed.at("rows")) {
+    EXPECT_DOUBLE_EQ(row.at("peak_share").get<double>(), row.at("gflops").get<double>() / json_peak);
+  }
 
   const auto bad = run_cli({"bench", "--seq", "0"});
   EXPECT_EQ(bad.code, kExitFailure);

@@ -1,4 +1,4 @@
-// libFuzzer target for the .npy reader (scripts/fuzz_npy.sh builds and runs it).
+// libFuzzer target for the .npy reader (scripts/fuzz.sh builds and runs it).
 //
 // Any input must either parse or throw qkv::Error: any other exception, a crash, a leak,
 // undefined behaviour (ASan/UBSan) or a hang is a bug. What parses must survive a

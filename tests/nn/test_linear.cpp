@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "blas_coretype.hpp"
 #include "nn_test_support.hpp"
 #include "qkv/error.hpp"
 #include "qkv/nn/linear.hpp"
@@ -126,17 +127,26 @@ TEST(Linear, RejectsBadShapesNamingTheArgument) {
   EXPECT_THROW(linear.forward(column_strided, y.view()), Error);
 }
 
-TEST(Blas, RunsVectorKernelsOnVectorCpus) {
+TEST(Blas, KnowsWhenOpenBlasRunsItsSlowestKernels) {
   // OpenBLAS releases older than the CPU fall back to SSE3 "Prescott" kernels (7× slower
-  // sgemm here); qkv::nn re-selects. On an AVX2 + FMA CPU that fallback must not remain.
+  // sgemm); faster_blas_coretype() then names the OPENBLAS_CORETYPE that fixes it (the
+  // qkv command restarts itself with it: tests/demo checks the kernels it reports).
   const std::string kernels = blas_kernels();
   EXPECT_EQ(kernels.rfind("OpenBLAS ", 0), 0u) << kernels;
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (std::getenv("OPENBLAS_CORETYPE") == nullptr && __builtin_cpu_supports("avx2") &&
-      __builtin_cpu_supports("fma")) {
-    EXPECT_NE(kernels, "OpenBLAS Prescott");
-  }
-#endif
+  const detail::CpuVectorFeatures cpu = detail::cpu_vector_features();
+  const bool fallback = kernels == "OpenBLAS Prescott" &&
+                        std::getenv("OPENBLAS_CORETYPE") == nullptr && cpu.avx2_fma;
+  EXPECT_EQ(faster_blas_coretype().empty(), !fallback) << kernels;
+
+  using detail::faster_coretype;
+  const detail::CpuVectorFeatures avx512{.avx512 = true, .avx2_fma = true};
+  const detail::CpuVectorFeatures avx2{.avx512 = false, .avx2_fma = true};
+  EXPECT_EQ(faster_coretype("Prescott", false, avx512), "SkylakeX");
+  EXPECT_EQ(faster_coretype("Prescott", false, avx2), "Haswell");
+  EXPECT_EQ(faster_coretype("Prescott", false, {}), "");          // SSE3 is all it has
+  EXPECT_EQ(faster_coretype("Prescott", true, avx512), "");       // the user chose
+  EXPECT_EQ(faster_coretype("Cooperlake", false, avx512), "");    // OpenBLAS knows it
+  EXPECT_EQ(faster_coretype("Zen", false, avx2), "");
   EXPECT_THROW(set_threads(0), Error);
 }
 

@@ -158,6 +158,98 @@ TEST(Safetensors, RejectsEveryKindOfCorruption) {
   EXPECT_THROW(read_safetensors("/nonexistent/qkv.safetensors"), Error);
 }
 
+TEST(Safetensors, CorruptHeadersSayWhatIsWrongAndWhere) {
+  // The JSON parser is nlohmann/json; what it reports is rewritten to name the file, the
+  // byte offset in the header and the problem, without the library's own prefixes.
+  const std::vector<std::byte> four(4);
+  const struct {
+    std::string header, message;
+  } cases[] = {
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]})",
+       "test.safetensors: invalid JSON header at byte 53: syntax error while parsing object - "
+       "unexpected end of input; expected '}'"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}} x)",
+       "invalid JSON header at byte 55: syntax error while parsing value - invalid literal"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4],}})",
+       "invalid JSON header at byte 53: syntax error while parsing object key - unexpected '}'"},
+      {R"({"__metadata__":{"k":"a","k":"b"},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+       "invalid JSON header: duplicate key \"k\""},
+      {"{\"x\xff\":{}}", "invalid JSON header at byte 3: syntax error while parsing object key - "
+                         "invalid string: ill-formed UTF-8 byte"},
+      {R"({"x":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}})",
+       "invalid JSON header at byte 33: number overflow parsing '1e999'"},  // its last digit
+      {R"({"x":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}})",
+       "tensor \"x\": shape entries must be integers"},
+      {R"({"x":{"dtype":"F32","shape":[18446744073709551615],"data_offsets":[0,4]}})",
+       "tensor \"x\": shape entry 18446744073709551615 is out of range"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[-1,4]}})",
+       "tensor \"x\": data_offsets must be non-negative integers"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0]}})",
+       "tensor \"x\": missing field \"data_offsets\" [begin, end]"},
+      {R"({"x":{"dtype":7,"shape":[1],"data_offsets":[0,4]}})",
+       "tensor \"x\": missing string field \"dtype\""},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"extra":1}})",
+       "tensor \"x\": unknown field \"extra\""},
+      {R"({"x":[1]})", "tensor \"x\" is not an object"},
+      {R"({"__metadata__":{"k":1},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+       "__metadata__[\"k\"] is not a string"},
+      {R"({"__metadata__":[]})", "__metadata__ is not an object"},
+      {"", "invalid JSON header at byte 0: syntax error while parsing value - unexpected end of input"},
+  };
+  for (const auto& c : cases) {
+    const std::string message = expect_decode_error(make_file(c.header, four));
+    EXPECT_NE(message.find(c.message), std::string::npos)
+        << "header: " << c.header << "\n  got: " << message << "\n  expected: " << c.message;
+    EXPECT_EQ(message.find("json.exception"), std::string::npos) << message;
+  }
+  // Depth: 64 levels are accepted by the parser (then refused as a header), 65 are not.
+  EXPECT_NE(expect_decode_error(make_file(std::string(64, '[') + std::string(64, ']'), {}))
+                .find("the header is not a JSON object"),
+            std::string::npos);
+  EXPECT_NE(expect_decode_error(make_file(std::string(65, '[') + std::string(65, ']'), {}))
+                .find("nested too deeply"),
+            std::string::npos);
+}
+
+TEST(Safetensors, WritesOnlyUtf8NamesAndMetadata) {
+  SafetensorsFile file;
+  const std::vector<float> one = {1.0f};
+  file.tensors.push_back(SafetensorsTensor::from<float>("bad\xff", {1}, one));
+  try {
+    encode_safetensors(file);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("must be UTF-8"), std::string::npos) << e.what();
+  }
+  file.tensors[0].name = "caf\xc3\xa9";  // é in UTF-8: fine, written as is
+  file.metadata["control"] = std::string("a\x01" "b");
+  const auto bytes = encode_safetensors(file);
+  const std::string text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  EXPECT_NE(text.find("\"caf\xc3\xa9\""), std::string::npos);
+  EXPECT_NE(text.find(R"("a\u0001b")"), std::string::npos);
+  const SafetensorsFile back = decode_safetensors(bytes);
+  EXPECT_EQ(back.metadata.at("control"), std::string("a\x01" "b"));
+  EXPECT_EQ(back.tensors.at(0).name, "caf\xc3\xa9");
+}
+
+TEST(Safetensors, ManyTensorsCostNoQuadraticTime) {
+  // 100k tensors: a hostile (or just large) header must not take O(n²) to read or write.
+  // Quadratic work here would be ~10¹⁰ string comparisons: minutes, not milliseconds.
+  SafetensorsFile file;
+  const std::vector<float> one = {1.0f};
+  for (int i = 0; i < 100'000; ++i) {
+    std::string name = "t";  // (not "t" + ...: GCC 12 warns falsely, -Wrestrict)
+    name += std::to_string(i);
+    file.tensors.push_back(SafetensorsTensor::from<float>(name, {1}, one));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const SafetensorsFile back = decode_safetensors(encode_safetensors(file));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(back.tensors.size(), file.tensors.size());
+  EXPECT_EQ(back.tensors[99'999].name, "t99999");  // the writer's order, by offset
+  EXPECT_LT(seconds, 20.0);  // measured ≈ 0.5 s; generous for loaded machines and ASan
+}
+
 TEST(Safetensors, AKilledWriterLeavesTheOldFileIntact) {
   // A child rewrites a large file over and over; the parent SIGKILLs it at several
   // moments, each time mid-way through some write with high likelihood. The file at

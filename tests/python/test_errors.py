@@ -40,9 +40,9 @@ CASES = [
     ("dtype mismatch", lambda: qkv.attention(Q, K.astype(np.float64), V), TypeError,
      r"k: expected dtype float32 \(the dtype of q\), got float64"),
     ("integer inputs", lambda: qkv.attention(*(x.astype(np.int64) for x in (Q, K, V))),
-     TypeError, r"q: expected dtype float32 or float64, got int64"),
-    ("float16 inputs", lambda: qkv.attention(*(x.astype(np.float16) for x in (Q, K, V))),
-     TypeError, r"q: expected dtype float32 or float64, got float16"),
+     TypeError, r"q: expected dtype float32, float64, bfloat16 or float16, got int64"),
+    ("float16 with float32", lambda: qkv.attention(Q.astype(np.float16), K, V.astype(np.float16)),
+     TypeError, r"k: expected dtype float16 \(the dtype of q\), got float32"),
     ("list input", lambda: qkv.attention([[1.0]], K, V), TypeError,
      r"qkv\.attention: q: expected a numpy\.ndarray or a torch\.Tensor, got builtins\.list"),
     ("numpy and torch mixed", lambda: qkv.attention(Q, torch.from_numpy(K), V), TypeError,
@@ -72,7 +72,8 @@ CASES = [
     ("mask 5-D", lambda: qkv.attention(Q, K, V, mask=np.ones((1, 2, 4, 5, 6), bool)),
      ValueError, r"mask: expected 1 to 4 dimensions"),
     ("mask int dtype", lambda: qkv.attention(Q, K, V, mask=np.ones((5, 6), np.int32)),
-     TypeError, r"mask: expected dtype bool or uint8 \(True = attend\) or float32/float64"),
+     TypeError, r"mask: expected dtype bool or uint8 \(True = attend\) or float32, float64, "
+                r"float16 or bfloat16"),
     ("mask other type", lambda: qkv.attention(Q, K, V, mask=torch.ones(5, 6)), TypeError,
      r"every array must be of one type"),
     ("key_lengths too few", lambda: qkv.attention(Q, K, V, key_lengths=[6]), ValueError,
@@ -197,10 +198,10 @@ def test_sdpa_errors(case):
         qt.scaled_dot_product_attention(q4, k4, v4, **kwargs)
 
 
-def test_sdpa_half_precision_is_a_type_error():
-    with pytest.raises(TypeError, match=r"qkv computes in torch\.float32 or torch\.float64, "
-                                        r"got torch\.bfloat16 \(convert with \.float\(\)\)"):
-        qt.scaled_dot_product_attention(q4.bfloat16(), k4.bfloat16(), v4.bfloat16())
+def test_sdpa_unsupported_dtype_is_a_type_error():
+    with pytest.raises(TypeError, match=r"qkv takes torch\.float32, torch\.float64, "
+                                        r"torch\.bfloat16 or torch\.float16, got torch\.int32"):
+        qt.scaled_dot_product_attention(*(x.int() for x in (q4, k4, v4)))
 
 
 def test_sdpa_trainable_float_mask_is_not_implemented():

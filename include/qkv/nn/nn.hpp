@@ -7,7 +7,6 @@
 #include "qkv/nn/checkpoint.hpp"
 #include "qkv/nn/clip.hpp"
 #include "qkv/nn/cross_entropy.hpp"
-#include "qkv/nn/demo.hpp"
 #include "qkv/nn/embedding.hpp"
 #include "qkv/nn/gelu.hpp"
 #include "qkv/nn/layer_norm.hpp"

@@ -11,9 +11,10 @@
 // element is computed by the same code in the same order with 1 thread or 16.
 //
 // OpenBLAS kernels: OpenBLAS chooses them from the CPU model when it loads. A release
-// older than the CPU falls back to its slowest (SSE3 "Prescott") kernels; qkv::nn then has
-// it choose again as OPENBLAS_CORETYPE=SkylakeX (AVX-512) or Haswell (AVX2 + FMA) would —
-// unless OPENBLAS_CORETYPE is set, which always wins.
+// older than the CPU falls back to its slowest (SSE3 "Prescott") kernels, 7× slower than
+// the AVX-512 ones; the documented remedy is OPENBLAS_CORETYPE (e.g. SkylakeX or
+// Haswell), set before the library loads. faster_blas_coretype() says when and which; the
+// `qkv` command acts on it by starting itself again with the variable set.
 #pragma once
 
 #include <string>
@@ -27,5 +28,10 @@ int threads();
 
 // The BLAS and the kernels it runs, e.g. "OpenBLAS SkylakeX".
 std::string blas_kernels();
+
+// "SkylakeX" or "Haswell" when OpenBLAS fell back to its SSE3 "Prescott" kernels on a CPU
+// with AVX-512 or AVX2 + FMA and OPENBLAS_CORETYPE was not set: running the program again
+// with OPENBLAS_CORETYPE set to it gives the fast kernels. Otherwise "".
+std::string faster_blas_coretype();
 
 }  // namespace qkv::nn

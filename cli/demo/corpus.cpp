@@ -4,14 +4,12 @@
 #include <cmath>
 #include <string>
 
-#include "check.hpp"
-#include "qkv/nn/demo.hpp"
+#include "demo/check.hpp"
+#include "demo/demo.hpp"
 
-namespace qkv::nn {
+namespace qkv::demo {
 
-std::string_view demo_text() { return detail::embedded_demo_text(); }
-
-namespace detail {
+std::string_view demo_text() { return embedded_demo_text(); }
 
 Corpus::Corpus(std::string_view text, double held_out_fraction) {
   expect(held_out_fraction >= 0 && held_out_fraction < 1, "Corpus",
@@ -57,5 +55,4 @@ std::vector<int32_t> Corpus::encode(std::string_view text, const char* what) con
   return ids;
 }
 
-}  // namespace detail
-}  // namespace qkv::nn
+}  // namespace qkv::demo

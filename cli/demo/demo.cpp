@@ -9,15 +9,15 @@
 #include <tuple>
 #include <vector>
 
-#include "check.hpp"
+#include "demo/check.hpp"
 #include "demo/corpus.hpp"
 #include "demo/display.hpp"
 #include "demo/trainer.hpp"
 #include "qkv/attention.hpp"
-#include "qkv/nn/demo.hpp"
+#include "demo/demo.hpp"
 #include "qkv/nn/threads.hpp"
 
-namespace qkv::nn {
+namespace qkv::demo {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -35,34 +35,37 @@ std::string fixed(double value, int digits) {
 void check_options(const DemoOptions& o) {
   const std::string fn = "run_demo";
   auto positive = [&](int64_t value, const char* name) {
-    detail::expect(value >= 1, fn, std::string(name) + ": expected ≥ 1, got " + std::to_string(value));
+    expect(value >= 1, fn, std::string(name) + ": expected ≥ 1, got " + std::to_string(value));
   };
-  detail::expect(o.steps >= 0, fn, "steps: expected ≥ 0, got " + std::to_string(o.steps));
-  detail::expect(o.seconds >= 0 && std::isfinite(o.seconds), fn,
+  expect(o.steps >= 0, fn, "steps: expected ≥ 0, got " + std::to_string(o.steps));
+  expect(o.seconds >= 0 && std::isfinite(o.seconds), fn,
                  "seconds: expected ≥ 0, got " + std::to_string(o.seconds));
-  detail::expect(o.threads >= 0, fn, "threads: expected ≥ 0, got " + std::to_string(o.threads));
+  expect(o.threads >= 0, fn, "threads: expected ≥ 0, got " + std::to_string(o.threads));
+  expect(o.save_every >= 0, fn, "save_every: expected ≥ 0, got " + std::to_string(o.save_every));
+  expect(o.save_every == 0 || !o.save.empty(), fn,
+         "save_every: needs save, the checkpoint file to write");
   positive(o.layers, "layers");
   positive(o.embed_dim, "embed_dim");
   positive(o.heads, "heads");
   positive(o.context, "context");
   positive(o.batch, "batch");
   positive(o.schedule_steps, "schedule_steps");
-  detail::expect(o.kv_heads >= 0, fn, "kv_heads: expected ≥ 0, got " + std::to_string(o.kv_heads));
-  detail::expect(o.warmup_steps >= 0, fn,
+  expect(o.kv_heads >= 0, fn, "kv_heads: expected ≥ 0, got " + std::to_string(o.kv_heads));
+  expect(o.warmup_steps >= 0, fn,
                  "warmup_steps: expected ≥ 0, got " + std::to_string(o.warmup_steps));
-  detail::expect(o.lr > 0 && std::isfinite(o.lr), fn, "lr: expected > 0, got " + std::to_string(o.lr));
-  detail::expect(o.weight_decay >= 0, fn,
+  expect(o.lr > 0 && std::isfinite(o.lr), fn, "lr: expected > 0, got " + std::to_string(o.lr));
+  expect(o.weight_decay >= 0, fn,
                  "weight_decay: expected ≥ 0, got " + std::to_string(o.weight_decay));
-  detail::expect(o.clip > 0, fn, "clip: expected > 0, got " + std::to_string(o.clip));
-  detail::expect(o.sample_chars >= 0, fn,
+  expect(o.clip > 0, fn, "clip: expected > 0, got " + std::to_string(o.clip));
+  expect(o.sample_chars >= 0, fn,
                  "sample_chars: expected ≥ 0, got " + std::to_string(o.sample_chars));
-  detail::expect(o.temperature > 0, fn,
+  expect(o.temperature > 0, fn,
                  "temperature: expected > 0, got " + std::to_string(o.temperature));
 }
 
 // The (layer, head) whose attention over the phrase is most focused: the highest mean
 // top weight per row (rows after the first, which can only see itself).
-std::pair<int64_t, int64_t> pick_head(detail::Trainer& trainer, const std::string& phrase,
+std::pair<int64_t, int64_t> pick_head(Trainer& trainer, const std::string& phrase,
                                       int64_t layers, int64_t heads, double& focus) {
   std::pair<int64_t, int64_t> best{0, 0};
   focus = -1;
@@ -87,9 +90,9 @@ std::pair<int64_t, int64_t> pick_head(detail::Trainer& trainer, const std::strin
 }
 
 // The model and training settings the options describe.
-detail::TrainSettings settings_for(const DemoOptions& options, const detail::Corpus& corpus) {
-  detail::TrainSettings settings;
-  settings.model = TransformerConfig{.vocab_size = corpus.vocab_size(),
+TrainSettings settings_for(const DemoOptions& options, const Corpus& corpus) {
+  TrainSettings settings;
+  settings.model = nn::TransformerConfig{.vocab_size = corpus.vocab_size(),
                                      .context = options.context,
                                      .embed_dim = options.embed_dim,
                                      .num_heads = options.heads,
@@ -108,18 +111,18 @@ detail::TrainSettings settings_for(const DemoOptions& options, const detail::Cor
 }
 
 // What is shown after training is checked before any time is spent training.
-void check_display_options(const DemoOptions& options, const detail::Corpus& corpus) {
+void check_display_options(const DemoOptions& options, const Corpus& corpus) {
   const std::string fn = "run_demo";
   corpus.encode(options.prompt, "prompt");
   corpus.encode(options.phrase, "phrase");
-  detail::expect(!options.prompt.empty(), fn, "prompt: expected at least one character");
-  detail::expect(static_cast<int64_t>(options.phrase.size()) <= options.context, fn,
+  expect(!options.prompt.empty(), fn, "prompt: expected at least one character");
+  expect(static_cast<int64_t>(options.phrase.size()) <= options.context, fn,
                  "phrase: expected at most " + std::to_string(options.context) +
                      " characters (the context), got " + std::to_string(options.phrase.size()));
-  detail::expect(options.heatmap_layer < options.layers, fn,
+  expect(options.heatmap_layer < options.layers, fn,
                  "heatmap_layer: expected < " + std::to_string(options.layers) + ", got " +
                      std::to_string(options.heatmap_layer));
-  detail::expect(options.heatmap_head < options.heads, fn,
+  expect(options.heatmap_head < options.heads, fn,
                  "heatmap_head: expected < " + std::to_string(options.heads) + ", got " +
                      std::to_string(options.heatmap_head));
 }
@@ -128,8 +131,8 @@ std::string plural(int64_t count, const char* word) {
   return std::to_string(count) + " " + word + (count == 1 ? "" : "s");
 }
 
-void describe(std::ostream& out, const DemoOptions& options, const detail::Corpus& corpus,
-              const detail::Trainer& trainer) {
+void describe(std::ostream& out, const DemoOptions& options, const Corpus& corpus,
+              const Trainer& trainer) {
   const AttentionOptions attention{.execution = trainer.settings().model.execution};
   const Backend backend = resolve_backend(attention, /*is_double=*/false, false);
   const int64_t kv_heads = options.kv_heads == 0 ? options.heads : options.kv_heads;
@@ -141,13 +144,13 @@ void describe(std::ostream& out, const DemoOptions& options, const detail::Corpu
       << " wide, " << plural(options.heads, "head") << " of " << options.embed_dim / options.heads;
   if (kv_heads != options.heads) out << " (" << kv_heads << " key/value heads, GQA)";
   out << ", context " << options.context << ", "
-      << detail::si(static_cast<double>(trainer.parameter_count())) << " parameters\n"
+      << si(static_cast<double>(trainer.parameter_count())) << " parameters\n"
       << "  train    " << options.batch << " × " << options.context
       << " characters a step, AdamW lr " << options.lr << " (warmup " << options.warmup_steps
       << ", cosine to step " << options.schedule_steps << "), seed " << options.seed << ", "
       << plural(options.threads, "thread") << "\n"
       << "  kernels  attention: qkv " << (backend == Backend::cpu ? "cpu" : "reference")
-      << " backend; GEMM: " << blas_kernels() << "\n";
+      << " backend; GEMM: " << nn::blas_kernels() << "\n";
   if (!options.resume.empty()) {
     out << "  resumed  from " << options.resume << " at step " << trainer.steps_done() << "\n";
   }
@@ -158,10 +161,21 @@ struct TrainingRun {
   int64_t steps = 0;           // steps taken in this run
   double seconds = 0;          // their wall time
   std::vector<double> losses;  // one per step
+  bool stopped = false;        // by options.stop, before the target
 };
 
-// Steps until options.steps (or the time budget), drawing the progress bar.
-TrainingRun train(std::ostream& out, const DemoOptions& options, detail::Trainer& trainer) {
+bool stop_requested(const DemoOptions& options) {
+  return options.stop != nullptr && options.stop->load(std::memory_order_relaxed);
+}
+
+void save(std::ostream& out, const DemoOptions& options, const Trainer& trainer) {
+  trainer.save(options.save);
+  out << "  saved    " << options.save << " (step " << trainer.steps_done() << ")\n";
+}
+
+// Steps until options.steps (or the time budget, or a stop request between two steps),
+// drawing the progress bar and saving every options.save_every steps.
+TrainingRun train(std::ostream& out, const DemoOptions& options, Trainer& trainer) {
   const int64_t first = trainer.steps_done();
   const int64_t target = std::max(first, options.steps);
   const double tokens_per_step = static_cast<double>(options.batch * options.context);
@@ -170,9 +184,13 @@ TrainingRun train(std::ostream& out, const DemoOptions& options, detail::Trainer
   const auto start = Clock::now();
   auto last_draw = start;
   while (trainer.steps_done() < target) {
+    if (stop_requested(options)) {
+      run.stopped = true;
+      break;
+    }
     const double loss = trainer.step();
     if (!std::isfinite(loss)) {
-      throw Error("qkv::nn::run_demo: the loss became " + std::to_string(loss) + " at step " +
+      throw Error("qkv::demo::run_demo: the loss became " + std::to_string(loss) + " at step " +
                   std::to_string(trainer.steps_done()) + " (try a lower --lr)");
     }
     run.losses.push_back(loss);
@@ -183,7 +201,7 @@ TrainingRun train(std::ostream& out, const DemoOptions& options, detail::Trainer
                           (options.seconds > 0 && run.seconds >= options.seconds);
     const double rate = static_cast<double>(run.steps) * tokens_per_step / std::max(run.seconds, 1e-9);
     const std::string line =
-        detail::progress_line(trainer.steps_done(), target, loss, rate, run.seconds);
+        progress_line(trainer.steps_done(), target, loss, rate, run.seconds);
     if (options.interactive) {
       // Redrawn in place at most 10 times a second: \r returns to the line's start and
       // ESC[K clears what a longer line left.
@@ -195,16 +213,24 @@ TrainingRun train(std::ostream& out, const DemoOptions& options, detail::Trainer
       out << "  " << line << "\n" << std::flush;
     }
     if (finished) break;
+    if (options.save_every > 0 && trainer.steps_done() % options.save_every == 0) {
+      if (options.interactive) out << "\r\033[K";  // the bar is redrawn at the next step
+      save(out, options, trainer);
+    }
   }
-  if (options.seconds > 0 && trainer.steps_done() < target) {
+  if (run.stopped) {
+    if (options.interactive) out << "\n";
+    out << "  stopped  at step " << trainer.steps_done() << " of " << target
+        << " on request (Ctrl-C)\n";
+  } else if (options.seconds > 0 && trainer.steps_done() < target) {
     out << "  stopped at step " << trainer.steps_done() << ": the " << options.seconds
         << " s budget is spent (a time budget is not reproducible; --steps is)\n";
   }
   return run;
 }
 
-void show_generation(std::ostream& out, const DemoOptions& options, detail::Trainer& trainer) {
-  Rng sampler(options.seed ^ kSampleStream);
+void show_generation(std::ostream& out, const DemoOptions& options, Trainer& trainer) {
+  nn::Rng sampler(options.seed ^ kSampleStream);
   const std::string text =
       trainer.generate(options.prompt, options.sample_chars, options.temperature, sampler);
   out << "\nGenerated (prompt \"" << options.prompt << "\", temperature " << options.temperature
@@ -213,7 +239,7 @@ void show_generation(std::ostream& out, const DemoOptions& options, detail::Trai
   out << "\n";
 }
 
-void show_attention(std::ostream& out, const DemoOptions& options, detail::Trainer& trainer) {
+void show_attention(std::ostream& out, const DemoOptions& options, Trainer& trainer) {
   int64_t layer = options.heatmap_layer, head = options.heatmap_head;
   std::string why;
   if (layer < 0 || head < 0) {
@@ -223,11 +249,11 @@ void show_attention(std::ostream& out, const DemoOptions& options, detail::Train
   }
   out << "\nAttention of layer " << layer << ", head " << head << why << ",\nover \""
       << options.phrase << "\" (each row: where that character looks):\n\n";
-  detail::draw_heatmap(out, trainer.attention(options.phrase, layer), head, options.phrase);
+  draw_heatmap(out, trainer.attention(options.phrase, layer), head, options.phrase);
 }
 
-void report(std::ostream& out, const DemoOptions& options, const detail::Corpus& corpus,
-            detail::Trainer& trainer, const TrainingRun& run) {
+void report(std::ostream& out, const DemoOptions& options, const Corpus& corpus,
+            Trainer& trainer, const TrainingRun& run) {
   constexpr std::size_t kRecent = 20;  // the training loss averages this many steps
   const double entropy = corpus.unigram_entropy();
   const double held_out = trainer.evaluate(corpus.held_out(), kEvalWindows);
@@ -246,7 +272,7 @@ void report(std::ostream& out, const DemoOptions& options, const detail::Corpus&
       << fixed(100 * kHeldOutFraction, 0) << "% of the book\n";
   if (run.steps > 0) {
     const double tokens = static_cast<double>(run.steps * options.batch * options.context);
-    out << "  throughput                    " << detail::si(tokens / run.seconds) << " tokens/s ("
+    out << "  throughput                    " << si(tokens / run.seconds) << " tokens/s ("
         << run.steps << " steps in " << fixed(run.seconds, 1) << " s, "
         << plural(options.threads, "thread") << ")\n";
   }
@@ -260,18 +286,28 @@ int run_demo(const DemoOptions& requested, std::ostream& out) {
   if (options.threads == 0) {
     options.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   }
-  set_threads(options.threads);
-  const detail::Corpus corpus(demo_text(), kHeldOutFraction);
+  nn::set_threads(options.threads);
+  const Corpus corpus(demo_text(), kHeldOutFraction);
   check_display_options(options, corpus);
 
-  detail::Trainer trainer(corpus, settings_for(options, corpus));
+  Trainer trainer(corpus, settings_for(options, corpus));
   if (!options.resume.empty()) trainer.resume(options.resume);
   describe(out, options, corpus, trainer);
 
   const TrainingRun run = train(out, options, trainer);
-  if (!options.save.empty()) {
-    trainer.save(options.save);
-    out << "  saved    " << options.save << " (step " << trainer.steps_done() << ")\n";
+  if (!options.save.empty()) save(out, options, trainer);
+  if (run.stopped || stop_requested(options)) {
+    // The checkpoint holds every bit of the state after the last finished step, so
+    // resuming it continues exactly as the uninterrupted run would have.
+    if (!run.stopped) {
+      out << "  stopped  on request (Ctrl-C) after training, before the samples\n";
+    } else if (options.save.empty()) {
+      out << "  nothing saved (no --save); the run cannot be resumed\n";
+    } else {
+      out << "  resume   with --resume " << options.save << " and the same settings\n";
+    }
+    out << std::flush;
+    return 0;
   }
   if (options.sample_chars > 0) show_generation(out, options, trainer);
   if (!options.phrase.empty()) show_attention(out, options, trainer);
@@ -279,4 +315,4 @@ int run_demo(const DemoOptions& requested, std::ostream& out) {
   return 0;
 }
 
-}  // namespace qkv::nn
+}  // namespace qkv::demo

@@ -1,5 +1,5 @@
 // `qkv demo`: train a small character-level decoder-only transformer on a public-domain
-// text built into the library (Lewis Carroll's "Alice's Adventures in Wonderland", see
+// text built into the program (Lewis Carroll's "Alice's Adventures in Wonderland", see
 // data/README.md), then show what it learned: generated text, one head's attention as a
 // Unicode heatmap, and the final loss next to the text's unigram entropy.
 //
@@ -7,14 +7,17 @@
 // learning-rate schedule depends only on `schedule_steps`, never on where a run stops,
 // so `--steps N --save f` followed by `--resume f --steps N+M` is bit for bit the run
 // `--steps N+M`. A `seconds` budget stops wherever the clock says (not reproducible).
+// A stop request (Ctrl-C, see `stop`) ends the run after the step in progress and saves
+// it like the end of a run, so resuming it gives the bits of a run never interrupted.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <iosfwd>
 #include <string>
 #include <string_view>
 
-namespace qkv::nn {
+namespace qkv::demo {
 
 struct DemoOptions {
   uint64_t seed = 1;
@@ -22,7 +25,11 @@ struct DemoOptions {
   double seconds = 0;           // > 0: also stop when this much training time is spent
   int threads = 0;              // 0: every hardware thread. Results never depend on it.
   std::string save;             // checkpoint to write at the end ("" none)
+  int64_t save_every = 0;       // > 0: also write `save` after every this many steps
   std::string resume;           // checkpoint to continue from ("" none)
+  // Set from elsewhere (a signal handler): finish the step in progress, save if `save`
+  // is given, say where, and return 0 without the generation and the report.
+  const std::atomic<bool>* stop = nullptr;
 
   // Model and training. With `resume`, these must match the checkpoint's.
   int64_t layers = 4;
@@ -47,11 +54,12 @@ struct DemoOptions {
   bool interactive = false;     // redraw the progress bar in place (a terminal)
 };
 
-// Runs the demo, writing everything to `out`. Returns 0 on success. Bad options, an
-// unreadable, corrupt or mismatched checkpoint throw qkv::Error.
+// Runs the demo, writing everything to `out`. Returns 0 on success, also when stopped
+// through `stop`. Bad options, an unreadable, corrupt or mismatched checkpoint throw
+// qkv::Error.
 int run_demo(const DemoOptions& options, std::ostream& out);
 
-// The training text built into the library (LF line endings).
+// The training text built into the program (LF line endings).
 std::string_view demo_text();
 
-}  // namespace qkv::nn
+}  // namespace qkv::demo

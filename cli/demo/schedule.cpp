@@ -4,7 +4,7 @@
 #include <cmath>
 #include <numbers>
 
-namespace qkv::nn::detail {
+namespace qkv::demo {
 
 double Schedule::at(int64_t step) const {
   if (step < warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
@@ -15,4 +15,4 @@ double Schedule::at(int64_t step) const {
   return peak * (kFloor + (1.0 - kFloor) * cosine);
 }
 
-}  // namespace qkv::nn::detail
+}  // namespace qkv::demo

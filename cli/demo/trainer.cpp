@@ -6,11 +6,11 @@
 #include <cstdio>
 #include <string>
 
-#include "check.hpp"
+#include "demo/check.hpp"
 #include "qkv/nn/checkpoint.hpp"
 #include "qkv/nn/clip.hpp"
 
-namespace qkv::nn::detail {
+namespace qkv::demo {
 namespace {
 
 // Separate streams for initialization, batches and (in demo.cpp) sampling, so changing
@@ -23,7 +23,7 @@ std::string exact(double value) {
   return text;
 }
 
-std::string hex_state(const Rng::State& state) {
+std::string hex_state(const nn::Rng::State& state) {
   std::string text;
   for (uint64_t word : state) {
     char buffer[17];
@@ -33,8 +33,8 @@ std::string hex_state(const Rng::State& state) {
   return text;
 }
 
-Rng::State parse_state(const std::string& text, const std::string& what) {
-  Rng::State state{};
+nn::Rng::State parse_state(const std::string& text, const std::string& what) {
+  nn::Rng::State state{};
   bool ok = text.size() == 64 &&
             text.find_first_not_of("0123456789abcdef") == std::string::npos;
   for (std::size_t i = 0; ok && i < 4; ++i) {
@@ -51,7 +51,7 @@ Trainer::Trainer(const Corpus& corpus, const TrainSettings& settings)
       settings_(settings),
       model_(settings.model),
       parameters_(model_.parameters()),
-      optimizer_(parameters_, AdamWConfig{.lr = settings.schedule.peak,
+      optimizer_(parameters_, nn::AdamWConfig{.lr = settings.schedule.peak,
                                           .beta1 = 0.9,
                                           .beta2 = 0.95,
                                           .eps = 1e-8,
@@ -59,7 +59,7 @@ Trainer::Trainer(const Corpus& corpus, const TrainSettings& settings)
       data_rng_(settings.seed ^ kDataStream) {
   expect(static_cast<int64_t>(corpus.train().size()) > settings.model.context + 1, "demo",
          "context: the training text is shorter than one window");
-  Rng init(settings.seed);
+  nn::Rng init(settings.seed);
   model_.reset_parameters(init);
 }
 
@@ -74,10 +74,10 @@ double Trainer::step() {
     std::copy_n(text.begin() + start, seq, inputs_.begin() + b * seq);
     std::copy_n(text.begin() + start + 1, seq, targets_.begin() + b * seq);
   }
-  zero_grad(parameters_);
+  nn::zero_grad(parameters_);
   const double loss = model_.forward_loss(inputs_, targets_, batch, seq);
   model_.backward();
-  last_grad_norm_ = clip_grad_norm(parameters_, settings_.clip);
+  last_grad_norm_ = nn::clip_grad_norm(parameters_, settings_.clip);
   optimizer_.step(settings_.schedule.at(optimizer_.steps()));
   return loss;
 }
@@ -105,7 +105,7 @@ double Trainer::evaluate(const std::vector<int32_t>& tokens, int64_t max_windows
 }
 
 std::string Trainer::generate(const std::string& prompt, int64_t count, double temperature,
-                              Rng& rng) {
+                              nn::Rng& rng) {
   expect(temperature > 0, "demo", "temperature: expected > 0, got " + std::to_string(temperature));
   std::vector<int32_t> ids = corpus_.encode(prompt, "prompt");
   expect(!ids.empty(), "demo", "prompt: expected at least one character");
@@ -115,7 +115,7 @@ std::string Trainer::generate(const std::string& prompt, int64_t count, double t
   for (int64_t i = 0; i < count; ++i) {
     const int64_t n = std::min<int64_t>(context, static_cast<int64_t>(ids.size()));
     const std::span<const int32_t> window(ids.data() + ids.size() - n, static_cast<std::size_t>(n));
-    const Matrix<const float> logits = model_.forward(window, 1, n);
+    const nn::Matrix<const float> logits = model_.forward(window, 1, n);
     // p ∝ exp((z − max)/T), sampled by inverting the cumulative sum.
     double max = -INFINITY;
     for (int64_t v = 0; v < vocab; ++v) max = std::max(max, static_cast<double>(logits(n - 1, v)));
@@ -171,12 +171,12 @@ std::map<std::string, std::string> Trainer::settings_metadata() const {
 void Trainer::save(const std::filesystem::path& path) const {
   auto metadata = settings_metadata();
   metadata["demo.data_rng"] = hex_state(data_rng_.state());
-  save_checkpoint(path, parameters_, optimizer_, metadata);
+  nn::save_checkpoint(path, parameters_, optimizer_, metadata);
 }
 
 void Trainer::resume(const std::filesystem::path& path) {
   const std::string what = "checkpoint " + path.string();
-  const auto stored = read_checkpoint_metadata(path);
+  const auto stored = nn::read_checkpoint_metadata(path);
   std::string differences;
   for (const auto& [key, value] : settings_metadata()) {
     const auto found = stored.find(key);
@@ -196,10 +196,10 @@ void Trainer::resume(const std::filesystem::path& path) {
   }
   const auto rng = stored.find("demo.data_rng");
   if (rng == stored.end()) throw Error(what + ": metadata \"demo.data_rng\" is missing");
-  Rng restored;
+  nn::Rng restored;
   restored.set_state(parse_state(rng->second, what));
-  load_checkpoint(path, parameters_, optimizer_);
+  nn::load_checkpoint(path, parameters_, optimizer_);
   data_rng_ = restored;
 }
 
-}  // namespace qkv::nn::detail
+}  // namespace qkv::demo

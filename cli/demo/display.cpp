@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <ostream>
 
-namespace qkv::nn::detail {
+namespace qkv::demo {
 
 std::string si(double value) {
   char text[32];
@@ -86,4 +86,4 @@ void draw_heatmap(std::ostream& out, const Tensor<float, 4>& weights, int64_t he
   out << "      ·· < 0.05   ░░ < 0.15   ▒▒ < 0.35   ▓▓ < 0.65   ██ ≥ 0.65\n";
 }
 
-}  // namespace qkv::nn::detail
+}  // namespace qkv::demo

@@ -2,6 +2,7 @@
 // stopped, saved and resumed is bit for bit the uninterrupted run; the demo's report.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -12,14 +13,16 @@
 #include <vector>
 
 #include "demo/corpus.hpp"
+#include "demo/demo.hpp"
 #include "demo/trainer.hpp"
 #include "nn_test_support.hpp"
 #include "qkv/error.hpp"
 #include "qkv/nn/threads.hpp"
-#include "qkv/nn/demo.hpp"
 
-namespace qkv::nn {
+namespace qkv::demo {
 namespace {
+
+using nn::set_threads;
 
 namespace fs = std::filesystem;
 
@@ -40,8 +43,8 @@ DemoOptions small_options() {
   return o;
 }
 
-detail::TrainSettings settings_of(const DemoOptions& o, int64_t vocab) {
-  detail::TrainSettings s;
+TrainSettings settings_of(const DemoOptions& o, int64_t vocab) {
+  TrainSettings s;
   s.model = {.vocab_size = vocab, .context = o.context, .embed_dim = o.embed_dim,
              .num_heads = o.heads, .num_layers = o.layers, .execution = {.threads = o.threads}};
   s.batch = o.batch;
@@ -59,9 +62,9 @@ std::vector<char> file_bytes(const fs::path& path) {
 
 TEST(Training, FiftyStepsLowerTheLoss) {
   set_threads(2);
-  const detail::Corpus corpus(demo_text(), 0.1);
+  const Corpus corpus(demo_text(), 0.1);
   const DemoOptions o = small_options();
-  detail::Trainer trainer(corpus, settings_of(o, corpus.vocab_size()));
+  Trainer trainer(corpus, settings_of(o, corpus.vocab_size()));
   std::vector<double> losses;
   for (int i = 0; i < 50; ++i) losses.push_back(trainer.step());
   const double first = std::accumulate(losses.begin(), losses.begin() + 5, 0.0) / 5;
@@ -78,21 +81,21 @@ TEST(Training, FiftyStepsLowerTheLoss) {
 
 TEST(Training, SameSeedSameBits) {
   set_threads(2);
-  const detail::Corpus corpus(demo_text(), 0.1);
+  const Corpus corpus(demo_text(), 0.1);
   const DemoOptions o = small_options();
-  detail::Trainer a(corpus, settings_of(o, corpus.vocab_size()));
-  detail::Trainer b(corpus, settings_of(o, corpus.vocab_size()));
+  Trainer a(corpus, settings_of(o, corpus.vocab_size()));
+  Trainer b(corpus, settings_of(o, corpus.vocab_size()));
   for (int i = 0; i < 5; ++i) EXPECT_EQ(a.step(), b.step()) << "step " << i;
   DemoOptions other = o;
   other.seed = 2;
-  detail::Trainer c(corpus, settings_of(other, corpus.vocab_size()));
-  EXPECT_NE(c.step(), detail::Trainer(corpus, settings_of(o, corpus.vocab_size())).step());
+  Trainer c(corpus, settings_of(other, corpus.vocab_size()));
+  EXPECT_NE(c.step(), Trainer(corpus, settings_of(o, corpus.vocab_size())).step());
 }
 
 TEST(Training, ResultsDoNotDependOnTheThreadCount) {
   // GEMM blocks, element-wise blocks and the attention kernels are all split by shape,
   // never by thread count, so 1 and 3 threads must agree to the bit.
-  const detail::Corpus corpus(demo_text(), 0.1);
+  const Corpus corpus(demo_text(), 0.1);
   std::vector<double> losses[2];
   std::vector<float> head_weights[2];
   const int counts[2] = {1, 3};
@@ -100,7 +103,7 @@ TEST(Training, ResultsDoNotDependOnTheThreadCount) {
     DemoOptions o = small_options();
     o.threads = counts[run];
     set_threads(o.threads);
-    detail::Trainer trainer(corpus, settings_of(o, corpus.vocab_size()));
+    Trainer trainer(corpus, settings_of(o, corpus.vocab_size()));
     for (int i = 0; i < 4; ++i) losses[run].push_back(trainer.step());
     const Tensor<float, 4> w = trainer.attention("the Queen", 1);
     head_weights[run].assign(w.data(), w.data() + w.size());
@@ -111,9 +114,9 @@ TEST(Training, ResultsDoNotDependOnTheThreadCount) {
 }
 
 TEST(Training, ResumedRunIsBitForBitTheUninterruptedOne) {
-  const fs::path straight = testing::temp_path("qkv_nn_straight");
-  const fs::path half = testing::temp_path("qkv_nn_half");
-  const fs::path resumed = testing::temp_path("qkv_nn_resumed");
+  const fs::path straight = nn::testing::temp_path("qkv_nn_straight");
+  const fs::path half = nn::testing::temp_path("qkv_nn_half");
+  const fs::path resumed = nn::testing::temp_path("qkv_nn_resumed");
   std::ostringstream log;
 
   DemoOptions o = small_options();
@@ -149,9 +152,53 @@ TEST(Training, ResumedRunIsBitForBitTheUninterruptedOne) {
     EXPECT_NE(message.find("lr: checkpoint 0.01"), std::string::npos) << message;
   }
   DemoOptions missing = o;
-  missing.resume = testing::temp_path("qkv_nn_no_such").string();
+  missing.resume = nn::testing::temp_path("qkv_nn_no_such").string();
   EXPECT_THROW(run_demo(missing, log), Error);
   for (const auto& p : {straight, half, resumed}) fs::remove(p);
+}
+
+TEST(Training, SaveEveryKeepsTheRunsBits) {
+  const fs::path every = nn::testing::temp_path("qkv_demo_every");
+  const fs::path plain = nn::testing::temp_path("qkv_demo_plain");
+  std::ostringstream log;
+  DemoOptions o = small_options();
+  o.layers = 1;
+  o.embed_dim = 16;
+  o.context = 16;
+  o.steps = 10;
+  o.save = plain.string();
+  ASSERT_EQ(run_demo(o, log), 0);
+  o.save = every.string();
+  o.save_every = 4;
+  std::ostringstream out;
+  ASSERT_EQ(run_demo(o, out), 0);
+  for (const int step : {4, 8, 10}) {
+    const std::string line = "saved    " + every.string() + " (step " + std::to_string(step) + ")";
+    EXPECT_NE(out.str().find(line), std::string::npos) << line << "\n" << out.str();
+  }
+  EXPECT_EQ(out.str().find("(step 12)"), std::string::npos);
+  // Saving along the way changes nothing in the run.
+  EXPECT_TRUE(file_bytes(every) == file_bytes(plain));
+
+  // A stop requested before training (a signal during start-up) saves the start.
+  const std::atomic<bool> stop{true};
+  o.stop = &stop;
+  o.save_every = 0;
+  std::ostringstream stopped;
+  ASSERT_EQ(run_demo(o, stopped), 0);
+  EXPECT_NE(stopped.str().find("stopped  at step 0 of 10 on request"), std::string::npos)
+      << stopped.str();
+  EXPECT_NE(stopped.str().find("(step 0)"), std::string::npos) << stopped.str();
+
+  DemoOptions bad = small_options();
+  bad.save_every = 5;  // and no save
+  try {
+    run_demo(bad, log);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("save_every: needs save"), std::string::npos) << e.what();
+  }
+  for (const auto& p : {every, plain}) fs::remove(p);
 }
 
 TEST(Training, DemoReportsWhatTheIssueAsksFor) {
@@ -177,7 +224,7 @@ TEST(Training, DemoReportsWhatTheIssueAsksFor) {
 }
 
 TEST(Corpus, VocabularySplitAndEntropy) {
-  const detail::Corpus corpus(demo_text(), 0.1);
+  const Corpus corpus(demo_text(), 0.1);
   EXPECT_EQ(corpus.text_size(), 148476);
   EXPECT_EQ(corpus.vocab_size(), 72);
   EXPECT_EQ(corpus.held_out().size(), 14848u);
@@ -190,4 +237,4 @@ TEST(Corpus, VocabularySplitAndEntropy) {
 }
 
 }  // namespace
-}  // namespace qkv::nn
+}  // namespace qkv::demo

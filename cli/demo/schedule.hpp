@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-namespace qkv::nn::detail {
+namespace qkv::demo {
 
 struct Schedule {
   double peak = 0;
@@ -17,4 +17,4 @@ struct Schedule {
   double at(int64_t step) const;
 };
 
-}  // namespace qkv::nn::detail
+}  // namespace qkv::demo

@@ -7,7 +7,7 @@
 
 #include "qkv/tensor.hpp"
 
-namespace qkv::nn::detail {
+namespace qkv::demo {
 
 // "1.23k" style: 3 significant digits with k / M suffixes.
 std::string si(double value);
@@ -27,4 +27,4 @@ void draw_heatmap(std::ostream& out, const Tensor<float, 4>& weights, int64_t he
 // A character as shown in a heatmap label (space → ␣, newline → ⏎).
 std::string label(char c);
 
-}  // namespace qkv::nn::detail
+}  // namespace qkv::demo

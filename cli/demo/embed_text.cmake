@@ -1,5 +1,5 @@
 # Turns a text file into a C++ source defining
-#   std::string_view qkv::nn::detail::<SYMBOL>()
+#   std::string_view qkv::demo::<SYMBOL>()
 # that returns the file's bytes. Run at build time:
 #   cmake -DINPUT=<file> -DOUTPUT=<file.cpp> -DSYMBOL=<name> -P embed_text.cmake
 # A byte array (not a string literal) so any content and any length compile.
@@ -10,10 +10,10 @@ string(REGEX REPLACE "([0-9a-f][0-9a-f])" "0x\\1," bytes "${hex}")
 string(REGEX REPLACE "((0x..,){20})" "\\1\n" bytes "${bytes}")
 get_filename_component(name "${INPUT}" NAME)
 file(WRITE "${OUTPUT}.tmp"
-"// Generated at build time from ${name} by src/nn/demo/embed_text.cmake. Do not edit.
+"// Generated at build time from ${name} by cli/demo/embed_text.cmake. Do not edit.
 #include <string_view>
 
-namespace qkv::nn::detail {
+namespace qkv::demo {
 namespace {
 const unsigned char kBytes[${size} + 1] = {
 ${bytes}0x00};
@@ -23,6 +23,6 @@ std::string_view ${SYMBOL}() {
   return std::string_view(reinterpret_cast<const char*>(kBytes), ${size});
 }
 
-}  // namespace qkv::nn::detail
+}  // namespace qkv::demo
 ")
 file(RENAME "${OUTPUT}.tmp" "${OUTPUT}")

@@ -7,7 +7,7 @@
 #include <string_view>
 #include <vector>
 
-namespace qkv::nn::detail {
+namespace qkv::demo {
 
 std::string_view embedded_demo_text();  // generated at build time from data/alice.txt
 
@@ -38,4 +38,4 @@ class Corpus {
   double unigram_entropy_ = 0;
 };
 
-}  // namespace qkv::nn::detail
+}  // namespace qkv::demo

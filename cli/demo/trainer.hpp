@@ -14,12 +14,12 @@
 #include "qkv/nn/random.hpp"
 #include "qkv/nn/transformer.hpp"
 
-namespace qkv::nn::detail {
+namespace qkv::demo {
 
 // Everything that decides the bits of a training run (thread count aside). A
 // checkpoint records it, and resuming requires the same.
 struct TrainSettings {
-  TransformerConfig model;
+  nn::TransformerConfig model;
   int64_t batch = 0;
   Schedule schedule;
   double weight_decay = 0;
@@ -36,13 +36,13 @@ class Trainer {
   double step();
   int64_t steps_done() const { return optimizer_.steps(); }
   double last_grad_norm() const { return last_grad_norm_; }
-  int64_t parameter_count() const { return count_parameters(parameters_); }
+  int64_t parameter_count() const { return nn::count_parameters(parameters_); }
 
   // Mean loss over up to `max_windows` evenly spaced, fixed windows of `tokens`.
   double evaluate(const std::vector<int32_t>& tokens, int64_t max_windows);
 
   // `count` characters sampled after `prompt` at `temperature` (> 0).
-  std::string generate(const std::string& prompt, int64_t count, double temperature, Rng& rng);
+  std::string generate(const std::string& prompt, int64_t count, double temperature, nn::Rng& rng);
 
   // Attention probabilities [1, H, n, n] of block `layer` over `text`.
   Tensor<float, 4> attention(const std::string& text, int64_t layer);
@@ -59,12 +59,12 @@ class Trainer {
 
   const Corpus& corpus_;
   TrainSettings settings_;
-  Transformer<float> model_;
-  ParameterList<float> parameters_;
-  AdamW<float> optimizer_;
-  Rng data_rng_;
+  nn::Transformer<float> model_;
+  nn::ParameterList<float> parameters_;
+  nn::AdamW<float> optimizer_;
+  nn::Rng data_rng_;
   std::vector<int32_t> inputs_, targets_;
   double last_grad_norm_ = 0;
 };
 
-}  // namespace qkv::nn::detail
+}  // namespace qkv::demo

@@ -1,0 +1,71 @@
+// The FMA peak probe (fma_probe.hpp), compiled for every SIMD target Highway knows and
+// dispatched at run time to the best the CPU has.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "fma_probe.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "hwy/highway.h"
+
+#ifndef QKV_BENCH_FMA_PROBE_ONCE_
+#define QKV_BENCH_FMA_PROBE_ONCE_
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include "fma_probe.hpp"
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv_bench::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// FLOPs of `iterations` rounds on one thread; the sum keeps the work observable.
+double FmaRounds(long iterations, float* sink) {
+  const hn::ScalableTag<float> d;
+  constexpr int kChains = 12;  // ≥ latency (4) × FMA ports (2), with room
+  hn::Vec<decltype(d)> acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = hn::Set(d, 1.0f + 1e-3f * static_cast<float>(c));
+  const auto mul = hn::Set(d, 0.9999999f), add = hn::Set(d, 1e-7f);
+  for (long i = 0; i < iterations; ++i)
+    for (int c = 0; c < kChains; ++c) acc[c] = hn::MulAdd(acc[c], mul, add);
+  auto total = acc[0];
+  for (int c = 1; c < kChains; ++c) total = hn::Add(total, acc[c]);
+  *sink = hn::GetLane(total);
+  return 2.0 * static_cast<double>(hn::Lanes(d)) * kChains * static_cast<double>(iterations);
+}
+
+}  // namespace qkv_bench::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace qkv_bench {
+HWY_EXPORT(FmaRounds);
+
+double measure(int threads, long iterations) {
+  std::vector<float> sinks(static_cast<size_t>(threads) * 16);  // a cache line per thread
+  double flops = 0.0;
+  const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : flops)
+  flops += HWY_DYNAMIC_DISPATCH(FmaRounds)(iterations, &sinks[static_cast<size_t>(omp_get_thread_num()) * 16]);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return flops / seconds / 1e9;
+}
+}  // namespace qkv_bench
+
+namespace qkv::bench {
+
+FmaPeak measure_fma_peak(int threads, long iterations, int repeats) {
+  FmaPeak peak;
+  for (int repeat = 0; repeat < repeats; ++repeat) {
+    peak.gflops = std::max(peak.gflops, qkv_bench::measure(threads, iterations));
+  }
+  const int64_t usable = hwy::SupportedTargets() & HWY_TARGETS;
+  peak.target = hwy::TargetName(usable & -usable);
+  return peak;
+}
+
+}  // namespace qkv::bench
+#endif

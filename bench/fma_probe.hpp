@@ -1,0 +1,19 @@
+// The machine's fp32 FMA peak, measured: each thread runs independent fused multiply-adds
+// on enough accumulators to cover FMA latency × ports, nothing else, with the widest SIMD
+// target Highway dispatches to. Shared by bench/fma_peak (for bench/bench_attention.py)
+// and `qkv bench`, so both state a kernel's share of the same peak.
+#pragma once
+
+#include <string>
+
+namespace qkv::bench {
+
+struct FmaPeak {
+  double gflops = 0;   // the fastest of the repeats
+  std::string target;  // Highway's name of the SIMD target, e.g. "AVX3"
+};
+
+// `threads` OpenMP threads, each running `iterations` rounds of FMAs, `repeats` times.
+FmaPeak measure_fma_peak(int threads, long iterations, int repeats);
+
+}  // namespace qkv::bench

@@ -1,0 +1,196 @@
+"""qkv.transformers — qkv as an attention implementation of Hugging Face transformers.
+
+Importing this module registers the name ``"qkv"`` with transformers' public registries
+(``AttentionInterface`` for the attention function, ``AttentionMaskInterface`` for the
+masks it is given), so that every attention layer of a model runs on qkv::
+
+    import qkv.transformers  # registers attn_implementation="qkv"
+    model = AutoModel.from_pretrained(name, attn_implementation="qkv")
+    # or, on a loaded model: model.set_attn_implementation("qkv")
+
+Masks are built as for ``"sdpa"`` (boolean, ``[B, 1, Nq, Nk]``, or None where a causal
+flag or no mask says the same). Before calling qkv, a mask is read once per forward and
+routed to the cheapest qkv call that means the same thing:
+
+- every key kept                      → no mask
+- each batch entry keeps a prefix of its keys (right padding of an encoder batch)
+                                      → ``key_lengths``
+- causal, plus right padding          → ``causal="top_left"`` and ``key_lengths``
+- causal over a KV cache, no padding  → ``causal="bottom_right"``
+- anything else (left padding, sliding windows, packed sequences, biases)
+                                      → the mask itself
+
+Key lengths and causality let qkv skip whole key blocks instead of reading a mask per
+element. Float masks whose entries are 0 or "removed" (-inf or the dtype's most negative
+value, as older transformers models build them) are routed the same way when every query
+row keeps at least one key; otherwise they are passed unchanged, so fully masked rows
+give what ``"sdpa"`` gives.
+
+Where this backend differs from ``"sdpa"``: attention dropout is not implemented (a
+model in training mode with attention dropout > 0 raises NotImplementedError: set the
+config's attention dropout to 0 to train); ``output_attentions`` returns None weights, as
+``"sdpa"`` does; ``softcap``, attention sinks (``s_aux``) and ``position_bias`` raise
+NotImplementedError. float16 and bfloat16 models are computed in float32 (inputs widened,
+the output rounded once to the model's dtype) until qkv's kernels take half precision.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from ._attention import attention as _qkv_attention
+
+NAME = "qkv"
+
+# The dtypes qkv's kernels take today; other floating dtypes are computed in float32.
+_NATIVE_DTYPES = (torch.float32, torch.float64)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                      dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None, **kwargs):
+    """transformers' attention-function contract: query ``[B, Hq, Nq, d]``, key and value
+    ``[B, Hkv, Nk, d|dv]`` (Hkv divides Hq: grouped-query attention, read in place),
+    ``attention_mask`` None or ``[B|1, 1|Hq, Nq|1, >= Nk]`` (bool: True attends; float:
+    added to the logits) → ``(out [B, Nq, Hq, dv], None)``, contiguous.
+
+    ``is_causal`` (or the module's ``is_causal``, default True, as for ``"sdpa"``) makes a
+    call with several queries and no mask causal."""
+    for name in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"qkv.transformers: {name} is not supported by the qkv attention backend; "
+                "use attn_implementation='eager' for this model")
+    if dropout > 0 and getattr(module, "training", True):
+        raise NotImplementedError(
+            f"qkv.transformers: attention dropout {dropout} in training: qkv has no "
+            "attention dropout yet. Set the config's attention dropout to 0.0 (e.g. "
+            "attention_dropout / attention_probs_dropout_prob) to train with qkv, or call "
+            "model.eval() for inference")
+
+    q_len, k_len = query.shape[2], key.shape[2]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal, key_lengths, mask = route_mask(attention_mask, query.shape[0], q_len, k_len)
+    if attention_mask is None and is_causal and q_len > 1:
+        # Several queries and no mask: transformers left the causal mask out (as for
+        # sdpa's is_causal, top-left). One query attends to every key.
+        causal = "top_left"
+
+    dtype = query.dtype
+    if dtype not in _NATIVE_DTYPES:
+        query, key, value = (x.float() for x in (query, key, value))
+        if mask is not None and mask.is_floating_point():
+            mask = mask.float()
+
+    # [B, H, N, d] tensors seen as [B, N, H, d] (a view): qkv then allocates the output
+    # as [B, Nq, Hq, dv] in C order, which is what transformers reshapes next, no copy.
+    out = _qkv_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                         layout="bshd", causal=causal, mask=mask, key_lengths=key_lengths,
+                         scale=scaling, threads=torch.get_num_threads())
+    return out.to(dtype), None
+
+
+# The mask of one forward pass is the same tensor for every layer: route it once.
+_last_route: Optional[tuple] = None
+
+
+def route_mask(mask: Optional[torch.Tensor], batch: int, q_len: int, k_len: int):
+    """(causal, key_lengths, mask) for qkv that mean what ``mask`` means for
+    ``[batch, ·, q_len, k_len]`` attention; at most one of key_lengths and mask is set."""
+    global _last_route
+    if mask is None:
+        return None, None, None
+    if mask.ndim == 4 and mask.shape[-1] > k_len:
+        mask = mask[..., :k_len]  # static caches build masks over their whole capacity
+    if torch.compiler.is_compiling() or mask.ndim != 4 or mask.device.type != "cpu":
+        return None, None, _inner_contiguous(mask)
+    key = (mask._version, batch, q_len, k_len, mask.data_ptr(), tuple(mask.stride()))
+    if _last_route is not None:
+        ref, last_key, result = _last_route
+        if ref() is mask and last_key == key:
+            return result
+    result = _route(mask, batch, q_len, k_len)
+    try:
+        _last_route = (weakref.ref(mask), key, result)
+    except TypeError:  # a tensor subclass without weak references: route every call
+        _last_route = None
+    return result
+
+
+def _route(mask, batch, q_len, k_len):
+    keep = _as_keep(mask)
+    if keep is None:  # a float mask with other values, or fully masked rows: as it is
+        return None, None, _inner_contiguous(mask)
+    mask_batch, mask_heads, mask_queries, _ = keep.shape
+    if mask_heads != 1 or mask_batch not in (1, batch) or mask_queries not in (1, q_len):
+        return None, None, _inner_contiguous(keep)
+    columns = torch.arange(k_len)
+    counts = keep[:, 0].sum(-1)  # [Bm, Qm]: keys each query row keeps
+
+    # Each batch entry keeps its first L_b keys, whatever the query.
+    lengths = counts[:, 0]
+    if torch.equal(keep[:, 0], (columns < lengths[:, None, None]).expand_as(keep[:, 0])):
+        if bool((lengths == k_len).all()):
+            return None, None, None
+        return None, _per_batch(lengths, batch), None
+
+    if mask_queries == q_len and q_len > 1:
+        rows = torch.arange(q_len)[:, None]
+        # Causal (top-left: query i sees keys j <= i) and key padding: the last row
+        # keeps min(q_len, L_b) keys, and keys at or past q_len are never visible.
+        lengths = counts[:, -1]
+        causal = (columns <= rows) & (columns < lengths[:, None, None])
+        if torch.equal(keep[:, 0], causal):
+            if bool((lengths == min(q_len, k_len)).all()):
+                return "top_left", None, None
+            return "top_left", _per_batch(lengths, batch), None
+        # Causal over a KV cache (bottom-right: query i is at position k_len - q_len + i),
+        # no padding. (With padding the two conventions differ: qkv's bottom-right
+        # aligns the last query with each entry's last kept key.)
+        if k_len > q_len and torch.equal(keep[:, 0],
+                                         (columns <= rows + (k_len - q_len)).expand_as(
+                                             keep[:, 0])):
+            return "bottom_right", None, None
+    return None, None, _inner_contiguous(keep)
+
+
+def _as_keep(mask):
+    """The boolean mask (True: attend) that means what ``mask`` means, or None for a float
+    mask that cannot be one: entries other than 0 and "removed", or rows that remove every
+    key (there a float mask averages every value, as sdpa does; qkv's removal gives 0)."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        return None
+    keep = mask == 0
+    removed = mask <= torch.finfo(mask.dtype).min
+    if not bool((keep | removed).all()) or not bool(keep.any(-1).all()):
+        return None
+    return keep
+
+
+def _per_batch(lengths, batch):
+    return lengths.to(torch.int64).expand(batch).contiguous()
+
+
+def _inner_contiguous(mask):
+    return mask if mask.stride(-1) == 1 or mask.shape[-1] <= 1 else mask.contiguous()
+
+
+def register() -> None:
+    """Registers ``"qkv"`` with transformers (done once on import; calling it again is
+    harmless). Masks for ``"qkv"`` are built by the function registered for ``"sdpa"``."""
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+register()
+
+__all__ = ["NAME", "attention_forward", "register", "route_mask"]

@@ -1,0 +1,109 @@
+// Storage types of the fused kernels: float, bfloat16 and float16 (qkv/half.hpp). The
+// kernels are written once, over the storage type T; everything a tile computes is
+// float. These are the only places T is read or written:
+//
+//   Widen / WidenRows     T → float, exact (every bfloat16 and float16 is a float), on
+//                         load or pack. WidenRows uses Highway's PromoteTo, which the
+//                         per-target code turns into F16C / AVX-512 conversions.
+//   StoreAs               float → T, round to nearest even, once per output element.
+//   AllFinite             the non-finite scan of a K/V block (finite_scan.hpp): the
+//                         16-bit types' overload reads the bits (float's is in
+//                         block_ops-inl.h).
+//
+// For T = float each of these is the identity or what the kernels did before, so the
+// fp32 path makes no extra copy.
+//
+// Per-target include guard (Highway's toggle idiom).
+#if defined(QKV_CPU_STORAGE_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_CPU_STORAGE_INL_H_
+#undef QKV_CPU_STORAGE_INL_H_
+#else
+#define QKV_CPU_STORAGE_INL_H_
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "hwy/highway.h"
+#include "qkv/half.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+template <class T>
+inline constexpr bool kIsHalf = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
+
+// Highway's lane type with the same bits as qkv's storage type.
+template <class T>
+struct HwyLane;
+template <>
+struct HwyLane<bfloat16> {
+  using type = hwy::bfloat16_t;
+};
+template <>
+struct HwyLane<float16> {
+  using type = hwy::float16_t;
+};
+
+HWY_INLINE float Widen(float x) { return x; }
+HWY_INLINE float Widen(bfloat16 x) { return static_cast<float>(x); }
+HWY_INLINE float Widen(float16 x) { return static_cast<float>(x); }
+
+// One rounding to T (to nearest, ties to even; qkv/half.hpp, tested on every tie).
+template <class T>
+HWY_INLINE T StoreAs(float x) {
+  if constexpr (kIsHalf<T>) {
+    return T(x);
+  } else {
+    return x;
+  }
+}
+
+// dst[i·ld + c] = float(src(i, c)) for i < rows, c < cols, zero-padded to ld columns.
+// `src` rows are `src_row` elements apart and contiguous along c.
+template <class T>
+HWY_INLINE void WidenRows(const T* HWY_RESTRICT src, int64_t src_row, size_t rows, size_t cols,
+                          float* HWY_RESTRICT dst, size_t ld) {
+  const hn::ScalableTag<float> df;
+  const size_t lanes = hn::Lanes(df);
+  for (size_t i = 0; i < rows; ++i) {
+    const T* in = src + static_cast<int64_t>(i) * src_row;
+    float* out = dst + i * ld;
+    size_t c = 0;
+    if constexpr (kIsHalf<T>) {
+      const hn::Rebind<typename HwyLane<T>::type, decltype(df)> dh;
+      const auto* lanes_in = reinterpret_cast<const typename HwyLane<T>::type*>(in);
+      for (; c + lanes <= cols; c += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, lanes_in + c)), df, out + c);
+    }
+    for (; c < cols; ++c) out[c] = Widen(in[c]);
+    for (; c < ld; ++c) out[c] = 0.0f;
+  }
+}
+
+// The 16-bit types: a value is NaN or ±inf exactly when its exponent bits are all ones.
+template <class T, class = std::enable_if_t<kIsHalf<T>>>
+HWY_INLINE bool AllFinite(const T* HWY_RESTRICT src, int64_t src_row, size_t rows, size_t cols) {
+  constexpr uint16_t kExponent = std::is_same_v<T, bfloat16> ? 0x7F80 : 0x7C00;
+  const hn::ScalableTag<uint16_t> d;
+  const size_t lanes = hn::Lanes(d);
+  const auto exponent = hn::Set(d, kExponent);
+  auto bad = hn::Zero(d);  // lanes that saw an all-ones exponent hold kExponent
+  bool scalar_bad = false;
+  for (size_t i = 0; i < rows; ++i) {
+    const auto* in = reinterpret_cast<const uint16_t*>(src + static_cast<int64_t>(i) * src_row);
+    size_t c = 0;
+    for (; c + lanes <= cols; c += lanes) {
+      const auto bits = hn::And(hn::LoadU(d, in + c), exponent);
+      bad = hn::Or(bad, hn::IfThenElseZero(hn::Eq(bits, exponent), exponent));
+    }
+    for (; c < cols; ++c) scalar_bad = scalar_bad || (in[c] & kExponent) == kExponent;
+  }
+  return !scalar_bad && hn::AllTrue(d, hn::Eq(bad, hn::Zero(d)));
+}
+
+}  // namespace qkv::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

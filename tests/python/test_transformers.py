@@ -1,0 +1,312 @@
+"""qkv as a Hugging Face transformers attention implementation (qkv.transformers).
+
+Tiny randomly initialised models built from configs (no downloads): a BERT encoder
+(padding masks) and a Llama decoder (causal masks, grouped-query attention, KV-cache
+generation), each run with attn_implementation="qkv" and "sdpa" on the same weights.
+
+Tolerances. Both implementations compute attention in float32 and differ only in the
+order of their sums, so each attention output differs by a few float32 ulps; the models'
+LayerNorm/RMSNorm, MLPs and residuals carry that through. Instead of a hand-picked
+tolerance, each model also runs in float64 (PyTorch's attention) as the truth, and qkv's
+error against it must be no larger than twice sdpa's (the project's numerics contract,
+per output and per parameter gradient), plus a floor of 8 float32 ulps of the largest
+value, for entries where both errors are at rounding level. Generated token ids must be
+equal.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import qkv.transformers  # noqa: E402  (registers "qkv")
+from qkv.transformers import route_mask  # noqa: E402
+
+_MAJOR = int(transformers.__version__.split(".")[0])
+_EPS32 = torch.finfo(torch.float32).eps
+
+
+def _build(model_class, config, seed=0):
+    """{"sdpa": model, "qkv": model, "truth": the float64 sdpa model}: equal weights.
+    (Not eager in float64: its fully masked rows, which left padding makes, give NaN.)"""
+    torch.manual_seed(seed)
+    base = model_class(config)
+    models = {}
+    for name, impl in (("sdpa", "sdpa"), ("qkv", "qkv"), ("truth", "sdpa")):
+        model = copy.deepcopy(base)
+        model.set_attn_implementation(impl)
+        if name == "truth":
+            model = model.double()
+        models[name] = model.eval()
+    return models
+
+
+def _assert_no_worse_than_sdpa(got, sdpa, truth, what):
+    """max|got − truth| ≤ 2·max|sdpa − truth| + 8 ulp(max|truth|)."""
+    truth = truth.double()
+    qkv_error = (got.double() - truth).abs().max().item()
+    sdpa_error = (sdpa.double() - truth).abs().max().item()
+    floor = 8 * _EPS32 * max(truth.abs().max().item(), 1e-30)
+    assert qkv_error <= 2 * sdpa_error + floor, (
+        f"{what}: qkv's error {qkv_error:.3g} against float64, sdpa's {sdpa_error:.3g} "
+        f"(floor {floor:.3g})")
+
+
+def _bert_config(**overrides):
+    settings = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=128, max_position_embeddings=64,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    settings.update(overrides)
+    return transformers.BertConfig(**settings)
+
+
+def _llama_config(**overrides):
+    settings = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                    attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    settings.update(overrides)
+    return transformers.LlamaConfig(**settings)
+
+
+def _padding_mask(lengths, seq, left=False):
+    positions = torch.arange(seq)
+    if left:
+        return (positions[None, :] >= seq - torch.tensor(lengths)[:, None]).long()
+    return (positions[None, :] < torch.tensor(lengths)[:, None]).long()
+
+
+class _Calls:
+    """Records what qkv.transformers passes to qkv.attention (the routed mask)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        original = qkv.transformers._qkv_attention
+
+        def spy(*args, **kwargs):
+            self.calls.append({k: kwargs.get(k) for k in ("causal", "mask", "key_lengths")})
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(qkv.transformers, "_qkv_attention", spy)
+
+
+def test_registered_and_chosen_by_from_pretrained(tmp_path, monkeypatch):
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    assert AttentionInterface()["qkv"] is qkv.transformers.attention_forward
+    assert "qkv" in AttentionMaskInterface()
+    # The README's lines: a saved model loaded with attn_implementation="qkv".
+    transformers.LlamaForCausalLM(_llama_config()).save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="qkv")
+    assert model.config._attn_implementation == "qkv"
+    spy = _Calls(monkeypatch)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert len(spy.calls) == 2  # one per layer
+
+
+@pytest.mark.skipif(_MAJOR < 5, reason="transformers < 5: BERT does not use the attention "
+                                       "registry (its classes are fixed per implementation)")
+@pytest.mark.parametrize("left", [False, True], ids=["right_padding", "left_padding"])
+def test_bert_encoder_outputs_and_gradients(left, monkeypatch):
+    models = _build(transformers.BertModel, _bert_config())
+    torch.manual_seed(1)
+    ids = torch.randint(3, 97, (3, 13))
+    mask = _padding_mask([13, 9, 4], 13, left=left)
+    weights = torch.randn(3, 13, 64, dtype=torch.float64)  # loss = Σ weights ⊙ hidden
+    spy = _Calls(monkeypatch)
+
+    outputs, grads = {}, {}
+    for name, model in models.items():
+        model.zero_grad()
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        (hidden.double() * weights).sum().backward()
+        outputs[name] = hidden.detach()
+        grads[name] = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                       if p.grad is not None}
+
+    _assert_no_worse_than_sdpa(outputs["qkv"], outputs["sdpa"], outputs["truth"], "hidden states")
+    torch.testing.assert_close(outputs["qkv"], outputs["sdpa"], rtol=0, atol=1e-5)
+    assert grads["qkv"].keys() == grads["sdpa"].keys() and len(grads["qkv"]) > 20
+    for name in grads["qkv"]:
+        _assert_no_worse_than_sdpa(grads["qkv"][name], grads["sdpa"][name],
+                                   grads["truth"][name], f"gradient of {name}")
+
+    # Right padding is each sequence's first L keys: qkv gets key lengths, not a mask.
+    assert spy.calls and all(call["causal"] is None for call in spy.calls)
+    if left:
+        assert all(call["mask"] is not None and call["key_lengths"] is None
+                   for call in spy.calls)
+    else:
+        assert all(call["mask"] is None and call["key_lengths"].tolist() == [13, 9, 4]
+                   for call in spy.calls)
+
+
+@pytest.mark.skipif(_MAJOR < 5, reason="transformers < 5: BERT does not use the attention "
+                                       "registry")
+def test_bert_without_padding_passes_no_mask(monkeypatch):
+    models = _build(transformers.BertModel, _bert_config())
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(2))
+    spy = _Calls(monkeypatch)
+    with torch.no_grad():
+        got = models["qkv"](input_ids=ids).last_hidden_state
+        want = models["sdpa"](input_ids=ids).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert spy.calls and all(call == {"causal": None, "mask": None, "key_lengths": None}
+                             for call in spy.calls)
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_llama_decoder_logits_and_gradients(padding, monkeypatch):
+    """Causal self-attention with grouped-query attention (4 query heads, 2 key/value
+    heads), trained for one loss: logits and every parameter gradient."""
+    models = _build(transformers.LlamaForCausalLM, _llama_config())
+    for model in models.values():
+        model.train()  # attention dropout is 0: training mode must work
+    torch.manual_seed(3)
+    ids = torch.randint(3, 101, (3, 17))
+    lengths = {"none": [17, 17, 17], "right": [17, 11, 5], "left": [17, 11, 5]}[padding]
+    mask = _padding_mask(lengths, 17, left=padding == "left")
+    labels = ids.masked_fill(mask == 0, -100)
+    spy = _Calls(monkeypatch)
+
+    logits, grads = {}, {}
+    for name, model in models.items():
+        model.zero_grad()
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        out.loss.backward()
+        logits[name] = out.logits.detach()
+        grads[name] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    valid = mask.bool()  # padded query positions are not part of any result
+    _assert_no_worse_than_sdpa(logits["qkv"][valid], logits["sdpa"][valid],
+                               logits["truth"][valid], "logits")
+    torch.testing.assert_close(logits["qkv"][valid], logits["sdpa"][valid], rtol=0, atol=1e-5)
+    for name in grads["qkv"]:
+        _assert_no_worse_than_sdpa(grads["qkv"][name], grads["sdpa"][name],
+                                   grads["truth"][name], f"gradient of {name}")
+
+    call = spy.calls[0]
+    if padding == "none":
+        assert call == {"causal": "top_left", "mask": None, "key_lengths": None}
+    elif padding == "right":  # causal + right padding: no mask either
+        assert call["causal"] == "top_left" and call["mask"] is None
+        assert call["key_lengths"].tolist() == lengths
+    else:  # left padding is not a prefix of the keys: the mask itself
+        assert call["mask"] is not None and call["key_lengths"] is None
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_llama_generate_with_kv_cache_gives_the_same_tokens(batch, monkeypatch):
+    models = _build(transformers.LlamaForCausalLM, _llama_config(), seed=4)
+    torch.manual_seed(5)
+    ids = torch.randint(3, 101, (batch, 9))
+    # Batched generation pads on the left (as tokenizers do for decoders).
+    mask = _padding_mask([9, 6, 3][:batch], 9, left=True)
+    spy = _Calls(monkeypatch)
+    tokens = {}
+    for name in ("sdpa", "qkv"):
+        tokens[name] = models[name].generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+            use_cache=True, pad_token_id=0)
+    assert tokens["qkv"].shape == (batch, 9 + 24)
+    assert torch.equal(tokens["qkv"], tokens["sdpa"])
+    # Prefill sees all 9 queries; each decode step one query against the cache.
+    assert len(spy.calls) >= 2 * 24  # every layer, every step
+    if batch == 1:  # no padding: prefill causal, decode with no mask at all
+        assert spy.calls[0] == {"causal": "top_left", "mask": None, "key_lengths": None}
+        assert spy.calls[-1] == {"causal": None, "mask": None, "key_lengths": None}
+
+
+def test_dropout_in_training_is_refused_clearly():
+    config = _llama_config(attention_dropout=0.1)
+    model = transformers.LlamaForCausalLM(config)
+    model.set_attn_implementation("qkv")
+    ids = torch.randint(3, 101, (1, 5))
+    model.eval()  # transformers passes dropout=0.0 in eval: fine
+    model(input_ids=ids)
+    model.train()
+    with pytest.raises(NotImplementedError, match="attention dropout 0.1 in training"):
+        model(input_ids=ids)
+
+
+def test_half_precision_models_run_in_float32_and_round_once():
+    models = _build(transformers.LlamaForCausalLM, _llama_config(), seed=6)
+    ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        reference = models["qkv"](input_ids=ids).logits
+        for dtype in (torch.bfloat16, torch.float16):
+            got = copy.deepcopy(models["qkv"]).to(dtype)(input_ids=ids).logits
+            want = copy.deepcopy(models["sdpa"]).to(dtype)(input_ids=ids).logits
+            assert got.dtype == dtype
+            # Both run the whole model in `dtype`; only attention differs (qkv: float32
+            # inside). Each is within the dtype's rounding of the float32 model.
+            bound = 16 * torch.finfo(dtype).eps * reference.abs().max()
+            assert (got.float() - reference).abs().max() <= bound
+            assert (want.float() - reference).abs().max() <= bound
+
+
+# route_mask: each kind of mask transformers builds, and what qkv is asked to do with it.
+
+def _sdpa_and_qkv(mask, batch=3, q_len=6, k_len=6, heads=2):
+    """(qkv's output, sdpa's) on random inputs for `mask` through attention_forward."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(batch, heads, q_len, 16, generator=gen)
+    k, v = (torch.randn(batch, heads, k_len, 16, generator=gen) for _ in range(2))
+    module = torch.nn.Module().eval()
+    module.is_causal = False
+    got, _ = qkv.transformers.attention_forward(module, q, k, v, mask)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return got, want.transpose(1, 2)
+
+
+def test_route_mask_finds_key_lengths_and_causality():
+    keys, rows = torch.arange(6), torch.arange(6)[:, None]
+    lengths = torch.tensor([6, 4, 1])
+    padding = (keys < lengths[:, None, None, None]).expand(3, 1, 6, 6)
+    causal = (keys <= rows) & (keys < lengths[:, None, None, None])
+    cases = {
+        "all kept": (torch.ones(3, 1, 6, 6, dtype=torch.bool), (None, None, False)),
+        "padding [B,1,N,N]": (padding, (None, [6, 4, 1], False)),
+        "padding [B,1,1,N]": (padding[:, :, :1], (None, [6, 4, 1], False)),
+        "padding float": (torch.zeros(3, 1, 1, 6).masked_fill(~padding[:, :, :1],
+                                                              torch.finfo(torch.float32).min),
+                          (None, [6, 4, 1], False)),
+        "causal": ((keys <= rows).expand(3, 1, 6, 6), ("top_left", None, False)),
+        "causal + padding": (causal, ("top_left", [6, 4, 1], False)),
+        "left padding": (padding.flip(-1), (None, None, True)),
+        "per-head": (padding.expand(3, 2, 6, 6), (None, None, True)),
+        "float bias": (torch.randn(3, 1, 6, 6), (None, None, True)),
+        "float, a row fully removed": (
+            torch.zeros(3, 1, 6, 6).masked_fill(~(keys < torch.tensor([6, 4, 0])[:, None, None,
+                                                                                None]), -1e38),
+            (None, None, True)),
+    }
+    for name, (mask, (want_causal, want_lengths, want_mask)) in cases.items():
+        got_causal, got_lengths, got_mask = route_mask(mask, 3, 6, 6)
+        assert got_causal == want_causal, name
+        assert (None if got_lengths is None else got_lengths.tolist()) == want_lengths, name
+        assert (got_mask is not None) == want_mask, name
+        got, want = _sdpa_and_qkv(mask)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6, msg=name)
+
+    # Decoding over a KV cache: 2 new queries at positions 4 and 5 of 6 keys.
+    cache = (keys <= torch.arange(2)[:, None] + 4).expand(3, 1, 2, 6)
+    assert route_mask(cache, 3, 2, 6) == ("bottom_right", None, None)
+    got, want = _sdpa_and_qkv(cache, q_len=2)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    # A static cache's mask is wider than the keys: sliced first, as for sdpa.
+    wide = torch.cat([padding, torch.zeros(3, 1, 6, 4, dtype=torch.bool)], dim=-1)
+    assert route_mask(wide, 3, 6, 6)[1].tolist() == [6, 4, 1]
+
+
+def test_route_mask_is_computed_once_per_mask():
+    mask = (torch.arange(6) < torch.tensor([5, 3])[:, None, None, None]).expand(2, 1, 6, 6)
+    first = route_mask(mask, 2, 6, 6)
+    assert route_mask(mask, 2, 6, 6) is first  # every layer reuses the first routing
+    mask = mask.clone()
+    mask[1, 0, :, 4] = True  # now not a prefix: a new tensor, routed again
+    assert route_mask(mask, 2, 6, 6)[2] is not None
