@@ -73,6 +73,12 @@ Command register_demo(CLI::App& parent) {
       CLI::PositiveNumber);
   add(model, "--weight-decay", options->weight_decay, "AdamW weight decay", CLI::NonNegativeNumber);
   add(model, "--clip", options->clip, "Gradient-norm clipping threshold", CLI::PositiveNumber);
+  app->add_flag("--unscaled", options->unscaled,
+                "Train without the 1/√d scale of the logits (watch the heads saturate)")
+      ->group(model);
+  app->add_flag("--health", options->health,
+                "Show every layer's and head's attention saturation with each progress line")
+      ->group(show);
   add(show, "--chars", options->sample_chars, "Characters to generate (0: none)",
       CLI::NonNegativeNumber);
   add(show, "--temperature", options->temperature, "Sampling temperature", CLI::PositiveNumber);

@@ -101,6 +101,7 @@ TrainSettings settings_for(const DemoOptions& options, const Corpus& corpus) {
                                      .mlp_dim = 0,
                                      .execution = {.backend = Backend::automatic,
                                                    .threads = options.threads}};
+  if (options.unscaled) settings.model.attention_scale = 1.0;
   settings.batch = options.batch;
   settings.schedule = {.peak = options.lr, .warmup = options.warmup_steps,
                        .total = options.schedule_steps};
@@ -148,7 +149,12 @@ void describe(std::ostream& out, const DemoOptions& options, const Corpus& corpu
       << "  train    " << options.batch << " × " << options.context
       << " characters a step, AdamW lr " << options.lr << " (warmup " << options.warmup_steps
       << ", cosine to step " << options.schedule_steps << "), seed " << options.seed << ", "
-      << plural(options.threads, "thread") << "\n"
+      << plural(options.threads, "thread") << "\n";
+  if (options.unscaled) {
+    out << "  scale    none: logits q·k are not divided by √" << options.embed_dim / options.heads
+        << " (--unscaled; watch the heads saturate)\n";
+  }
+  out
       << "  kernels  attention: qkv " << (backend == Backend::cpu ? "cpu" : "reference")
       << " backend; GEMM: " << nn::blas_kernels() << "\n";
   if (!options.resume.empty()) {
@@ -162,7 +168,26 @@ struct TrainingRun {
   double seconds = 0;          // their wall time
   std::vector<double> losses;  // one per step
   bool stopped = false;        // by options.stop, before the target
+  ModelHealth health;          // of the last measured step (at the progress lines)
+  int64_t health_step = 0;
 };
+
+// Per layer and head: mean largest weight / entropy in nats / share of saturated rows.
+void show_health(std::ostream& out, const ModelHealth& health, int64_t step, int64_t context) {
+  out << "  attention health at step " << step
+      << ", per head: mean largest weight / entropy (nats) / rows with largest weight > 0.99\n"
+      << "  (uniform over n keys: 1/n and ln n; collapsed: 1 and 0; the first character sees\n"
+      << "  only itself, so at least 1/" << context << " of the rows count as saturated)\n";
+  for (std::size_t l = 0; l < health.size(); ++l) {
+    out << "    layer " << l << " ";
+    for (const HeadHealth& head : health[l]) {
+      const std::string share = fixed(100 * head.saturated, 0) + "%";
+      out << "  " << fixed(head.max_weight, 2) << " / " << fixed(head.entropy, 2) << " / "
+          << std::string(share.size() < 4 ? 4 - share.size() : 0, ' ') << share;
+    }
+    out << "\n";
+  }
+}
 
 bool stop_requested(const DemoOptions& options) {
   return options.stop != nullptr && options.stop->load(std::memory_order_relaxed);
@@ -211,6 +236,15 @@ TrainingRun train(std::ostream& out, const DemoOptions& options, Trainer& traine
       }
     } else if (finished || run.steps % print_every == 0) {
       out << "  " << line << "\n" << std::flush;
+    }
+    // The heads' health after the steps that print a progress line, and the last one.
+    if (finished || run.steps % print_every == 0) {
+      run.health = trainer.health();
+      run.health_step = trainer.steps_done();
+      if (options.health) {
+        if (options.interactive && !finished) out << "\r\033[K";
+        show_health(out, run.health, run.health_step, options.context);
+      }
     }
     if (finished) break;
     if (options.save_every > 0 && trainer.steps_done() % options.save_every == 0) {
@@ -275,6 +309,9 @@ void report(std::ostream& out, const DemoOptions& options, const Corpus& corpus,
     out << "  throughput                    " << si(tokens / run.seconds) << " tokens/s ("
         << run.steps << " steps in " << fixed(run.seconds, 1) << " s, "
         << plural(options.threads, "thread") << ")\n";
+  }
+  if (!run.health.empty() && !options.health) {
+    show_health(out, run.health, run.health_step, options.context);
   }
 }
 

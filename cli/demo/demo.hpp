@@ -43,6 +43,7 @@ struct DemoOptions {
   int64_t schedule_steps = 1200;  // cosine decay to lr/10 at this step, constant after
   double weight_decay = 0.1;
   double clip = 1.0;            // gradient-norm clipping threshold
+  bool unscaled = false;        // logits q·k without the 1/√d scale (heads saturate)
 
   // What is shown after training.
   int64_t sample_chars = 320;   // generated characters (0: none)
@@ -52,6 +53,9 @@ struct DemoOptions {
   int64_t heatmap_layer = -1;   // -1: the head with the most focused attention
   int64_t heatmap_head = -1;
   bool interactive = false;     // redraw the progress bar in place (a terminal)
+  // Attention health (how saturated each layer's heads are, from the forward's softmax
+  // statistics) with every progress line; the report shows the last one anyway.
+  bool health = false;
 };
 
 // Runs the demo, writing everything to `out`. Returns 0 on success, also when stopped

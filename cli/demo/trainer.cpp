@@ -82,6 +82,39 @@ double Trainer::step() {
   return loss;
 }
 
+ModelHealth Trainer::health() {
+  const int64_t batch = settings_.batch, seq = settings_.model.context;
+  const int64_t layers = settings_.model.num_layers, heads = settings_.model.num_heads;
+  if (inputs_.empty()) return {};  // no step yet
+  ModelHealth health(static_cast<std::size_t>(layers), std::vector<HeadHealth>(heads));
+  // Per layer, [B, H] views its forward fills, then averaged over the batch (every row
+  // of a causal self-attention sees a key, so each entry counts `seq` rows).
+  std::vector<Tensor<float, 2>> max_weight, entropy, saturated;
+  std::vector<AttentionStats<float>> views;
+  views.reserve(static_cast<std::size_t>(layers));
+  for (int64_t l = 0; l < layers; ++l) {
+    max_weight.emplace_back(Tensor<float, 2>::Shape{batch, heads});
+    entropy.emplace_back(Tensor<float, 2>::Shape{batch, heads});
+    saturated.emplace_back(Tensor<float, 2>::Shape{batch, heads});
+    views.push_back({.max_weight_mean = max_weight.back().view(),
+                     .entropy_mean = entropy.back().view(),
+                     .saturated_share = saturated.back().view()});
+  }
+  for (int64_t l = 0; l < layers; ++l) model_.blocks[l].attn.stats = &views[l];
+  model_.forward_loss(inputs_, targets_, batch, seq);
+  for (auto& block : model_.blocks) block.attn.stats = nullptr;
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t h = 0; h < heads; ++h) {
+      HeadHealth& head = health[l][h];
+      for (int64_t b = 0; b < batch; ++b) {
+        head.max_weight += max_weight[l](b, h) / static_cast<double>(batch);
+        head.entropy += entropy[l](b, h) / static_cast<double>(batch);
+        head.saturated += saturated[l](b, h) / static_cast<double>(batch);
+      }
+    }
+  return health;
+}
+
 double Trainer::evaluate(const std::vector<int32_t>& tokens, int64_t max_windows) {
   const int64_t seq = settings_.model.context;
   const int64_t available = static_cast<int64_t>(tokens.size()) - 1 - seq;
@@ -165,6 +198,7 @@ std::map<std::string, std::string> Trainer::settings_metadata() const {
       {"demo.weight_decay", exact(settings_.weight_decay)},
       {"demo.clip", exact(settings_.clip)},
       {"demo.seed", std::to_string(settings_.seed)},
+      {"demo.attention_scale", m.attention_scale ? exact(*m.attention_scale) : "1/sqrt(d)"},
   };
 }
 
@@ -181,6 +215,8 @@ void Trainer::resume(const std::filesystem::path& path) {
   for (const auto& [key, value] : settings_metadata()) {
     const auto found = stored.find(key);
     const std::string name = key.substr(5);  // without "demo."
+    // Checkpoints from before --unscaled existed were trained with the default scale.
+    if (found == stored.end() && key == "demo.attention_scale" && value == "1/sqrt(d)") continue;
     if (found == stored.end()) {
       differences += "\n  " + name + ": missing from the checkpoint (this run: " + value + ")";
     } else if (found->second != value) {

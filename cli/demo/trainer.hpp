@@ -18,6 +18,14 @@ namespace qkv::demo {
 
 // Everything that decides the bits of a training run (thread count aside). A
 // checkpoint records it, and resuming requires the same.
+// Attention health of one head over a training step's batch (qkv/attention_stats.hpp):
+// the means over its rows of the largest weight and of the entropy (nats), and the share
+// of rows whose largest weight exceeds 0.99.
+struct HeadHealth {
+  double max_weight = 0, entropy = 0, saturated = 0;
+};
+using ModelHealth = std::vector<std::vector<HeadHealth>>;  // [layer][head]
+
 struct TrainSettings {
   nn::TransformerConfig model;
   int64_t batch = 0;
@@ -34,6 +42,10 @@ class Trainer {
 
   // One optimizer step on a fresh random batch of training windows; returns its loss.
   double step();
+  // Every head's attention health on the last step's batch, with the current parameters:
+  // one more forward that asks qkv for its softmax statistics. Its own pass, so the
+  // training bits never depend on when (or whether) health is measured.
+  ModelHealth health();
   int64_t steps_done() const { return optimizer_.steps(); }
   double last_grad_norm() const { return last_grad_norm_; }
   int64_t parameter_count() const { return nn::count_parameters(parameters_); }

@@ -81,19 +81,27 @@ def active() -> tuple:
     return _collectors.get()
 
 
+def settings(collectors: tuple) -> tuple:
+    """(row_stats, saturation_threshold) of a call while `collectors` are active."""
+    return any(c.row_stats for c in collectors), collectors[-1].saturation_threshold
+
+
 def prepare(collectors: tuple, like, batch: int, heads: int, q_len: int):
     """(outputs, library dict) for one call while `collectors` are active."""
-    innermost = collectors[-1]
-    row_stats = any(c.row_stats for c in collectors)
+    row_stats, threshold = settings(collectors)
     from ._arrays import Torch
 
     outputs = _stats.allocate(Torch, like, (batch, heads),
                               (batch, heads, q_len) if row_stats else None)
-    return outputs, _stats.for_library(Torch, outputs, innermost.saturation_threshold)
+    return outputs, _stats.for_library(Torch, outputs, threshold)
 
 
-def record(collectors: tuple, outputs: dict, shape: tuple) -> None:
+def record(collectors: tuple, outputs: dict, shape: tuple, default_label=None) -> None:
+    """Appends one call's record to every active collector; its label is stats_label's,
+    else `default_label` (qkv.transformers gives the layer's)."""
     label = _label.get()
+    if label is None:
+        label = default_label
     for collector in collectors:
         collector.append({"call": len(collector), "label": label, "shape": shape, **outputs})
 

@@ -26,6 +26,10 @@ value, as older transformers models build them) are routed the same way when eve
 row keeps at least one key; otherwise they are passed unchanged, so fully masked rows
 give what ``"sdpa"`` gives.
 
+Inside ``with qkv.torch.collect_stats() as stats:`` every layer's call also records its
+softmax statistics (largest weight, entropy, saturated share per head; see qkv.torch),
+labelled ``"layer <layer_idx>"`` unless a ``qkv.torch.stats_label`` is active.
+
 Where this backend differs from ``"sdpa"``: attention dropout is not implemented (a
 model in training mode with attention dropout > 0 raises NotImplementedError: set the
 config's attention dropout to 0 to train); ``output_attentions`` returns None weights, as
@@ -43,6 +47,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from . import _torch_stats
 from ._attention import attention as _qkv_attention
 
 NAME = "qkv"
@@ -89,12 +94,31 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if mask is not None and mask.is_floating_point():
             mask = mask.float()
 
+    # Attention health: while qkv.torch.collect_stats() is active (eager), each layer's
+    # call records its softmax statistics, labelled with the layer (see _layer_label).
+    collectors = () if torch.compiler.is_compiling() else _torch_stats.active()
+    stats_kwargs = {}
+    if collectors:
+        row_stats, threshold = _torch_stats.settings(collectors)
+        stats_kwargs = dict(return_stats=True, return_row_stats=row_stats,
+                            saturation_threshold=threshold)
+
     # [B, H, N, d] tensors seen as [B, N, H, d] (a view): qkv then allocates the output
     # as [B, Nq, Hq, dv] in C order, which is what transformers reshapes next, no copy.
     out = _qkv_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                          layout="bshd", causal=causal, mask=mask, key_lengths=key_lengths,
-                         scale=scaling, threads=torch.get_num_threads())
+                         scale=scaling, threads=torch.get_num_threads(), **stats_kwargs)
+    if collectors:
+        out, stats = out
+        _torch_stats.record(collectors, stats, (query.shape[0], query.shape[1], q_len, k_len),
+                            default_label=_layer_label(module))
     return out.to(dtype), None
+
+
+def _layer_label(module) -> str:
+    """"layer 3" for transformers' attention modules (their layer_idx), else the class."""
+    index = getattr(module, "layer_idx", None)
+    return f"layer {index}" if index is not None else type(module).__name__
 
 
 # The mask of one forward pass is the same tensor for every layer: route it once.

@@ -86,6 +86,7 @@ void MultiHeadAttention<T>::reset_parameters(Rng& rng) {
 template <class T>
 AttentionOptions MultiHeadAttention<T>::attention_options(const AttentionMasking& masking) const {
   AttentionOptions options;
+  options.scale = config_.scale;
   options.causal = config_.causal;
   options.mask = masking.mask;
   options.key_lengths = masking.key_lengths;
@@ -133,7 +134,8 @@ void MultiHeadAttention<T>::forward(TensorView<const T, 3> query, TensorView<con
                                                    c.num_kv_heads, d),
                                    .out = heads_view(saved.context, batch, q_len, c.num_heads, d),
                                    .lse = saved.lse.view(),
-                                   .weights = weights},
+                                   .weights = weights,
+                                   .stats = stats},
                     options);
 
   // out = C·W_Oᵀ + b_O.

@@ -28,7 +28,8 @@ TransformerBlock<T>::TransformerBlock(const TransformerConfig& config)
                                     .num_kv_heads = config.num_kv_heads,
                                     .bias = true,
                                     .causal = Causal::top_left,
-                                    .execution = config.execution}),
+                                    .execution = config.execution,
+                                    .scale = config.attention_scale}),
       ln2(config.embed_dim),
       mlp(config.embed_dim, config.mlp_dim > 0 ? config.mlp_dim : 4 * config.embed_dim) {}
 

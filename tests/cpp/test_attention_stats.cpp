@@ -628,6 +628,38 @@ TEST(AttentionStats, DecodeShapesGetStatistics) {
   EXPECT_LE(test::max_abs_diff(with.out, without.out), 1e-5);
 }
 
+// 16-bit storage: the kernel widens q, k, v exactly to float, so the statistics (float,
+// like lse) are the bits of a float call on the widened values.
+TEST(AttentionStats, HalfStorageGivesTheFloatStatisticsOfTheWidenedInputs) {
+  const CaseSpec spec{.name = "half", .batch = 2, .q_len = 70, .k_len = 90, .q_heads = 4,
+                      .kv_heads = 2, .head_dim = 32, .v_dim = 16, .causal = Causal::bottom_right,
+                      .key_padding = true};
+  Case<float> c(spec, 63);
+  Tensor<bfloat16, 4> q(c.q.shape()), k(c.k.shape()), v(c.v.shape());
+  for (auto [half, full] : {std::pair{&q, &c.q}, std::pair{&k, &c.k}, std::pair{&v, &c.v}})
+    for (std::size_t i = 0; i < half->size(); ++i) {
+      (*half)[i] = bfloat16((*full)[i]);
+      (*full)[i] = static_cast<float>((*half)[i]);  // the float call sees the same values
+    }
+  const CpuRun widened = run_cpu(c, 2);
+  StatsOut<float> stats(spec.batch, spec.q_heads, spec.q_len);
+  const AttentionStats<float> views = stats.views();
+  Tensor<bfloat16, 4> out({spec.batch, spec.q_len, spec.q_heads, spec.v_dim});
+  AttentionOptions options = c.options;
+  options.execution.backend = Backend::cpu;
+  options.execution.threads = 2;
+  attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = out.view(),
+                     .stats = &views},
+                    options);
+  const auto same = [](const auto& a, const auto& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  EXPECT_TRUE(same(stats.row_entropy, widened.stats.row_entropy));
+  EXPECT_TRUE(same(stats.row_max_weight, widened.stats.row_max_weight));
+  EXPECT_TRUE(same(stats.entropy_mean, widened.stats.entropy_mean));
+  EXPECT_TRUE(same(stats.rows, widened.stats.rows));
+}
+
 // ---- varlen ------------------------------------------------------------------------
 
 // Each sequence of a packed call gets the statistics of a dense call on it alone.

@@ -223,6 +223,63 @@ TEST(Training, DemoReportsWhatTheIssueAsksFor) {
   EXPECT_THROW(run_demo(bad, out), Error);
 }
 
+// Measuring attention health changes no bit of training; without the 1/√d scale the
+// heads are more saturated than with it (the demo's --unscaled), and the demo prints the
+// per-layer, per-head table.
+TEST(Training, AttentionHealthIsFreeAndShowsUnscaledSaturation) {
+  set_threads(2);
+  const DemoOptions o = small_options();
+  const Corpus corpus(demo_text(), 0.1);
+  Trainer measured(corpus, settings_of(o, corpus.vocab_size()));
+  Trainer plain(corpus, settings_of(o, corpus.vocab_size()));
+  ModelHealth health;
+  for (int step = 0; step < 4; ++step) {
+    const double a = measured.step();
+    health = measured.health();
+    const double b = plain.step();
+    EXPECT_EQ(a, b) << "step " << step;
+  }
+  ASSERT_EQ(health.size(), 2u);
+  ASSERT_EQ(health[0].size(), 4u);
+  for (const auto& layer : health)
+    for (const HeadHealth& head : layer) {
+      // Causal rows see 1..32 keys: the mean largest weight lies in (1/32, 1].
+      EXPECT_GT(head.max_weight, 1.0 / 32);
+      EXPECT_LE(head.max_weight, 1.0);
+      EXPECT_GE(head.entropy, 0.0);
+      EXPECT_LE(head.entropy, std::log(32.0));
+      EXPECT_GE(head.saturated, 1.0 / 32 - 1e-6);  // row 0 sees one key: weight 1
+    }
+
+  // Unscaled logits (q·k instead of q·k/√8) after a few steps: sharper heads.
+  DemoOptions unscaled_options = o;
+  unscaled_options.unscaled = true;
+  TrainSettings unscaled_settings = settings_of(o, corpus.vocab_size());
+  unscaled_settings.model.attention_scale = 1.0;
+  Trainer scaled(corpus, settings_of(o, corpus.vocab_size())), unscaled(corpus, unscaled_settings);
+  ModelHealth with_scale, without_scale;
+  for (int step = 0; step < 30; ++step) {
+    scaled.step();
+    unscaled.step();
+  }
+  with_scale = scaled.health();
+  without_scale = unscaled.health();
+  double entropy_scaled = 0, entropy_unscaled = 0;
+  for (std::size_t l = 0; l < 2; ++l)
+    for (std::size_t h = 0; h < 4; ++h) {
+      entropy_scaled += with_scale[l][h].entropy;
+      entropy_unscaled += without_scale[l][h].entropy;
+    }
+  EXPECT_LT(entropy_unscaled, entropy_scaled);
+
+  unscaled_options.steps = 4;
+  unscaled_options.health = true;
+  std::ostringstream out;
+  ASSERT_EQ(run_demo(unscaled_options, out), 0);
+  for (const char* needle : {"scale    none", "attention health at step 4", "layer 0", "layer 1"})
+    EXPECT_NE(out.str().find(needle), std::string::npos) << needle << "\n" << out.str();
+}
+
 TEST(Corpus, VocabularySplitAndEntropy) {
   const Corpus corpus(demo_text(), 0.1);
   EXPECT_EQ(corpus.text_size(), 148476);

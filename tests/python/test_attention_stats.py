@@ -421,3 +421,17 @@ def test_variants_stats_float32_cpu_against_float64_reference(variant):
         _, undropped = qkv.attention(q.float(), k.float(), v.float(), causal="bottom_right",
                                      return_row_stats=True, backend="cpu")
         assert torch.equal(ours["row_entropy"], undropped["row_entropy"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_give_float32_statistics_of_the_widened_values(dtype):
+    """16-bit inputs are widened exactly to float32: the statistics (float32, like lse)
+    are the bits of a float32 call on the widened values."""
+    q, k, v = (x.to(dtype) for x in random_qkv(2, 4, 2, 40, 50, 16, seed=12))
+    _, stats = qkv.attention(q, k, v, causal="bottom_right", return_row_stats=True,
+                             backend="cpu")
+    _, widened = qkv.attention(q.float(), k.float(), v.float(), causal="bottom_right",
+                               return_row_stats=True, backend="cpu")
+    for key in (*HEAD_KEYS, *ROW_KEYS):
+        assert stats[key].dtype == widened[key].dtype, key
+        assert torch.equal(stats[key], widened[key]), key

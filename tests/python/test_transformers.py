@@ -310,3 +310,30 @@ def test_route_mask_is_computed_once_per_mask():
     mask = mask.clone()
     mask[1, 0, :, 4] = True  # now not a prefix: a new tensor, routed again
     assert route_mask(mask, 2, 6, 6)[2] is not None
+
+
+def test_collect_stats_logs_every_layer(monkeypatch):
+    """Under qkv.torch.collect_stats() each layer's attention records its softmax
+    statistics, labelled with the layer; the logits do not change."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama_config()).eval()
+    model.set_attn_implementation("qkv")
+    # 20 tokens: more than the 16 queries the decode kernel (which keeps no statistics)
+    # would take, so logging changes no bit.
+    ids = torch.arange(40).view(2, 20) + 3
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with qkv.torch.collect_stats(row_stats=True) as stats:
+            logged = model(input_ids=ids).logits
+    assert torch.equal(plain, logged)
+    assert [r["label"] for r in stats] == ["layer 0", "layer 1"]
+    for record in stats:
+        assert record["shape"] == (2, 4, 20, 20)
+        assert record["rows"].eq(20).all()  # causal: every row sees a key
+        assert record["row_entropy"].shape == (2, 4, 20)
+        # Row 0 of a causal call sees one key: weight 1, entropy 0.
+        assert torch.all(record["row_max_weight"][:, :, 0] == 1)
+    with qkv.torch.stats_label("custom"), qkv.torch.collect_stats() as labelled:
+        with torch.no_grad():
+            model(input_ids=ids)
+    assert [r["label"] for r in labelled] == ["custom", "custom"]

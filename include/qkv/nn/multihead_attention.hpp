@@ -18,9 +18,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 
+#include "qkv/attention_stats.hpp"
 #include "qkv/nn/linear.hpp"
 #include "qkv/options.hpp"
 #include "qkv/tensor.hpp"
@@ -36,6 +38,9 @@ struct MultiHeadAttentionConfig {
   bool bias = true;          // biases on all four projections
   Causal causal = Causal::none;
   Execution execution;       // backend and threads for the attention core
+  // Multiplies Q·Kᵀ; unset: 1/√d (qkv's default). 1 trains without the scale, which is
+  // what `qkv demo --unscaled` shows going wrong.
+  std::optional<double> scale;
 };
 
 // Per-call masking on top of the configured causality (see qkv/options.hpp). The views
@@ -98,6 +103,9 @@ class MultiHeadAttention {
   void collect(ParameterList<T>& list, const std::string& prefix);
 
   Linear<T> q_proj, k_proj, v_proj, out_proj;
+  // When set, every forward also writes the softmax statistics of its attention there
+  // (qkv/attention_stats.hpp: how saturated each head is); views [B, H] / [B, H, Nq].
+  const AttentionStats<T>* stats = nullptr;
 
  private:
   AttentionOptions attention_options(const AttentionMasking& masking) const;

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -37,6 +38,7 @@ struct TransformerConfig {
   int64_t num_layers = 0;    // L ≥ 1
   int64_t mlp_dim = 0;       // 0: 4·E
   Execution execution;       // for the attention core
+  std::optional<double> attention_scale;  // unset: 1/√d (MultiHeadAttentionConfig::scale)
 };
 
 template <class T>
