@@ -3,8 +3,9 @@
 // float. These are the only places T is read or written:
 //
 //   Widen / WidenRows     T → float, exact (every bfloat16 and float16 is a float), on
-//                         load or pack. WidenRows uses Highway's PromoteTo, which the
-//                         per-target code turns into F16C / AVX-512 conversions.
+//                         load or pack. WidenRows uses Highway's PromoteTo: a shift for
+//                         bfloat16; for float16 the F16C / AVX-512 instruction, on the
+//                         targets that have it (see kHardwareFloat16).
 //   StoreAs               float → T, round to nearest even, once per output element.
 //   AllFinite             the non-finite scan of a K/V block (finite_scan.hpp): the
 //                         16-bit types' overload reads the bits (float's is in
@@ -34,6 +35,21 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 template <class T>
 inline constexpr bool kIsHalf = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
+
+// Whether Highway widens float16 with the hardware instruction on this target. Its
+// software fallback (Highway 1.0.3: EMU128, SSE4, and other architectures) turns ±inf
+// and NaN into finite numbers near 65536, which would hide a bad input; there qkv widens
+// float16 one value at a time with qkv/half.hpp (exact; only fallback targets pay).
+#if (HWY_TARGET == HWY_AVX2 && !defined(HWY_DISABLE_F16C)) || HWY_TARGET == HWY_AVX3 || \
+    HWY_TARGET == HWY_AVX3_DL
+inline constexpr bool kHardwareFloat16 = true;
+#else
+inline constexpr bool kHardwareFloat16 = false;
+#endif
+
+template <class T>
+inline constexpr bool kVectorWiden =
+    std::is_same_v<T, bfloat16> || (std::is_same_v<T, float16> && kHardwareFloat16);
 
 // Highway's lane type with the same bits as qkv's storage type.
 template <class T>
@@ -72,7 +88,7 @@ HWY_INLINE void WidenRows(const T* HWY_RESTRICT src, int64_t src_row, size_t row
     const T* in = src + static_cast<int64_t>(i) * src_row;
     float* out = dst + i * ld;
     size_t c = 0;
-    if constexpr (kIsHalf<T>) {
+    if constexpr (kVectorWiden<T>) {
       const hn::Rebind<typename HwyLane<T>::type, decltype(df)> dh;
       const auto* lanes_in = reinterpret_cast<const typename HwyLane<T>::type*>(in);
       for (; c + lanes <= cols; c += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, lanes_in + c)), df, out + c);
