@@ -59,8 +59,9 @@ struct ForwardArgs {
   View3<LseOf<T>> lse;  // optional: log-sum-exp of each row, needed by attention_backward
   View4<T> weights;  // optional: the attention weights P (reference backend only)
   // Optional: softmax saturation and entropy per head and per row, written into the
-  // views it holds (qkv/attention_stats.hpp). Null: not computed, at no cost.
-  const AttentionStats<LseOf<T>>* stats = nullptr;  // float for 16-bit storage
+  // views it holds (qkv/attention_stats.hpp; float for the 16-bit types, like lse).
+  // Null: not computed, at no cost.
+  const AttentionStats<LseOf<T>>* stats = nullptr;
 };
 
 template <class T>
@@ -123,7 +124,7 @@ struct VarlenForwardArgs {
   // FlashAttention, where it sizes the launch); qkv needs neither and checks both.
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   // Optional: per-sequence and per-row softmax statistics (qkv/attention_stats.hpp).
-  const VarlenAttentionStats<LseOf<T>>* stats = nullptr;  // float for 16-bit storage
+  const VarlenAttentionStats<LseOf<T>>* stats = nullptr;
 };
 
 template <class T>

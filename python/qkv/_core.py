@@ -31,8 +31,8 @@ def forward(fw, q, k, v, *, layout: str, options: Options, want_lse: bool,
         fw.for_library(out_view),
         lse=None if lse is None else fw.for_library(lse),
         weights=None if weights is None else fw.for_library(weights),
-        storage=fw.storage(q),
         stats=stats,
+        storage=fw.storage(q),
         **options.for_library(fw),
     )
     return out, lse, weights

@@ -1,7 +1,7 @@
 """Attention health: the softmax statistics a forward returns with ``return_stats=True``.
 
 Per (batch entry, query head), arrays of the caller's type shaped ``[B, Hq]``
-(varlen: ``[sequences, Hq]``):
+(varlen: ``[sequences, Hq]``), of q's dtype (float32 for 16-bit q, like lse):
 
     "max_weight_mean"   mean over the counted rows of the row's largest weight max_j P_ij
     "max_weight_max"    the largest weight of any counted row
@@ -64,8 +64,8 @@ def _empty_counts(fw, shape, like):
 
 
 def allocate(fw, like, head_shape, row_shape=None) -> dict:
-    """New output arrays of `like`'s kind: the head statistics, and the per-row ones when
-    row_shape is given."""
+    """New output arrays of `like`'s kind, of lse's dtype (float32 for 16-bit inputs): the
+    head statistics, and the per-row ones when row_shape is given."""
     stats = {key: fw.empty_lse(head_shape, like) for key in HEAD_KEYS if key != "rows"}
     stats["rows"] = _empty_counts(fw, head_shape, like)
     if row_shape is not None:

@@ -37,9 +37,9 @@ void forward_typed(const InArray& q, const InArray& k, const InArray& v, const O
   args.out = view_of<T, 4>("out", out, kAsQ, bits);
   if (lse) args.lse = view_of<LseOf<T>, 3>("lse", *lse, kLseBecause<T>);
   if (weights) args.weights = view_of<T, 4>("weights", *weights, kAsQ, bits);
-  AttentionStats<LseOf<T>> stats_out;
+  AttentionStats<LseOf<T>> stats_out;  // float for 16-bit inputs, like lse
   if (stats) {
-    stats_out = stats_views<LseOf<T>, 3>(*stats);
+    stats_out = stats_views<LseOf<T>, 3>(*stats, kLseBecause<T>);
     args.stats = &stats_out;
   }
 
@@ -157,8 +157,8 @@ void bind_attention(nanobind::module_& m) {
          std::optional<OutArray> lse, std::optional<OutArray> weights,
          std::optional<InArray> keep, std::optional<InArray> bias,
          std::optional<InArray> key_lengths, std::optional<double> scale, std::string causal,
-         std::string backend, int threads, bool check_finite, std::optional<nb::dict> stats, std::string storage,
-         const nb::kwargs& variants) {
+         std::string backend, int threads, bool check_finite, std::string storage,
+         std::optional<nb::dict> stats, const nb::kwargs& variants) {
         forward(q, k, v, out, lse, weights, stats,
                 option_args(std::move(keep), std::move(bias), std::move(key_lengths), scale,
                             std::move(causal), std::move(backend), threads, check_finite,
@@ -170,13 +170,13 @@ void bind_attention(nanobind::module_& m) {
       nb::arg("keep").none() = nb::none(), nb::arg("bias").none() = nb::none(),
       nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(),
       nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
-      nb::arg("check_finite") = false, nb::arg("stats").none() = nb::none(),
-      nb::arg("storage") = "", nb::arg("variants"),
-      "qkv::attention_forward on [B, N, H, d] views of the given arrays; writes out, lse "
-      "and weights in place. The GIL is released while computing. storage: '' (q's dtype) "
-      "or 'bfloat16'/'float16' for 16-bit integer arrays holding those bits. Further "
-      "keywords: the variants (window_left, window_right, alibi_slopes, softcap, sinks, "
-      "dropout_p, dropout_seed, dropout_offset).");
+      nb::arg("check_finite") = false, nb::arg("storage") = "",
+      nb::arg("stats").none() = nb::none(), nb::arg("variants"),
+      "qkv::attention_forward on [B, N, H, d] views of the given arrays; writes out, lse, "
+      "weights and the stats dict's arrays in place. The GIL is released while computing. "
+      "storage: '' (q's dtype) or 'bfloat16'/'float16' for 16-bit integer arrays holding "
+      "those bits. Further keywords: the variants (window_left, window_right, alibi_slopes, "
+      "softcap, sinks, dropout_p, dropout_seed, dropout_offset).");
 
   m.def(
       "backward",

@@ -11,7 +11,7 @@
 namespace qkv::python {
 
 template <class T, int R>
-BasicAttentionStats<T, R> stats_views(const nanobind::dict& stats) {
+BasicAttentionStats<T, R> stats_views(const nanobind::dict& stats, const char* because) {
   BasicAttentionStats<T, R> views;
   for (auto [key, value] : stats) {
     const std::string name = nb::cast<std::string>(key);
@@ -21,21 +21,20 @@ BasicAttentionStats<T, R> stats_views(const nanobind::dict& stats) {
     }
     const std::string arg = "stats." + name;
     const auto array = nb::cast<OutArray>(value);
-    constexpr const char* kAsQ = "the dtype of q";
     if (name == "max_weight_mean") {
-      views.max_weight_mean = view_of<T, 2>(arg.c_str(), array, kAsQ);
+      views.max_weight_mean = view_of<T, 2>(arg.c_str(), array, because);
     } else if (name == "max_weight_max") {
-      views.max_weight_max = view_of<T, 2>(arg.c_str(), array, kAsQ);
+      views.max_weight_max = view_of<T, 2>(arg.c_str(), array, because);
     } else if (name == "entropy_mean") {
-      views.entropy_mean = view_of<T, 2>(arg.c_str(), array, kAsQ);
+      views.entropy_mean = view_of<T, 2>(arg.c_str(), array, because);
     } else if (name == "saturated_share") {
-      views.saturated_share = view_of<T, 2>(arg.c_str(), array, kAsQ);
+      views.saturated_share = view_of<T, 2>(arg.c_str(), array, because);
     } else if (name == "rows") {
       views.rows = view_of<int64_t, 2>(arg.c_str(), array, "row counts");
     } else if (name == "row_max_weight") {
-      views.row_max_weight = view_of<T, R>(arg.c_str(), array, kAsQ);
+      views.row_max_weight = view_of<T, R>(arg.c_str(), array, because);
     } else if (name == "row_entropy") {
-      views.row_entropy = view_of<T, R>(arg.c_str(), array, kAsQ);
+      views.row_entropy = view_of<T, R>(arg.c_str(), array, because);
     } else {
       throw Error("stats: unknown output '" + name +
                   "' (expected max_weight_mean, max_weight_max, entropy_mean, saturated_share, "
@@ -45,9 +44,9 @@ BasicAttentionStats<T, R> stats_views(const nanobind::dict& stats) {
   return views;
 }
 
-template BasicAttentionStats<float, 3> stats_views<float, 3>(const nanobind::dict&);
-template BasicAttentionStats<double, 3> stats_views<double, 3>(const nanobind::dict&);
-template BasicAttentionStats<float, 2> stats_views<float, 2>(const nanobind::dict&);
-template BasicAttentionStats<double, 2> stats_views<double, 2>(const nanobind::dict&);
+template BasicAttentionStats<float, 3> stats_views<float, 3>(const nanobind::dict&, const char*);
+template BasicAttentionStats<double, 3> stats_views<double, 3>(const nanobind::dict&, const char*);
+template BasicAttentionStats<float, 2> stats_views<float, 2>(const nanobind::dict&, const char*);
+template BasicAttentionStats<double, 2> stats_views<double, 2>(const nanobind::dict&, const char*);
 
 }  // namespace qkv::python

@@ -64,9 +64,9 @@ void forward_typed(const InArray& q, const InArray& k, const InArray& v, const O
   args.cu_seqlens_k = offsets_of("cu_seqlens_k", cu_k);
   args.max_seqlen_q = max_q;
   args.max_seqlen_k = max_k;
-  VarlenAttentionStats<LseOf<T>> stats_out;
+  VarlenAttentionStats<LseOf<T>> stats_out;  // float for 16-bit inputs, like lse
   if (stats) {
-    stats_out = stats_views<LseOf<T>, 2>(*stats);
+    stats_out = stats_views<LseOf<T>, 2>(*stats, kLseBecause<T>);
     args.stats = &stats_out;
   }
   nanobind::gil_scoped_release release;
@@ -111,13 +111,14 @@ void bind_varlen(nanobind::module_& m) {
       [](const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
          const InArray& cu_q, const InArray& cu_k, std::optional<OutArray> lse, int64_t max_q,
          int64_t max_k, std::optional<double> scale, std::string causal, std::string backend,
-         int threads, bool check_finite, std::optional<nb::dict> stats, std::string storage,
+         int threads, bool check_finite, std::string storage, std::optional<nb::dict> stats,
          const nb::kwargs& variants) {
         const CallStorage call = call_storage(q, storage);
         const AttentionOptions options =
             varlen_options(scale, causal, backend, threads, check_finite, variants);
         with_storage(call, [&]<class T>() {
-          forward_typed<T>(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, stats, options, call.bits);
+          forward_typed<T>(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, stats, options,
+                           call.bits);
         });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("cu_seqlens_q"),
@@ -125,7 +126,7 @@ void bind_varlen(nanobind::module_& m) {
       nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
       nb::arg("scale").none() = nb::none(), nb::arg("causal") = "none",
       nb::arg("backend") = "auto", nb::arg("threads") = 0, nb::arg("check_finite") = false,
-      nb::arg("stats").none() = nb::none(), nb::arg("storage") = "", nb::arg("variants"),
+      nb::arg("storage") = "", nb::arg("stats").none() = nb::none(), nb::arg("variants"),
       "qkv::varlen_attention_forward on packed [total, heads, dim] arrays; writes out (and "
       "lse [heads, total_q], and the stats dict's arrays) in place. The GIL is released "
       "while computing.");

@@ -65,8 +65,8 @@ void write_head_stats(const BasicAttentionStats<T, R>& stats, int64_t b, int64_t
 template <class T>
 void write_row_stats(const ForwardProblem<T>& p, int64_t b, int64_t h, int64_t i,
                      double max_weight, double entropy) {
+  using Out = LseOf<T>;  // float for the 16-bit storage types
   const int64_t row = p.sequences().q_begin(b) + i;
-  using Out = LseOf<T>;  // float for 16-bit storage
   if (!p.stats.row_max_weight.empty()) p.stats.row_max_weight(b, h, row) = static_cast<Out>(max_weight);
   if (!p.stats.row_entropy.empty()) p.stats.row_entropy(b, h, row) = static_cast<Out>(entropy);
 }

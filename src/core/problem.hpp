@@ -195,8 +195,9 @@ struct ForwardProblem {
   int threads = 1;  // resolved: ≥ 1
   // Softmax statistics (qkv/attention_stats.hpp, core/head_stats.hpp), normalized like
   // the other views: per-row views [B, Hq, Nq] (varlen: batch stride 0, rows addressed
-  // through the sequence offsets). `collect_stats` is false when none were asked for.
-  AttentionStats<LseOf<T>> stats;  // float for 16-bit storage, like the LSE
+  // through the sequence offsets), in float for the 16-bit storage types. `collect_stats`
+  // is false when none were asked for.
+  AttentionStats<LseOf<T>> stats;
   bool collect_stats = false;
 
   const Sequences& sequences() const { return mask.sequences; }

@@ -137,12 +137,13 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
     outputs.push_back(weights);
   }
   if (args.stats != nullptr) {
-    check_stats<LseOf<T>, 3>(check, *args.stats,
-                      {{{e.batch, "batch", "as q.shape[0]"}, {e.q_heads, "heads", "as q.shape[2]"}}},
-                      {{{e.batch, "batch", "as q.shape[0]"},
-                        {e.q_heads, "heads", "as q.shape[2]"},
-                        {e.q_len, "seq", "as q.shape[1]"}}},
-                      outputs);
+    check_stats<LseOf<T>, 3>(
+        check, *args.stats,
+        {{{e.batch, "batch", "as q.shape[0]"}, {e.q_heads, "heads", "as q.shape[2]"}}},
+        {{{e.batch, "batch", "as q.shape[0]"},
+          {e.q_heads, "heads", "as q.shape[2]"},
+          {e.q_len, "seq", "as q.shape[1]"}}},
+        outputs);
   }
 
   std::vector<Described> inputs{describe("q", args.q), describe("k", args.k),

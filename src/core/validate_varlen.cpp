@@ -154,10 +154,11 @@ ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
   }
   if (args.stats != nullptr) {
     check_stats<LseOf<T>, 2>(check, *args.stats,
-                      {{{e.batch, "sequences", "as cu_seqlens_q.size() - 1"},
-                        {e.q_heads, "heads", "as q.shape[1]"}}},
-                      {{{e.q_heads, "heads", "as q.shape[1]"}, {total_q, "total_q", "as q.shape[0]"}}},
-                      outputs);
+                             {{{e.batch, "sequences", "as cu_seqlens_q.size() - 1"},
+                               {e.q_heads, "heads", "as q.shape[1]"}}},
+                             {{{e.q_heads, "heads", "as q.shape[1]"},
+                               {total_q, "total_q", "as q.shape[0]"}}},
+                             outputs);
   }
   check.expect_outputs_apart(
       outputs, {describe("q", args.q), describe("k", args.k), describe("v", args.v)});

@@ -237,9 +237,7 @@ void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan&
     // D_i = ⟨dO_i, O_i⟩ in double: it is subtracted from every dP_ij of the row.
     const T* dout = rows.dout(b, query, h);
     const T* out = rows.out(b, query, h);
-    double dot_product = 0.0;
-    for (size_t c = 0; c < dv; ++c)
-      dot_product += static_cast<double>(Widen(dout[c])) * Widen(out[c]);
+    const double dot_product = DotWidened(dout, out, dv);
     delta[i] = static_cast<float>(dot_product);
     // The sink is a softmax entry without a value: dP_sink = 0, so
     // dS_sink = P_sink·(0 − D_i) with P_sink = exp(sink − lse_i).

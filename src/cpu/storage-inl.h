@@ -98,6 +98,28 @@ HWY_INLINE void WidenRows(const T* HWY_RESTRICT src, int64_t src_row, size_t row
   }
 }
 
+// Elements widened per chunk into a stack buffer where a row is consumed as float.
+inline constexpr size_t kWidenChunk = 256;
+
+// Σ_c a[c]·b[c] in double over float-widened values (c < n), widened with SIMD a chunk
+// at a time for the 16-bit types.
+template <class T>
+HWY_INLINE double DotWidened(const T* HWY_RESTRICT a, const T* HWY_RESTRICT b, size_t n) {
+  double sum = 0.0;
+  if constexpr (kIsHalf<T>) {
+    float wa[kWidenChunk], wb[kWidenChunk];
+    for (size_t c0 = 0; c0 < n; c0 += kWidenChunk) {
+      const size_t m = n - c0 < kWidenChunk ? n - c0 : kWidenChunk;
+      WidenRows(a + c0, 0, 1, m, wa, m);
+      WidenRows(b + c0, 0, 1, m, wb, m);
+      for (size_t c = 0; c < m; ++c) sum += static_cast<double>(wa[c]) * wb[c];
+    }
+  } else {
+    for (size_t c = 0; c < n; ++c) sum += static_cast<double>(a[c]) * b[c];
+  }
+  return sum;
+}
+
 // The 16-bit types: a value is NaN or ±inf exactly when its exponent bits are all ones.
 template <class T, class = std::enable_if_t<kIsHalf<T>>>
 HWY_INLINE bool AllFinite(const T* HWY_RESTRICT src, int64_t src_row, size_t rows, size_t cols) {
