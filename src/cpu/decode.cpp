@@ -69,8 +69,12 @@ HWY_INLINE FloatVec LoadWidened(FloatTag df, const T* HWY_RESTRICT p) {
     const hn::Rebind<hwy::bfloat16_t, FloatTag> dh;
     return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(p)));
   } else {
-    const hn::Rebind<hwy::float16_t, FloatTag> dh;
-    return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+    // float16 one value at a time through qkv/half.hpp (exact): Highway 1.0.3's PromoteTo
+    // turns ±inf and NaN into finite numbers where it has no F16C path (seen in the
+    // AVX2-only sanitizer build), which would hide a bad cache value.
+    HWY_ALIGN float wide[hn::MaxLanes(FloatTag())];
+    for (size_t i = 0; i < hn::Lanes(df); ++i) wide[i] = static_cast<float>(p[i]);
+    return hn::Load(df, wide);
   }
 }
 
