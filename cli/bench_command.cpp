@@ -34,16 +34,13 @@ double attention_flops(const BenchShape& shape, bool backward) {
 
 namespace {
 
-const char* causal_name(Causal causal) {
-  switch (causal) {
-    case Causal::none:
-      return "none";
-    case Causal::top_left:
-      return "top_left";
-    case Causal::bottom_right:
-      return "bottom_right";
-  }
-  return "?";
+const char* causal_name(Causal causal) { return name_of(causal).data(); }
+
+// The words --causal takes: the library's name table.
+std::vector<std::string> causal_names() {
+  std::vector<std::string> names;
+  for (const EnumName<Causal>& entry : kCausalNames) names.emplace_back(entry.name);
+  return names;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -185,11 +182,8 @@ std::vector<std::string> row_cells(const BenchRow& r, double peak_gflops) {
 
 int bench(BenchFlags flags, Streams streams) {
   flags.config.causal.clear();
-  for (const std::string& name : flags.causal) {
-    flags.config.causal.push_back(name == "top_left"       ? Causal::top_left
-                                  : name == "bottom_right" ? Causal::bottom_right
-                                                           : Causal::none);
-  }
+  for (const std::string& name : flags.causal)  // checked against the table when parsed
+    flags.config.causal.push_back(causal_from_name(name).value_or(Causal::none));
   flags.config.forward = flags.pass != "backward";
   flags.config.backward = flags.pass != "forward";
   validate(flags.config);
@@ -284,14 +278,13 @@ Command register_bench(CLI::App& parent) {
   app->add_option("--dim", c.dims, "Head dims d, comma-separated")->delimiter(',')->capture_default_str();
   app->add_option("--causal", flags->causal, "Causal modes to run, comma-separated: none, top_left, bottom_right")
       ->delimiter(',')
-      ->check(CLI::IsMember({"none", "top_left", "bottom_right"}))
+      ->check(CLI::IsMember(causal_names()))
       ->capture_default_str();
   app->add_option("--pass", flags->pass, "forward, backward or both")
       ->check(CLI::IsMember({"forward", "backward", "both"}))
       ->capture_default_str();
   add_choice<Backend>(app, "--backend", c.backend,
-                      {{"automatic", Backend::automatic}, {"reference", Backend::reference}, {"cpu", Backend::cpu}},
-                      "Backend (automatic: the fastest available)");
+                      choices_of(kBackendNames), "Backend (auto: the fastest available)");
   app->add_option("--threads", c.threads, "Threads (0: all)")->capture_default_str();
   app->add_option("--reps", c.reps, "Timed runs at least")->capture_default_str();
   app->add_option("--max-reps", c.max_reps, "Timed runs at most")->capture_default_str();

@@ -8,12 +8,15 @@
 
 #include <CLI/CLI.hpp>
 
+#include <array>
 #include <functional>
 #include <iosfwd>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "qkv/names.hpp"
 
 namespace qkv::cli {
 
@@ -60,6 +63,15 @@ CLI::Option* add_choice(CLI::App* app, const std::string& name, T& target,
           help)
       ->check(CLI::IsMember(names))
       ->default_str(current);
+}
+
+// The choices of an option enum as the library's name table spells them
+// (qkv/names.hpp): the command line accepts exactly the words the Python package does.
+template <class E, std::size_t N>
+std::vector<std::pair<std::string, E>> choices_of(const std::array<EnumName<E>, N>& table) {
+  std::vector<std::pair<std::string, E>> choices;
+  for (const EnumName<E>& entry : table) choices.emplace_back(std::string(entry.name), entry.value);
+  return choices;
 }
 
 // Parses argv, runs the chosen subcommand and returns the process exit status.

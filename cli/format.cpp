@@ -1,5 +1,7 @@
 #include "format.hpp"
 
+#include "qkv/names.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -219,16 +221,6 @@ void Json::finish() {
 
 namespace qkv::cli {
 
-const char* backend_name(Backend backend) {
-  switch (backend) {
-    case Backend::automatic:
-      return "automatic";
-    case Backend::reference:
-      return "reference";
-    case Backend::cpu:
-      return "cpu";
-  }
-  return "?";
-}
+const char* backend_name(Backend backend) { return name_of(backend).data(); }
 
 }  // namespace qkv::cli

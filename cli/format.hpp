@@ -75,7 +75,7 @@ class Json {
 
 namespace qkv::cli {
 
-// "automatic", "reference", "cpu".
+// "auto", "reference", "cpu": the library's name table (qkv/names.hpp).
 const char* backend_name(Backend backend);
 
 }  // namespace qkv::cli

@@ -323,7 +323,7 @@ Command register_run(CLI::App& parent) {
                      "Axis order of q, k, v and the outputs: bshd = [batch, seq, heads, dim], "
                      "bhsd = [batch, heads, seq, dim] (PyTorch's); batch may be left out");
   add_choice<Causal>(app, "--causal", flags->causal,
-                     {{"none", Causal::none}, {"top_left", Causal::top_left}, {"bottom_right", Causal::bottom_right}},
+                     choices_of(kCausalNames),
                      "Causal mask: top_left as PyTorch's is_causal, bottom_right as FlashAttention's");
   app->add_option("--mask", flags->mask,
                   "Mask .npy broadcastable to [batch, heads, Nq, Nk]: bool/uint8 keeps where "
@@ -341,8 +341,7 @@ Command register_run(CLI::App& parent) {
   app->add_option("--dk", flags->dk, "Write ∂L/∂k (needs --grad)")->type_name("FILE");
   app->add_option("--dv", flags->dv, "Write ∂L/∂v (needs --grad)")->type_name("FILE");
   add_choice<Backend>(app, "--backend", flags->backend,
-                      {{"automatic", Backend::automatic}, {"reference", Backend::reference}, {"cpu", Backend::cpu}},
-                      "Backend (automatic: the fastest that supports the call)");
+                      choices_of(kBackendNames), "Backend (auto: the fastest that supports the call)");
   app->add_option("--threads", flags->threads, "Threads (0: all); results never depend on it")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);

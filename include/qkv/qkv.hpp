@@ -6,6 +6,7 @@
 #include "qkv/error.hpp"
 #include "qkv/half.hpp"
 #include "qkv/kv_cache.hpp"
+#include "qkv/names.hpp"
 #include "qkv/options.hpp"
 #include "qkv/softmax.hpp"
 #include "qkv/tensor.hpp"

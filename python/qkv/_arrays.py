@@ -4,10 +4,10 @@ Outputs are allocated in the caller's type (and, for torch, its device and dtype
 the [batch, heads, seq, dim] <-> [batch, seq, heads, dim] change of layout is a view
 (a transpose), never a copy. torch is imported only when the caller already has it.
 
-Half precision: float16 arrays go to the library as they are; bfloat16 (torch's, or
-ml_dtypes' for NumPy), which NumPy cannot describe, goes as an int16 view of the same
-memory with ``storage="bfloat16"`` telling the library what the bits are. The
-log-sum-exp of a 16-bit call is float32.
+Half precision: float16 arrays and torch's bfloat16 tensors go to the library as they
+are; ml_dtypes' bfloat16 NumPy arrays, which NumPy cannot describe to the binding, go as
+int16 views of the same memory with ``bfloat16_bits`` telling the library what the bits
+are. The log-sum-exp of a 16-bit call is float32.
 """
 
 from __future__ import annotations
@@ -27,8 +27,14 @@ def _is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+# dtypes the library reads as they are; anything else may be ml_dtypes' bfloat16, whose
+# name (dtype.name costs several µs) is then asked.
+_NUMPY_PLAIN = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.float16))
+
+
 def _is_numpy_bfloat16(dtype) -> bool:
-    return dtype.name == "bfloat16"  # ml_dtypes.bfloat16 (NumPy has no bfloat16 of its own)
+    # ml_dtypes.bfloat16 (NumPy has no bfloat16 of its own)
+    return dtype not in _NUMPY_PLAIN and dtype.name == "bfloat16"
 
 
 class NumPy:
@@ -57,9 +63,14 @@ class NumPy:
         return x.view(np.int16) if _is_numpy_bfloat16(x.dtype) else x
 
     @staticmethod
-    def storage(x) -> str:
-        """The library's `storage` argument for a call whose q is x."""
-        return "bfloat16" if _is_numpy_bfloat16(x.dtype) else ""
+    def bfloat16_bits(x) -> bool:
+        """Whether a call whose q is x hands the library bfloat16 bits as int16 views."""
+        return _is_numpy_bfloat16(x.dtype)
+
+    @staticmethod
+    def bits_views(*arrays):
+        """The arrays (None kept) with each ml_dtypes bfloat16 one as an int16 view."""
+        return tuple(x if x is None else NumPy.for_library(x) for x in arrays)
 
     @staticmethod
     def is_half(x) -> bool:
@@ -125,6 +136,11 @@ class Torch:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
 
     @staticmethod
+    def bfloat16_bits(x) -> bool:
+        """False: the library reads torch's bfloat16 tensors as they are."""
+        return False
+
+    @staticmethod
     def empty_lse(shape, like):
         """The log-sum-exp output: float32 for 16-bit inputs, else like's dtype."""
         import torch
@@ -153,12 +169,6 @@ class Torch:
             x = x.view(torch.int16)
         return x.numpy()
 
-    @staticmethod
-    def storage(x) -> str:
-        """The library's `storage` argument for a call whose q is x."""
-        import torch
-
-        return "bfloat16" if x.dtype == torch.bfloat16 else ""
 
     @staticmethod
     def is_half(x) -> bool:
@@ -242,6 +252,20 @@ Torch.random_seed = staticmethod(_torch_random_seed)
 
 def framework_of(function: str, **arrays):
     """NumPy or Torch, the one framework that every given array belongs to."""
+    kind = None
+    for x in arrays.values():  # the common case: plain arrays of one type
+        if x is None:
+            continue
+        if kind is None:
+            kind = type(x)
+        elif type(x) is not kind:
+            break
+    else:
+        if kind is np.ndarray:
+            return NumPy
+        torch = sys.modules.get("torch")
+        if torch is not None and kind is torch.Tensor:
+            return Torch
     kinds = {}
     for name, x in arrays.items():
         if x is None:
@@ -280,21 +304,7 @@ def check_rank4(function: str, layout: str, **arrays) -> None:
             )
 
 
-def to_logical(fw, x, layout: str):
-    """The library's [batch, seq, heads, dim] view of a 4-D array in `layout` (no copy)."""
-    return fw.for_library(fw.swap_axes_1_2(x) if layout == "bhsd" else x)
-
-
 def dims(x, layout: str):
     """(batch, seq, heads, dim) of a 4-D array in `layout`."""
     b, a1, a2, d = x.shape
     return (b, a2, a1, d) if layout == "bhsd" else (b, a1, a2, d)
-
-
-def empty_in_layout(fw, like, batch: int, seq: int, heads: int, dim: int, layout: str):
-    """A new C-order array of `like`'s kind in `layout`, and its logical view."""
-    if layout == "bhsd":
-        array = fw.empty((batch, heads, seq, dim), like)
-        return array, fw.swap_axes_1_2(array)
-    array = fw.empty((batch, seq, heads, dim), like)
-    return array, array

@@ -7,7 +7,7 @@ import functools
 
 from . import _core, _qkv, _stats
 from ._arrays import Torch, check_layout, check_rank4, dims, framework_of
-from ._options import Error, make_options
+from ._options import Error, key_lengths_array, make_options, mask_arrays
 
 _COMMON_DOC = """
     Layout: with ``layout="bhsd"`` (the default, PyTorch's) q, k, v are
@@ -65,8 +65,19 @@ def attention(q, k, v, *, causal=None, mask=None, scale=None, key_lengths=None,
               sinks=None, dropout_p=0.0, seed=None):
     fn = "qkv.attention"
     fw = framework_of(fn, q=q, k=k, v=v, mask=mask)
-    check_layout(fn, layout)
-    check_rank4(fn, layout, q=q, k=k, v=v)
+    if layout != "bhsd":
+        check_layout(fn, layout)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        check_rank4(fn, layout, q=q, k=k, v=v)
+    if fw is Torch:
+        from . import _torch_ops
+
+        if _torch_ops.traced(q, k, v):
+            return _traced(fn, q, k, v, causal=causal, mask=mask, scale=scale,
+                           key_lengths=key_lengths, return_lse=return_lse,
+                           stats=return_stats or return_row_stats, layout=layout,
+                           backend=backend, threads=threads, check_finite=check_finite,
+                           variants=(window, alibi_slopes, softcap, sinks, dropout_p, seed))
     options = make_options(fn, fw, mask=mask, key_lengths=key_lengths, scale=scale,
                            causal=causal, backend=backend, threads=threads,
                            check_finite=check_finite, window=window,
@@ -80,8 +91,6 @@ def attention(q, k, v, *, causal=None, mask=None, scale=None, key_lengths=None,
                                 (batch, q_heads, q_len) if return_row_stats else None)
         library_stats = _stats.for_library(fw, stats, threshold)
     if fw is Torch:
-        from . import _torch_ops
-
         out, lse = _torch_ops.forward_with_autograd(q, k, v, layout=layout, options=options,
                                                     stats=library_stats)
     else:
@@ -91,6 +100,29 @@ def attention(q, k, v, *, causal=None, mask=None, scale=None, key_lengths=None,
     if stats is not None:
         result += (stats,)
     return result if len(result) > 1 else out
+
+
+def _traced(fn, q, k, v, *, causal, mask, scale, key_lengths, return_lse, stats, layout,
+            backend, threads, check_finite, variants):
+    """qkv.attention on torch tensors being traced (torch.compile, fake tensors): the
+    operator, with the options as its plain arguments; its implementation binds and
+    checks them when it runs."""
+    from . import _torch_ops
+
+    _torch_ops.refuse_stats_when_traced(True if stats else None)
+    window, alibi_slopes, softcap, sinks, dropout_p, seed = variants
+    if (window is not None or alibi_slopes is not None or softcap or sinks is not None
+            or dropout_p or seed is not None):
+        raise NotImplementedError(
+            "qkv: window, alibi_slopes, softcap, sinks and dropout are not traced by "
+            "torch.compile or fake tensors yet; call qkv eagerly for them")
+    keep, bias = mask_arrays(fn, Torch, mask)
+    lengths = None if key_lengths is None else key_lengths_array(fn, Torch, key_lengths)
+    args = _torch_ops.OpArgs(keep, bias, lengths, None if scale is None else float(scale),
+                             "none" if causal is None else causal, layout, backend,
+                             0 if threads is None else int(threads), bool(check_finite))
+    out, lse = _torch_ops.traced_forward(q, k, v, args)
+    return (out, lse) if return_lse else out
 
 
 attention.__doc__ = """Scaled dot-product attention: ``softmax(scale·q·kᵀ + mask)·v``.

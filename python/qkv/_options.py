@@ -1,4 +1,4 @@
-"""The keyword arguments shared by every attention function, checked and normalized once.
+"""The keyword arguments shared by every attention function, as one bound Options.
 
 Masks follow PyTorch: shape [B|1, H|1, Nq|1, Nk] over the score matrix, whatever the
 layout of q, k and v, with fewer dimensions broadcast from the left. A boolean (or uint8)
@@ -11,80 +11,16 @@ widened to float32 (one copy, exact).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
-from typing import Any, Optional
 
-from ._qkv import Error
+from ._qkv import Backend, Causal, Error, Options
 
-CAUSAL_MODES = ("none", "top_left", "bottom_right")
-BACKENDS = ("auto", "reference", "cpu")
-
-
-@dataclass(frozen=True)
-class Options:
-    """Everything but q, k, v that one library call takes (arrays still the caller's)."""
-
-    keep: Any = None
-    bias: Any = None
-    key_lengths: Any = None
-    scale: Optional[float] = None
-    causal: str = "none"
-    backend: str = "auto"
-    threads: int = 0
-    check_finite: bool = False
-    # Variants (see qkv.attention): inert defaults.
-    window: tuple = (-1, -1)
-    alibi_slopes: Any = None  # float32 [Hq] array of the caller's type
-    softcap: float = 0.0
-    sinks: Any = None         # float32 [Hq]; for torch, may require grad
-    dropout_p: float = 0.0
-    seed: int = 0
-
-    def has_variants(self) -> bool:
-        return (self.window != (-1, -1) or self.alibi_slopes is not None or self.softcap != 0.0
-                or self.sinks is not None or self.dropout_p != 0.0)
-
-    def variants_for_library(self, fw) -> dict:
-        if not self.has_variants():
-            return {}
-        return dict(window_left=self.window[0], window_right=self.window[1],
-                    alibi_slopes=None if self.alibi_slopes is None else fw.for_library(self.alibi_slopes),
-                    softcap=self.softcap,
-                    sinks=None if self.sinks is None else fw.for_library(self.sinks),
-                    dropout_p=self.dropout_p, dropout_seed=self.seed)
-
-    def for_library(self, fw) -> dict:
-        """Keyword arguments for qkv._qkv.forward / backward."""
-
-        def array(x):
-            return None if x is None else fw.for_library(x)
-
-        return dict(
-            keep=array(self.keep),
-            bias=array(self.bias),
-            key_lengths=array(self.key_lengths),
-            scale=self.scale,
-            causal=self.causal,
-            backend=self.backend,
-            threads=self.threads,
-            check_finite=self.check_finite,
-            **self.variants_for_library(fw),
-        )
-
-
-def causal_mode(function: str, causal) -> str:
-    if causal is None:
-        return "none"
-    if not isinstance(causal, str):
-        raise TypeError(
-            f"{function}: causal: expected None, 'top_left' or 'bottom_right', "
-            f"got {type(causal).__name__} {causal!r}"
-        )
-    if causal not in CAUSAL_MODES:
-        raise Error(
-            f"{function}: causal: expected None, 'top_left' or 'bottom_right', got {causal!r}"
-        )
-    return causal
+# Options is qkv._qkv.Options, the one bound object a call hands to the library: built
+# once per call by make_options (or the torch operators), read by C++. The causal mode
+# and backend are the library's enums, named by its one name table (qkv/names.hpp),
+# which the `qkv` command line reads too. The type and value checks of the scalars
+# (causal, scale, backend, threads) are made in C++, once; Python only converts what
+# needs the array framework (masks, key lengths, per-head vectors).
+__all__ = ["Backend", "Causal", "Error", "Options", "make_options"]
 
 
 def mask_arrays(function: str, fw, mask):
@@ -175,19 +111,17 @@ def make_options(
     dropout_p=0.0,
     seed=None,
 ) -> Options:
-    keep, bias = mask_arrays(function, fw, mask)
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-    ):
-        raise TypeError(f"{function}: scale: expected None or a number, got {scale!r}")
-    if not isinstance(backend, str):
-        raise TypeError(f"{function}: backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend not in BACKENDS:
-        raise Error(f"{function}: backend: expected one of {BACKENDS}, got {backend!r}")
-    if threads is None:
-        threads = 0
-    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral):
-        raise TypeError(f"{function}: threads: expected None or an int, got {threads!r}")
+    """The bound Options of one call; `function` names the caller in messages."""
+    keep = bias = None
+    if mask is not None:
+        keep, bias = mask_arrays(function, fw, mask)
+    if key_lengths is not None:
+        key_lengths = key_lengths_array(function, fw, key_lengths)
+    if (window is None and alibi_slopes is None and softcap is None and sinks is None
+            and seed is None and (dropout_p is None or (type(dropout_p) in (int, float)
+                                                        and dropout_p == 0))):
+        return Options(function, causal, scale, backend, threads, check_finite, keep, bias,
+                       key_lengths)
     for name, value in (("softcap", softcap), ("dropout_p", dropout_p)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise TypeError(f"{function}: {name}: expected a number, got {value!r}")
@@ -196,19 +130,9 @@ def make_options(
         seed = fw.random_seed() if dropout_p > 0.0 else 0
     elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise TypeError(f"{function}: seed: expected None or an int >= 0, got {seed!r}")
-    return Options(
-        keep=keep,
-        bias=bias,
-        key_lengths=key_lengths_array(function, fw, key_lengths),
-        scale=None if scale is None else float(scale),
-        causal=causal_mode(function, causal),
-        backend=backend,
-        threads=int(threads),
-        check_finite=bool(check_finite),
-        window=window_pair(function, window),
-        alibi_slopes=per_head_vector(function, fw, "alibi_slopes", alibi_slopes),
-        softcap=float(softcap or 0.0),
-        sinks=per_head_vector(function, fw, "sinks", sinks),
-        dropout_p=dropout_p,
-        seed=int(seed) % (1 << 64),
-    )
+    left, right = window_pair(function, window)
+    return Options(function, causal, scale, backend, threads, check_finite, keep, bias,
+                   key_lengths, left, right,
+                   per_head_vector(function, fw, "alibi_slopes", alibi_slopes),
+                   float(softcap or 0.0), per_head_vector(function, fw, "sinks", sinks),
+                   dropout_p, int(seed) % (1 << 64))

@@ -4,10 +4,12 @@
 - The operators torch.ops.qkv.attention_forward and attention_backward
   (torch.library.custom_op), with fake-tensor shape functions and the backward
   registered as the forward's autograd formula. torch.compile and fake-tensor tracing
-  see these; torch.library.opcheck checks them.
+  see these; torch.library.opcheck checks them. Their schema takes the options as plain
+  values (OpArgs: tensors, floats, strings, ints), which the operator binds into one
+  Options when it runs.
 - For eager calls, _Attention (an autograd.Function), about ten times cheaper per call
   than a Python custom op's autograd wrapper, or no autograd at all when no input
-  requires grad.
+  requires grad. It carries the bound Options as it is.
 
 Every tensor argument is already in its final form: masks 4-D, key_lengths int64. The
 log-sum-exp output is not differentiable (qkv's backward takes no gradient for it);
@@ -16,8 +18,7 @@ double backward raises.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -26,16 +27,43 @@ from . import _core
 from ._arrays import Torch, dims
 from ._options import Options
 
-
 # A thread count meaning "torch.get_num_threads() when the call runs", resolved inside
 # the operators so that torch.compile, which cannot trace get_num_threads, never sees it.
 TORCH_THREADS = -(1 << 30)
 
 
-def _options(keep, bias, key_lengths, scale, causal, backend, threads, check_finite):
-    if threads == TORCH_THREADS:
-        threads = torch.get_num_threads()
-    return Options(keep, bias, key_lengths, scale, causal, backend, threads, check_finite)
+class OpArgs(NamedTuple):
+    """The operators' arguments after the tensors (q, k, v; the backward's out, lse,
+    dout): the call's options as plain values, in the operators' order."""
+
+    keep: Optional[Tensor]
+    bias: Optional[Tensor]
+    key_lengths: Optional[Tensor]
+    scale: Optional[float]
+    causal: str
+    layout: str
+    backend: str
+    threads: int
+    check_finite: bool
+
+    @staticmethod
+    def of(options: Options, layout: str) -> "OpArgs":
+        return OpArgs(options.keep, options.bias, options.key_lengths, options.scale,
+                      options.causal_name, layout, options.backend_name, options.threads,
+                      options.check_finite)
+
+    def options(self) -> Options:
+        """The bound Options of one operator call (TORCH_THREADS resolved now)."""
+        threads = torch.get_num_threads() if self.threads == TORCH_THREADS else self.threads
+        return Options("torch.ops.qkv", self.causal, self.scale, self.backend, threads,
+                       self.check_finite, self.keep, self.bias, self.key_lengths)
+
+    def without_tensors(self) -> "OpArgs":
+        """For ctx: the tensors travel through save_for_backward instead."""
+        return self._replace(keep=None, bias=None, key_lengths=None)
+
+
+_NO_GRADS = (None,) * len(OpArgs._fields)
 
 
 @torch.library.custom_op("qkv::attention_forward", mutates_args=())
@@ -53,13 +81,15 @@ def attention_forward(
     threads: int,
     check_finite: bool,
 ) -> Tuple[Tensor, Tensor]:
-    options = _options(keep, bias, key_lengths, scale, causal, backend, threads, check_finite)
-    out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options, want_lse=True)
+    args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads, check_finite)
+    out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=args.options(),
+                                want_lse=True)
     return out, lse
 
 
 @attention_forward.register_fake
-def _(q, k, v, keep, bias, key_lengths, scale, causal, layout, backend, threads, check_finite):
+def _(q, k, v, *settings):
+    layout = OpArgs(*settings).layout
     batch, q_len, q_heads, _ = dims(q, layout)
     v_dim = dims(v, layout)[3]
     shape = (batch, q_heads, q_len, v_dim) if layout == "bhsd" else (batch, q_len, q_heads, v_dim)
@@ -85,13 +115,12 @@ def attention_backward(
     threads: int,
     check_finite: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    options = _options(keep, bias, key_lengths, scale, causal, backend, threads, check_finite)
-    return _core.backward(Torch, q, k, v, out, lse, dout, layout=layout, options=options)
+    args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads, check_finite)
+    return _core.backward(Torch, q, k, v, out, lse, dout, layout=layout, options=args.options())
 
 
 @attention_backward.register_fake
-def _(q, k, v, out, lse, dout, keep, bias, key_lengths, scale, causal, layout, backend,
-      threads, check_finite):
+def _(q, k, v, out, lse, dout, *settings):
     return (
         torch.empty(q.shape, dtype=q.dtype, device=q.device),
         torch.empty(k.shape, dtype=q.dtype, device=q.device),
@@ -100,22 +129,21 @@ def _(q, k, v, out, lse, dout, keep, bias, key_lengths, scale, causal, layout, b
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, keep, bias, key_lengths, scale, causal, layout, backend, threads,
-     check_finite) = inputs
+    q, k, v, *settings = inputs
+    args = OpArgs(*settings)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, keep, bias, key_lengths)
-    ctx.settings = (scale, causal, layout, backend, threads, check_finite)
+    ctx.save_for_backward(q, k, v, out, lse, args.keep, args.bias, args.key_lengths)
+    ctx.args = args.without_tensors()
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, keep, bias, key_lengths = ctx.saved_tensors
-    scale, causal, layout, backend, threads, check_finite = ctx.settings
+    args = ctx.args._replace(keep=keep, bias=bias, key_lengths=key_lengths)
     # Autograd may hand us an expanded gradient (stride 0 everywhere, from out.sum()).
     dout = Torch.inner_contiguous(dout)
-    dq, dk, dv = attention_backward(q, k, v, out, lse, dout, keep, bias, key_lengths, scale,
-                                    causal, layout, backend, threads, check_finite)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    dq, dk, dv = attention_backward(q, k, v, out, lse, dout, *args)
+    return (dq, dk, dv, *_NO_GRADS)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -128,42 +156,52 @@ class _Attention(torch.autograd.Function):
     operators.)"""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, bias, key_lengths, scale, causal, layout, backend,
-                threads, check_finite, stats=None):
-        options = _options(keep, bias, key_lengths, scale, causal, backend, threads,
-                           check_finite)
+    def forward(ctx, q, k, v, options, layout, stats=None):
         out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options,
                                     want_lse=True, stats=stats)
-        ctx.save_for_backward(q, k, v, out, lse, keep, bias, key_lengths)
-        ctx.settings = (scale, causal, layout, backend, threads, check_finite)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options, ctx.layout = options, layout
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, keep, bias, key_lengths = ctx.saved_tensors
-        scale, causal, layout, backend, threads, check_finite = ctx.settings
+        q, k, v, out, lse = ctx.saved_tensors
         dout = Torch.inner_contiguous(dout)
         if torch.is_grad_enabled():
             # create_graph=True: through the backward operator, which has no autograd
             # formula, so differentiating these gradients again raises instead of
             # silently treating them as constants.
-            grads = attention_backward(q, k, v, out, lse, dout, keep, bias, key_lengths,
-                                       scale, causal, layout, backend, threads, check_finite)
+            grads = attention_backward(q, k, v, out, lse, dout, *OpArgs.of(ctx.options, ctx.layout))
         else:
-            options = _options(keep, bias, key_lengths, scale, causal, backend, threads,
-                               check_finite)
-            grads = _core.backward(Torch, q, k, v, out, lse, dout, layout=layout,
-                                   options=options)
-        return (*grads, None, None, None, None, None, None, None, None, None, None)
+            grads = _core.backward(Torch, q, k, v, out, lse, dout, layout=ctx.layout,
+                                   options=ctx.options)
+        return (*grads, None, None, None)
 
 
-def forward_with_autograd(q, k, v, *, layout: str, options: Options, stats=None):
-    """(out, lse), recorded by autograd when an input requires grad.
+def traced(q, k, v) -> bool:
+    """Whether this call is being traced (torch.compile) or gets tensor subclasses
+    (fake tensors): then it must go through the operators, with plain arguments."""
+    return (torch.compiler.is_compiling()
+            or not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor))
+
+
+def refuse_stats_when_traced(stats) -> None:
+    if stats is not None:
+        raise NotImplementedError(
+            "qkv: attention statistics (return_stats) are computed by eager calls on "
+            "plain tensors only, not under torch.compile or with tensor subclasses")
+
+
+def forward_with_autograd(q, k, v, *, layout: str, options: Options, stats=None,
+                          want_lse: bool = True):
+    """(out, lse), recorded by autograd when an input requires grad; lse is None when
+    not wanted and no graph is recorded (a no-grad call then skips computing it).
 
     Eager calls with plain CPU tensors run the library directly, through _Attention when
     a graph is needed; traced calls (torch.compile, fake tensors) go through the
-    operator torch.ops.qkv.attention_forward, whose autograd formula is the same.
+    operator torch.ops.qkv.attention_forward, whose autograd formula is the same (they
+    should come with OpArgs through traced_forward; a bound Options is converted).
     `stats`: None or the library's dict of statistics outputs (_stats.for_library),
     filled by the same forward; eager calls only (the operator has no such output)."""
     grad = torch.is_grad_enabled()
@@ -172,24 +210,29 @@ def forward_with_autograd(q, k, v, *, layout: str, options: Options, stats=None)
 
         return _variants.forward_with_autograd(q, k, v, layout=layout, options=options,
                                                stats=stats)
-    if options.bias is not None and options.bias.requires_grad and grad:
+    if grad:
+        bias = options.bias
+        if bias is not None and bias.requires_grad:
+            raise NotImplementedError(
+                "qkv: the gradient with respect to a float attention mask is not implemented "
+                "yet; pass the mask detached (mask.detach()) if it is not being trained")
+    if traced(q, k, v):
+        refuse_stats_when_traced(stats)
+        return attention_forward(q, k, v, *OpArgs.of(options, layout))
+    if grad and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, options, layout, stats)
+    out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options,
+                                want_lse=want_lse, stats=stats)
+    return out, lse
+
+
+def traced_forward(q, k, v, args: OpArgs, stats=None):
+    """(out, lse) of a traced call: the operator, with the options as plain values (a
+    bound Options is not traceable; the operator binds one when it runs)."""
+    refuse_stats_when_traced(stats)
+    bias = args.bias
+    if bias is not None and bias.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(
             "qkv: the gradient with respect to a float attention mask is not implemented "
-            "yet; pass the mask detached (mask.detach()) if it is not being trained"
-        )
-    args = (q, k, v, options.keep, options.bias, options.key_lengths, options.scale,
-            options.causal, layout, options.backend, options.threads, options.check_finite)
-    if torch.compiler.is_compiling() or not all(type(x) is torch.Tensor for x in (q, k, v)):
-        if stats is not None:
-            raise NotImplementedError(
-                "qkv: attention statistics (return_stats) are computed by eager calls on "
-                "plain tensors only, not under torch.compile or with tensor subclasses"
-            )
-        return attention_forward(*args)
-    if grad and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(*args, stats)
-    if options.threads == TORCH_THREADS:
-        options = dataclasses.replace(options, threads=torch.get_num_threads())
-    out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options, want_lse=True,
-                                stats=stats)
-    return out, lse
+            "yet; pass the mask detached (mask.detach()) if it is not being trained")
+    return attention_forward(q, k, v, *args)

@@ -5,8 +5,6 @@ with variants raises NotImplementedError instead of silently dropping them."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from . import _core
@@ -17,14 +15,14 @@ def _resolved(options):
     from ._torch_ops import TORCH_THREADS
 
     if options.threads == TORCH_THREADS:
-        return dataclasses.replace(options, threads=torch.get_num_threads())
+        return options.replace(threads=torch.get_num_threads())
     return options
 
 
 class _VariantAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, options, layout, stats=None):
-        options = _resolved(dataclasses.replace(options, sinks=None if sinks is None else sinks.detach()))
+        options = _resolved(options.replace(sinks=None if sinks is None else sinks.detach()))
         out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options, want_lse=True,
                                     stats=stats)
         ctx.save_for_backward(q, k, v, out, lse)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from . import _qkv, _stats
 from ._arrays import Torch, framework_of
-from ._options import Error, causal_mode, make_options
+from ._options import Error, make_options
 
 _DOC = """
     q ``[total_q, Hq, d]``, k ``[total_k, Hkv, d]``, v ``[total_k, Hkv, dv]``: the
@@ -35,13 +35,11 @@ def _offsets(fw, name, values):
 
 
 def _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q, max_seqlen_k, variants):
-    """(keyword arguments of the binding, the sinks array or None)."""
+    """(the binding's trailing arguments: options, max_seqlen_q, max_seqlen_k; the sinks
+    array or None)."""
     options = make_options(fn, fw, scale=scale, causal=causal, backend=backend, threads=threads,
                            **variants)
-    settings = dict(max_seqlen_q=int(max_seqlen_q or 0), max_seqlen_k=int(max_seqlen_k or 0),
-                    scale=options.scale, causal=options.causal, backend=options.backend,
-                    threads=options.threads, **options.variants_for_library(fw))
-    return settings, options.sinks
+    return (options, int(max_seqlen_q or 0), int(max_seqlen_k or 0)), options.sinks
 
 
 def _check_rank3(fn, **arrays):
@@ -54,19 +52,18 @@ def _check_rank3(fn, **arrays):
 def _forward(fw, q, k, v, cu_q, cu_k, settings, stats=None):
     out = fw.empty((q.shape[0], q.shape[1], v.shape[2]), q)
     lse = fw.empty_lse((q.shape[1], q.shape[0]), q)
-    _qkv.varlen_forward(fw.for_library(q), fw.for_library(k), fw.for_library(v),
-                        fw.for_library(out), cu_q, cu_k, lse=fw.for_library(lse), stats=stats,
-                        storage=fw.storage(q), **settings)
+    bits = fw.bfloat16_bits(q)
+    arrays = fw.bits_views(q, k, v, out) if bits else (q, k, v, out)
+    _qkv.varlen_forward(*arrays, cu_q, cu_k, lse, stats, *settings, bits)
     return out, lse
 
 
 def _backward(fw, q, k, v, out, lse, dout, cu_q, cu_k, settings, dsinks=None):
     dq, dk, dv = fw.empty(tuple(q.shape), q), fw.empty(tuple(k.shape), q), fw.empty(tuple(v.shape), q)
-    _qkv.varlen_backward(fw.for_library(q), fw.for_library(k), fw.for_library(v),
-                         fw.for_library(out), fw.for_library(lse), fw.for_library(dout),
-                         fw.for_library(dq), fw.for_library(dk), fw.for_library(dv),
-                         cu_q, cu_k, dsinks=None if dsinks is None else fw.for_library(dsinks),
-                         storage=fw.storage(q), **settings)
+    bits = fw.bfloat16_bits(q)
+    arrays = fw.bits_views(q, k, v, out) if bits else (q, k, v, out)
+    grads = fw.bits_views(dout, dq, dk, dv) if bits else (dout, dq, dk, dv)
+    _qkv.varlen_backward(*arrays, lse, *grads, cu_q, cu_k, dsinks, *settings, bits)
     return dq, dk, dv
 
 

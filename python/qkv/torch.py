@@ -16,7 +16,6 @@ weight, entropy per head), from the same forward, without changing the call::
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -86,49 +85,83 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if head_dim == 0:
         raise Error(f"{_FN}: query.shape[-1] (head dim): expected >= 1, got 0")
 
-    # Every tensor as (*batch, heads, seq, dim) with at least one batch axis: views.
-    out_rank = max(query.ndim, key.ndim, value.ndim)
-    rank = max(out_rank, 4)
-    q, k, v = (x[(None,) * (rank - x.ndim)] for x in (query, key, value))
-    q, k, v, heads = _match_heads(q, k, v, enable_gqa, out_rank)
-    batch_shape = _broadcast(q.shape[:-3], k.shape[:-3], v.shape[:-3],
-                             what="the batch dimensions of query, key and value")
-    batch = math.prod(batch_shape)
-    # One batch axis: a view for 4-D inputs; reshape copies only when higher-rank batch
-    # axes cannot be merged.
-    q, k, v = (x.expand(*batch_shape, *x.shape[-3:]).reshape(batch, *x.shape[-3:])
-               for x in (q, k, v))
-    keep, bias = _mask_views(attn_mask, query.dtype, out_rank, rank, batch_shape, heads,
-                             q_len, k_len)
+    if _plain_4d(query, key, value, enable_gqa):
+        # The common case, [B, H, L, E] tensors of one batch whose heads qkv reads as
+        # they are: no view to make, nothing to reshape afterwards.
+        q, k, v = query, key, value
+        batch, heads = query.shape[0], query.shape[1]
+        batch_shape, out_rank, rank = (batch,), 4, 4
+        out_shape = None
+    else:
+        # Every tensor as (*batch, heads, seq, dim) with at least one batch axis: views.
+        out_rank = max(query.ndim, key.ndim, value.ndim)
+        rank = max(out_rank, 4)
+        q, k, v = (x[(None,) * (rank - x.ndim)] for x in (query, key, value))
+        q, k, v, heads = _match_heads(q, k, v, enable_gqa, out_rank)
+        batch_shape = _broadcast(q.shape[:-3], k.shape[:-3], v.shape[:-3],
+                                 what="the batch dimensions of query, key and value")
+        batch = math.prod(batch_shape)
+        # One batch axis: a view for 4-D inputs; reshape copies only when higher-rank batch
+        # axes cannot be merged.
+        q, k, v = (x.expand(*batch_shape, *x.shape[-3:]).reshape(batch, *x.shape[-3:])
+                   for x in (q, k, v))
+        out_shape = (*batch_shape, heads, q_len, v_dim)[rank - out_rank:]
+    keep = bias = None
+    if attn_mask is not None:
+        keep, bias = _mask_views(attn_mask, query.dtype, out_rank, rank, batch_shape, heads,
+                                 q_len, k_len)
 
-    out_shape = (*batch_shape, heads, q_len, v_dim)[rank - out_rank:]
     if heads == 0 or v_dim == 0:  # nothing to compute; qkv needs heads, dims >= 1
         anchor = query.sum() + key.sum() + value.sum()  # keeps autograd connected
-        return query.new_zeros(out_shape) + 0 * anchor
+        shape = (*batch_shape, heads, q_len, v_dim)[rank - out_rank:]
+        return query.new_zeros(shape) + 0 * anchor
 
     q, k, v = (Torch.inner_contiguous(x) for x in (q, k, v))
-    options = Options(keep=keep, bias=bias, scale=None if scale is None else float(scale),
-                      causal="top_left" if is_causal else "none", backend="auto",
-                      threads=_torch_ops.TORCH_THREADS)  # torch.get_num_threads()
-    if dropout_p or window is not None or alibi_slopes is not None or softcap or sinks is not None:
-        variants = make_options(_FN, Torch, window=window, alibi_slopes=alibi_slopes,
-                                softcap=softcap, sinks=sinks, dropout_p=dropout_p)
-        options = dataclasses.replace(
-            options, window=variants.window, alibi_slopes=variants.alibi_slopes,
-            softcap=variants.softcap, sinks=variants.sinks, dropout_p=variants.dropout_p,
-            seed=variants.seed)
-    # Attention health, only while qkv.torch.collect_stats() is active, in eager calls
-    # (asked first: torch.compile cannot trace the collectors' ContextVar).
+    has_variants = bool(dropout_p or window is not None or alibi_slopes is not None or softcap
+                        or sinks is not None)
+    if _torch_ops.traced(q, k, v):
+        if has_variants:
+            raise NotImplementedError(
+                "qkv: window, alibi_slopes, softcap, sinks and dropout are not traced by "
+                "torch.compile or fake tensors yet; call qkv eagerly for them")
+        args = _torch_ops.OpArgs(keep, bias, None, None if scale is None else float(scale),
+                                 "top_left" if is_causal else "none", "bhsd", "auto",
+                                 _torch_ops.TORCH_THREADS, False)
+        out, _ = _torch_ops.traced_forward(q, k, v, args)
+        return out if out_shape is None else out.reshape(out_shape)
+    causal = "top_left" if is_causal else None
+    if has_variants:
+        options = make_options(_FN, Torch, scale=None if scale is None else float(scale),
+                               causal=causal,
+                               threads=torch.get_num_threads(), window=window,
+                               alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                               dropout_p=dropout_p).replace(keep=keep, bias=bias)
+    else:
+        options = Options(_FN, causal, None if scale is None else float(scale), "auto",
+                          torch.get_num_threads(), False, keep, bias)
+    # Attention health, only while qkv.torch.collect_stats() is active.
     stats = library_stats = None
-    if not torch.compiler.is_compiling():
-        collectors = _torch_stats.active()
-        if collectors and all(type(x) is torch.Tensor for x in (q, k, v)):
-            stats, library_stats = _torch_stats.prepare(collectors, q, batch, heads, q_len)
+    collectors = _torch_stats.active()
+    if collectors:
+        stats, library_stats = _torch_stats.prepare(collectors, q, batch, heads, q_len)
     out, _ = _torch_ops.forward_with_autograd(q, k, v, layout="bhsd", options=options,
-                                              stats=library_stats)
+                                              stats=library_stats, want_lse=False)
     if stats is not None:
         _torch_stats.record(collectors, stats, (batch, heads, q_len, k_len))
-    return out.reshape(out_shape)
+    return out if out_shape is None else out.reshape(out_shape)
+
+
+def _plain_4d(query, key, value, enable_gqa) -> bool:
+    """Whether query, key and value are [B, H, L, E] tensors of one batch size whose
+    heads qkv reads as they are: equal, one key/value head (multi-query), or with
+    enable_gqa key/value heads that divide the query heads."""
+    if not query.ndim == key.ndim == value.ndim == 4:
+        return False
+    (batch, q_heads, _, _), (k_batch, k_heads, _, _) = query.shape, key.shape
+    v_batch, v_heads = value.shape[0], value.shape[1]
+    if not batch == k_batch == v_batch or k_heads != v_heads or k_heads == 0:
+        return False
+    return q_heads == k_heads or k_heads == 1 or (enable_gqa and q_heads % k_heads == 0)
 
 
 def _check_tensors(query, key, value):

@@ -1,6 +1,10 @@
 #include "arrays.hpp"
 
+#include <nanobind/stl/string.h>  // nb::cast<std::string>: every TU that casts must see it
+
 #include <sstream>
+
+#include "qkv/error.hpp"
 
 namespace qkv::python {
 
@@ -48,21 +52,14 @@ void expect_dtype(const char* name, nb::dlpack::dtype actual, nb::dlpack::dtype 
   }
 }
 
-CallStorage call_storage(const InArray& q, const std::string& storage) {
+CallStorage call_storage(const ArrayRef& q, bool bfloat16_bits) {
   expect_cpu("q", q.device_type());
-  if (storage == "bfloat16" || storage == "float16") {
-    const bool half_dtype = q.dtype() == (storage == "bfloat16" ? dlpack_dtype<bfloat16>()
-                                                              : dlpack_dtype<float16>());
-    if (!half_dtype && !holds_16_bit_patterns(q.dtype())) {
-      throw nb::type_error(("q: expected dtype " + storage + " (or 16-bit integers holding " +
-                            storage + " bits), got " + dtype_name(q.dtype()))
-                               .c_str());
+  if (bfloat16_bits) {
+    if (q.dtype() != dlpack_dtype<bfloat16>() && !holds_16_bit_patterns(q.dtype())) {
+      throw nb::type_error(("q: expected dtype bfloat16 (or 16-bit integers holding bfloat16 "
+                            "bits), got " + dtype_name(q.dtype())).c_str());
     }
-    return {storage == "bfloat16" ? Storage::bfloat16 : Storage::float16, true};
-  }
-  if (!storage.empty()) {
-    throw nb::value_error(("storage: expected '', 'bfloat16' or 'float16', got '" + storage + "'")
-                              .c_str());
+    return {Storage::bfloat16, true};
   }
   if (q.dtype() == nb::dtype<float>()) return {Storage::float32, false};
   if (q.dtype() == nb::dtype<double>()) return {Storage::float64, false};
@@ -73,7 +70,150 @@ CallStorage call_storage(const InArray& q, const std::string& storage) {
                            .c_str());
 }
 
-TensorView<const std::uint8_t, 4> byte_mask_view(const char* name, const InArray& array) {
+namespace {
+
+// torch's attributes and dtypes, looked up once (torch is imported before any tensor
+// can reach us). Kept for the life of the process on purpose: no destructors at exit.
+struct TorchNames {
+  PyTypeObject* tensor = nullptr;
+  PyObject* data_ptr = nullptr;  // interned attribute names
+  PyObject* shape = nullptr;
+  PyObject* stride = nullptr;
+  PyObject* dtype = nullptr;
+  PyObject* is_cpu = nullptr;
+  PyObject* device = nullptr;
+  PyObject* type = nullptr;
+  // (torch dtype object, DLPack dtype) for every dtype a message may need to name.
+  std::array<std::pair<PyObject*, nb::dlpack::dtype>, 12> dtypes{};
+
+  // Null while torch is not imported (then no argument can be a tensor). Called with the
+  // GIL held, which serializes the first load.
+  static const TorchNames* get() {
+    static const TorchNames* names = nullptr;
+    if (names == nullptr) names = load();
+    return names;
+  }
+
+ private:
+  static const TorchNames* load() {
+    PyObject* torch = PyImport_GetModule(nb::str("torch").ptr());  // new reference or null
+    if (torch == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    auto* names = new TorchNames;  // never freed: see above
+    names->tensor = reinterpret_cast<PyTypeObject*>(PyObject_GetAttrString(torch, "Tensor"));
+    names->data_ptr = PyUnicode_InternFromString("data_ptr");
+    names->shape = PyUnicode_InternFromString("shape");
+    names->stride = PyUnicode_InternFromString("stride");
+    names->dtype = PyUnicode_InternFromString("dtype");
+    names->is_cpu = PyUnicode_InternFromString("is_cpu");
+    names->device = PyUnicode_InternFromString("device");
+    names->type = PyUnicode_InternFromString("type");
+    using Code = nb::dlpack::dtype_code;
+    auto code = [](Code c) { return static_cast<std::uint8_t>(c); };
+    const std::pair<const char*, nb::dlpack::dtype> known[] = {
+        {"float32", {code(Code::Float), 32, 1}},  {"float64", {code(Code::Float), 64, 1}},
+        {"float16", {code(Code::Float), 16, 1}},  {"bfloat16", {code(Code::Bfloat), 16, 1}},
+        {"bool", {code(Code::Bool), 8, 1}},       {"uint8", {code(Code::UInt), 8, 1}},
+        {"int8", {code(Code::Int), 8, 1}},        {"int16", {code(Code::Int), 16, 1}},
+        {"int32", {code(Code::Int), 32, 1}},      {"int64", {code(Code::Int), 64, 1}},
+        {"complex64", {code(Code::Complex), 64, 1}}, {"complex128", {code(Code::Complex), 128, 1}},
+    };
+    for (std::size_t i = 0; i < names->dtypes.size(); ++i)
+      names->dtypes[i] = {PyObject_GetAttrString(torch, known[i].first), known[i].second};
+    Py_DECREF(torch);
+    if (PyErr_Occurred()) throw nb::python_error();
+    return names;
+  }
+};
+
+int64_t to_int64(PyObject* value) {
+  const long long n = PyLong_AsLongLong(value);
+  if (n == -1 && PyErr_Occurred()) throw nb::python_error();
+  return n;
+}
+
+}  // namespace
+
+template <class Array>
+ArrayRef ArrayRef::from_ndarray(const Array& array) {
+  ArrayRef ref;
+  ref.data_ = static_cast<char*>(array.data_handle()) + array.byte_offset();
+  ref.ndim_ = static_cast<int>(array.ndim());
+  ref.size_ = array.size();
+  ref.dtype_ = array.dtype();
+  ref.device_type_ = array.device_type();
+  const int64_t* strides = array.stride_ptr();
+  int64_t step = 1;  // DLPack allows null strides for C order
+  const int rank = std::min(ref.ndim_, kMaxRank);
+  for (int axis = ref.ndim_ - 1; axis >= 0; --axis) {
+    const auto extent = static_cast<int64_t>(array.shape(static_cast<std::size_t>(axis)));
+    if (axis < rank) {
+      ref.shape_[axis] = extent;
+      ref.strides_[axis] = strides != nullptr ? strides[axis] : step;
+    }
+    step *= std::max<int64_t>(extent, 1);
+  }
+  return ref;
+}
+
+ArrayRef ArrayRef::from_torch(nb::handle tensor) {
+  const TorchNames& names = *TorchNames::get();
+  PyObject* t = tensor.ptr();
+  ArrayRef ref;
+  const nb::object is_cpu = nb::steal(PyObject_GetAttr(t, names.is_cpu));
+  if (!is_cpu.is_valid()) throw nb::python_error();
+  if (is_cpu.ptr() != Py_True) {
+    // Named by its DLPack code where it has one, for expect_cpu's message.
+    const nb::object device = nb::steal(PyObject_GetAttr(t, names.device));
+    const std::string type = device.is_valid() ? nb::cast<std::string>(device.attr("type")) : "";
+    ref.device_type_ = type == "cuda" ? nb::device::cuda::value : -1;
+  }
+  const nb::object dtype = nb::steal(PyObject_GetAttr(t, names.dtype));
+  if (!dtype.is_valid()) throw nb::python_error();
+  ref.dtype_ = {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Complex), 0, 1};  // unknown
+  for (const auto& [object, code] : names.dtypes)
+    if (object == dtype.ptr()) ref.dtype_ = code;
+  const nb::object shape = nb::steal(PyObject_GetAttr(t, names.shape));
+  const nb::object strides = nb::steal(PyObject_CallMethodNoArgs(t, names.stride));
+  if (!shape.is_valid() || !strides.is_valid()) throw nb::python_error();
+  ref.ndim_ = static_cast<int>(PyTuple_GET_SIZE(shape.ptr()));
+  ref.size_ = 1;
+  for (int axis = 0; axis < ref.ndim_; ++axis) {
+    const int64_t extent = to_int64(PyTuple_GET_ITEM(shape.ptr(), axis));
+    ref.size_ *= static_cast<std::size_t>(extent);
+    if (axis < kMaxRank) {
+      ref.shape_[axis] = extent;
+      ref.strides_[axis] = to_int64(PyTuple_GET_ITEM(strides.ptr(), axis));
+    }
+  }
+  if (ref.device_type_ == nb::device::cpu::value) {
+    const nb::object pointer = nb::steal(PyObject_CallMethodNoArgs(t, names.data_ptr));
+    if (!pointer.is_valid()) throw nb::python_error();
+    ref.data_ = PyLong_AsVoidPtr(pointer.ptr());
+    if (ref.data_ == nullptr && PyErr_Occurred()) throw nb::python_error();
+  }
+  return ref;
+}
+
+ArrayRef ArrayRef::from(nb::handle object, bool writable) {
+  const TorchNames* torch = TorchNames::get();
+  if (torch != nullptr && PyObject_TypeCheck(object.ptr(), torch->tensor)) return from_torch(object);
+  if (writable) return from_ndarray(nb::cast<OutArray>(object));
+  return from_ndarray(nb::cast<InArray>(object));
+}
+
+ArrayRef ArrayRef::swapped_1_2() const {
+  ArrayRef swapped = *this;
+  if (ndim_ >= 3) {
+    std::swap(swapped.shape_[1], swapped.shape_[2]);
+    std::swap(swapped.strides_[1], swapped.strides_[2]);
+  }
+  return swapped;
+}
+
+TensorView<const std::uint8_t, 4> byte_mask_view(const char* name, const ArrayRef& array) {
   // bool and uint8 are the same bytes: re-describe the array, never convert it.
   if (array.dtype() == nb::dtype<bool>()) return raw_view<const std::uint8_t, 4>(name, array);
   return view_of<const std::uint8_t, 4>(name, array, "a keep mask is bool or uint8");

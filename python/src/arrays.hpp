@@ -10,6 +10,7 @@
 #include <nanobind/ndarray.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <string>
 
@@ -87,14 +88,15 @@ TensorView<T, R> view_of(const char* name, const Array& array, const char* becau
   return raw_view<T, R>(name, array);
 }
 
-// The storage type of a call: named by the caller ("bfloat16"/"float16", for arrays
-// that hold the bits as 16-bit integers) or, when `storage` is empty, q's own dtype.
+// The storage type of a call: q's own dtype or, with `bfloat16_bits` (NumPy has no
+// bfloat16: ml_dtypes arrays arrive as int16 views of their memory), bfloat16.
 enum class Storage { float32, float64, bfloat16, float16 };
 struct CallStorage {
   Storage type;
   bool bits;  // 16-bit integer arrays hold the storage type's bit patterns
 };
-CallStorage call_storage(const InArray& q, const std::string& storage);
+class ArrayRef;
+CallStorage call_storage(const ArrayRef& q, bool bfloat16_bits);
 
 // Runs f.template operator()<T>() for the call's storage type T.
 template <class F>
@@ -107,9 +109,50 @@ void with_storage(const CallStorage& storage, F&& f) {
   }
 }
 
+// One array argument of the attention bindings, whoever made it: a torch.Tensor is read
+// through its own attributes (data_ptr(), shape, stride(), dtype, is_cpu: ~0.1 µs each),
+// anything else is imported by nanobind (NumPy through the buffer protocol, or DLPack).
+// torch's own DLPack export runs in Python (~10 µs a tensor) and .detach().numpy() costs
+// ~2 µs, which a small call cannot afford four times. Only the data pointer is kept: the
+// caller holds the object for the duration of the call. Same accessors as nb::ndarray,
+// so raw_view and view_of take either.
+class ArrayRef {
+ public:
+  static constexpr int kMaxRank = 8;  // deeper arrays keep their rank only (for messages)
+
+  // `writable`: the library writes into it (NumPy: a read-only array is refused).
+  static ArrayRef from(nb::handle object, bool writable);
+
+  int device_type() const { return device_type_; }
+  std::size_t ndim() const { return static_cast<std::size_t>(ndim_); }
+  std::size_t size() const { return size_; }
+  std::size_t shape(std::size_t axis) const { return static_cast<std::size_t>(shape_[axis]); }
+  int64_t stride(std::size_t axis) const { return strides_[axis]; }
+  const int64_t* stride_ptr() const { return strides_.data(); }
+  void* data_handle() const { return data_; }
+  std::size_t byte_offset() const { return 0; }
+  nb::dlpack::dtype dtype() const { return dtype_; }
+
+  // The same memory with axes 1 and 2 exchanged: PyTorch's [batch, heads, seq, dim] seen
+  // as qkv's [batch, seq, heads, dim], no copy.
+  ArrayRef swapped_1_2() const;
+
+ private:
+  template <class Array>
+  static ArrayRef from_ndarray(const Array& array);
+  static ArrayRef from_torch(nb::handle tensor);
+
+  void* data_ = nullptr;
+  int ndim_ = 0;
+  std::size_t size_ = 0;
+  std::array<int64_t, kMaxRank> shape_{}, strides_{};
+  nb::dlpack::dtype dtype_{};
+  int device_type_ = nb::device::cpu::value;
+};
+
 // A boolean or uint8 array as the uint8 view qkv's keep masks use (same bytes: NumPy
 // and PyTorch store bool as one byte holding 0 or 1).
-TensorView<const std::uint8_t, 4> byte_mask_view(const char* name, const InArray& array);
+TensorView<const std::uint8_t, 4> byte_mask_view(const char* name, const ArrayRef& array);
 
 // Calls float32() or float64(), decided by q's dtype; anything else is a TypeError naming
 // q's dtype. The entry points whose other arrays follow q's dtype dispatch through this.

@@ -1,8 +1,9 @@
-// The Python package allocates every output in the caller's array type and passes it
-// here with the inputs, all already in qkv's logical [batch, seq, heads, dim] order
-// (a transposed view for PyTorch's [batch, heads, seq, dim] memory: no copy). These
-// functions turn the arrays into views, release the GIL and call the library, which
-// validates everything and writes straight into the caller's outputs.
+// The Python package allocates every output in the caller's array type (in the caller's
+// layout) and passes it here with the inputs and one Options object. These functions
+// turn the arrays into views in qkv's logical [batch, seq, heads, dim] order (PyTorch's
+// [batch, heads, seq, dim] is the same memory with two strides exchanged: no copy),
+// release the GIL and call the library, which validates everything and writes straight
+// into the caller's outputs. One call crosses the language boundary once.
 #include "attention.hpp"
 
 #include <nanobind/ndarray.h>
@@ -25,10 +26,22 @@ template <class T>
 constexpr const char* kLseBecause =
     std::is_same_v<LseOf<T>, T> ? kAsQ : "lse is float32 for 16-bit inputs";
 
+// The 4-D arrays of a call in the library's [batch, seq, heads, dim] order: PyTorch's
+// [batch, heads, seq, dim] (`bhsd`) is the same memory with axes 1 and 2 exchanged.
+ArrayRef logical(nb::handle array, bool writable, bool bhsd) {
+  const ArrayRef ref = ArrayRef::from(array, writable);
+  return bhsd ? ref.swapped_1_2() : ref;
+}
+
+std::optional<ArrayRef> optional_array(nb::handle array) {
+  if (array.is_none()) return std::nullopt;
+  return ArrayRef::from(array, true);
+}
+
 template <class T>
-void forward_typed(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
-                   const std::optional<OutArray>& lse, const std::optional<OutArray>& weights,
-                   const std::optional<nanobind::dict>& stats, const AttentionOptions& options,
+void forward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, const ArrayRef& out,
+                   const std::optional<ArrayRef>& lse, const std::optional<ArrayRef>& weights,
+                   const std::optional<nb::dict>& stats, const AttentionOptions& options,
                    bool bits) {
   ForwardArgs<T> args;
   args.q = view_of<const T, 4>("q", q, kAsQ, bits);
@@ -43,23 +56,25 @@ void forward_typed(const InArray& q, const InArray& k, const InArray& v, const O
     args.stats = &stats_out;
   }
 
-  debug_begin_call();
-  debug_record("q", args.q);
-  debug_record("k", args.k);
-  debug_record("v", args.v);
-  debug_record("out", args.out);
-  debug_record("lse", args.lse);
-  debug_record("weights", args.weights);
-  debug_record_options(options);
+  if (debug_recording.load(std::memory_order_relaxed)) {
+    debug_begin_call();
+    debug_record("q", args.q);
+    debug_record("k", args.k);
+    debug_record("v", args.v);
+    debug_record("out", args.out);
+    debug_record("lse", args.lse);
+    debug_record("weights", args.weights);
+    debug_record_options(options);
+  }
 
   nanobind::gil_scoped_release release;
   attention_forward(args, options);
 }
 
 template <class T>
-void backward_typed(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
-                    const InArray& lse, const InArray& dout, const OutArray& dq,
-                    const OutArray& dk, const OutArray& dv, const std::optional<OutArray>& dsinks,
+void backward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, const ArrayRef& out,
+                    const ArrayRef& lse, const ArrayRef& dout, const ArrayRef& dq,
+                    const ArrayRef& dk, const ArrayRef& dv, const std::optional<ArrayRef>& dsinks,
                     const AttentionOptions& options, bool bits) {
   BackwardArgs<T> args;
   args.q = view_of<const T, 4>("q", q, kAsQ, bits);
@@ -76,44 +91,53 @@ void backward_typed(const InArray& q, const InArray& k, const InArray& v, const 
     args.dsinks = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
   }
 
-  debug_begin_call();
-  debug_record("q", args.q);
-  debug_record("k", args.k);
-  debug_record("v", args.v);
-  debug_record("out", args.out);
-  debug_record("lse", args.lse);
-  debug_record("dout", args.dout);
-  debug_record("dq", args.dq);
-  debug_record("dk", args.dk);
-  debug_record("dv", args.dv);
-  debug_record_options(options);
+  if (debug_recording.load(std::memory_order_relaxed)) {
+    debug_begin_call();
+    debug_record("q", args.q);
+    debug_record("k", args.k);
+    debug_record("v", args.v);
+    debug_record("out", args.out);
+    debug_record("lse", args.lse);
+    debug_record("dout", args.dout);
+    debug_record("dq", args.dq);
+    debug_record("dk", args.dk);
+    debug_record("dv", args.dv);
+    debug_record_options(options);
+  }
 
   nanobind::gil_scoped_release release;
   attention_backward(args, options);
 }
 
-// The storage type is q's dtype (float32, float64, float16, DLPack bfloat16), or the
-// one `storage` names for 16-bit integer arrays holding its bits; anything else is a
-// TypeError naming q's dtype.
-void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
-             const std::optional<OutArray>& lse, const std::optional<OutArray>& weights,
-             const std::optional<nanobind::dict>& stats, const OptionArgs& option_args,
-             const std::string& storage) {
-  const CallStorage call = call_storage(q, storage);
-  const AttentionOptions options = make_options(option_args);
+// The storage type is q's dtype (float32, float64, float16, bfloat16), or bfloat16 for
+// 16-bit integer arrays with `bfloat16_bits`; anything else is a TypeError naming q's
+// dtype. Arguments are positional: this is the per-call path of qkv.attention.
+void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+             nb::handle weights, const std::optional<nb::dict>& stats,
+             const BoundOptions& bound, bool bhsd, bool bfloat16_bits) {
+  const ArrayRef qa = logical(q, false, bhsd), ka = logical(k, false, bhsd),
+                 va = logical(v, false, bhsd), oa = logical(out, true, bhsd);
+  const std::optional<ArrayRef> la = optional_array(lse), wa = optional_array(weights);
+  const CallStorage call = call_storage(qa, bfloat16_bits);
+  const AttentionOptions options = bound.for_call();
   with_storage(call, [&]<class T>() {
-    forward_typed<T>(q, k, v, out, lse, weights, stats, options, call.bits);
+    forward_typed<T>(qa, ka, va, oa, la, wa, stats, options, call.bits);
   });
 }
 
-void backward(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
-              const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
-              const OutArray& dv, const std::optional<OutArray>& dsinks,
-              const OptionArgs& option_args, const std::string& storage) {
-  const CallStorage call = call_storage(q, storage);
-  const AttentionOptions options = make_options(option_args);
+void backward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+              nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv, nb::handle dsinks,
+              const BoundOptions& bound, bool bhsd, bool bfloat16_bits) {
+  const ArrayRef qa = logical(q, false, bhsd), ka = logical(k, false, bhsd),
+                 va = logical(v, false, bhsd), oa = logical(out, false, bhsd),
+                 la = ArrayRef::from(lse, false), da = logical(dout, false, bhsd),
+                 dqa = logical(dq, true, bhsd), dka = logical(dk, true, bhsd),
+                 dva = logical(dv, true, bhsd);
+  const std::optional<ArrayRef> dsa = optional_array(dsinks);
+  const CallStorage call = call_storage(qa, bfloat16_bits);
+  const AttentionOptions options = bound.for_call();
   with_storage(call, [&]<class T>() {
-    backward_typed<T>(q, k, v, out, lse, dout, dq, dk, dv, dsinks, options, call.bits);
+    backward_typed<T>(qa, ka, va, oa, la, da, dqa, dka, dva, dsa, options, call.bits);
   });
 }
 
@@ -136,72 +160,23 @@ bool backend_available(const std::string& name) {
   return out == 1.0f;  // softmax over one key is 1, so out = v
 }
 
-// The option keywords shared by forward and backward, in one place.
-OptionArgs option_args(std::optional<InArray> keep, std::optional<InArray> bias,
-                       std::optional<InArray> key_lengths, std::optional<double> scale,
-                       std::string causal, std::string backend, int threads,
-                       bool check_finite, const nanobind::kwargs& variants) {
-  OptionArgs args{std::move(keep), std::move(bias), std::move(key_lengths), scale,
-                  std::move(causal), std::move(backend), threads, check_finite};
-  add_variant_args(args, variants);
-  return args;
-}
-
 }  // namespace
 
 void bind_attention(nanobind::module_& m) {
   namespace nb = nanobind;
-  m.def(
-      "forward",
-      [](const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
-         std::optional<OutArray> lse, std::optional<OutArray> weights,
-         std::optional<InArray> keep, std::optional<InArray> bias,
-         std::optional<InArray> key_lengths, std::optional<double> scale, std::string causal,
-         std::string backend, int threads, bool check_finite, std::string storage,
-         std::optional<nb::dict> stats, const nb::kwargs& variants) {
-        forward(q, k, v, out, lse, weights, stats,
-                option_args(std::move(keep), std::move(bias), std::move(key_lengths), scale,
-                            std::move(causal), std::move(backend), threads, check_finite,
-                            variants),
-                storage);
-      },
-      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::kw_only(),
-      nb::arg("lse").none() = nb::none(), nb::arg("weights").none() = nb::none(),
-      nb::arg("keep").none() = nb::none(), nb::arg("bias").none() = nb::none(),
-      nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(),
-      nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
-      nb::arg("check_finite") = false, nb::arg("storage") = "",
-      nb::arg("stats").none() = nb::none(), nb::arg("variants"),
-      "qkv::attention_forward on [B, N, H, d] views of the given arrays; writes out, lse, "
-      "weights and the stats dict's arrays in place. The GIL is released while computing. "
-      "storage: '' (q's dtype) or 'bfloat16'/'float16' for 16-bit integer arrays holding "
-      "those bits. Further keywords: the variants (window_left, window_right, alibi_slopes, "
-      "softcap, sinks, dropout_p, dropout_seed, dropout_offset).");
+  m.def("forward", &forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
+        nb::arg("lse").none(), nb::arg("weights").none(), nb::arg("stats").none(),
+        nb::arg("options"), nb::arg("bhsd"), nb::arg("bfloat16_bits"),
+        "qkv::attention_forward on the given arrays (NumPy arrays or torch tensors, read in "
+        "place; bhsd: [batch, heads, seq, dim] order, else [batch, seq, heads, dim]); writes "
+        "out, lse, weights and the stats dict's arrays in place. options: an Options. The "
+        "GIL is released while computing. bfloat16_bits: 16-bit integer arrays hold bfloat16.");
 
-  m.def(
-      "backward",
-      [](const InArray& q, const InArray& k, const InArray& v, const InArray& out,
-         const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
-         const OutArray& dv, std::optional<InArray> keep, std::optional<InArray> bias,
-         std::optional<InArray> key_lengths, std::optional<double> scale, std::string causal,
-         std::string backend, int threads, bool check_finite, std::optional<OutArray> dsinks,
-         std::string storage, const nb::kwargs& variants) {
-        backward(q, k, v, out, lse, dout, dq, dk, dv, dsinks,
-                 option_args(std::move(keep), std::move(bias), std::move(key_lengths), scale,
-                             std::move(causal), std::move(backend), threads, check_finite,
-                             variants),
-                 storage);
-      },
-      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"),
-      nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::kw_only(),
-      nb::arg("keep").none() = nb::none(), nb::arg("bias").none() = nb::none(),
-      nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(),
-      nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
-      nb::arg("check_finite") = false, nb::arg("dsinks").none() = nb::none(),
-      nb::arg("storage") = "", nb::arg("variants"),
-      "qkv::attention_backward on [B, N, H, d] views; writes dq, dk, dv (and dsinks, "
-      "float32 [Hq], with sinks) in place. The GIL is released while computing. storage: "
-      "as for forward.");
+  m.def("backward", &backward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
+        nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
+        nb::arg("dsinks").none(), nb::arg("options"), nb::arg("bhsd"), nb::arg("bfloat16_bits"),
+        "qkv::attention_backward on the given arrays (as for forward); writes dq, dk, dv (and "
+        "dsinks, float32 [Hq], with sinks) in place. The GIL is released while computing.");
 
   m.def("backend_available", &backend_available, nb::arg("backend"),
         "Whether this build runs the named backend ('auto', 'reference' or 'cpu').");

@@ -34,7 +34,24 @@ void debug_record(const char* name, const void* data, const int64_t* shape,
                        std::vector<int64_t>(strides, strides + rank)});
 }
 
+void debug_record_options(const AttentionOptions& options) {
+  debug_record("mask.keep", options.mask.keep);
+  debug_record("mask.bias", options.mask.bias);
+  if (!options.key_lengths.empty()) {
+    const int64_t length = static_cast<int64_t>(options.key_lengths.size()), stride = 1;
+    debug_record("key_lengths", options.key_lengths.data(), &length, &stride, 1);
+  }
+}
+
 void bind_debug(nanobind::module_& m) {
+  m.def(
+      "_debug_record_views",
+      [](bool on) {
+        debug_recording.store(on, std::memory_order_relaxed);
+        last_call.clear();
+      },
+      nanobind::arg("on"),
+      "Turns the recording of the views handed to the library on or off (for tests).");
   m.def(
       "_debug_last_views",
       [] {
@@ -46,7 +63,8 @@ void bind_debug(nanobind::module_& m) {
         return views;
       },
       "The views (address, logical [B, N, H, d] shape, strides in elements) that the last "
-      "attention call on this thread passed to the C++ library. For tests.");
+      "attention call on this thread passed to the C++ library, while recording is on "
+      "(_debug_record_views). For tests.");
 }
 
 }  // namespace qkv::python

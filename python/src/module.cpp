@@ -6,6 +6,7 @@
 #include "debug.hpp"
 #include "dist.hpp"
 #include "decode.hpp"
+#include "options.hpp"
 #include "qkv/error.hpp"
 #include "qkv/version.hpp"
 #include "softmax.hpp"
@@ -20,6 +21,7 @@ NB_MODULE(_qkv, m) {
   m.attr("__version__") = qkv::kVersion;
   // qkv::Error becomes qkv.Error, a ValueError carrying the C++ message unchanged.
   nanobind::exception<qkv::Error>(m, "Error", PyExc_ValueError);
+  qkv::python::bind_options(m);
   qkv::python::bind_attention(m);
   qkv::python::bind_softmax(m);
   qkv::python::bind_varlen(m);

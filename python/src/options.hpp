@@ -1,44 +1,37 @@
-// AttentionOptions from the Python keyword arguments. The arrays stay owned by Python;
-// the options only point into them, so they live as long as the call that made them.
+// qkv._qkv.Options: the options of one call, converted from Python once, here, and handed
+// to the library as they are. Python builds it (qkv/_options.py) and passes the one
+// object to the bindings; the causal mode and backend are the library's enums, named by
+// its one name table (qkv/names.hpp). The values themselves (threads >= 0, scale > 0,
+// window, soft-cap, dropout p, ...) are the library's to check when the call runs.
+//
+// Arrays (masks, key lengths, per-head vectors) are held as the caller's objects (NumPy
+// arrays or torch tensors) and become views only when a call runs: an Options may be kept
+// for a backward, and a tensor's memory may move in between (resize_).
 #pragma once
 
+#include <nanobind/nanobind.h>
+
 #include <cstdint>
-#include <optional>
 #include <string>
 
-#include "arrays.hpp"
 #include "qkv/options.hpp"
 
 namespace qkv::python {
 
-struct OptionArgs {
-  std::optional<InArray> keep;         // [B|1, H|1, Nq|1, Nk] bool or uint8
-  std::optional<InArray> bias;         // [B|1, H|1, Nq|1, Nk] float32
-  std::optional<InArray> key_lengths;  // [B] int64, contiguous
-  std::optional<double> scale;
-  std::string causal = "none";   // none | top_left | bottom_right
-  std::string backend = "auto";  // auto | reference | cpu
-  int threads = 0;
-  bool check_finite = false;
-  // Variants (qkv/options.hpp): inert defaults.
-  int64_t window_left = -1, window_right = -1;
-  std::optional<InArray> alibi_slopes;  // [Hq] float32, contiguous
-  float softcap = 0.0f;
-  std::optional<InArray> sinks;         // [Hq] float32, contiguous
-  float dropout_p = 0.0f;
-  std::uint64_t dropout_seed = 0, dropout_offset = 0;
+struct BoundOptions {
+  AttentionOptions options;  // everything but the arrays below (spans and views empty)
+  nanobind::object keep, bias, key_lengths, alibi_slopes, sinks;  // None when not given
+
+  bool has_variants() const;
+  // `options` with the arrays as views, for one call (the objects outlive it).
+  AttentionOptions for_call() const;
 };
 
-AttentionOptions make_options(const OptionArgs& args);
+// The library's enums and BoundOptions as qkv._qkv.Causal, Backend and Options.
+void bind_options(nanobind::module_& m);
 
-// Fills the variant fields from keyword arguments (window_left, window_right,
-// alibi_slopes, softcap, sinks, dropout_p, dropout_seed, dropout_offset); None = unset.
-void add_variant_args(OptionArgs& args, const nanobind::kwargs& variants);
-
+// From the name table; qkv::Error naming the argument otherwise.
 Backend parse_backend(const std::string& name);
 Causal parse_causal(const std::string& name);
-
-// Records the mask and key-length views of `options` for the zero-copy tests.
-void debug_record_options(const AttentionOptions& options);
 
 }  // namespace qkv::python

@@ -36,22 +36,9 @@ SeqOffsets offsets_of(const char* name, const InArray& array) {
                                  .c_str());
 }
 
-AttentionOptions varlen_options(std::optional<double> scale, const std::string& causal,
-                                const std::string& backend, int threads, bool check_finite,
-                                const nanobind::kwargs& variants) {
-  OptionArgs args;
-  add_variant_args(args, variants);
-  args.scale = scale;
-  args.causal = causal;
-  args.backend = backend;
-  args.threads = threads;
-  args.check_finite = check_finite;
-  return make_options(args);
-}
-
 template <class T>
-void forward_typed(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
-                   const std::optional<OutArray>& lse, const InArray& cu_q, const InArray& cu_k,
+void forward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, const ArrayRef& out,
+                   const std::optional<ArrayRef>& lse, const InArray& cu_q, const InArray& cu_k,
                    int64_t max_q, int64_t max_k, const std::optional<nanobind::dict>& stats,
                    const AttentionOptions& options, bool bits) {
   VarlenForwardArgs<T> args;
@@ -74,11 +61,11 @@ void forward_typed(const InArray& q, const InArray& k, const InArray& v, const O
 }
 
 template <class T>
-void backward_typed(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
-                    const InArray& lse, const InArray& dout, const OutArray& dq,
-                    const OutArray& dk, const OutArray& dv, const InArray& cu_q,
+void backward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, const ArrayRef& out,
+                    const ArrayRef& lse, const ArrayRef& dout, const ArrayRef& dq,
+                    const ArrayRef& dk, const ArrayRef& dv, const InArray& cu_q,
                     const InArray& cu_k, int64_t max_q, int64_t max_k,
-                    const std::optional<OutArray>& dsinks, const AttentionOptions& options,
+                    const std::optional<ArrayRef>& dsinks, const AttentionOptions& options,
                     bool bits) {
   VarlenBackwardArgs<T> args;
   if (dsinks) {
@@ -102,57 +89,60 @@ void backward_typed(const InArray& q, const InArray& k, const InArray& v, const 
   varlen_attention_backward(args, options);
 }
 
+std::optional<ArrayRef> optional_array(nanobind::handle array) {
+  if (array.is_none()) return std::nullopt;
+  return ArrayRef::from(array, true);
+}
+
 }  // namespace
 
 void bind_varlen(nanobind::module_& m) {
   namespace nb = nanobind;
   m.def(
       "varlen_forward",
-      [](const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
-         const InArray& cu_q, const InArray& cu_k, std::optional<OutArray> lse, int64_t max_q,
-         int64_t max_k, std::optional<double> scale, std::string causal, std::string backend,
-         int threads, bool check_finite, std::string storage, std::optional<nb::dict> stats,
-         const nb::kwargs& variants) {
-        const CallStorage call = call_storage(q, storage);
-        const AttentionOptions options =
-            varlen_options(scale, causal, backend, threads, check_finite, variants);
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, const InArray& cu_q,
+         const InArray& cu_k, nb::handle lse, std::optional<nb::dict> stats,
+         const BoundOptions& bound, int64_t max_q, int64_t max_k, bool bfloat16_bits) {
+        const ArrayRef qa = ArrayRef::from(q, false), ka = ArrayRef::from(k, false),
+                       va = ArrayRef::from(v, false), oa = ArrayRef::from(out, true);
+        const std::optional<ArrayRef> la = optional_array(lse);
+        const CallStorage call = call_storage(qa, bfloat16_bits);
+        const AttentionOptions options = bound.for_call();
         with_storage(call, [&]<class T>() {
-          forward_typed<T>(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, stats, options,
+          forward_typed<T>(qa, ka, va, oa, la, cu_q, cu_k, max_q, max_k, stats, options,
                            call.bits);
         });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("cu_seqlens_q"),
-      nb::arg("cu_seqlens_k"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
-      nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
-      nb::arg("scale").none() = nb::none(), nb::arg("causal") = "none",
-      nb::arg("backend") = "auto", nb::arg("threads") = 0, nb::arg("check_finite") = false,
-      nb::arg("storage") = "", nb::arg("stats").none() = nb::none(), nb::arg("variants"),
+      nb::arg("cu_seqlens_k"), nb::arg("lse").none(), nb::arg("stats").none(),
+      nb::arg("options"), nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"),
+      nb::arg("bfloat16_bits"),
       "qkv::varlen_attention_forward on packed [total, heads, dim] arrays; writes out (and "
-      "lse [heads, total_q], and the stats dict's arrays) in place. The GIL is released "
-      "while computing.");
+      "lse [heads, total_q], and the stats dict's arrays) in place. options: an Options. "
+      "The GIL is released while computing.");
   m.def(
       "varlen_backward",
-      [](const InArray& q, const InArray& k, const InArray& v, const InArray& out,
-         const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
-         const OutArray& dv, const InArray& cu_q, const InArray& cu_k, int64_t max_q,
-         int64_t max_k, std::optional<double> scale, std::string causal, std::string backend,
-         int threads, bool check_finite, std::optional<OutArray> dsinks, std::string storage,
-         const nb::kwargs& variants) {
-        const CallStorage call = call_storage(q, storage);
-        const AttentionOptions options =
-            varlen_options(scale, causal, backend, threads, check_finite, variants);
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+         nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv, const InArray& cu_q,
+         const InArray& cu_k, nb::handle dsinks, const BoundOptions& bound, int64_t max_q,
+         int64_t max_k, bool bfloat16_bits) {
+        const ArrayRef qa = ArrayRef::from(q, false), ka = ArrayRef::from(k, false),
+                       va = ArrayRef::from(v, false), oa = ArrayRef::from(out, false),
+                       la = ArrayRef::from(lse, false), da = ArrayRef::from(dout, false),
+                       dqa = ArrayRef::from(dq, true), dka = ArrayRef::from(dk, true),
+                       dva = ArrayRef::from(dv, true);
+        const std::optional<ArrayRef> dsa = optional_array(dsinks);
+        const CallStorage call = call_storage(qa, bfloat16_bits);
+        const AttentionOptions options = bound.for_call();
         with_storage(call, [&]<class T>() {
-          backward_typed<T>(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, max_q, max_k,
-                            dsinks, options, call.bits);
+          backward_typed<T>(qa, ka, va, oa, la, da, dqa, dka, dva, cu_q, cu_k, max_q, max_k,
+                            dsa, options, call.bits);
         });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"),
       nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("cu_seqlens_q"),
-      nb::arg("cu_seqlens_k"), nb::kw_only(), nb::arg("max_seqlen_q") = 0,
-      nb::arg("max_seqlen_k") = 0, nb::arg("scale").none() = nb::none(),
-      nb::arg("causal") = "none", nb::arg("backend") = "auto", nb::arg("threads") = 0,
-      nb::arg("check_finite") = false, nb::arg("dsinks").none() = nb::none(),
-      nb::arg("storage") = "", nb::arg("variants"),
+      nb::arg("cu_seqlens_k"), nb::arg("dsinks").none(), nb::arg("options"),
+      nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("bfloat16_bits"),
       "qkv::varlen_attention_backward on packed arrays; writes dq, dk, dv in place.");
 }
 

@@ -8,7 +8,9 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -49,6 +51,25 @@ struct Described {
   }
 };
 
+// Up to N described views on the stack: what the validators collect on every call (the
+// outputs, the inputs they must not alias), without a heap allocation per call.
+template <std::size_t N>
+class DescribedList {
+ public:
+  DescribedList(std::initializer_list<Described> views) {
+    for (const Described& view : views) push_back(view);
+  }
+  void push_back(const Described& view) {
+    if (size_ == N) throw Error("qkv internal error: DescribedList capacity exceeded");
+    items_[size_++] = view;
+  }
+  operator std::span<const Described>() const { return {items_.data(), size_}; }  // NOLINT
+
+ private:
+  std::array<Described, N> items_{};
+  std::size_t size_ = 0;
+};
+
 inline double widen_for_check(double value) { return value; }
 inline float widen_for_check(float value) { return value; }
 inline float widen_for_check(bfloat16 value) { return static_cast<float>(value); }
@@ -83,11 +104,13 @@ class Checker {
   // elements an overlapping stride revisits, no shape of a null view.
   enum class Wording { detailed, terse };
 
-  explicit Checker(std::string function, Wording wording = Wording::detailed)
-      : function_(std::move(function)), wording_(wording) {}
+  // `function` is a string literal (the entry point's name): a Checker is built on every
+  // call, so it copies nothing until a check fails.
+  explicit Checker(const char* function, Wording wording = Wording::detailed)
+      : function_(function), wording_(wording) {}
 
   [[noreturn]] void fail(const std::string& what) const {
-    throw Error(function_ + ": " + what);
+    throw Error(std::string(function_) + ": " + what);
   }
 
   void expect_extent(const Described& view, int axis, const char* axis_name, int64_t expected,
@@ -191,8 +214,8 @@ class Checker {
 
   // Every output has one index per element and shares no memory with an input or with
   // another output.
-  void expect_outputs_apart(const std::vector<Described>& outputs,
-                            const std::vector<Described>& inputs) const {
+  void expect_outputs_apart(std::span<const Described> outputs,
+                            std::span<const Described> inputs) const {
     for (std::size_t i = 0; i < outputs.size(); ++i) {
       expect_no_self_overlap(outputs[i]);
       for (const Described& input : inputs) expect_disjoint(outputs[i], input);
@@ -224,7 +247,7 @@ class Checker {
   }
 
  private:
-  std::string function_;
+  const char* function_;
   Wording wording_;
 };
 
@@ -244,6 +267,16 @@ inline double resolve_scale(const Checker& check, const AttentionOptions& option
   return resolve_scale(check, options.scale, head_dim);
 }
 
+// The machine's hardware threads, asked once per process: glibc answers
+// std::thread::hardware_concurrency() by reading /sys/devices/system/cpu/online (an open,
+// a read and a close, 3–12 µs measured here), which a small call cannot afford each time.
+// CPUs brought online later are not seen; the thread count changes speed only, never
+// results.
+inline int hardware_threads() {
+  static const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return threads;
+}
+
 // The thread count to run with: 0 means every hardware thread. `option` names the field
 // in messages, since the entry points keep it in different places.
 inline int resolve_threads(const Checker& check, int requested, const char* option) {
@@ -252,7 +285,7 @@ inline int resolve_threads(const Checker& check, int requested, const char* opti
                std::to_string(requested));
   }
   if (requested > 0) return requested;
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return hardware_threads();
 }
 
 inline int resolve_threads(const Checker& check, const AttentionOptions& options) {

@@ -1,12 +1,12 @@
 #include "core/validate.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "core/checker.hpp"
@@ -118,7 +118,8 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
   check.expect_extent(out, 2, "heads", e.q_heads, "as q.shape[2]");
   check.expect_extent(out, 3, "head_dim", e.v_dim, "as v.shape[3]");
 
-  std::vector<Described> outputs{out};
+  // out, lse, weights and up to 7 statistics views.
+  DescribedList<10> outputs{out};
   if (!args.lse.empty()) {
     const Described lse = describe("lse", args.lse);
     check.expect_well_formed(lse);
@@ -146,8 +147,7 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
         outputs);
   }
 
-  std::vector<Described> inputs{describe("q", args.q), describe("k", args.k),
-                                describe("v", args.v)};
+  DescribedList<5> inputs{describe("q", args.q), describe("k", args.k), describe("v", args.v)};
   if (!options.mask.keep.empty()) inputs.push_back(describe("mask.keep", options.mask.keep));
   if (!options.mask.bias.empty()) inputs.push_back(describe("mask.bias", options.mask.bias));
   check.expect_outputs_apart(outputs, inputs);
@@ -203,12 +203,11 @@ BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
   expect_like(dk, e.k_len, e.kv_heads, e.head_dim, "k");
   expect_like(dv, e.k_len, e.kv_heads, e.v_dim, "v");
 
-  std::vector<Described> inputs{describe("q", args.q), describe("k", args.k),
-                                describe("v", args.v), out, lse, dout};
+  DescribedList<8> inputs{describe("q", args.q), describe("k", args.k), describe("v", args.v),
+                          out, lse, dout};
   if (!options.mask.keep.empty()) inputs.push_back(describe("mask.keep", options.mask.keep));
   if (!options.mask.bias.empty()) inputs.push_back(describe("mask.bias", options.mask.bias));
-  const std::vector<Described> outputs{dq, dk, dv};
-  check.expect_outputs_apart(outputs, inputs);
+  check.expect_outputs_apart(std::array{dq, dk, dv}, inputs);
   if (options.execution.check_finite) {
     check.expect_finite<T>(dout);
     check.expect_finite<T>(out);

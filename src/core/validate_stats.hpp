@@ -21,10 +21,11 @@ struct ExpectedAxis {
   const char* because;
 };
 
-template <class T, int R>
+// `outputs`: a std::vector<Described> or a DescribedList with room for 7 more.
+template <class T, int R, class Outputs>
 void check_stats(const Checker& check, const BasicAttentionStats<T, R>& stats,
                  const std::array<ExpectedAxis, 2>& head_axes,
-                 const std::array<ExpectedAxis, R>& row_axes, std::vector<Described>& outputs) {
+                 const std::array<ExpectedAxis, R>& row_axes, Outputs& outputs) {
   const double threshold = stats.saturation_threshold;
   if (!(threshold >= 0.0 && threshold <= 1.0)) {  // NaN fails too
     std::ostringstream out;

@@ -1,6 +1,7 @@
 // Argument checking for the varlen (packed) entry points. The packed [total, heads, dim]
 // tensors and their cu_seqlens are checked here; the call then becomes an ordinary
 // problem whose batch entries are the sequences, so every backend runs it unchanged.
+#include <array>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -161,7 +162,7 @@ ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
                              outputs);
   }
   check.expect_outputs_apart(
-      outputs, {describe("q", args.q), describe("k", args.k), describe("v", args.v)});
+      outputs, std::array{describe("q", args.q), describe("k", args.k), describe("v", args.v)});
   check_backend(check, options, std::is_same_v<T, double>, false);
   problem.scale = resolve_scale(check, options, e.head_dim);
   problem.threads = resolve_threads(check, options);
@@ -223,8 +224,9 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
   expect_like(dq, total_q, e.q_heads, e.head_dim, "q");
   expect_like(dk, total_k, e.kv_heads, e.head_dim, "k");
   expect_like(dv, total_k, e.kv_heads, e.v_dim, "v");
-  check.expect_outputs_apart({dq, dk, dv}, {describe("q", args.q), describe("k", args.k),
-                                            describe("v", args.v), out, lse, dout});
+  check.expect_outputs_apart(std::array{dq, dk, dv},
+                             std::array{describe("q", args.q), describe("k", args.k),
+                                        describe("v", args.v), out, lse, dout});
   if (options.execution.check_finite) {
     check.expect_finite<T>(dout);
     check.expect_finite<T>(out);

@@ -5,10 +5,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <thread>
 #include <utility>
 #include <vector>
 
+#include "core/checker.hpp"
 #include "core/problem.hpp"
 #include "core/tile_plan.hpp"
 #include "cpu/blocking.hpp"
@@ -73,7 +73,7 @@ inline double forward_flops(const std::vector<ForwardTask>& tasks, const detail:
 // bounds the idle tail at a quarter of a head's work). Decided by the shape and the
 // machine, never by the threads option: results stay identical for any thread count.
 inline bool backward_single_pass(const detail::Extents& e) {
-  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t cores = detail::hardware_threads();
   return e.batch * e.kv_heads >= 4 * cores;
 }
 

@@ -227,12 +227,16 @@ def test_numpy_ml_dtypes_bfloat16():
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_half_tensors_are_read_in_place(dtype):
-    """bfloat16 goes to the library as an int16 view of the same memory: no copy."""
+    """16-bit tensors go to the library as they are: no copy."""
     base = torch.randn(2, 8, 3, 3, 16).to(dtype)  # [B, N, 3, H, d]: a packed projection
     q, k, v = base.unbind(2)  # [B, N, H, d] strided views
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # as [B, H, N, d]
-    out = qkv.attention(q, k, v)
-    seen = _qkv._debug_last_views()
+    _qkv._debug_record_views(True)
+    try:
+        out = qkv.attention(q, k, v)
+        seen = _qkv._debug_last_views()
+    finally:
+        _qkv._debug_record_views(False)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         address, _, strides = seen[name]
         assert address == x.data_ptr(), f"{name} was copied"

@@ -1,8 +1,10 @@
 """No copies: the library reads the caller's memory and writes the returned arrays.
 
 qkv._qkv._debug_last_views() reports, for the last call on this thread, the address,
-logical [B, N, H, d] shape and element strides of every view handed to the C++ library.
-A copy anywhere on the way would show up as another address or other strides."""
+logical [B, N, H, d] shape and element strides of every view handed to the C++ library,
+while recording is on (qkv._qkv._debug_record_views(True): off by default, so ordinary
+calls record nothing). A copy anywhere on the way would show up as another address or
+other strides."""
 
 from __future__ import annotations
 
@@ -16,6 +18,21 @@ import torch
 import qkv
 import qkv.torch as qt
 from qkv import _qkv
+
+
+@pytest.fixture(autouse=True)
+def record_views():
+    _qkv._debug_record_views(True)
+    yield
+    _qkv._debug_record_views(False)
+
+
+def test_nothing_is_recorded_unless_asked():
+    """The recording is a test hook: off, a call leaves no trace (and costs nothing)."""
+    _qkv._debug_record_views(False)
+    q = np.zeros((1, 2, 3, 4), np.float32)
+    qkv.attention(q, q, q)
+    assert _qkv._debug_last_views() == {}
 
 
 def address(x) -> int:
