@@ -10,29 +10,37 @@ and the 10th/90th percentiles. Load average (other workers share the cores) is p
 with the results.
 
 Also measured, because a small call is usually followed by more Python:
-- `spin`: after a call that runs on 2 threads, how much CPU the process burns while the
-  calling thread sleeps for 20 ms (idle OpenMP workers that spin instead of sleeping show
-  up here), and how long a fixed piece of Python takes right after such a call.
+- after a call that runs on 2 threads: how much CPU the process burns while the calling
+  thread sleeps for 20 ms (idle OpenMP workers that spin instead of sleeping show up
+  here), and how long a fixed piece of Python takes right after such a call, next to
+  the same piece after 20 ms of idleness.
 
     python bench/bench_small_call.py [--calls 20000] [--probe build/release/bench/qkv_small_call]
+                                     [--torch-first]
 
 --probe: the C++ timing (bench/small_call.cpp), run as a subprocess and printed as is.
+--torch-first: import torch before qkv. The process then keeps the OpenMP wait policy
+libgomp was loaded with (spinning, unless OMP_WAIT_POLICY says otherwise); by default qkv
+is imported first and its workers, torch's too (one libgomp), wait passively
+(qkv/_threads.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import subprocess
 import sys
 import time
 
-import numpy as np
-import torch
-
-import qkv
-import qkv.torch as qt
+if "--torch-first" in sys.argv:
+    importlib.import_module("torch")
+import qkv  # noqa: E402  (before torch by default: see above)
+import qkv.torch as qt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 
 def percentile(sorted_values, p):
@@ -75,12 +83,14 @@ def small_call_rows(calls: int):
         "qkv.attention (NumPy)": lambda: qkv.attention(qn, kn, vn),
         "qkv.attention (torch)": lambda: qkv.attention(q, k, v),
     }
-    return time_calls(functions, calls)
+    return time_calls(functions, calls), (q, k, v)
 
 
-def spin_rows(repeats: int = 30):
-    """(CPU ms burnt during a 20 ms sleep after a 2-thread call, µs of a fixed Python
-    loop right after it), medians; for qkv and, as the peer, torch."""
+def spin_rows(repeats: int = 40):
+    """Per 2-thread call: (median µs of the call itself, median CPU ms the process burns
+    while its thread sleeps 20 ms right after it, median µs of a fixed Python loop run
+    right after it, and of the same loop after 20 ms of idleness); qkv and, as the peer,
+    torch."""
     g = torch.Generator().manual_seed(1)
     # Big enough that both qkv (forward tiles) and torch run it on 2 threads.
     q = torch.randn(1, 8, 256, 64, generator=g)
@@ -93,27 +103,28 @@ def spin_rows(repeats: int = 30):
         return total
 
     def measure(call):
-        burnt, after = [], []
+        calls, burnt, after, idle = [], [], [], []
+        clock = time.perf_counter_ns
         for _ in range(repeats):
-            call()
-            start = time.perf_counter_ns()
+            time.sleep(0.02)
+            start = clock()
             python_work()
-            after.append((time.perf_counter_ns() - start) / 1e3)
+            idle.append((clock() - start) / 1e3)
+            start = clock()
+            call()
+            middle = clock()
+            python_work()
+            after.append((clock() - middle) / 1e3)
+            calls.append((middle - start) / 1e3)
             call()
             cpu = time.process_time()
             time.sleep(0.02)
             burnt.append((time.process_time() - cpu) * 1e3)
-        return statistics.median(burnt), statistics.median(after)
+        return tuple(statistics.median(x) for x in (calls, burnt, after, idle))
 
-    time.sleep(0.05)
-    quiet_start = time.perf_counter_ns()
-    for _ in range(repeats):
-        python_work()
-    quiet = (time.perf_counter_ns() - quiet_start) / 1e3 / repeats
     return {
-        "no call before (Python loop alone)": (0.0, quiet),
-        "after qkv.attention (NumPy, 2 threads)": measure(lambda: qkv.attention(qn, qn, qn, threads=2)),
-        "after torch SDPA (2 threads)": measure(
+        "qkv.attention (NumPy, threads=2)": measure(lambda: qkv.attention(qn, qn, qn, threads=2)),
+        "torch SDPA (2 threads)": measure(
             lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q)),
     }
 
@@ -122,26 +133,41 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20000, help="timed calls per implementation")
     parser.add_argument("--probe", default=None, help="path of the qkv_small_call C++ probe")
+    parser.add_argument("--torch-first", action="store_true", help="import torch before qkv")
     args = parser.parse_args()
 
     print(f"# python {sys.version.split()[0]}, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), qkv {qkv.__version__}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
-          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}, "
+          f"qkv's OpenMP wait decision: {qkv._threads.decision}")
     print(f"# load average before: {os.getloadavg()}")
     if args.probe:
         print(subprocess.run([args.probe], check=True, capture_output=True, text=True).stdout, end="")
-    rows = small_call_rows(args.calls)
+    threads = torch.get_num_threads()
+    rows, (q, k, v) = small_call_rows(args.calls)
     print("| call, q [1,12,1,64], 64 keys, fp32 | median µs | p10 µs | p90 µs |")
     print("|---|---|---|---|")
     for name, values in rows.items():
         print(f"| {name} | {statistics.median(values):.1f} | {percentile(values, 0.1):.1f} | "
               f"{percentile(values, 0.9):.1f} |")
+    torch.set_num_threads(1)
+    one = time_calls({
+        "torch.nn.functional.scaled_dot_product_attention, torch 1 thread":
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+        "qkv.torch.scaled_dot_product_attention, torch 1 thread":
+            lambda: qt.scaled_dot_product_attention(q, k, v),
+    }, args.calls // 2)
+    torch.set_num_threads(threads)
+    for name, values in one.items():
+        print(f"| {name} | {statistics.median(values):.1f} | {percentile(values, 0.1):.1f} | "
+              f"{percentile(values, 0.9):.1f} |")
     print()
-    print("| after a 2-thread call [1,8,256,64] | CPU ms burnt in a 20 ms sleep | Python loop µs |")
-    print("|---|---|---|")
-    for name, (burnt, after) in spin_rows().items():
-        print(f"| {name} | {burnt:.2f} | {after:.0f} |")
+    print("| 2-thread call, [1,8,256,64] | call µs | CPU ms burnt in the 20 ms sleep after it "
+          "| Python loop µs right after | same loop µs after 20 ms idle |")
+    print("|---|---|---|---|---|")
+    for name, (call, burnt, after, idle) in spin_rows().items():
+        print(f"| {name} | {call:.0f} | {burnt:.2f} | {after:.0f} | {idle:.0f} |")
     print(f"# load average after: {os.getloadavg()}")
 
 

@@ -22,9 +22,22 @@ and ``qkv.torch.scaled_dot_product_attention``, a drop-in for
 ``torch.nn.functional.scaled_dot_product_attention``. Every bad call raises TypeError
 (array type, dtype, device) or qkv.Error, a ValueError carrying the C++ library's
 message.
+
+Threads: qkv's OpenMP workers wait passively (asleep) between calls, so they do not
+spin through the Python that follows; when libgomp was loaded before qkv (``import
+torch`` first), set OMP_WAIT_POLICY=PASSIVE in the environment for the same (qkv/_threads.py).
 """
 
-from ._qkv import Error, __version__
+from . import _threads
+
+# OpenMP workers sleep between parallel regions instead of spinning through the caller's
+# next Python statements (decided before the library loads libgomp: see _threads).
+_passive = _threads.before_load()
+try:
+    from ._qkv import Error, __version__
+finally:
+    _threads.after_load(_passive)
+del _passive
 from ._attention import attention, attention_backward, attention_weights, available_backends
 from ._decode import KVCache, decode
 from ._softmax import log_softmax, softmax, softmax_backward, softmax_jacobian

@@ -185,7 +185,7 @@ class Torch:
         """x, or a C-order copy when its last dimension is strided: the library reads
         rows contiguously. (Tensors with no elements are left alone: the module gives
         them C-order strides, as nothing is read.)"""
-        if x.numel() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1:
+        if x.stride(-1) == 1 or x.shape[-1] <= 1 or x.numel() == 0:
             return x
         return x.contiguous()
 

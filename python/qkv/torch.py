@@ -164,7 +164,16 @@ def _plain_4d(query, key, value, enable_gqa) -> bool:
     return q_heads == k_heads or k_heads == 1 or (enable_gqa and q_heads % k_heads == 0)
 
 
+_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
+
+
 def _check_tensors(query, key, value):
+    T = torch.Tensor
+    if (isinstance(query, T) and isinstance(key, T) and isinstance(value, T)
+            and query.dtype in _DTYPES and key.dtype is query.dtype and value.dtype is query.dtype
+            and query.is_cpu and key.is_cpu and value.is_cpu
+            and query.ndim >= 2 and key.ndim >= 2 and value.ndim >= 2):
+        return  # the common case, asked for cheaply; otherwise find what is wrong:
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{_FN}: {name}: expected a torch.Tensor, got "

@@ -2,6 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "cli_test_support.hpp"
 #include "qkv/version.hpp"
@@ -51,6 +54,25 @@ TEST(Cli, UsageErrorsExitTwoWithAMessageOnStderr) {
     EXPECT_FALSE(result.err.empty()) << ::testing::PrintToString(args);
     EXPECT_TRUE(result.out.empty()) << ::testing::PrintToString(args);
   }
+}
+
+// --causal and --backend take the library's name table (qkv/names.hpp), the words the
+// Python package takes: "auto" for the automatic backend, and "automatic", the
+// command line's word before the table, still.
+TEST(Cli, EnumOptionsTakeTheSharedNames) {
+  for (const auto& [backend, runs] : std::vector<std::pair<std::string, std::string>>{
+           {"auto", "cpu"}, {"automatic", "cpu"}, {"reference", "reference"}, {"cpu", "cpu"}}) {
+    const auto result = run_cli({"bench", "--seq", "8", "--dim", "4", "--heads", "1", "--reps", "1",
+                                 "--min-time", "0", "--pass", "forward", "--causal", "bottom_right",
+                                 "--backend", backend});
+    ASSERT_EQ(result.code, 0) << backend << ": " << result.err;
+    EXPECT_NE(result.out.find("backend " + runs), std::string::npos) << backend << ": " << result.out;
+  }
+  const auto bad = run_cli({"bench", "--backend", "gpu"});
+  EXPECT_EQ(bad.code, kExitUsage);
+  const auto help = run_cli({"run", "--help"});
+  for (const char* name : {"auto", "reference", "cpu", "none", "top_left", "bottom_right"})
+    EXPECT_NE(help.out.find(name), std::string::npos) << name;
 }
 
 TEST(Cli, Version) {
