@@ -4,6 +4,7 @@
 // one writer and is computed the same way whichever thread runs it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -18,6 +19,10 @@ void forward(const detail::ForwardProblem<float16>& problem);
 void backward(const detail::BackwardProblem<float>& problem);
 void backward(const detail::BackwardProblem<bfloat16>& problem);
 void backward(const detail::BackwardProblem<float16>& problem);
+
+// out[i] = e^x[i] through the kernels' own vector exp (ExpKeepNaN), on the SIMD target
+// the next call will use: for tests of its accuracy and special values.
+void softmax_exp(const float* x, float* out, std::size_t count);
 
 // Name of the SIMD target the next call will use (e.g. "AVX3", "AVX2"), for benchmarks
 // and tests.
