@@ -343,12 +343,15 @@ HWY_EXPORT(ForwardBfloat16);
 HWY_EXPORT(ForwardFloat16);
 
 void forward(const detail::ForwardProblem<float>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(ForwardFloat32)(problem);
 }
 void forward(const detail::ForwardProblem<bfloat16>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(ForwardBfloat16)(problem);
 }
 void forward(const detail::ForwardProblem<float16>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(ForwardFloat16)(problem);
 }
 }  // namespace qkv::cpu
