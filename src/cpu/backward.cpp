@@ -38,8 +38,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
+#include <strings.h>
 #include <utility>
 #include <vector>
+
+#include "qkv/error.hpp"
 
 #include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
@@ -551,16 +556,39 @@ HWY_EXPORT(BackwardBfloat16);
 HWY_EXPORT(BackwardFloat16);
 
 void backward(const detail::BackwardProblem<float>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(BackwardFloat32)(problem);
 }
 void backward(const detail::BackwardProblem<bfloat16>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(BackwardBfloat16)(problem);
 }
 void backward(const detail::BackwardProblem<float16>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(BackwardFloat16)(problem);
 }
 
+void apply_simd_target_override() {
+  // Applied once; a bad name throws on every call instead (the static stays unset).
+  static const bool applied = [] {
+    const char* wanted = std::getenv("QKV_SIMD_TARGET");
+    if (wanted == nullptr || *wanted == '\0') return true;
+    std::string available;
+    for (int64_t target : compiled_simd_targets()) {
+      if (strcasecmp(wanted, hwy::TargetName(target)) == 0) {
+        hwy::SetSupportedTargetsForTest(target);
+        return true;
+      }
+      available += std::string(available.empty() ? "" : ", ") + hwy::TargetName(target);
+    }
+    throw Error(std::string("QKV_SIMD_TARGET=") + wanted +
+                ": not a SIMD target of this build that this CPU runs; choose one of " + available);
+  }();
+  (void)applied;
+}
+
 const char* simd_target_name() {
+  apply_simd_target_override();
   // Highway numbers targets so that the best has the lowest bit.
   const int64_t usable = hwy::SupportedTargets() & HWY_TARGETS;
   return hwy::TargetName(usable & -usable);
