@@ -140,7 +140,7 @@ def main():
           f"({torch.get_num_threads()} threads), qkv {qkv.__version__}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}, "
-          f"qkv's OpenMP wait decision: {qkv._threads.decision}")
+          f"qkv's OpenMP wait decision: {getattr(getattr(qkv, '_threads', None), 'decision', None)}")
     print(f"# load average before: {os.getloadavg()}")
     if args.probe:
         print(subprocess.run([args.probe], check=True, capture_output=True, text=True).stdout, end="")

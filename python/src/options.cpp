@@ -36,24 +36,33 @@ std::string type_and_repr(nb::handle value) {
   throw nb::type_error((std::string(function) + ": " + what).c_str());
 }
 
-Causal causal_of(const char* function, nb::handle value) {
-  if (value.is_none()) return Causal::none;
-  const std::string choices = "None, " + enum_choices(kCausalNames, "'", " or ", Causal::none);
-  if (nb::isinstance<Causal>(value)) return nb::cast<Causal>(value);
-  if (!nb::isinstance<nb::str>(value))
-    type_error(function, "causal: expected " + choices + ", got " + type_and_repr(value));
-  const char* name = nb::borrow<nb::str>(value).c_str();
-  if (const auto causal = causal_from_name(name)) return *causal;
-  throw Error(std::string(function) + ": causal: expected " + choices + ", got '" + name + "'");
+std::string causal_choices() {
+  return "None, " + enum_choices(kCausalNames, "'", " or ", Causal::none);
 }
 
+Causal causal_of(const char* function, nb::handle value) {
+  if (value.is_none()) return Causal::none;
+  if (nb::isinstance<nb::str>(value)) {
+    const char* name = nb::borrow<nb::str>(value).c_str();
+    if (const auto causal = causal_from_name(name)) return *causal;
+    throw Error(std::string(function) + ": causal: expected " + causal_choices() + ", got '" +
+                name + "'");
+  }
+  if (nb::isinstance<Causal>(value)) return nb::cast<Causal>(value);
+  type_error(function, "causal: expected " + causal_choices() + ", got " + type_and_repr(value));
+}
+
+// Messages are built only on failure: a call that succeeds pays two table lookups.
 Backend backend_of(const char* function, nb::handle value) {
-  if (nb::isinstance<Backend>(value)) return nb::cast<Backend>(value);
+  if (nb::isinstance<nb::str>(value)) {
+    if (const auto backend = backend_from_name(nb::borrow<nb::str>(value).c_str())) return *backend;
+  } else if (nb::isinstance<Backend>(value)) {
+    return nb::cast<Backend>(value);
+  }
   const std::string message = std::string(function) + ": backend: expected one of (" +
                               enum_choices(kBackendNames, "'", ", ") + "), got " +
                               nb::repr(value).c_str();
   if (!nb::isinstance<nb::str>(value)) throw nb::type_error(message.c_str());
-  if (const auto backend = backend_from_name(nb::borrow<nb::str>(value).c_str())) return *backend;
   throw Error(message);
 }
 
@@ -84,6 +93,13 @@ int threads_of(const char* function, nb::handle value) {
 }
 
 // The stored form of an optional array: null (not given) for None.
+// Python's truth of a value (check_finite=1 is fine, as bool(1) is).
+bool truthy(nb::handle value) {
+  const int truth = PyObject_IsTrue(value.ptr());
+  if (truth < 0) throw nb::python_error();
+  return truth == 1;
+}
+
 nb::object array_or_none(nb::handle value) { return value.is_none() ? nb::object() : nb::borrow(value); }
 
 // A contiguous float32 vector of one value per query head (alibi_slopes, sinks).
@@ -104,7 +120,7 @@ void set_field(BoundOptions& o, const char* function, std::string_view key, nb::
   else if (key == "scale") a.scale = scale_of(function, value);
   else if (key == "backend") a.execution.backend = backend_of(function, value);
   else if (key == "threads") a.execution.threads = threads_of(function, value);
-  else if (key == "check_finite") a.execution.check_finite = PyObject_IsTrue(value.ptr()) == 1;
+  else if (key == "check_finite") a.execution.check_finite = truthy(value);
   else if (key == "keep") o.keep = array_or_none(value);
   else if (key == "bias") o.bias = array_or_none(value);
   else if (key == "key_lengths") o.key_lengths = array_or_none(value);
@@ -163,12 +179,14 @@ AttentionOptions BoundOptions::for_call() const {
 
 void bind_options(nb::module_& m) {
   // Python's enum members are the table's names (Causal.top_left, Backend.auto).
-  nb::enum_<Causal> causal(m, "Causal", "Causal mode (qkv/options.hpp); names from qkv/names.hpp.");
+  nb::enum_<Causal> causal_enum(m, "Causal",
+                                "Causal mode (qkv/options.hpp); names from qkv/names.hpp.");
   for (const auto& entry : kCausalNames)
-    if (!entry.alias) causal.value(entry.name.data(), entry.value);
-  nb::enum_<Backend> backend(m, "Backend", "Backend (qkv/options.hpp); names from qkv/names.hpp.");
+    if (!entry.alias) causal_enum.value(entry.name.data(), entry.value);
+  nb::enum_<Backend> backend_enum(m, "Backend",
+                                  "Backend (qkv/options.hpp); names from qkv/names.hpp.");
   for (const auto& entry : kBackendNames)
-    if (!entry.alias) backend.value(entry.name.data(), entry.value);
+    if (!entry.alias) backend_enum.value(entry.name.data(), entry.value);
 
   nb::class_<BoundOptions>(m, "Options",
                            "The options of one attention call, converted once (qkv/_options.py "
@@ -176,7 +194,7 @@ void bind_options(nb::module_& m) {
       .def(
           "__init__",
           [](BoundOptions* self, const char* function, nb::handle causal, nb::handle scale,
-             nb::handle backend, nb::handle threads, bool check_finite, nb::handle keep,
+             nb::handle backend, nb::handle threads, nb::handle check_finite, nb::handle keep,
              nb::handle bias, nb::handle key_lengths, int64_t window_left, int64_t window_right,
              nb::handle alibi_slopes, float softcap, nb::handle sinks, float dropout_p,
              std::uint64_t seed) {
@@ -186,7 +204,7 @@ void bind_options(nb::module_& m) {
             a.scale = scale_of(function, scale);
             a.execution.backend = backend_of(function, backend);
             a.execution.threads = threads_of(function, threads);
-            a.execution.check_finite = check_finite;
+            a.execution.check_finite = truthy(check_finite);
             if (!keep.is_none()) o->keep = nb::borrow(keep);
             if (!bias.is_none()) o->bias = nb::borrow(bias);
             if (!key_lengths.is_none()) o->key_lengths = nb::borrow(key_lengths);

@@ -19,7 +19,9 @@ void expect_round_trip(const std::array<EnumName<E>, N>& table) {
     const std::string_view name = enum_name(table, entry.value);
     ASSERT_FALSE(name.empty()) << entry.name << ": its value has no printed name";
     EXPECT_EQ(enum_from_name(table, name), entry.value);
-    if (!entry.alias) EXPECT_TRUE(printed.insert(entry.name).second) << entry.name << " twice";
+    if (!entry.alias) {
+      EXPECT_TRUE(printed.insert(entry.name).second) << entry.name << " twice";
+    }
   }
   EXPECT_FALSE(enum_from_name(table, "").has_value());
   EXPECT_FALSE(enum_from_name(table, "no such name").has_value());
