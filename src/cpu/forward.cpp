@@ -65,7 +65,6 @@ struct ForwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> st;     // kBlockKeys × width: Sᵀ, then Pᵀ
   hwy::AlignedFreeUniquePtr<float[]> add;    // kBlockKeys × width: a partial tile's mask
   hwy::AlignedFreeUniquePtr<float[]> acc;    // width × dv_ld: unnormalized output rows
-  hwy::AlignedFreeUniquePtr<float[]> partial;  // width × dv_ld: one block's P·V
   hwy::AlignedFreeUniquePtr<float[]> v_pad;  // kBlockKeys × dv_ld: V padded (dv % lanes ≠ 0) or widened
   hwy::AlignedFreeUniquePtr<float[]> k_wide; // kBlockKeys × d: K widened, 16-bit storage only
   hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha, u: 4 × width
@@ -80,7 +79,6 @@ struct ForwardScratch {
         st(AllocateFloats(kBlockKeys * width)),
         add(AllocateFloats(p.mask.has_elementwise() ? kBlockKeys * width : 0)),
         acc(AllocateFloats(width * dv_ld)),
-        partial(AllocateFloats(width * dv_ld)),
         v_pad(AllocateFloats(kIsHalf<T> || p.extents.v_dim % static_cast<int64_t>(lanes)
                                  ? kBlockKeys * dv_ld
                                  : 0)),
@@ -256,9 +254,8 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
     }
     // The block's product is summed from zero and then added: summing it onto the
     // running total would make the rounding error grow with N, not with the block.
-    Gemm(count, s.dv_ld, static_cast<size_t>(keys), StridedA{s.st.get(), 1, width}, v_operand,
-         v_ld, s.partial.get(), s.dv_ld, /*accumulate=*/false);
-    RescaleAdd(s.acc.get(), count, s.dv_ld, alpha, s.partial.get());
+    GemmRescaleAdd(count, s.dv_ld, static_cast<size_t>(keys), StridedA{s.st.get(), 1, width},
+                   v_operand, v_ld, s.acc.get(), s.dv_ld, alpha);
   }
 
   // out = acc / l; a query that saw no key at all has l = 0: out 0, lse -inf.
