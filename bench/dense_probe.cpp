@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -34,7 +35,7 @@ double thread_seconds() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   const int64_t n = argc > 1 ? std::atol(argv[1]) : 4096;
   const int64_t d = argc > 2 ? std::atol(argv[2]) : 64;
   const bool causal = argc > 3 && std::atoi(argv[3]) != 0;
@@ -114,4 +115,7 @@ int main(int argc, char** argv) {
                 2.5 * flops / t / 1e9, 100 * 2.5 * flops / t / 1e9 / peak);
   }
   return 0;
+} catch (const std::exception& error) {
+  std::fprintf(stderr, "qkv_dense_probe: %s\n", error.what());
+  return 1;
 }
