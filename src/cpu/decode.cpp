@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "cpu/blocking.hpp"
+#include "cpu/cpu_backend.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/decode_plan.hpp"
 #endif
@@ -587,6 +588,9 @@ HWY_AFTER_NAMESPACE();
 namespace qkv::cpu {
 HWY_EXPORT(DecodeImpl);
 
-void decode(const DecodeProblem& problem) { HWY_DYNAMIC_DISPATCH(DecodeImpl)(problem); }
+void decode(const DecodeProblem& problem) {
+  apply_simd_target_override();  // QKV_SIMD_TARGET (cpu_backend.hpp)
+  HWY_DYNAMIC_DISPATCH(DecodeImpl)(problem);
+}
 }  // namespace qkv::cpu
 #endif
