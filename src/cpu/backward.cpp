@@ -534,7 +534,7 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
                                      : static_cast<size_t>(kBlockQueries);
   // The backward does about 3.5 forwards' worth of block products.
   const int threads = threads_for(p.threads, most_tasks, 3.5 * forward_flops(query_tasks, e));
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)  // one thread: no region at all
   {
 #pragma omp for schedule(dynamic, 16) nowait
     for (size_t t = 0; t < scans.size(); ++t) ScanKeyValueBlock(p, scans[t], finite);

@@ -303,7 +303,7 @@ void ForwardImpl(const detail::ForwardProblem<T>& p) {
   const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
   const SharedMaskTiles shared(p.mask, p.extents, plan);
   const int threads = threads_for(p.threads, tasks.size(), forward_flops(tasks, p.extents));
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)  // one thread: no region at all
   {
     // Non-finite K/V scan of the key blocks that partial tiles read, once per call.
 #pragma omp for schedule(dynamic, 16) nowait
