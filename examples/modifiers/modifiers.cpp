@@ -64,7 +64,7 @@ int main() {
                            .dk = dk.view(), .dv = dv.view()},
                           options);
   std::printf("forward and backward with a document mask_mod and a biased soft-cap score_mod: "
-              "out[0,0,0,0] = %.6f, dq[0,0,0,0] = %.6f\n", out(0, 0, 0, 0), dq(0, 0, 0, 0));
+              "out[0,200,0,0] = %.6f, dq[0,200,0,0] = %.6f\n", out(0, 200, 0, 0), dq(0, 200, 0, 0));
 
   // Documents do not see each other: new keys in document 0, same output for document 1.
   const qkv::Tensor<float, 4> before = out;

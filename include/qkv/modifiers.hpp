@@ -36,8 +36,8 @@
 //   does not change during the call. It may be called in any order, from several
 //   threads at once, any number of times for the same arguments (forward and backward
 //   each evaluate it again), and also for pairs that other masks remove; results for
-//   removed pairs are discarded. Results never depend on the thread count only as long
-//   as this holds.
+//   removed pairs are discarded. As long as this holds, results are bitwise identical
+//   for any thread count.
 // - Thread-safe and non-throwing: it runs inside OpenMP regions (an exception there ends
 //   the program). Mutable lambdas are refused at compile time (they are called as const).
 // - Captures: by value (copied into the qkv::ScoreMod / qkv::MaskMod object), or pointers

@@ -20,6 +20,7 @@
 #include "core/tile_plan.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu_check.hpp"
+#include "half_check.hpp"
 
 namespace qkv {
 namespace {
@@ -376,6 +377,63 @@ TEST(Modifiers, BitwiseIdenticalForAnyThreadCount) {
   c.options.modifiers = {.score = relative, .mask = stripes};
   EXPECT_TRUE(same_results(run(c, 1), run(c, 3)));
   expect_near_reference(c, 3);
+}
+
+// bfloat16 storage runs the same mods: on inputs exact in bfloat16, the kernels compute in
+// float as for float storage and round each output once, so every output is within one
+// bfloat16 rounding (2⁻⁸ relative) of the float run's, plus float noise (1e-6); the
+// backward gets the same out (the bfloat16 one, widened) and lse on both sides. A mod
+// skipped or misapplied on the 16-bit path is off by O(0.1).
+TEST(Modifiers, Bfloat16StorageRunsTheSameMods) {
+  CaseSpec spec = kShape;
+  spec.causal = Causal::bottom_right;
+  Case<float> c(spec, 25);
+  test::round_to<bfloat16>(c.q);
+  test::round_to<bfloat16>(c.k);
+  test::round_to<bfloat16>(c.v);
+  auto dout = test::random_tensor<float, 4>({spec.batch, spec.q_len, spec.q_heads, spec.v_dim}, 26);
+  test::round_to<bfloat16>(dout);
+  const auto relative = score_mod(
+      [](auto s, int64_t, int64_t h, int64_t i, int64_t j) {
+        return 1.5f * s - 0.02f * static_cast<float>(h + 1) * static_cast<float>(i > j ? i - j : j - i);
+      },
+      [](auto, int64_t, int64_t, int64_t, int64_t) { return 1.5f; });
+  const auto stripes = mask_mod([](int64_t, int64_t h, int64_t i, int64_t j) { return (i + 2 * j + h) % 7 != 0; });
+  AttentionOptions options;
+  options.causal = spec.causal;
+  options.execution.backend = Backend::cpu;
+  options.modifiers = {.score = relative, .mask = stripes};
+
+  const auto q16 = test::narrow<bfloat16>(c.q), k16 = test::narrow<bfloat16>(c.k),
+             v16 = test::narrow<bfloat16>(c.v), g16 = test::narrow<bfloat16>(dout);
+  Tensor<bfloat16, 4> out16({spec.batch, spec.q_len, spec.q_heads, spec.v_dim}), dq16(q16.shape()),
+      dk16(k16.shape()), dv16(v16.shape());
+  Tensor<float, 3> lse16({spec.batch, spec.q_heads, spec.q_len}), lse32(lse16.shape());
+  attention_forward({.q = q16.cview(), .k = k16.cview(), .v = v16.cview(), .out = out16.view(),
+                     .lse = lse16.view()}, options);
+  attention_backward({.q = q16.cview(), .k = k16.cview(), .v = v16.cview(), .out = out16.cview(),
+                      .lse = lse16.cview(), .dout = g16.cview(), .dq = dq16.view(),
+                      .dk = dk16.view(), .dv = dv16.view()}, options);
+  Tensor<float, 4> out32(out16.shape()), dq32(c.q.shape()), dk32(c.k.shape()), dv32(c.v.shape());
+  attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out32.view(),
+                     .lse = lse32.view()}, options);
+  const Tensor<float, 4> out_stored = test::widened(out16);
+  attention_backward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out_stored.cview(),
+                      .lse = lse16.cview(), .dout = dout.cview(), .dq = dq32.view(),
+                      .dk = dk32.view(), .dv = dv32.view()}, options);
+  auto expect_one_rounding = [](const Tensor<bfloat16, 4>& half, const Tensor<float, 4>& full, const char* name) {
+    double worst = 0.0;
+    for (std::size_t x = 0; x < full.size(); ++x) {
+      const double wide = static_cast<float>(half[x]);
+      worst = std::max(worst, std::abs(wide - full[x]) - (0x1p-8 * std::abs(full[x]) + 1e-6));
+    }
+    EXPECT_LE(worst, 0.0) << name;
+  };
+  expect_one_rounding(out16, out32, "out");
+  expect_one_rounding(dq16, dq32, "dq");
+  expect_one_rounding(dk16, dk32, "dk");
+  expect_one_rounding(dv16, dv32, "dv");
+  EXPECT_LE(test::max_abs_diff(lse16, lse32), 1e-6);
 }
 
 // ---------------------------------------------------------------------------------------
