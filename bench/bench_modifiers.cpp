@@ -4,7 +4,8 @@
 //   ALiBi        options.alibi_slopes       vs  score_mod s − slope·|i + Nk − Nq − j|
 //   causal       options.causal = top_left  vs  mask_mod j ≤ i
 //   documents    options.mask.keep [N, N]   vs  mask_mod doc[i] == doc[j]   (4 documents)
-// and a plain call for scale. Median of `repeats` timed calls after one warm-up call.
+// and a plain call for scale. Median of `repeats` timed calls after one warm-up call,
+// the three variants of a row called in turn.
 // The modifiers' tile loops are compiled here, with this file's flags: build it once
 // with the default flags (qkv_bench_modifiers) and once with -march=native
 // (qkv_bench_modifiers_native) to see what the compiler's vectorization buys.
@@ -27,14 +28,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median_ms(const std::function<void()>& call, int repeats) {
-  call();  // warm-up: page in the outputs, start the thread pool
-  std::vector<double> times;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = Clock::now();
-    call();
-    times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
-  }
+double elapsed_ms(const std::function<void()>& call) {
+  const auto start = Clock::now();
+  call();
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> times) {
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
 }
@@ -48,12 +48,12 @@ int main(int argc, char** argv) {
   const int threads = argc > 4 ? std::atoi(argv[4]) : 0;
   const int repeats = argc > 5 ? std::atoi(argv[5]) : 7;
 
-  qkv::Tensor<float, 4> q({1, n, heads, dim}), k(q.shape()), v(q.shape()), out(q.shape()),
+  qkv::Tensor<float, 4> q({1, n, heads, dim}), k(q.shape()), values(q.shape()),
       dout(q.shape()), dq(q.shape()), dk(q.shape()), dv(q.shape());
   qkv::Tensor<float, 3> lse({1, heads, n});
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (auto* t : {&q, &k, &v, &dout})
+  for (auto* t : {&q, &k, &values, &dout})
     for (std::size_t i = 0; i < t->size(); ++i) (*t)[i] = normal(rng);
 
   const float cap = 5.0f;  // logits of unit-variance q, k reach ±4: the cap acts
@@ -85,47 +85,69 @@ int main(int argc, char** argv) {
       [doc](int64_t, int64_t, int64_t i, int64_t j) { return doc[i] == doc[j]; },
       {.varies_with_head = false});
 
-  struct Row {
+  using Set = std::function<void(qkv::AttentionOptions&)>;
+  struct Pair {
     const char* name;
-    std::function<void(qkv::AttentionOptions&)> set;
+    Set builtin, programmable;
   };
-  const std::vector<Row> rows{
-      {"plain", [](qkv::AttentionOptions&) {}},
-      {"softcap built-in", [&](qkv::AttentionOptions& o) { o.softcap = cap; }},
-      {"softcap score_mod", [&](qkv::AttentionOptions& o) { o.modifiers.score = softcap; }},
-      {"alibi built-in", [&](qkv::AttentionOptions& o) { o.alibi_slopes = slopes; }},
-      {"alibi score_mod", [&](qkv::AttentionOptions& o) { o.modifiers.score = alibi; }},
-      {"causal built-in", [&](qkv::AttentionOptions& o) { o.causal = qkv::Causal::top_left; }},
-      {"causal mask_mod", [&](qkv::AttentionOptions& o) { o.modifiers.mask = causal; }},
-      {"documents mask.keep", [&](qkv::AttentionOptions& o) { o.mask.keep = keep.cview(); }},
-      {"documents mask_mod", [&](qkv::AttentionOptions& o) { o.modifiers.mask = documents; }},
+  const std::vector<Pair> pairs{
+      {"soft-cap c·tanh(s/c)", [&](qkv::AttentionOptions& o) { o.softcap = cap; },
+       [&](qkv::AttentionOptions& o) { o.modifiers.score = softcap; }},
+      {"ALiBi", [&](qkv::AttentionOptions& o) { o.alibi_slopes = slopes; },
+       [&](qkv::AttentionOptions& o) { o.modifiers.score = alibi; }},
+      {"causal", [&](qkv::AttentionOptions& o) { o.causal = qkv::Causal::top_left; },
+       [&](qkv::AttentionOptions& o) { o.modifiers.mask = causal; }},
+      {"4 documents", [&](qkv::AttentionOptions& o) { o.mask.keep = keep.cview(); },
+       [&](qkv::AttentionOptions& o) { o.modifiers.mask = documents; }},
+  };
+
+  // One call pair at a time, alternating built-in and modifier (and plain, for scale), so
+  // that the other load on the machine hits all three alike.
+  struct Variant {
+    qkv::AttentionOptions options;
+    qkv::Tensor<float, 4> out;
+    qkv::Tensor<float, 3> lse;
+    std::vector<double> forward, backward;
+  };
+  auto make = [&](const Set& set) {
+    Variant v{{}, qkv::Tensor<float, 4>(q.shape()), qkv::Tensor<float, 3>(lse.shape()), {}, {}};
+    v.options.execution.backend = qkv::Backend::cpu;
+    v.options.execution.threads = threads;
+    set(v.options);
+    return v;
+  };
+  auto forward = [&](Variant& v) {
+    qkv::attention_forward({.q = q.cview(), .k = k.cview(), .v = values.cview(), .out = v.out.view(),
+                            .lse = v.lse.view()}, v.options);
+  };
+  auto backward = [&](Variant& v) {
+    qkv::attention_backward({.q = q.cview(), .k = k.cview(), .v = values.cview(), .out = v.out.cview(),
+                             .lse = v.lse.cview(), .dout = dout.cview(), .dq = dq.view(),
+                             .dk = dk.view(), .dv = dv.view()}, v.options);
   };
 
   std::printf("# qkv modifiers bench: N=%lld heads=%lld d=%lld threads=%d, SIMD target %s, "
-              "median of %d\n",
+              "median of %d alternating calls\n",
               static_cast<long long>(n), static_cast<long long>(heads), static_cast<long long>(dim),
               threads, qkv::cpu::simd_target_name(), repeats);
-  std::printf("| variant | forward ms | backward ms |\n|---|---|---|\n");
-  for (const Row& row : rows) {
-    qkv::AttentionOptions options;
-    options.execution.backend = qkv::Backend::cpu;
-    options.execution.threads = threads;
-    row.set(options);
-    const double forward = median_ms(
-        [&] {
-          qkv::attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = out.view(),
-                                  .lse = lse.view()}, options);
-        },
-        repeats);
-    const double backward = median_ms(
-        [&] {
-          qkv::attention_backward({.q = q.cview(), .k = k.cview(), .v = v.cview(),
-                                   .out = out.cview(), .lse = lse.cview(), .dout = dout.cview(),
-                                   .dq = dq.view(), .dk = dk.view(), .dv = dv.view()},
-                                  options);
-        },
-        repeats);
-    std::printf("| %s | %.2f | %.2f |\n", row.name, forward, backward);
+  std::printf("| variant | plain fwd / bwd ms | built-in fwd / bwd ms | modifier fwd / bwd ms | "
+              "modifier / built-in fwd | bwd |\n|---|---|---|---|---|---|\n");
+  for (const Pair& pair : pairs) {
+    std::vector<Variant> variants;
+    variants.push_back(make([](qkv::AttentionOptions&) {}));
+    variants.push_back(make(pair.builtin));
+    variants.push_back(make(pair.programmable));
+    for (Variant& v : variants) forward(v), backward(v);  // warm-up
+    for (int r = 0; r < repeats; ++r)
+      for (Variant& v : variants) {
+        v.forward.push_back(elapsed_ms([&] { forward(v); }));
+        v.backward.push_back(elapsed_ms([&] { backward(v); }));
+      }
+    const double f0 = median(variants[0].forward), b0 = median(variants[0].backward);
+    const double f1 = median(variants[1].forward), b1 = median(variants[1].backward);
+    const double f2 = median(variants[2].forward), b2 = median(variants[2].backward);
+    std::printf("| %s | %.1f / %.1f | %.1f / %.1f | %.1f / %.1f | %.2f× | %.2f× |\n", pair.name, f0,
+                b0, f1, b1, f2, b2, f2 / f1, b2 / b1);
   }
   return 0;
 }
