@@ -24,6 +24,9 @@ Fairness: torch.set_num_threads(T) for T in --threads (PyTorch uses one thread h
 unless told); glibc malloc is told (mallopt) to keep freed large blocks instead of
 returning them to the kernel on every call, which would otherwise charge page faults
 to whoever allocates (torch allocates its outputs and buffers per call, qkv too).
+
+SIMD targets: QKV_SIMD_TARGET=AVX2 makes qkv run its AVX2 kernels on an AVX-512 CPU and
+ATEN_CPU_CAPABILITY=avx2 does the same for PyTorch; set both to measure the AVX2 rows.
 """
 from __future__ import annotations
 
@@ -95,14 +98,32 @@ def fma_peak(threads: int) -> tuple[float, str]:
     raise RuntimeError(out)
 
 
+# --clock thread: CPU time of the calling thread, fastest run (see main's help).
+CLOCK = {"wall": time.perf_counter, "thread": time.thread_time}
+clock = time.perf_counter
+summary = statistics.median
+
+
+def fma_peak_thread_time() -> tuple[float, str]:
+    """One core's FMA peak by thread CPU time, on the SIMD target qkv will use
+    (QKV_SIMD_TARGET included), from qkv_dense_probe's header line."""
+    exe = os.path.join(os.path.dirname(__file__), "..", "build", "release", "bench", "qkv_dense_probe")
+    target = os.environ.get("QKV_SIMD_TARGET", "best") or "best"
+    out = subprocess.run([exe, "64", "64", "0", "1", "1", "fwd", "bhsd", target], check=True,
+                         capture_output=True, text=True).stdout
+    header = out.splitlines()[0]
+    gflops = float(header.split("FMA peak ")[1].split()[0])
+    return gflops, header.rsplit("(", 1)[1].rstrip(")")
+
+
 def median_time(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(clock() - start)
+    return summary(times)
 
 
 def median_times_interleaved(fns, repeats: int) -> list[float]:
@@ -113,10 +134,10 @@ def median_times_interleaved(fns, repeats: int) -> list[float]:
     times = [[] for _ in fns]
     for _ in range(repeats):
         for fn, t in zip(fns, times):
-            start = time.perf_counter()
+            start = clock()
             fn()
-            t.append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+            t.append(clock() - start)
+    return [summary(t) for t in times]
 
 
 def make_inputs(s: Shape, seed: int = 0):
@@ -186,17 +207,32 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="storage type of q, k, v, dout (half: the issue-10 rows, with "
                              "qkv's fp32 time on the same values)")
+    parser.add_argument("--clock", default="wall", choices=tuple(CLOCK),
+                        help="thread: time each call by the CPU time of the calling thread and "
+                             "keep the fastest run (one thread only: torch and qkv then compute on "
+                             "the calling thread). Unlike the wall clock it does not count time "
+                             "other processes took from us, so a shared machine can still compare "
+                             "kernels; the FMA peak is then measured the same way "
+                             "(build/release/bench/qkv_dense_probe)")
     args = parser.parse_args()
+    global clock, summary
+    clock = CLOCK[args.clock]
+    if args.clock == "thread":
+        if args.threads != [1]:
+            parser.error("--clock thread needs --threads 1")
+        summary = min
     dtype = getattr(torch, args.dtype)
     half = dtype != torch.float32
 
     keep_freed_memory()
-    measured = {t: fma_peak(t) for t in args.threads}
+    measured = {1: fma_peak_thread_time()} if args.clock == "thread" else {
+        t: fma_peak(t) for t in args.threads}
     peaks = {t: gflops for t, (gflops, _) in measured.items()}
     target = next(iter(measured.values()))[1]
     print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus; "
           f"torch {torch.__version__}; qkv {qkv.__version__}; SIMD {target}; "
-          f"dtype {args.dtype}; FMA peak "
+          f"dtype {args.dtype}; clock {args.clock}; ATEN_CPU_CAPABILITY "
+          f"{os.environ.get('ATEN_CPU_CAPABILITY', 'default')}; FMA peak "
           + ", ".join(f"{t} thr {p:.0f} GFLOP/s" for t, p in peaks.items()))
     if half:
         print("| shape | pass | thr | torch ms | qkv ms | qkv fp32 ms | qkv half/fp32 | "

@@ -9,6 +9,7 @@
 #ifndef QKV_BENCH_FMA_PROBE_ONCE_
 #define QKV_BENCH_FMA_PROBE_ONCE_
 #include <omp.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -53,6 +54,12 @@ double measure(int threads, long iterations) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return flops / seconds / 1e9;
 }
+
+double thread_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
 }  // namespace qkv_bench
 
 namespace qkv::bench {
@@ -64,6 +71,18 @@ FmaPeak measure_fma_peak(int threads, long iterations, int repeats) {
   }
   const int64_t usable = hwy::SupportedTargets() & HWY_TARGETS;
   peak.target = hwy::TargetName(usable & -usable);
+  return peak;
+}
+
+FmaPeak measure_fma_peak_cpu_time(long iterations, int repeats) {
+  FmaPeak peak = measure_fma_peak(1, 1000, 1);  // the target's name, and a warm-up
+  peak.gflops = 0.0;
+  float sink = 0.0f;
+  for (int repeat = 0; repeat < repeats; ++repeat) {
+    const double start = qkv_bench::thread_seconds();
+    const double flops = HWY_DYNAMIC_DISPATCH(qkv_bench::FmaRounds)(iterations, &sink);
+    peak.gflops = std::max(peak.gflops, flops / (qkv_bench::thread_seconds() - start) / 1e9);
+  }
   return peak;
 }
 

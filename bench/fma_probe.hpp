@@ -16,4 +16,8 @@ struct FmaPeak {
 // `threads` OpenMP threads, each running `iterations` rounds of FMAs, `repeats` times.
 FmaPeak measure_fma_peak(int threads, long iterations, int repeats);
 
+// One core's peak by the calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID), not the
+// wall clock: unaffected by other processes sharing the machine (bench/dense_probe.cpp).
+FmaPeak measure_fma_peak_cpu_time(long iterations, int repeats);
+
 }  // namespace qkv::bench

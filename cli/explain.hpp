@@ -16,7 +16,11 @@
 //       reaches the query, ∂L/∂q from attention_backward with V = I (so out = P and
 //       dout = g = ∂L/∂P);
 //   (d) softmax((1, 2, 3, 10⁶)) and its Jacobian (qkv::softmax, qkv::softmax_jacobian),
-//       and the same row as the additive mask of one attention row.
+//       and the same row as the additive mask of one attention row;
+//   (e) soft-capping, S ← c·tanh(S/c) (AttentionOptions::softcap; Gemma 2 uses c = 50):
+//       the same rows, unscaled and scaled, with the cap. It bounds |S| < c, so the
+//       largest weight is at most 1/(1 + (L − 1)·e^(−2c)); the table shows how far that
+//       goes and what reaches q, whose gradient now also carries tanh's slope 1 − tanh².
 #pragma once
 
 #include <cstdint>
@@ -31,12 +35,14 @@ struct ExplainConfig {
   int64_t samples = 2048;  // attention rows per head dim
   int64_t keys = 64;       // keys per row (the softmax length L)
   std::vector<int64_t> dims{4, 16, 64, 256, 1024};
+  double softcap = 50.0;   // (e): the cap c (Gemma 2's attention logit cap)
 };
 
 // Limits that keep one run within memory and time a user would expect.
 inline constexpr int64_t kMinSamples = 16, kMaxSamples = 1 << 22;
 inline constexpr int64_t kMinKeys = 2, kMaxKeys = 1024;  // J is L×L per row
 inline constexpr int64_t kMaxDim = 1 << 16;
+inline constexpr double kMaxSoftcap = 1e6;
 // A row is "dead" when ‖J‖_F < this: whatever the upstream gradient g, the softmax
 // passes back ‖J·g‖ ≤ ‖J‖₂‖g‖ ≤ ‖J‖_F‖g‖, under 0.1 % of it.
 inline constexpr double kDeadJacobian = 1e-3;
@@ -69,6 +75,7 @@ struct DimResult {
   // Var(s²) ≈ (κ₄ + 2σ⁴)/n = (6d + 2d²)/n and s.e.(s²)/σ² = √((2 + 6/d)/n).
   double var_relative_std_error = 0.0;
   RowStats unscaled, scaled;
+  RowStats capped_unscaled, capped_scaled;  // (e): the same rows with the soft-cap
 };
 
 struct SoftmaxExample {
@@ -92,11 +99,14 @@ struct ExplainResults {
 void validate(const ExplainConfig& config);
 // Runs every experiment. Deterministic for a given configuration and backend.
 ExplainResults run_experiments(const ExplainConfig& config);
+// (e)'s bound on the largest weight of a row of L logits capped at c.
+double softcap_weight_bound(double cap, int64_t keys);
 // (d) alone (cheap, deterministic).
 SoftmaxExample softmax_example(const std::vector<double>& x);
 
 void print_text(const ExplainResults& results, std::ostream& out);
 void print_softmax_section(const ExplainResults& results, std::ostream& out);
+void print_softcap_section(const ExplainResults& results, std::ostream& out);
 void print_json(const ExplainResults& results, std::ostream& out);
 // gnuplot commands for a 2×2 page of charts (no terminal, no output).
 std::string gnuplot_script(const ExplainResults& results);

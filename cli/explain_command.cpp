@@ -1,4 +1,7 @@
-// qkv explain [--seed S] [--samples N] [--keys L] [--dims 4,16,...] [--json] [--plot F.png|.svg]
+// qkv explain [--seed S] [--samples N] [--keys L] [--dims 4,16,...] [--softcap C] [--json]
+//             [--plot F.png|.svg]
+#include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <ostream>
 
@@ -48,6 +51,7 @@ Command register_explain(CLI::App& parent) {
       "  (c) gradient flow: ‖J‖_F of J = diag(s) − s·sᵀ, ‖∂L/∂S‖ and ‖∂L/∂q‖ for a random\n"
       "      upstream gradient, and the share of rows whose gradient vanished\n"
       "  (d) softmax((1, 2, 3, 10⁶)) and its Jacobian, computed without overflow\n"
+      "  (e) soft-capping S ← c·tanh(S/c): what it bounds and what it does not\n"
       "Example: qkv explain --plot explain.png");
   app->add_option("--seed", flags->config.seed, "Random seed (same seed, same numbers)")
       ->capture_default_str();
@@ -62,6 +66,14 @@ Command register_explain(CLI::App& parent) {
       ->delimiter(',')
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, kMaxDim));
+  app->add_option("--softcap", flags->config.softcap,
+                  "Logit cap c of section (e), as in Gemma 2 (S ← c·tanh(S/c))")
+      ->capture_default_str()
+      ->check(CLI::Range(1e-6, kMaxSoftcap))
+      ->check([](const std::string& text) {  // Range lets NaN through (comparisons are false)
+        return std::isnan(std::strtod(text.c_str(), nullptr)) ? std::string("expected a number, got nan")
+                                                              : std::string();
+      });
   app->add_flag("--json", flags->json, "Print the same numbers as JSON instead of tables");
   app->add_option("--plot", flags->plot,
                   "Also draw the results as charts into FILE.png or FILE.svg (needs gnuplot)")

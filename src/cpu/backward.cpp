@@ -40,8 +40,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
+#include <strings.h>
 #include <utility>
 #include <vector>
+
+#include "qkv/error.hpp"
 
 #include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
@@ -138,7 +143,6 @@ struct BackwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> k_pad; // kBlockKeys × d_ld: K padded (d % lanes ≠ 0) or widened
   hwy::AlignedFreeUniquePtr<float[]> v_wide;  // kBlockKeys × dv_ld: V widened, 16-bit storage only
   hwy::AlignedFreeUniquePtr<float[]> dq;    // dQ accumulator: dq_rows × d_ld
-  hwy::AlignedFreeUniquePtr<float[]> partial;  // one block product before it is added
   std::vector<int32_t> key_begin, key_end;  // width (0 past the block's queries)
   std::vector<uint32_t> dropout_keys;       // width: dropout row keys of the block
 
@@ -155,8 +159,6 @@ struct BackwardScratch {
         k_pad(AllocateFloats(packed.pad_q_rows ? kBlockKeys * packed.d_ld : 0)),
         v_wide(AllocateFloats(widen ? kBlockKeys * packed.dv_ld : 0)),
         dq(AllocateFloats(dq_rows * packed.d_ld)),
-        partial(AllocateFloats(std::max<size_t>(kBlockKeys, width) *
-                               std::max(packed.d_ld, packed.dv_ld))),
         key_begin(width, 0),
         key_end(width, 0),
         dropout_keys(width, 0) {
@@ -362,7 +364,7 @@ void AccumulateQueryGradient(const Context<T>& c, const QueryRows& rows, detail:
     k_ld = packed.d_ld;
   }
   GemmAddBlock(count, packed.d_ld, kn, StridedA{s.dst.get(), 1, width}, k_operand, k_ld, dq_rows,
-               packed.d_ld, s.partial.get());
+               packed.d_ld);
 }
 
 // dK, dV of one key block over every query tile the plan does not skip. With dq_group
@@ -404,10 +406,10 @@ void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
       // dV += Pᵀ·dO_blk and dK += dSᵀ·Q_blk (the sum runs over this block's queries).
       GemmAddBlock(kn, packed.dv_ld, count, StridedA{s.pt.get(), width, 1},
                    dout_rows.data + static_cast<size_t>(first) * dout_rows.ld, dout_rows.ld,
-                   dv_acc, packed.dv_ld, s.partial.get());
+                   dv_acc, packed.dv_ld);
       GemmAddBlock(kn, packed.d_ld, count, StridedA{s.dst.get(), width, 1},
                    q_rows.data + static_cast<size_t>(first) * q_rows.ld, q_rows.ld, dk_acc,
-                   packed.d_ld, s.partial.get());
+                   packed.d_ld);
       if (dq_group != nullptr) {
         const size_t head_in_group = static_cast<size_t>(h - task.kv_head * e.group());
         float* dq_rows =
@@ -562,16 +564,39 @@ HWY_EXPORT(BackwardBfloat16);
 HWY_EXPORT(BackwardFloat16);
 
 void backward(const detail::BackwardProblem<float>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(BackwardFloat32)(problem);
 }
 void backward(const detail::BackwardProblem<bfloat16>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(BackwardBfloat16)(problem);
 }
 void backward(const detail::BackwardProblem<float16>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(BackwardFloat16)(problem);
 }
 
+void apply_simd_target_override() {
+  // Applied once; a bad name throws on every call instead (the static stays unset).
+  static const bool applied = [] {
+    const char* wanted = std::getenv("QKV_SIMD_TARGET");
+    if (wanted == nullptr || *wanted == '\0') return true;
+    std::string available;
+    for (int64_t target : compiled_simd_targets()) {
+      if (strcasecmp(wanted, hwy::TargetName(target)) == 0) {
+        hwy::SetSupportedTargetsForTest(target);
+        return true;
+      }
+      available += std::string(available.empty() ? "" : ", ") + hwy::TargetName(target);
+    }
+    throw Error(std::string("QKV_SIMD_TARGET=") + wanted +
+                ": not a SIMD target of this build that this CPU runs; choose one of " + available);
+  }();
+  (void)applied;
+}
+
 const char* simd_target_name() {
+  apply_simd_target_override();
   // Highway numbers targets so that the best has the lowest bit.
   const int64_t usable = hwy::SupportedTargets() & HWY_TARGETS;
   return hwy::TargetName(usable & -usable);

@@ -4,6 +4,7 @@
 // one writer and is computed the same way whichever thread runs it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -18,6 +19,17 @@ void forward(const detail::ForwardProblem<float16>& problem);
 void backward(const detail::BackwardProblem<float>& problem);
 void backward(const detail::BackwardProblem<bfloat16>& problem);
 void backward(const detail::BackwardProblem<float16>& problem);
+
+// out[i] = e^x[i] through the kernels' own vector exp (ExpKeepNaN), on the SIMD target
+// the next call will use: for tests of its accuracy and special values.
+void softmax_exp(const float* x, float* out, std::size_t count);
+
+// Environment variable QKV_SIMD_TARGET (e.g. AVX2, case-insensitive): run the kernels on
+// that compiled target instead of the best one the CPU has — for measuring a lower
+// target on a newer machine, like PyTorch's ATEN_CPU_CAPABILITY. Read once, at the first
+// kernel call; a name this build or CPU lacks makes every call throw qkv::Error. The
+// kernel entry points call it themselves.
+void apply_simd_target_override();
 
 // Name of the SIMD target the next call will use (e.g. "AVX3", "AVX2"), for benchmarks
 // and tests.

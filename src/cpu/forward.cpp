@@ -30,6 +30,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include "hwy/aligned_allocator.h"
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 #include "cpu/block_ops-inl.h"
 #include "cpu/gemm-inl.h"
@@ -67,7 +68,6 @@ struct ForwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> st;     // kBlockKeys × width: Sᵀ, then Pᵀ
   hwy::AlignedFreeUniquePtr<float[]> add;    // kBlockKeys × width: a partial tile's mask
   hwy::AlignedFreeUniquePtr<float[]> acc;    // width × dv_ld: unnormalized output rows
-  hwy::AlignedFreeUniquePtr<float[]> partial;  // width × dv_ld: one block's P·V
   hwy::AlignedFreeUniquePtr<float[]> v_pad;  // kBlockKeys × dv_ld: V padded (dv % lanes ≠ 0) or widened
   hwy::AlignedFreeUniquePtr<float[]> k_wide; // kBlockKeys × d: K widened, 16-bit storage only
   hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha, u: 4 × width
@@ -82,7 +82,6 @@ struct ForwardScratch {
         st(AllocateFloats(kBlockKeys * width)),
         add(AllocateFloats(p.mask.has_elementwise() ? kBlockKeys * width : 0)),
         acc(AllocateFloats(width * dv_ld)),
-        partial(AllocateFloats(width * dv_ld)),
         v_pad(AllocateFloats(kIsHalf<T> || p.extents.v_dim % static_cast<int64_t>(lanes)
                                  ? kBlockKeys * dv_ld
                                  : 0)),
@@ -121,6 +120,16 @@ void RowStatistics(const detail::ForwardProblem<T>& p, const QueryRows& rows,
     if (l[i] != 0.0f) block.add_row(weight[i], u[i], threshold);
   }
   sum = block;
+}
+
+template <class T>
+HWY_INLINE void PrefetchRows(const T* k, int64_t k_row, const T* v, int64_t v_row, size_t rows,
+                             size_t d, size_t dv) {
+  constexpr size_t kLine = 64 / sizeof(T);
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t c = 0; c < d; c += kLine) hwy::Prefetch(k + static_cast<int64_t>(r) * k_row + c);
+    for (size_t c = 0; c < dv; c += kLine) hwy::Prefetch(v + static_cast<int64_t>(r) * v_row + c);
+  }
 }
 
 // block_stats: where the block's statistics go, or null when none are asked for.
@@ -189,6 +198,11 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
       v = rows_of.v(b, first_key, kv_head), v_ld = static_cast<size_t>(v_row);
     }
 
+    // Rows of K and V that are not adjacent ([B, N, H, d]: a row every H·d floats) defeat
+    // the hardware prefetcher, which follows sequential lines: ask for the next block's.
+    if (k_block < last_block && (k_row != static_cast<int64_t>(d) || v_row != static_cast<int64_t>(dv)))
+      PrefetchRows(rows_of.k(b, first_key + kBlockKeys, kv_head), k_row, rows_of.v(b, first_key + kBlockKeys, kv_head), v_row,
+                   static_cast<size_t>(std::min(kBlockKeys, k_len - first_key - kBlockKeys)), d, dv);
     // Sᵀ = K_blk · (scale·Qᵀ)
     Gemm(static_cast<size_t>(keys), width, d, StridedA{k, k_ld, 1},
          s.qt.get(), width, s.st.get(), width, /*accumulate=*/false);
@@ -245,9 +259,8 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
     }
     // The block's product is summed from zero and then added: summing it onto the
     // running total would make the rounding error grow with N, not with the block.
-    Gemm(count, s.dv_ld, static_cast<size_t>(keys), StridedA{s.st.get(), 1, width}, v_operand,
-         v_ld, s.partial.get(), s.dv_ld, /*accumulate=*/false);
-    RescaleAdd(s.acc.get(), count, s.dv_ld, alpha, s.partial.get());
+    GemmRescaleAdd(count, s.dv_ld, static_cast<size_t>(keys), StridedA{s.st.get(), 1, width},
+                   v_operand, v_ld, s.acc.get(), s.dv_ld, alpha);
   }
 
   // out = acc / l; a query that saw no key at all has l = 0: out 0, lse -inf.
@@ -332,12 +345,15 @@ HWY_EXPORT(ForwardBfloat16);
 HWY_EXPORT(ForwardFloat16);
 
 void forward(const detail::ForwardProblem<float>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(ForwardFloat32)(problem);
 }
 void forward(const detail::ForwardProblem<bfloat16>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(ForwardBfloat16)(problem);
 }
 void forward(const detail::ForwardProblem<float16>& problem) {
+  apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(ForwardFloat16)(problem);
 }
 }  // namespace qkv::cpu

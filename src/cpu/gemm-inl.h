@@ -49,17 +49,27 @@ struct StridedA {
   StridedA offset_rows(size_t m) const { return {data + m * row, row, step}; }
 };
 
+// What a tile does with its sums when it is done:
+//   overwrite    C = A·B
+//   accumulate   C = C + A·B, summed onto C from the start
+//   add_block    C = C + (A·B): the block's sum from zero, then added (see GemmAddBlock)
+//   rescale_add  C[r] = C[r]·scale[r] + (A·B)[r]: the forward's online-softmax update
+// The last two are what a separate product into scratch followed by a pass over C
+// computes, with the same operations in the same order (the same bits), minus that
+// scratch's store and reload.
+enum class GemmStore { overwrite, accumulate, add_block, rescale_add };
+
 template <size_t R, size_t C>
 HWY_INLINE void GemmTile(size_t K, StridedA a,
                          const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c,
-                         size_t ldc, bool accumulate) {
+                         size_t ldc, GemmStore store, const float* HWY_RESTRICT row_scale) {
   const hn::ScalableTag<float> d;
   const size_t lanes = hn::Lanes(d);
   using V = hn::Vec<decltype(d)>;
   V acc[R][C];
   for (size_t r = 0; r < R; ++r)
     for (size_t j = 0; j < C; ++j)
-      acc[r][j] = accumulate ? hn::LoadU(d, c + r * ldc + j * lanes) : hn::Zero(d);
+      acc[r][j] = store == GemmStore::accumulate ? hn::LoadU(d, c + r * ldc + j * lanes) : hn::Zero(d);
   for (size_t k = 0; k < K; ++k) {
     V row[C];
     for (size_t j = 0; j < C; ++j) row[j] = hn::LoadU(d, b + k * ldb + j * lanes);
@@ -68,26 +78,59 @@ HWY_INLINE void GemmTile(size_t K, StridedA a,
       for (size_t j = 0; j < C; ++j) acc[r][j] = hn::MulAdd(broadcast, row[j], acc[r][j]);
     }
   }
-  for (size_t r = 0; r < R; ++r)
-    for (size_t j = 0; j < C; ++j) hn::StoreU(acc[r][j], d, c + r * ldc + j * lanes);
+  for (size_t r = 0; r < R; ++r) {
+    float* out = c + r * ldc;
+    if (store == GemmStore::add_block) {
+      for (size_t j = 0; j < C; ++j)
+        hn::StoreU(hn::Add(hn::LoadU(d, out + j * lanes), acc[r][j]), d, out + j * lanes);
+    } else if (store == GemmStore::rescale_add) {
+      const V scale = hn::Set(d, row_scale[r]);
+      for (size_t j = 0; j < C; ++j)
+        hn::StoreU(hn::MulAdd(hn::LoadU(d, out + j * lanes), scale, acc[r][j]), d, out + j * lanes);
+    } else {
+      for (size_t j = 0; j < C; ++j) hn::StoreU(acc[r][j], d, out + j * lanes);
+    }
+  }
 }
 
-// All rows of one column panel of width C vectors, in tiles of kGemmRows rows.
+// All rows of one column panel, in tiles of kGemmRows rows.
 template <size_t C>
 HWY_INLINE void GemmPanel(size_t M, size_t K, StridedA a,
                           const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c,
-                          size_t ldc, bool accumulate) {
+                          size_t ldc, GemmStore store, const float* HWY_RESTRICT row_scale) {
   size_t m = 0;
   for (; m + kGemmRows <= M; m += kGemmRows)
-    GemmTile<kGemmRows, C>(K, a.offset_rows(m), b, ldb, c + m * ldc, ldc, accumulate);
+    GemmTile<kGemmRows, C>(K, a.offset_rows(m), b, ldb, c + m * ldc, ldc, store,
+                           row_scale == nullptr ? nullptr : row_scale + m);
   const StridedA a_rest = a.offset_rows(m);
   float* c_rest = c + m * ldc;
+  const float* scale_rest = row_scale == nullptr ? nullptr : row_scale + m;
   switch (M - m) {  // the last few rows, with a shorter tile
-    case 5: GemmTile<5, C>(K, a_rest, b, ldb, c_rest, ldc, accumulate); break;
-    case 4: GemmTile<4, C>(K, a_rest, b, ldb, c_rest, ldc, accumulate); break;
-    case 3: GemmTile<3, C>(K, a_rest, b, ldb, c_rest, ldc, accumulate); break;
-    case 2: GemmTile<2, C>(K, a_rest, b, ldb, c_rest, ldc, accumulate); break;
-    case 1: GemmTile<1, C>(K, a_rest, b, ldb, c_rest, ldc, accumulate); break;
+    case 5: GemmTile<5, C>(K, a_rest, b, ldb, c_rest, ldc, store, scale_rest); break;
+    case 4: GemmTile<4, C>(K, a_rest, b, ldb, c_rest, ldc, store, scale_rest); break;
+    case 3: GemmTile<3, C>(K, a_rest, b, ldb, c_rest, ldc, store, scale_rest); break;
+    case 2: GemmTile<2, C>(K, a_rest, b, ldb, c_rest, ldc, store, scale_rest); break;
+    case 1: GemmTile<1, C>(K, a_rest, b, ldb, c_rest, ldc, store, scale_rest); break;
+    default: break;
+  }
+}
+
+// C ⟵ A·B (how: `store`) for N a multiple of the vector length; row_scale only for
+// GemmStore::rescale_add.
+HWY_INLINE void GemmStoring(size_t M, size_t N, size_t K, StridedA a,
+                            const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c,
+                            size_t ldc, GemmStore store, const float* HWY_RESTRICT row_scale) {
+  const hn::ScalableTag<float> d;
+  const size_t lanes = hn::Lanes(d);
+  const size_t panel = kGemmCols * lanes;
+  size_t n = 0;
+  for (; n + panel <= N; n += panel)
+    GemmPanel<kGemmCols>(M, K, a, b + n, ldb, c + n, ldc, store, row_scale);
+  // The last 1..kGemmCols-1 vectors of columns (N is a multiple of lanes).
+  switch ((N - n) / lanes) {
+    case 3: GemmPanel<3>(M, K, a, b + n, ldb, c + n, ldc, store, row_scale); break;
+    case 2: GemmPanel<2>(M, K, a, b + n, ldb, c + n, ldc, store, row_scale); break;
+    case 1: GemmPanel<1>(M, K, a, b + n, ldb, c + n, ldc, store, row_scale); break;
     default: break;
   }
 }
@@ -96,37 +139,26 @@ HWY_INLINE void GemmPanel(size_t M, size_t K, StridedA a,
 HWY_INLINE void Gemm(size_t M, size_t N, size_t K, StridedA a,
                      const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c,
                      size_t ldc, bool accumulate) {
-  const hn::ScalableTag<float> d;
-  const size_t lanes = hn::Lanes(d);
-  const size_t panel = kGemmCols * lanes;
-  size_t n = 0;
-  for (; n + panel <= N; n += panel)
-    GemmPanel<kGemmCols>(M, K, a, b + n, ldb, c + n, ldc, accumulate);
-  // The last 1..kGemmCols-1 vectors of columns (N is a multiple of lanes).
-  switch ((N - n) / lanes) {
-    case 3: GemmPanel<3>(M, K, a, b + n, ldb, c + n, ldc, accumulate); break;
-    case 2: GemmPanel<2>(M, K, a, b + n, ldb, c + n, ldc, accumulate); break;
-    case 1: GemmPanel<1>(M, K, a, b + n, ldb, c + n, ldc, accumulate); break;
-    default: break;
-  }
+  GemmStoring(M, N, K, a, b, ldb, c, ldc,
+              accumulate ? GemmStore::accumulate : GemmStore::overwrite, nullptr);
 }
 
-// C += A·B summed blockwise: the block product goes to `partial` (M × N, ld ldc) first
-// and is then added to C. When C accumulates many blocks (dK and dV over every query
+// C += A·B summed blockwise: each tile's block product is summed from zero in registers
+// and then added to C. When C accumulates many blocks (dK and dV over every query
 // block, dQ over every key block), this sums each block's K terms from zero instead of
 // onto the large running total: the rounding error bound drops from ~(total terms)·ε
-// to ~(K + blocks)·ε, for one extra pass over C per block (1/K of the block's FMAs).
+// to ~(K + blocks)·ε, at no cost (the add is the tile's store).
 HWY_INLINE void GemmAddBlock(size_t M, size_t N, size_t K, StridedA a,
                              const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c,
-                             size_t ldc, float* HWY_RESTRICT partial) {
-  Gemm(M, N, K, a, b, ldb, partial, ldc, /*accumulate=*/false);
-  const hn::ScalableTag<float> d;
-  const size_t lanes = hn::Lanes(d);
-  for (size_t m = 0; m < M; ++m)
-    for (size_t n = 0; n < N; n += lanes) {
-      float* out = c + m * ldc + n;
-      hn::StoreU(hn::Add(hn::LoadU(d, out), hn::LoadU(d, partial + m * ldc + n)), d, out);
-    }
+                             size_t ldc) {
+  GemmStoring(M, N, K, a, b, ldb, c, ldc, GemmStore::add_block, nullptr);
+}
+
+// C[r] = C[r]·scale[r] + (A·B)[r]: the forward's acc·α + P·V, with P·V summed from zero.
+HWY_INLINE void GemmRescaleAdd(size_t M, size_t N, size_t K, StridedA a,
+                               const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c,
+                               size_t ldc, const float* HWY_RESTRICT scale) {
+  GemmStoring(M, N, K, a, b, ldb, c, ldc, GemmStore::rescale_add, scale);
 }
 
 }  // namespace qkv::cpu::HWY_NAMESPACE

@@ -41,8 +41,20 @@ inline std::vector<ForwardTask> forward_tasks(const detail::Extents& e, const de
     for (int64_t h = 0; h < e.q_heads; ++h)
       for (int64_t first = 0; first < mask.q_len(b); first += kBlockQueries)
         tasks.push_back({b, h, first, plan.busy_key_blocks(b, h, first / kBlockQueries) * kBlockKeys});
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const ForwardTask& x, const ForwardTask& y) { return x.cost > y.cost; });
+  // Heaviest (entry, head) first and, inside it, its heaviest block first — not the
+  // heaviest blocks of all heads first: consecutive tasks then read the same K/V head,
+  // which stays in L2/L3, instead of cycling through every head's K/V (causal, 1 thread,
+  // N = 4096, 8 heads, d = 64: 221 → 184 ms, causal/dense 0.63 → 0.52, by CPU time). The tail is still the
+  // lightest blocks, which is what dynamic scheduling needs.
+  std::vector<int64_t> head_cost(static_cast<std::size_t>(e.batch * e.q_heads), 0);
+  for (const ForwardTask& t : tasks) head_cost[static_cast<std::size_t>(t.batch * e.q_heads + t.head)] += t.cost;
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const ForwardTask& x, const ForwardTask& y) {
+    const int64_t hx = head_cost[static_cast<std::size_t>(x.batch * e.q_heads + x.head)];
+    const int64_t hy = head_cost[static_cast<std::size_t>(y.batch * e.q_heads + y.head)];
+    if (hx != hy) return hx > hy;
+    if (x.batch != y.batch || x.head != y.head) return x.batch * e.q_heads + x.head < y.batch * e.q_heads + y.head;
+    return x.cost > y.cost;
+  });
   return tasks;
 }
 

@@ -20,7 +20,7 @@ TEST(Cli, HelpListsEverySubcommand) {
 
 TEST(Cli, EachSubcommandHasHelpNamingItsFlags) {
   const std::vector<std::pair<std::string, std::vector<std::string>>> expected{
-      {"explain", {"--seed", "--samples", "--keys", "--dims", "--json", "--plot"}},
+      {"explain", {"--seed", "--samples", "--keys", "--dims", "--softcap", "--json", "--plot"}},
       {"run", {"--q", "--k", "--v", "--out", "--causal", "--mask", "--scale", "--lse", "--weights",
                "--grad", "--dq", "--dk", "--dv", "--layout", "--backend", "--threads", "--check-finite"}},
       {"bench", {"--batch", "--heads", "--seq", "--dim", "--causal", "--pass", "--backend", "--threads",
@@ -40,6 +40,8 @@ TEST(Cli, UsageErrorsExitTwoWithAMessageOnStderr) {
            {"explain", "--samples", "ten"},      // not a number
            {"explain", "--samples", "1"},        // out of range
            {"explain", "--dims", "4,0"},         // out of range
+           {"explain", "--softcap", "0"},        // out of range
+           {"explain", "--softcap", "nan"},
            {"explain", "--no-such-flag"},
            {"run", "--q", "q.npy"},              // required flags missing
            {"run", "--q", "a", "--k", "b", "--v", "c", "-o", "d", "--causal", "diagonal"},
