@@ -53,10 +53,10 @@
 //   score parameter as `auto` to give the oracle full precision — and with a float score
 //   otherwise. The derivative likewise.
 // - Non-finite results: a NaN (or +inf) score_mod result poisons its query row, as a NaN
-//   input does (the row's out, lse and gradients become NaN; no other row is touched). A
-//   −inf result gives the key weight 0, but unlike mask_mod the key's V row is still
-//   read (so a NaN there reaches the row); remove keys with mask_mod. A row all of whose
-//   keys are removed has out 0, lse −inf and zero gradients.
+//   input does (that row's out and lse become NaN; no other output row is touched). A
+//   −inf result gives the key weight 0, but unlike mask_mod it does not remove the key
+//   (a NaN in its V row may still reach the row); remove keys with mask_mod. A row all
+//   of whose keys are removed has out 0, lse −inf and zero gradients.
 //
 // Cost: the kernels call each modifier once per 64×64 tile through one indirect call;
 // the loop over the tile's entries is the template below, compiled in *your* translation
