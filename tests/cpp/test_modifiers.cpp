@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "hwy/targets.h"
 #include "core/tile_plan.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu_check.hpp"
@@ -362,6 +363,30 @@ TEST(Modifiers, VarlenPerSequenceMaskMatchesReference) {
     for (std::size_t x = 0; x < ref[t].size(); ++x) scale = std::max(scale, std::abs(ref[t][x]));
     EXPECT_LE(test::error(cpu[t], ref[t]), (t == 0 ? 4e-6 : 2e-5) * scale) << names[t];
   }
+}
+
+// On every SIMD target this build compiled (the hooks are plain calls; the chain rule
+// and masking around them are per-target code): cpu against the reference.
+TEST(Modifiers, EveryCompiledTargetMatchesReference) {
+  const std::vector<int64_t> targets = cpu::compiled_simd_targets();
+  ASSERT_FALSE(targets.empty());
+  const auto relative = score_mod(
+      [](auto s, int64_t, int64_t h, int64_t i, int64_t j) {
+        return 0.8f * s - 0.03f * static_cast<float>(h + 1) * static_cast<float>(i > j ? i - j : j - i);
+      },
+      [](auto, int64_t, int64_t, int64_t, int64_t) { return 0.8f; });
+  const auto documents = mask_mod([](int64_t, int64_t, int64_t i, int64_t j) { return i / 50 == j / 50; },
+                                  {.varies_with_head = false});
+  CaseSpec spec = kShape;
+  spec.causal = Causal::top_left;
+  Case<float> c(spec, 27);
+  c.options.modifiers = {.score = relative, .mask = documents};
+  for (int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    expect_near_reference(c);
+  }
+  hwy::SetSupportedTargetsForTest(0);  // back to the real CPU
 }
 
 // Bitwise identical results for 1 and 3 threads (the mods are pure; each tile has one
