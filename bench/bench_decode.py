@@ -15,6 +15,7 @@ table; torch has no paged SDPA, so its column repeats the contiguous time.
 
     python bench/bench_decode.py                 # the default grid (a few minutes)
     python bench/bench_decode.py --quick         # a handful of rows
+    python bench/bench_decode.py --shapes 32/8/128 --lengths 32768 --batches 1 --threads 1
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--shapes", nargs="+", default=None, help="HQ/HKV/D, e.g. 32/8/128")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="cached keys")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--no-torch-above-gb", type=float, default=3.0,
                         help="skip torch where its GQA expansion of K/V would exceed this")
     args = parser.parse_args()
@@ -91,6 +95,10 @@ def main() -> int:
     lengths = [4096, 32768, 131072]
     if args.quick:
         shapes, lengths = [(12, 12, 64), (32, 8, 128)], [4096, 32768]
+    if args.shapes:
+        shapes = [tuple(int(x) for x in shape.split("/")) for shape in args.shapes]
+    if args.lengths:
+        lengths = args.lengths
 
     bandwidth = {t: float(probe("qkv_decode_probe", "bandwidth", str(t))["bandwidth_gbs"]) for t in args.threads}
     fma = {}
@@ -101,13 +109,14 @@ def main() -> int:
         target = fields["target"]
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, qkv SIMD target "
           f"{os.environ.get('QKV_SIMD_TARGET', target)}")
+    print(f"# load average at start (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for t in args.threads:
         print(f"# threads={t}: streaming read {bandwidth[t]:.1f} GB/s, FMA peak {fma[t]:.0f} GFLOP/s")
     print("| threads | shape Hq/Hkv d | keys | B | cache | layout | qkv ms | GB/s | of limit | limit | torch ms | vs torch |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for hq, hkv, d in shapes:
         for n in lengths:
-            for batch in (1, 8):
+            for batch in args.batches:
                 for dtype in (torch.float32, torch.bfloat16):
                     element = 4 if dtype == torch.float32 else 2
                     cache_bytes = batch * n * hkv * 2 * d * element
@@ -147,6 +156,7 @@ def main() -> int:
                                   f"{cache_bytes / qkv_s / 1e9:.1f} | {limit_s / qkv_s:.0%} | {bound} | "
                                   f"{torch_cell} | {ratio} |", flush=True)
                     del k, v, layouts
+    print(f"# load average at end (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 

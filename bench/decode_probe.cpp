@@ -4,6 +4,7 @@
 //   qkv_decode_probe decode HQ HKV D N TYPE THREADS [PAGE]
 //                                        best ms and GB/s of qkv::decode, one query per
 //                                        head, N keys, TYPE f32|bf16|f16, PAGE 0 = contiguous
+//                                        [1, N, HKV, D], -1 = PyTorch's [1, HKV, N, D], > 0 paged
 //   qkv_decode_probe small-call          mean µs of attention_forward on q [1,12,1,64]
 //                                        against 64 keys (1 and 2 threads), and of qkv::decode
 // Prints "key=value" lines.
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +24,7 @@
 #include <vector>
 
 #include "hwy/highway.h"
+#include "hwy/targets.h"
 
 namespace {
 
@@ -59,6 +62,12 @@ double bandwidth(int threads) {
   return best;
 }
 
+double cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
 void small_call() {
   using namespace qkv;
   const int64_t heads = 12, d = 64, keys = 64;
@@ -94,6 +103,29 @@ void small_call() {
   }
 }
 
+// The target HWY_DYNAMIC_DISPATCH picks: the best one compiled and supported (Highway's
+// better targets have lower bits).
+const char* best_target() {
+  const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
+  return hwy::TargetName(targets & -targets);
+}
+
+// QKV_PROBE_TARGET=AVX2 (or AVX3, EMU128): run the kernels on that SIMD target only, if
+// this machine supports it and it was compiled.
+void force_target() {
+  const char* name = std::getenv("QKV_PROBE_TARGET");
+  if (name == nullptr) return;
+  for (int64_t rest = hwy::SupportedTargets() & HWY_TARGETS; rest != 0; rest &= rest - 1) {
+    const int64_t target = rest & -rest;
+    if (std::string(hwy::TargetName(target)) == name) {
+      hwy::SetSupportedTargetsForTest(target);
+      return;
+    }
+  }
+  std::fprintf(stderr, "QKV_PROBE_TARGET=%s: not compiled or not supported here\n", name);
+  std::exit(2);
+}
+
 template <class T>
 void decode_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, int threads, int64_t page) {
   using namespace qkv;
@@ -109,22 +141,34 @@ void decode_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, int th
   DecodeArgs<T> args{.q = q.cview(), .k_cache = k.cview(), .v_cache = v.cview(), .cache_lengths = lengths,
                      .out = out.view()};
   if (page > 0) args.block_table = table.cview();
+  if (page < 0) {  // PyTorch's [B, Hkv, N, d] buffer: each head's keys contiguous
+    args.k_cache = TensorView<const T, 4>::from_bhsd(k.data(), 1, kv_heads, n, d);
+    args.v_cache = TensorView<const T, 4>::from_bhsd(v.data(), 1, kv_heads, n, d);
+  }
   DecodeOptions options;
   options.threads = threads;
   decode(args, options);
-  double best = 1e9;
-  for (int round = 0; round < 15; ++round) {
+  // Wall time, and the process's CPU time per thread asked: on a machine shared with
+  // other work the second leaves out the time a thread waited for a core.
+  double best = 1e9, best_cpu = 1e9;
+  const char* rounds_env = std::getenv("QKV_PROBE_ROUNDS");  // more samples for a profiler
+  const int rounds = rounds_env != nullptr ? std::atoi(rounds_env) : 15;
+  for (int round = 0; round < rounds; ++round) {
     const auto start = std::chrono::steady_clock::now();
+    const double cpu_start = cpu_seconds();
     decode(args, options);
     best = std::min(best, seconds_since(start));
+    best_cpu = std::min(best_cpu, (cpu_seconds() - cpu_start) / threads);
   }
   const double bytes = static_cast<double>(n * kv_heads * 2 * d) * sizeof(T);
-  std::printf("decode_ms=%.3f decode_gbs=%.2f\n", best * 1e3, bytes / best / 1e9);
+  std::printf("decode_ms=%.3f decode_gbs=%.2f cpu_ms=%.3f cpu_gbs=%.2f target=%s\n", best * 1e3, bytes / best / 1e9,
+              best_cpu * 1e3, bytes / best_cpu / 1e9, best_target());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  force_target();
   if (argc >= 3 && std::string(argv[1]) == "bandwidth") {
     std::printf("bandwidth_gbs=%.2f\n", bandwidth(std::atoi(argv[2])));
     return 0;

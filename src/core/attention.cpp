@@ -26,7 +26,6 @@ void run_forward(const detail::ForwardProblem<T>& problem, Backend backend) {
   if constexpr (!std::is_same_v<T, double>) {
     if (backend == Backend::cpu) {
       if constexpr (std::is_same_v<T, float>) {
-        cpu::apply_simd_target_override();  // the decode kernel too (QKV_SIMD_TARGET)
         // Few queries against many keys: the decode kernel reads each K/V head once per
         // GQA group and splits the keys across threads. It keeps no softmax statistics
         // (yet): calls that ask for them run the tiled forward, which does; nor does it

@@ -20,6 +20,7 @@
 #include <limits>
 
 #include "hwy/aligned_allocator.h"
+#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "core/dropout.hpp"
@@ -90,6 +91,15 @@ HWY_INLINE FloatVec ExpKeepNaN(FloatTag d, FloatVec x) {
   const FloatVec result = hn::Mul(er, two_n);
   if constexpr (kMinMaxKeepSecondNaN) return result;
   return hn::IfThenElse(hn::IsNaN(x), x, result);
+}
+
+// Asks for every cache line of `rows` rows of `cols` elements, `row_stride` elements
+// apart: the next block's operands, requested while this block computes.
+template <class T>
+HWY_INLINE void PrefetchRows(const T* data, int64_t row_stride, size_t rows, size_t cols) {
+  constexpr size_t kLine = 64 / sizeof(T);
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t c = 0; c < cols; c += kLine) hwy::Prefetch(data + static_cast<int64_t>(r) * row_stride + c);
 }
 
 // dst[c·ld + i] = scale · src(i, c) for i < rows, c < cols; columns rows ≤ i < width

@@ -1,17 +1,22 @@
 // Decode: a few queries per sequence against a long key/value cache (flash-decoding).
 //
-// Decoding reads every cached key and value once and does ~1 flop per byte, so memory
-// traffic sets its pace. The kernel therefore
+// Decoding reads every cached key and value once and does 4·G·d flops per cached key
+// (G query heads per kv head) against 2·d·bytes of traffic, so memory bandwidth, or for
+// large G with 16-bit caches the FMA peak, sets its pace. The kernel therefore
 //   - reads each K/V head once for all the query heads of its GQA group and all the
 //     queries of a tile (up to 16): the rows r = (head of the group, query) share a pass;
 //   - walks the keys of a sequence in chunks; a task is (sequence, query tile, chunk) and
-//     does every kv head of each key block before moving on, so a task streams through
-//     the cache in memory order (one key row holds all heads, in a contiguous or a paged
-//     cache alike);
-//   - vectorizes over keys: for a block of keys, scores S[r][j] come out as whole vectors
-//     of keys (one dot product per key with lanes over d, L of them reduced together by a
-//     transpose-add tree), then one vector exp pass per row, then P·V by the same
-//     register-tiled micro-kernel as the forward (lanes over dv).
+//     walks its keys in units of (block of keys, kv head), heads inner, so it streams
+//     through the cache roughly in memory order with few pages live at a time; the rows
+//     of the next unit are prefetched, key by key, while the current one computes;
+//   - reads K and V in place (contiguous or paged: a block is a list of row pointers),
+//     widening bfloat16/float16 to float inside the kernels' loads — no packed copy;
+//   - keeps the per-key work vectorized over keys: scores S[r][j] for a vector of L keys
+//     come from one register tile (up to 4 rows × a few keys of accumulators with lanes
+//     over d: each K vector loaded once for the rows, each Q vector once for the keys),
+//     reduced across lanes by a transpose-add tree into one vector of L scores per row;
+//     then one vector exp pass per row; then P·V by a register tile of rows × vectors of
+//     dv (each V vector loaded once for the rows).
 // Per chunk, each row keeps the online-softmax state (m, l, acc = Σ e^(s−m)·v); the chunks
 // of a row are merged afterwards in chunk order:
 //     m = max_c m_c,   l = Σ_c l_c·e^(m_c−m),   out = (Σ_c acc_c·e^(m_c−m)) / l,   lse = m + log l
@@ -19,9 +24,9 @@
 // every task and merge is computed the same way on any thread: results are bitwise
 // identical for any number of threads.
 //
-// Storage: K/V may be float32, bfloat16 or float16; a block of rows is widened to float
-// as it is packed (float32 rows whose sizes fit whole vectors are read in place). All
-// arithmetic is float32.
+// Storage: K/V may be float32, bfloat16 or float16, widened exactly; all arithmetic is
+// float32. Head sizes that are not whole vectors take a packed path: each block's rows
+// are widened into zero-padded float rows first, then the same kernels run on those.
 //
 // Masks: each query row sees a prefix of its sequence's keys (key lengths and causal
 // alignment), so a block is either fully visible to every row of the tile, or partly
@@ -34,7 +39,6 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "cpu/block_ops-inl.h"
-#include "cpu/gemm-inl.h"
 
 #ifndef QKV_CPU_DECODE_ONCE_
 #define QKV_CPU_DECODE_ONCE_
@@ -47,6 +51,7 @@
 #include <vector>
 
 #include "cpu/blocking.hpp"
+#include "cpu/cpu_backend.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/decode_plan.hpp"
 #endif
@@ -56,22 +61,20 @@ namespace qkv::cpu::HWY_NAMESPACE {
 
 namespace {
 
-constexpr size_t kLanes = HWY_LANES(float);  // upper bound; equal on fixed-width targets
-
 // ---------------------------------------------------------------------------------
-// Widening loads: one vector of floats from float32, bfloat16 or float16 storage.
+// Widening loads, fused into the kernels: one vector of floats from float32, bfloat16 or
+// float16 storage, read in place from the cache (no packed copy of K or V).
 
 template <class T>
 HWY_INLINE FloatVec LoadWidened(FloatTag df, const T* HWY_RESTRICT p) {
   if constexpr (std::is_same_v<T, float>) {
     return hn::LoadU(df, p);
-  } else if constexpr (std::is_same_v<T, bfloat16>) {
-    const hn::Rebind<hwy::bfloat16_t, FloatTag> dh;
-    return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(p)));
+  } else if constexpr (kVectorWiden<T>) {  // bfloat16: a shift; float16: F16C/AVX-512
+    const hn::Rebind<typename HwyLane<T>::type, FloatTag> dh;
+    return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const typename HwyLane<T>::type*>(p)));
   } else {
-    // float16 one value at a time through qkv/half.hpp (exact): Highway 1.0.3's PromoteTo
-    // turns ±inf and NaN into finite numbers where it has no F16C path (seen in the
-    // AVX2-only sanitizer build), which would hide a bad cache value.
+    // float16 where Highway 1.0.3 has no hardware conversion: one value at a time through
+    // qkv/half.hpp (exact; its software PromoteTo turns ±inf and NaN into finite numbers).
     HWY_ALIGN float wide[hn::MaxLanes(FloatTag())];
     for (size_t i = 0; i < hn::Lanes(df); ++i) wide[i] = static_cast<float>(p[i]);
     return hn::Load(df, wide);
@@ -86,165 +89,299 @@ HWY_INLINE void WidenRow(const T* HWY_RESTRICT src, size_t cols, float* HWY_REST
   const size_t lanes = hn::Lanes(df);
   size_t c = 0;
   for (; c + lanes <= cols; c += lanes) hn::StoreU(LoadWidened(df, src + c), df, dst + c);
-  for (; c < cols; ++c) dst[c] = static_cast<float>(src[c]);
+  for (; c < cols; ++c) dst[c] = Widen(src[c]);
   for (; c < padded; ++c) dst[c] = 0.0f;
 }
 
+// Starts moving a row of `bytes` bytes towards the core: the key block after the current
+// one, so that its DRAM latency overlaps this block's arithmetic. Into L2 (locality 2):
+// a block of one head is up to 64 KiB, more than L1 holds next to the current one.
+HWY_INLINE void PrefetchRow(const void* row, size_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+  __builtin_prefetch(p + bytes - 1, 0, 2);  // a row that starts inside a cache line
+}
+
+// Rows of the next unit of work to prefetch while the kernels read the same-numbered rows
+// of this one: spread over the arithmetic key by key, not issued in bursts that would
+// fill the core's miss buffers and stall it (rows null: nothing to prefetch).
+template <class S>
+struct Ahead {
+  const S* const* rows = nullptr;
+  size_t count = 0;  // rows[0, count) exist
+  size_t bytes = 0;
+
+  HWY_INLINE void operator()(size_t j) const {
+    if (j < count) PrefetchRow(rows[j], bytes);
+  }
+  Ahead offset(size_t j) const { return j < count ? Ahead{rows + j, count - j, bytes} : Ahead{}; }
+};
+
 // ---------------------------------------------------------------------------------
-// Scores of one row against L consecutive keys, as one vector of L scores.
+// Scores of R rows against L = lanes consecutive keys: R vectors, lane t of row r's
+// vector = (scale·q_r)·k_t.
 //
-// Each key's dot product is first kept with lanes over d (Dot); the L vectors are then
-// summed across lanes together by a transpose-add tree: a pair (lo, hi) becomes
-// ConcatEven(hi, lo) + ConcatOdd(hi, lo), whose lower half holds lo's pairwise lane sums
-// and upper half hi's. After log2 L levels lane t holds key t's score: L − 1 shuffle
-// pairs for L keys instead of one full horizontal sum per key. The tree is built
-// depth-first (ScoreTree<N> = combine(ScoreTree<N/2>, ScoreTree<N/2>)), so only
-// log2 L partial vectors are live at a time and nothing spills.
+// Register tile: KL keys × R rows of accumulators with lanes over d; each K vector is
+// loaded (and widened) once for all R rows, each Q vector once for KL keys. The KL·R
+// accumulators are independent FMA chains (8 of them: FMA latency × ports). Each row's
+// KL accumulators are then summed across lanes together by a transpose-add tree: a pair
+// (lo, hi) becomes ConcatEven(hi, lo) + ConcatOdd(hi, lo), whose lower half holds lo's
+// pairwise lane sums and upper half hi's; after log2 L levels lane t holds key t's dot
+// product — L − 1 shuffle pairs per row for L keys instead of a horizontal sum per key.
+// Above the leaf the tree runs depth-first (Tree<N> = combine(Tree<N/2>, Tree<N/2>)), so
+// only log2 L partial vectors per row are live.
 
-HWY_INLINE FloatVec Dot(const float* HWY_RESTRICT q, const float* HWY_RESTRICT k, size_t d_pad) {
-  const FloatTag df;
-  const size_t lanes = hn::Lanes(df);
-  FloatVec even = hn::Mul(hn::LoadU(df, q), hn::LoadU(df, k)), odd = hn::Zero(df);
-  size_t c = lanes;
-  for (; c + 2 * lanes <= d_pad; c += 2 * lanes) {  // two chains: half the FMA latency
-    odd = hn::MulAdd(hn::LoadU(df, q + c), hn::LoadU(df, k + c), odd);
-    even = hn::MulAdd(hn::LoadU(df, q + c + lanes), hn::LoadU(df, k + c + lanes), even);
-  }
-  if (c < d_pad) odd = hn::MulAdd(hn::LoadU(df, q + c), hn::LoadU(df, k + c), odd);
-  return hn::Add(even, odd);
-}
-
-#if HWY_TARGET != HWY_SCALAR  // one lane: nothing to reduce
-template <size_t N>
-HWY_INLINE FloatVec ScoreTree(const float* HWY_RESTRICT q, const float* HWY_RESTRICT k,
-                              size_t k_stride, size_t d_pad) {
-  if constexpr (N == 1) {
-    return Dot(q, k, d_pad);
-  } else {
-    const FloatTag df;
-    const FloatVec lo = ScoreTree<N / 2>(q, k, k_stride, d_pad);
-    const FloatVec hi = ScoreTree<N / 2>(q, k + (N / 2) * k_stride, k_stride, d_pad);
-    return hn::Add(hn::ConcatEven(df, hi, lo), hn::ConcatOdd(df, hi, lo));
-  }
-}
-#endif
-
-HWY_INLINE FloatVec ScoreGroup(const float* HWY_RESTRICT q, const float* HWY_RESTRICT k,
-                               size_t k_stride, size_t d_pad) {
+HWY_INLINE FloatVec Combine(FloatVec lo, FloatVec hi) {
 #if HWY_TARGET == HWY_SCALAR
-  (void)k_stride;
-  return Dot(q, k, d_pad);
+  (void)hi;
+  return lo;  // one lane: never called with two keys
 #else
-  return ScoreTree<kLanes>(q, k, k_stride, d_pad);
+  const FloatTag df;
+  return hn::Add(hn::ConcatEven(df, hi, lo), hn::ConcatOdd(df, hi, lo));
 #endif
+}
+
+constexpr size_t kLanes = HWY_LANES(float);  // upper bound; equal on fixed-width targets
+
+// Keys per leaf for R rows: 8 accumulator chains, no more keys than lanes.
+template <size_t R>
+constexpr size_t kLeafKeys = std::min<size_t>(kLanes, R >= 4 ? 2 : R >= 2 ? 4 : 8);
+
+template <size_t N>
+HWY_INLINE FloatVec CombineKeys(const FloatVec* v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    return Combine(CombineKeys<N / 2>(v), CombineKeys<N / 2>(v + N / 2));
+  }
+}
+
+// out[r] (N keys' partial sums, as the tree above) for keys k[0, N), rows q + r·q_ld.
+template <size_t N, size_t R, class S>
+HWY_INLINE void ScoreTree(const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
+                          Ahead<S> ahead, FloatVec (&out)[R]) {
+  const FloatTag df;
+  constexpr size_t kLeaf = kLeafKeys<R>;
+  if constexpr (N <= kLeaf) {
+    const size_t lanes = hn::Lanes(df);
+    for (size_t j = 0; j < N; ++j) ahead(j);
+    FloatVec acc[R][N];
+    for (size_t r = 0; r < R; ++r)
+      for (size_t j = 0; j < N; ++j) acc[r][j] = hn::Zero(df);
+    for (size_t c = 0; c < dim; c += lanes) {
+      FloatVec kv[N];
+      for (size_t j = 0; j < N; ++j) kv[j] = LoadWidened(df, k[j] + c);
+      for (size_t r = 0; r < R; ++r) {
+        const FloatVec qv = hn::LoadU(df, q + r * q_ld + c);
+        for (size_t j = 0; j < N; ++j) acc[r][j] = hn::MulAdd(qv, kv[j], acc[r][j]);
+      }
+    }
+    for (size_t r = 0; r < R; ++r) out[r] = CombineKeys<N>(acc[r]);
+  } else {
+    FloatVec lo[R], hi[R];
+    ScoreTree<N / 2, R>(q, q_ld, k, dim, ahead, lo);
+    ScoreTree<N / 2, R>(q, q_ld, k + N / 2, dim, ahead.offset(N / 2), hi);
+    for (size_t r = 0; r < R; ++r) out[r] = Combine(lo[r], hi[r]);
+  }
+}
+
+// scores[r·ld + t] for rows r < R and the L keys k[0, L).
+template <size_t R, class S>
+HWY_INLINE void ScoreRows(const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
+                          Ahead<S> ahead, float* HWY_RESTRICT scores, size_t ld) {
+  const FloatTag df;
+  FloatVec s[R];
+  ScoreTree<kLanes, R>(q, q_ld, k, dim, ahead, s);
+  for (size_t r = 0; r < R; ++r) hn::StoreU(s[r], df, scores + r * ld);
+}
+
+// One vector of keys against every row, rows in tiles of up to 4: the keys' rows are
+// read from memory by the first tile (which also prefetches) and from L1 by the others.
+template <class S>
+void ScoreKeys(size_t rows, const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
+               Ahead<S> ahead, float* HWY_RESTRICT scores, size_t ld) {
+  size_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    ScoreRows<4>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
+    ahead = Ahead<S>{};
+  }
+  switch (rows - r) {
+    case 3: return ScoreRows<3>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
+    case 2: return ScoreRows<2>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
+    case 1: return ScoreRows<1>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
+    default: return;
+  }
 }
 
 // ---------------------------------------------------------------------------------
-// P·V for a single row: out[0:dv_pad] = Σ_j p[j]·v_j, even and odd keys in separate
-// accumulators (a one-row register tile would otherwise wait on FMA latency per key).
-template <size_t C>
-HWY_INLINE void RowTimesValues(const float* HWY_RESTRICT p, size_t keys, const float* HWY_RESTRICT v,
-                               size_t v_stride, float* HWY_RESTRICT out) {
+// P·V: acc[r][0:dim] = acc[r]·alpha[r] + Σ_j P[r][j]·v_j for R rows, C vectors of columns.
+// Register tile R × C (each V vector loaded and widened once for R rows, each P entry
+// broadcast once for C vectors); the block's product is summed from zero first, so its
+// rounding grows with the block, not with the sequence.
+
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_EMU128 || HWY_TARGET == HWY_SCALAR
+inline constexpr size_t kValueTileVectors = 8;  // 16 registers: R·C accumulators + C loads
+#else
+inline constexpr size_t kValueTileVectors = 16;  // 32 registers
+#endif
+
+template <size_t R, size_t C, class S>
+HWY_INLINE void ValueTile(const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
+                          size_t col, Ahead<S> ahead, const float* HWY_RESTRICT alpha,
+                          float* HWY_RESTRICT acc, size_t acc_ld) {
   const FloatTag df;
   const size_t lanes = hn::Lanes(df);
-  FloatVec even[C], odd[C];
-  for (size_t c = 0; c < C; ++c) even[c] = odd[c] = hn::Zero(df);
-  size_t j = 0;
-  for (; j + 2 <= keys; j += 2) {
-    const FloatVec pe = hn::Set(df, p[j]), po = hn::Set(df, p[j + 1]);
-    const float* ve = v + j * v_stride;
-    for (size_t c = 0; c < C; ++c) {
-      even[c] = hn::MulAdd(pe, hn::LoadU(df, ve + c * lanes), even[c]);
-      odd[c] = hn::MulAdd(po, hn::LoadU(df, ve + v_stride + c * lanes), odd[c]);
+  FloatVec sum[R][C];
+  for (size_t r = 0; r < R; ++r)
+    for (size_t c = 0; c < C; ++c) sum[r][c] = hn::Zero(df);
+  for (size_t j = 0; j < keys; ++j) {
+    ahead(j);
+    FloatVec vv[C];
+    for (size_t c = 0; c < C; ++c) vv[c] = LoadWidened(df, v[j] + col + c * lanes);
+    for (size_t r = 0; r < R; ++r) {
+      const FloatVec w = hn::Set(df, p[r * p_ld + j]);
+      for (size_t c = 0; c < C; ++c) sum[r][c] = hn::MulAdd(w, vv[c], sum[r][c]);
     }
   }
-  if (j < keys) {
-    const FloatVec pe = hn::Set(df, p[j]);
-    for (size_t c = 0; c < C; ++c) even[c] = hn::MulAdd(pe, hn::LoadU(df, v + j * v_stride + c * lanes), even[c]);
+  for (size_t r = 0; r < R; ++r) {
+    const FloatVec a = hn::Set(df, alpha[r]);
+    float* out = acc + r * acc_ld + col;
+    for (size_t c = 0; c < C; ++c)
+      hn::StoreU(hn::MulAdd(hn::LoadU(df, out + c * lanes), a, sum[r][c]), df, out + c * lanes);
   }
-  for (size_t c = 0; c < C; ++c) hn::StoreU(hn::Add(even[c], odd[c]), df, out + c * lanes);
 }
 
-// product[r][0:dv_pad] = Σ_j P[r][j]·V[j][0:dv_pad] for r < rows.
-HWY_INLINE void ScoresTimesValues(size_t rows, size_t keys, const float* HWY_RESTRICT p, size_t p_ld,
-                                  const float* HWY_RESTRICT v, size_t v_stride, size_t dv_pad,
-                                  float* HWY_RESTRICT product) {
-  if (rows >= 3) {  // enough independent rows for the register-tiled kernel
-    Gemm(rows, dv_pad, keys, StridedA{p, p_ld, 1}, v, v_stride, product, dv_pad, /*accumulate=*/false);
-    return;
-  }
+// All columns [0, dim) of R rows: panels of C vectors, C as wide as the registers allow.
+template <size_t R, class S>
+HWY_INLINE void ValueRows(const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
+                          size_t dim, Ahead<S> ahead, const float* HWY_RESTRICT alpha,
+                          float* HWY_RESTRICT acc, size_t acc_ld) {
   const size_t lanes = VectorLanes();
-  constexpr size_t kPanel = 4;  // vectors per pass: 2·4 accumulators + loads fit in 16 registers
-  for (size_t r = 0; r < rows; ++r) {
-    size_t c = 0;
-    for (; c + kPanel * lanes <= dv_pad; c += kPanel * lanes)
-      RowTimesValues<kPanel>(p + r * p_ld, keys, v + c, v_stride, product + r * dv_pad + c);
-    for (; c < dv_pad; c += lanes)
-      RowTimesValues<1>(p + r * p_ld, keys, v + c, v_stride, product + r * dv_pad + c);
+  // The widest power-of-two panel whose accumulators and loads fit the registers.
+  constexpr size_t kFit = kValueTileVectors / (R < 2 ? 2 : R);
+  constexpr size_t kC = kFit >= 8 ? 8 : kFit >= 4 ? 4 : kFit >= 2 ? 2 : 1;
+  size_t col = 0;
+  for (; col + kC * lanes <= dim; col += kC * lanes) {
+    ValueTile<R, kC>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ahead = Ahead<S>{};  // the first panel prefetches
+  }
+  for (; col + 4 * lanes <= dim; col += 4 * lanes) {  // the rest in narrower panels
+    ValueTile<R, 4>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ahead = Ahead<S>{};
+  }
+  for (; col + 2 * lanes <= dim; col += 2 * lanes) {
+    ValueTile<R, 2>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ahead = Ahead<S>{};
+  }
+  for (; col < dim; col += lanes) {
+    ValueTile<R, 1>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ahead = Ahead<S>{};
+  }
+}
+
+template <class S>
+void ValueBlock(size_t rows, const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
+                size_t dim, Ahead<S> ahead, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT acc,
+                size_t acc_ld) {
+  size_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    ValueRows<4>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    ahead = Ahead<S>{};
+  }
+  switch (rows - r) {
+    case 3: return ValueRows<3>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    case 2: return ValueRows<2>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    case 1: return ValueRows<1>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    default: return;
   }
 }
 
 // ---------------------------------------------------------------------------------
-// Per-thread scratch, laid out once per call (sizes in floats).
+// Per-thread scratch, laid out once per call (sizes in floats / rows).
+template <class T>
 struct DecodeScratch {
   hwy::AlignedFreeUniquePtr<float[]> queries;  // Hq·tile rows × d_pad: scale·q, zero-padded
-  hwy::AlignedFreeUniquePtr<float[]> keys;     // block × d_pad: widened K rows of one head
-  hwy::AlignedFreeUniquePtr<float[]> values;   // block × dv_pad: widened V rows of one head
+  hwy::AlignedFreeUniquePtr<float[]> keys;     // block × d_pad: widened K rows (packed plans)
+  hwy::AlignedFreeUniquePtr<float[]> values;   // block × dv_pad: widened V rows (packed plans)
   hwy::AlignedFreeUniquePtr<float[]> scores;   // group rows × block: S, then P
-  hwy::AlignedFreeUniquePtr<float[]> product;  // group rows × dv_pad: one block's P·V
   hwy::AlignedFreeUniquePtr<float[]> alpha;    // group rows: e^(m_old − m_new)
+  hwy::AlignedFreeUniquePtr<float[]> merged;   // dv_pad: one row's sum over chunks
+  // Row pointers of K and V: the current block and the next (for prefetching).
+  std::vector<const T*> k_rows, v_rows, k_next, v_next;
+  std::vector<const float*> k_packed, v_packed;  // rows of `keys` / `values`
 
   explicit DecodeScratch(const DecodePlan& plan)
       : queries(AllocateFloats(plan.tile_rows() * plan.d_pad)),
-        keys(AllocateFloats(plan.block_keys * plan.d_pad)),
-        values(AllocateFloats(plan.block_keys * plan.dv_pad)),
+        keys(AllocateFloats(plan.packed ? plan.block_keys * plan.d_pad : 0)),
+        values(AllocateFloats(plan.packed ? plan.block_keys * plan.dv_pad : 0)),
         scores(AllocateFloats(plan.group_rows() * plan.block_keys)),
-        product(AllocateFloats(plan.group_rows() * plan.dv_pad)),
-        alpha(AllocateFloats(plan.group_rows())) {}
+        alpha(AllocateFloats(plan.group_rows())),
+        merged(AllocateFloats(plan.dv_pad)),
+        k_rows(plan.block_keys), v_rows(plan.block_keys), k_next(plan.block_keys), v_next(plan.block_keys),
+        k_packed(plan.packed ? plan.block_keys : 0), v_packed(plan.packed ? plan.block_keys : 0) {}
 };
 
-// A block of rows of one head as the kernels read it: `rows` float rows `stride` apart.
-struct RowsOperand {
-  const float* data;
-  size_t stride;
-};
-
-// K or V rows [first, first + count) of (batch, head), as floats: in place when the
-// storage is float32, the block lies in one run of the source and its sizes are whole
-// vectors; otherwise widened into `buffer` (ld floats per row, zero rows up to
-// padded_count).
+// Row pointers of K and V for keys [first, first + keys) of (batch, head), in place in
+// the cache (contiguous or paged), padded to `padded` entries with the last row, whose
+// scores the mask then removes (so a partial vector of keys never reads past the cache).
 template <class T>
-RowsOperand BlockRows(const DecodeProblem& p, bool is_key, int64_t batch, int64_t head,
-                      int64_t first, size_t count, size_t padded_count, size_t cols,
-                      size_t ld, float* buffer) {
+void RowPointers(const DecodeProblem& p, int64_t batch, int64_t head, int64_t first, size_t keys,
+                 size_t padded, const T** k, const T** v) {
   const KvSource& kv = p.kv;
-  const T* base = static_cast<const T*>(is_key ? kv.k : kv.v);
-  const int64_t row_stride = is_key ? kv.k_row_stride : kv.v_row_stride;
-  auto offset = [&](int64_t key) { return is_key ? kv.k_offset(batch, key, head) : kv.v_offset(batch, key, head); };
-  const bool one_run = kv.run_end(first) >= first + static_cast<int64_t>(count);
-  if constexpr (std::is_same_v<T, float>) {
-    if (one_run && cols == ld && count == padded_count)
-      return {base + offset(first), static_cast<size_t>(row_stride)};
-  }
+  const T* k_base = static_cast<const T*>(kv.k);
+  const T* v_base = static_cast<const T*>(kv.v);
   size_t j = 0;
-  while (j < count) {  // one run of evenly strided rows at a time
+  while (j < keys) {  // one run of evenly strided rows (a page, or everything) at a time
     const int64_t key = first + static_cast<int64_t>(j);
-    const size_t run =
-        static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(count - j), kv.run_end(key) - key));
-    const T* src = base + offset(key);
-    for (size_t r = 0; r < run; ++r)
-      WidenRow(src + static_cast<int64_t>(r) * row_stride, cols, buffer + (j + r) * ld, ld);
+    const size_t run = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(keys - j), kv.run_end(key) - key));
+    const T* k_row = k_base + kv.k_offset(batch, key, head);
+    const T* v_row = v_base + kv.v_offset(batch, key, head);
+    for (size_t r = 0; r < run; ++r) {
+      k[j + r] = k_row + static_cast<int64_t>(r) * kv.k_row_stride;
+      v[j + r] = v_row + static_cast<int64_t>(r) * kv.v_row_stride;
+    }
     j += run;
   }
-  std::fill(buffer + count * ld, buffer + padded_count * ld, 0.0f);
-  return {buffer, ld};
+  for (; j < padded; ++j) {
+    k[j] = k[keys - 1];
+    v[j] = v[keys - 1];
+  }
 }
 
-// One chunk of one task: every kv head over the keys [task.first_key, task.end_key).
-// Writes the chunk's (m, l, acc) of every row of the tile into `state`.
+// Online softmax per row over one block of scores (rows × padded, ld apart):
+// m' = max(m, max_j S), alpha = e^(m − m'), P = e^(S − m') in place, l' = l·alpha + Σ_j P.
+// A row with no visible key so far keeps m' = -inf, P = 0, alpha = 1.
+HWY_INLINE void SoftmaxRows(size_t rows, size_t padded, float* HWY_RESTRICT scores, size_t ld,
+                            float* HWY_RESTRICT m, float* HWY_RESTRICT l, float* HWY_RESTRICT alpha) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  for (size_t r = 0; r < rows; ++r) {
+    float* row = scores + r * ld;
+    FloatVec block_max = hn::Set(df, kMinusInf);
+    for (size_t j = 0; j < padded; j += lanes) block_max = hn::Max(block_max, hn::LoadU(df, row + j));
+    const float m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(df, block_max)));
+    const float shift = m_new == kMinusInf ? 0.0f : m_new;
+    alpha[r] = m_new == kMinusInf ? 1.0f : std::exp(m[r] - m_new);
+    const FloatVec shift_v = hn::Set(df, shift);
+    FloatVec sum = hn::Zero(df);
+    for (size_t j = 0; j < padded; j += lanes) {
+      const FloatVec pv = ExpKeepNaN(df, hn::Sub(hn::LoadU(df, row + j), shift_v));
+      hn::StoreU(pv, df, row + j);
+      sum = hn::Add(sum, pv);
+    }
+    l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(df, sum));
+    m[r] = m_new;
+  }
+}
+
+// One chunk of one task: every kv head over the keys [task.first_key, task.end_key), head
+// after head, so that each head is one stream through the cache, prefetched a block
+// ahead. Per block: scores of every row of the group (lanes over keys), hidden keys set
+// to -inf, the online-softmax step, then acc = acc·alpha + P·V. Writes the chunk's
+// (m, l, acc) of every row of the tile into `state`.
 template <class T>
 void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTask& task,
-                 DecodeScratch& s, float* state) {
+                 DecodeScratch<T>& s, float* state) {
   const FloatTag df;
   const size_t lanes = hn::Lanes(df);
   const size_t d = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.v_dim);
@@ -252,7 +389,7 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
   const size_t tile = static_cast<size_t>(task.queries);  // queries in this tile
   const size_t group_rows = static_cast<size_t>(p.group()) * tile;
   const size_t all_rows = static_cast<size_t>(p.q_heads) * tile;
-  ChunkState chunk = plan.chunk_state(state, tile);
+  const ChunkState chunk = plan.chunk_state(state, tile);
 
   // Row (h, i) of the tile: scale·q(b, first_query + i, h, ·), zero-padded to d_pad.
   int64_t key_end[kDecodeQueries];
@@ -274,78 +411,92 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
   std::fill(chunk.l, chunk.l + all_rows, 0.0f);
   std::fill(chunk.acc, chunk.acc + all_rows * dv_pad, 0.0f);
 
-  const size_t ld = plan.block_keys;  // row length of the score tile
-  for (int64_t first = task.first_key; first < task.end_key;
-       first += static_cast<int64_t>(plan.block_keys)) {
-    const size_t keys = static_cast<size_t>(std::min<int64_t>(plan.block_keys, task.end_key - first));
-    const size_t padded = round_up(keys, lanes);
-    const bool masked = first + static_cast<int64_t>(keys) > min_end;
+  const size_t block = plan.block_keys;
+  const size_t ld = block;  // row length of the score tile
+  const int64_t end = task.end_key;
+  // Units of work in memory order: (block, head), heads inner, so that a block's rows
+  // of every head (one contiguous region in a [keys, heads, d] cache or a page) are read
+  // together and few pages are live at a time. The rows of the next unit are computed
+  // ahead and prefetched while this unit computes.
+  const T** k_rows = s.k_rows.data();
+  const T** v_rows = s.v_rows.data();
+  const T** k_next = s.k_next.data();
+  const T** v_next = s.v_next.data();
+  const auto unit_keys = [&](int64_t first) {
+    return static_cast<size_t>(std::clamp<int64_t>(end - first, 0, static_cast<int64_t>(block)));
+  };
+  size_t next_keys = unit_keys(task.first_key);
+  RowPointers<T>(p, task.batch, 0, task.first_key, next_keys, round_up(next_keys, lanes), k_next, v_next);
+  for (int64_t first = task.first_key; first < end; first += static_cast<int64_t>(block)) {
     for (int64_t g = 0; g < p.kv_heads; ++g) {
       const size_t row0 = static_cast<size_t>(g) * group_rows;  // first row of the group
       const float* queries = s.queries.get() + row0 * d_pad;
       float* m = chunk.m + row0;
       float* l = chunk.l + row0;
       float* acc = chunk.acc + row0 * dv_pad;
+      std::swap(k_rows, k_next);
+      std::swap(v_rows, v_next);
+      const size_t keys = next_keys;
+      const size_t padded = round_up(keys, lanes);
+      const bool last_head = g + 1 == p.kv_heads;
+      const int64_t next_first = last_head ? first + static_cast<int64_t>(block) : first;
+      next_keys = unit_keys(next_first);
+      if (next_keys > 0)
+        RowPointers<T>(p, task.batch, last_head ? 0 : g + 1, next_first, next_keys, round_up(next_keys, lanes),
+                       k_next, v_next);
 
-      // S[r][j] = (scale·q_r)·k_j for the block's keys, lanes over keys.
-      const RowsOperand k = BlockRows<T>(p, true, task.batch, g, first, keys, padded, d,
-                                         d_pad, s.keys.get());
-      for (size_t r = 0; r < group_rows; ++r)
-        for (size_t j = 0; j < padded; j += lanes)
-          hn::StoreU(ScoreGroup(queries + r * d_pad, k.data + j * k.stride, k.stride, d_pad), df,
-                     s.scores.get() + r * ld + j);
-
-      // Hidden keys (and the zero padding past the block) get -inf, overwriting the
-      // score: a NaN/Inf key that a row does not see cannot reach it.
-      for (size_t r = 0; r < group_rows; ++r) {
-        const int64_t visible = std::clamp<int64_t>(key_end[r % tile] - first, 0,
-                                                    static_cast<int64_t>(keys));
-        std::fill(s.scores.get() + r * ld + visible, s.scores.get() + r * ld + padded, kMinusInf);
-      }
-
-      // Online softmax per row: m' = max(m, max_j S), alpha = e^(m − m'),
-      // P = e^(S − m'), l' = l·alpha + Σ_j P. A row with no visible key so far keeps
-      // m' = -inf, P = 0, alpha = 1.
-      for (size_t r = 0; r < group_rows; ++r) {
-        float* row = s.scores.get() + r * ld;
-        FloatVec block_max = hn::Set(df, kMinusInf);
-        for (size_t j = 0; j < padded; j += lanes) block_max = hn::Max(block_max, hn::LoadU(df, row + j));
-        const float m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(df, block_max)));
-        const float shift = m_new == kMinusInf ? 0.0f : m_new;
-        s.alpha[r] = m_new == kMinusInf ? 1.0f : std::exp(m[r] - m_new);
-        const FloatVec shift_v = hn::Set(df, shift);
-        FloatVec sum = hn::Zero(df);
+      // S[r][j] = (scale·q_r)·k_j for the block's keys, one vector of keys at a time,
+      // while the next unit's rows start on their way from memory.
+      if (!plan.packed) {
         for (size_t j = 0; j < padded; j += lanes) {
-          const FloatVec pv = ExpKeepNaN(df, hn::Sub(hn::LoadU(df, row + j), shift_v));
-          hn::StoreU(pv, df, row + j);
-          sum = hn::Add(sum, pv);
+          const Ahead<T> ahead = Ahead<T>{k_next, next_keys, d * sizeof(T)}.offset(j);
+          ScoreKeys(group_rows, queries, d_pad, k_rows + j, d, ahead, s.scores.get() + j, ld);
         }
-        l[r] = l[r] * s.alpha[r] + hn::GetLane(hn::SumOfLanes(df, sum));
-        m[r] = m_new;
+      } else {
+        for (size_t j = 0; j < keys; ++j) {
+          WidenRow(k_rows[j], d, s.keys.get() + j * d_pad, d_pad);
+          WidenRow(v_rows[j], dv, s.values.get() + j * dv_pad, dv_pad);
+        }
+        for (size_t j = 0; j < padded; ++j) {
+          s.k_packed[j] = s.keys.get() + std::min(j, keys - 1) * d_pad;
+          s.v_packed[j] = s.values.get() + std::min(j, keys - 1) * dv_pad;
+        }
+        for (size_t j = 0; j < padded; j += lanes)
+          ScoreKeys(group_rows, queries, d_pad, s.k_packed.data() + j, d_pad, Ahead<float>{}, s.scores.get() + j, ld);
       }
 
-      // acc = acc·alpha + P·V_blk, the block's product summed from zero first (its
-      // rounding then grows with the block, not with the sequence).
-      const RowsOperand v = BlockRows<T>(p, false, task.batch, g, first, keys, keys, dv, dv_pad,
-                                         s.values.get());
-      const size_t partly_visible = masked ? static_cast<size_t>(std::max<int64_t>(min_end - first, 0)) : keys;
-      if (partly_visible < keys &&
-          !AllFinite(v.data + partly_visible * v.stride, static_cast<int64_t>(v.stride),
-                     keys - partly_visible, dv)) {
-        // A hidden value holds NaN/Inf: skip P = 0 terms so 0·Inf cannot leak.
+      // Hidden keys (and the padding past the block) get -inf, overwriting the score: a
+      // NaN/Inf key that a row does not see cannot reach it.
+      if (padded > keys || first + static_cast<int64_t>(keys) > min_end) {
+        for (size_t r = 0; r < group_rows; ++r) {
+          const int64_t visible = std::clamp<int64_t>(key_end[r % tile] - first, 0, static_cast<int64_t>(keys));
+          std::fill(s.scores.get() + r * ld + visible, s.scores.get() + r * ld + padded, kMinusInf);
+        }
+      }
+      SoftmaxRows(group_rows, padded, s.scores.get(), ld, m, l, s.alpha.get());
+
+      // A value behind the mask that holds NaN/Inf: skip P = 0 terms so 0·Inf cannot leak.
+      const size_t seen_by_all = static_cast<size_t>(std::clamp<int64_t>(min_end - first, 0, static_cast<int64_t>(keys)));
+      bool hidden_non_finite = false;
+      for (size_t j = seen_by_all; j < keys && !hidden_non_finite; ++j)
+        hidden_non_finite = !AllFinite(v_rows[j], 0, 1, dv);
+      if (hidden_non_finite) {
         ScaleRows(acc, group_rows, dv_pad, dv_pad, s.alpha.get());
         for (size_t r = 0; r < group_rows; ++r)
           for (size_t j = 0; j < keys; ++j) {
             const float w = s.scores[r * ld + j];
             if (w == 0.0f) continue;
-            const float* vr = v.data + j * v.stride;
-            for (size_t c = 0; c < dv; ++c) acc[r * dv_pad + c] += w * vr[c];
+            for (size_t c = 0; c < dv; ++c) acc[r * dv_pad + c] += w * Widen(v_rows[j][c]);
           }
         continue;
       }
-      ScoresTimesValues(group_rows, keys, s.scores.get(), ld, v.data, v.stride, dv_pad,
-                        s.product.get());
-      RescaleAdd(acc, group_rows, dv_pad, s.alpha.get(), s.product.get());
+      if (!plan.packed) {
+        const Ahead<T> ahead{v_next, next_keys, dv * sizeof(T)};
+        ValueBlock(group_rows, s.scores.get(), ld, keys, v_rows, dv, ahead, s.alpha.get(), acc, dv_pad);
+      } else {
+        ValueBlock(group_rows, s.scores.get(), ld, keys, s.v_packed.data(), dv_pad, Ahead<float>{}, s.alpha.get(),
+                   acc, dv_pad);
+      }
     }
   }
 }
@@ -400,15 +551,15 @@ void RunDecode(const DecodeProblem& p) {
       AllocateFloats(plan.tasks.size() * plan.state_floats);
   const int threads = plan.threads(p.threads);
   if (threads <= 1) {  // no parallel region for work one thread does best
-    DecodeScratch scratch(plan);
+    DecodeScratch<T> scratch(plan);
     for (const DecodeTask& task : plan.tasks)
       DecodeChunk<T>(p, plan, task, scratch, states.get() + task.index * plan.state_floats);
-    for (const DecodeUnit& unit : plan.units) MergeChunks(p, plan, unit, states.get(), scratch.product.get());
+    for (const DecodeUnit& unit : plan.units) MergeChunks(p, plan, unit, states.get(), scratch.merged.get());
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
-    DecodeScratch scratch(plan);
+    DecodeScratch<T> scratch(plan);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < plan.order.size(); ++t) {
       const DecodeTask& task = plan.tasks[plan.order[t]];
@@ -416,7 +567,7 @@ void RunDecode(const DecodeProblem& p) {
     }
 #pragma omp for schedule(static)
     for (size_t u = 0; u < plan.units.size(); ++u)
-      MergeChunks(p, plan, plan.units[u], states.get(), scratch.product.get());
+      MergeChunks(p, plan, plan.units[u], states.get(), scratch.merged.get());
   }
 }
 
@@ -437,6 +588,9 @@ HWY_AFTER_NAMESPACE();
 namespace qkv::cpu {
 HWY_EXPORT(DecodeImpl);
 
-void decode(const DecodeProblem& problem) { HWY_DYNAMIC_DISPATCH(DecodeImpl)(problem); }
+void decode(const DecodeProblem& problem) {
+  apply_simd_target_override();  // QKV_SIMD_TARGET (cpu_backend.hpp)
+  HWY_DYNAMIC_DISPATCH(DecodeImpl)(problem);
+}
 }  // namespace qkv::cpu
 #endif

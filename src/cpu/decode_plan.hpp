@@ -28,6 +28,16 @@ inline constexpr int64_t kDecodeQueries = 16;
 inline constexpr int64_t kMinChunkKeys = 512;
 inline constexpr int64_t kMaxChunks = 16;
 
+// Keys per block: the score tile (group rows × block) stays within kDecodeScoreFloats
+// (16 KiB, in L1 next to the keys it is computed from), and a block is at most
+// kDecodeMaxBlockKeys keys. Measured (32/8, d = 128, 32768 keys, 1 thread): 32…256
+// keys are within ~10% of each other; 64 keeps a [keys, heads, d] or paged cache (one
+// 4 KiB page per row of a head at 8 heads × 128 floats) within the L1 TLB for a block's
+// K and V, while the per-block costs of a row (max, exp pass, rescaling its
+// accumulator) are spread over 64 keys.
+inline constexpr std::size_t kDecodeScoreFloats = 4096;
+inline constexpr std::size_t kDecodeMaxBlockKeys = 64;
+
 // Below these a thread is not worth waking (see threads_for in work_order.hpp).
 inline constexpr double kDecodeMinFlopsPerThread = 4e6;
 inline constexpr double kDecodeMinBytesPerThread = 1 << 20;  // ~40 µs of DRAM streaming
@@ -63,6 +73,9 @@ struct DecodePlan {
   std::size_t d_pad = 0;       // head_dim rounded up to whole vectors
   std::size_t dv_pad = 0;      // v_dim rounded up to whole vectors
   std::size_t block_keys = 0;  // keys per block (a multiple of the vector length)
+  // Head sizes that are not whole vectors: K/V rows are widened into zero-padded float
+  // rows per block; otherwise the kernels read the cache in place.
+  bool packed = false;
   std::size_t q_heads = 0;
   std::size_t group = 0;       // query heads per kv head
   std::size_t max_tile = 0;    // queries in the largest tile
@@ -76,8 +89,12 @@ struct DecodePlan {
   DecodePlan(const DecodeProblem& p, std::size_t lanes)
       : d_pad(round_up(static_cast<std::size_t>(p.head_dim), lanes)),
         dv_pad(round_up(static_cast<std::size_t>(p.v_dim), lanes)),
-        // A block of one head's keys (block × d floats) stays in L1: 16 KiB up to d = 64.
-        block_keys(round_up(d_pad <= 64 ? 64 : 32, lanes)),
+        block_keys(std::clamp<std::size_t>(
+            kDecodeScoreFloats /
+                (static_cast<std::size_t>(p.group()) * static_cast<std::size_t>(std::min(p.q_len, kDecodeQueries))) /
+                lanes * lanes,
+            lanes, round_up(kDecodeMaxBlockKeys, lanes))),
+        packed(d_pad != static_cast<std::size_t>(p.head_dim) || dv_pad != static_cast<std::size_t>(p.v_dim)),
         q_heads(static_cast<std::size_t>(p.q_heads)),
         group(static_cast<std::size_t>(p.group())),
         max_tile(static_cast<std::size_t>(std::min(p.q_len, kDecodeQueries))),

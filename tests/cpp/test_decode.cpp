@@ -239,6 +239,9 @@ TEST(Decode, EveryCompiledSimdTargetMatchesTheReference) {
        .v_dim = 19, .type = StorageType::float16},
       {.name = "t_f32", .batch = 1, .q_len = 1, .capacity = 1500, .q_heads = 8, .kv_heads = 1,
        .head_dim = 128, .v_dim = 128, .lengths = {1499}},
+      // bfloat16 read in place (widened in the kernels' loads), 4 + 2 rows, paged.
+      {.name = "t_g6_bf16", .batch = 1, .q_len = 1, .capacity = 500, .q_heads = 6, .kv_heads = 1,
+       .type = StorageType::bfloat16, .block_size = 16},
   };
   for (int64_t target : targets) {
     hwy::SetSupportedTargetsForTest(target);
@@ -476,6 +479,70 @@ TEST(Decode, NanQueryReachesOnlyItsRow) {
       EXPECT_EQ(std::isnan(r.lse(0, h, i)), poisoned) << i << " " << h;
       for (int64_t x = 0; x < 16; ++x) EXPECT_EQ(std::isnan(r.out(0, i, h, x)), poisoned) << i << " " << h;
     }
+}
+
+}  // namespace
+}  // namespace qkv
+
+namespace qkv {
+namespace {
+
+// Group sizes whose rows do not fill the kernels' 4-row tiles (G = 5, 6, 3 × 5 queries),
+// head sizes that are whole vectors (K/V read in place) next to ones that are not
+// (packed), several blocks and chunks with a partial last block.
+TEST(Decode, RowTileRemaindersMatchTheReference) {
+  const std::vector<DecodeSpec> shapes{
+      {.name = "g5", .batch = 2, .q_len = 1, .capacity = 1300, .q_heads = 10, .kv_heads = 2,
+       .head_dim = 128, .v_dim = 128, .lengths = {1300, 77}},
+      {.name = "g6_d64", .batch = 1, .q_len = 1, .capacity = 611, .q_heads = 6, .kv_heads = 1},
+      {.name = "g3_q5", .batch = 1, .q_len = 5, .capacity = 333, .q_heads = 6, .kv_heads = 2,
+       .head_dim = 32, .v_dim = 64},
+      {.name = "g2_d72", .batch = 1, .q_len = 2, .capacity = 150, .q_heads = 4, .kv_heads = 2,
+       .head_dim = 72, .v_dim = 72},
+  };
+  for (const DecodeSpec& shape : shapes)
+    for (StorageType type : {StorageType::float32, StorageType::bfloat16})
+      for (int64_t block : {0, 16}) {
+        DecodeSpec s = shape;
+        s.type = type;
+        s.block_size = block;
+        check_any(s);
+      }
+}
+
+// The same keys in a [B, N, Hkv, d] cache, PyTorch's [B, Hkv, N, d] buffer (strided view)
+// and a paged pool give the same bits: the kernel's arithmetic does not depend on where
+// rows live.
+TEST(Decode, EveryLayoutGivesTheSameBits) {
+  DecodeSpec s{.name = "layouts", .batch = 2, .q_len = 1, .capacity = 900, .q_heads = 8, .kv_heads = 2,
+               .lengths = {900, 450}, .type = StorageType::bfloat16};
+  const DecodeCase<bfloat16> contiguous(s);
+  const Outputs a = run_decode(contiguous, s, 2);
+
+  // Head-major copy of the contiguous cache, read through from_bhsd views.
+  const int64_t n = s.capacity, hkv = s.kv_heads, d = s.head_dim;
+  Tensor<bfloat16, 4> k_bhsd({s.batch, hkv, n, d}), v_bhsd({s.batch, hkv, n, d});
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t h = 0; h < hkv; ++h)
+        for (int64_t x = 0; x < d; ++x) {
+          k_bhsd(b, h, j, x) = contiguous.k_cache(b, j, h, x);
+          v_bhsd(b, h, j, x) = contiguous.v_cache(b, j, h, x);
+        }
+  Outputs b{Tensor<float, 4>({s.batch, 1, s.q_heads, d}), Tensor<float, 3>({s.batch, s.q_heads, 1})};
+  DecodeArgs<bfloat16> args = contiguous.args(b.out, b.lse);
+  args.k_cache = TensorView<const bfloat16, 4>::from_bhsd(k_bhsd.data(), s.batch, hkv, n, d);
+  args.v_cache = TensorView<const bfloat16, 4>::from_bhsd(v_bhsd.data(), s.batch, hkv, n, d);
+  DecodeOptions options;
+  options.threads = 2;
+  decode(args, options);
+  EXPECT_EQ(std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)), 0);
+
+  s.block_size = 16;
+  const Outputs c = run_decode(DecodeCase<bfloat16>(s), s, 2);
+  EXPECT_EQ(std::memcmp(a.out.data(), c.out.data(), a.out.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(a.lse.data(), c.lse.data(), a.lse.size() * sizeof(float)), 0);
 }
 
 }  // namespace
