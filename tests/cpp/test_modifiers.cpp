@@ -389,6 +389,19 @@ TEST(Modifiers, EveryCompiledTargetMatchesReference) {
   hwy::SetSupportedTargetsForTest(0);  // back to the real CPU
 }
 
+// Few queries against many keys (the decode kernel's shapes, which it cannot modify):
+// calls with modifiers take the tiled kernels and agree with the reference.
+TEST(Modifiers, DecodeShapesRunTheModifiers) {
+  const CaseSpec spec{.name = "decode", .batch = 2, .q_len = 3, .k_len = 300, .q_heads = 4,
+                      .kv_heads = 1, .head_dim = 32, .v_dim = 32, .causal = Causal::bottom_right};
+  Case<float> c(spec, 28);
+  const auto recent = mask_mod([](int64_t, int64_t h, int64_t, int64_t j) { return j % (h + 2) != 0; });
+  const auto scaled = score_mod([](auto s, int64_t, int64_t, int64_t, int64_t) { return 2 * s; },
+                                [](auto, int64_t, int64_t, int64_t, int64_t) { return 2.0f; });
+  c.options.modifiers = {.score = scaled, .mask = recent};
+  expect_near_reference(c);
+}
+
 // Bitwise identical results for 1 and 3 threads (the mods are pure; each tile has one
 // writer), with both modifiers and a per-head mask.
 TEST(Modifiers, BitwiseIdenticalForAnyThreadCount) {
