@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 
+#include "qkv/modifiers.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
@@ -93,6 +94,8 @@ struct AttentionOptions {
   // denominator without a value; the backward returns its gradient (BackwardArgs::dsinks).
   std::span<const float> sinks;
   Dropout dropout;
+  // Programmable score_mod / mask_mod (qkv/modifiers.hpp): non-owning, like the masks.
+  Modifiers modifiers;
 
   Execution execution;
 };

@@ -28,8 +28,10 @@ void run_forward(const detail::ForwardProblem<T>& problem, Backend backend) {
       if constexpr (std::is_same_v<T, float>) {
         // Few queries against many keys: the decode kernel reads each K/V head once per
         // GQA group and splits the keys across threads. It keeps no softmax statistics
-        // (yet): calls that ask for them run the tiled forward, which does.
-        if (!problem.collect_stats && cpu::forward_by_decode(problem)) return;
+        // (yet): calls that ask for them run the tiled forward, which does; nor does it
+        // run score_mod / mask_mod.
+        const bool programmable = problem.modifiers.has_score_mod() || problem.mask.has_mask_mod();
+        if (!problem.collect_stats && !programmable && cpu::forward_by_decode(problem)) return;
       }
       return cpu::forward(problem);
     }

@@ -53,8 +53,8 @@ struct Sequences {
 // element by element inside that prefix.
 //
 // A key is *removed* (never read: a NaN behind it cannot reach the row) when it lies past
-// key_end, its boolean mask entry is false, or its bias is ≤ kRemovalBias (−inf, and the
-// "finfo.min" that PyTorch and transformers use for padding). One exception keeps
+// key_end, its boolean mask entry or mask_mod is false, or its bias is ≤ kRemovalBias
+// (−inf, and the "finfo.min" that PyTorch and transformers use for padding). One exception keeps
 // PyTorch's result: a row none of whose keys has a bias above kRemovalBias, but some of
 // which have a finite bias ≤ kRemovalBias (a *degenerate* row, e.g. a padding query of a
 // left-padded batch), takes those keys literally, as PyTorch's softmax does: with every
@@ -73,6 +73,8 @@ struct MaskRule {
   bool has_sinks = false;
   View4<const std::uint8_t> keep;  // broadcast axes have stride 0 after validation
   View4<const float> bias;
+  // A programmable mask (qkv/modifiers.hpp): one more keep condition, never with bias.
+  MaskModHook mask_mod;
 
   int64_t q_len(int64_t b) const { return sequences.q_len(b); }
   int64_t valid_keys(int64_t b) const {
@@ -111,8 +113,10 @@ struct MaskRule {
   }
 
   bool has_elementwise() const { return !keep.empty() || !bias.empty(); }
+  bool has_mask_mod() const { return mask_mod.active(); }
   bool keeps(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    return keep.empty() || keep(b, h, i, j) != 0;
+    return (keep.empty() || keep(b, h, i, j) != 0) &&
+           (!has_mask_mod() || mask_mod.keeps(mask_mod.context, b, h, i, j));
   }
   float bias_at(int64_t b, int64_t h, int64_t i, int64_t j) const {
     return bias.empty() ? 0.0f : bias(b, h, i, j);
@@ -143,15 +147,18 @@ struct MaskRule {
 };
 
 // What the variants do to a row's logits beyond which keys take part, in the order the
-// kernels apply them:  s = scale·q·k  →  softcap·tanh(s/softcap)  →  + ALiBi  → + mask
-// bias; then the softmax over the keys and the sink; then dropout on the weights.
+// kernels apply them:  s = scale·q·k  →  softcap·tanh(s/softcap)  →  + ALiBi  →
+// score_mod  → + mask bias; then the softmax over the keys and the sink; then dropout on
+// the weights.
 struct ScoreModifiers {
   float softcap = 0.0f;                  // 0: off
   std::span<const float> alibi_slopes;   // per query head, or empty
   std::span<const float> sinks;          // per query head, or empty
   Dropout dropout;
+  ScoreModHook score_mod;                // programmable (qkv/modifiers.hpp), or inactive
 
   bool has_alibi() const { return !alibi_slopes.empty(); }
+  bool has_score_mod() const { return score_mod.active(); }
   bool has_sinks() const { return !sinks.empty(); }
   bool has_dropout() const { return dropout.p > 0.0f; }
   // ALiBi's bias of (query i, key j) of head h: −slope·|i + offset − j|, with the offset

@@ -88,7 +88,8 @@ TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries
       q_rows_(e.q_len),
       q_blocks_(ceil_div(e.q_len, block_queries)),
       k_blocks_(ceil_div(e.k_len, block_keys)),
-      per_head_(varies(mask.keep, mask.bias, 1)),
+      per_head_(varies(mask.keep, mask.bias, 1) ||
+                (mask.has_mask_mod() && mask.mask_mod.varies_with_head)),
       plan_heads_(per_head_ ? static_cast<std::size_t>(e.q_heads) : 1),
       batch_(e.batch),
       q_heads_(e.q_heads),
@@ -102,16 +103,22 @@ TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries
   partial_columns_.assign(static_cast<std::size_t>(batch_ * kv_heads_ * k_blocks_), 0);
   const double tiles = static_cast<double>(classes_.size());
 
-  if (!mask.has_elementwise()) {
+  if (mask.has_elementwise()) {
+    classify_with_elementwise(e, threads);
+  } else {
 #pragma omp parallel for num_threads(tiles > kParallelPlanWork ? threads : 1) schedule(static)
     for (int64_t b = 0; b < batch_; ++b) classify_without_elementwise(b);
-    finish(e.group());
-    return;
   }
+  if (mask.has_mask_mod()) classify_with_mask_mod(threads);
+  finish(e.group());
+}
 
+void TilePlan::classify_with_elementwise(const Extents& e, int threads) {
+  const MaskRule& mask = *mask_;
+  const double tiles = static_cast<double>(classes_.size());
   // Distinct mask rows: an axis the masks broadcast over is summarized once.
   const int64_t mask_batches = varies(mask.keep, mask.bias, 0) ? batch_ : 1;
-  const int64_t mask_heads = per_head_ ? q_heads_ : 1;
+  const int64_t mask_heads = varies(mask.keep, mask.bias, 1) ? q_heads_ : 1;
   const bool per_query = varies(mask.keep, mask.bias, 2);
   const int64_t mask_queries = per_query ? q_rows_ : 1;
   const std::size_t stride = static_cast<std::size_t>(k_blocks_);
@@ -181,7 +188,52 @@ TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries
       }
     }
   }
-  finish(e.group());
+}
+
+// mask_mod on top of the classes of the other masks: every tile they leave is evaluated
+// over the pairs they leave (each row's [key_begin, key_end) within the tile), through one
+// call of the user's tile loop. None kept: empty; all kept of a full tile: full; else
+// partial. A tile mask.keep alone would empty may stay partial: still exact, as the kernel
+// masks it elementwise.
+void TilePlan::classify_with_mask_mod(int threads) {
+  const MaskRule& m = *mask_;
+  const MaskModHook& mod = m.mask_mod;
+  const int64_t heads = static_cast<int64_t>(plan_heads_);
+  const int64_t row_blocks = batch_ * heads * q_blocks_;
+  const double pairs = static_cast<double>(classes_.size()) * static_cast<double>(block_q_ * block_k_);
+#pragma omp parallel for num_threads(pairs > kParallelPlanWork ? threads : 1) schedule(dynamic, 1)
+  for (int64_t index = 0; index < row_blocks; ++index) {
+    const int64_t qb = index % q_blocks_, plan_head = index / q_blocks_ % heads,
+                  b = index / (q_blocks_ * heads);
+    const int64_t first = qb * block_q_, q_len = m.q_len(b), k_len = m.sequences.k_len(b);
+    if (first >= q_len) continue;
+    const int64_t count = std::min(block_q_, q_len - first);
+    const auto n = static_cast<std::size_t>(count);
+    std::vector<int32_t> row_begin(n), row_end(n), begin(n), end(n);
+    for (std::size_t r = 0; r < n; ++r) {
+      row_begin[r] = static_cast<int32_t>(m.key_begin(b, first + static_cast<int64_t>(r)));
+      row_end[r] = static_cast<int32_t>(m.key_end(b, first + static_cast<int64_t>(r)));
+    }
+    Tile* row = classes_.data() + tile_index(b, plan_head, qb);
+    for (int64_t kb = 0; kb * block_k_ < k_len; ++kb) {
+      if (row[kb] == Tile::empty) continue;
+      const auto start = static_cast<int32_t>(kb * block_k_);
+      const auto stop = static_cast<int32_t>(std::min((kb + 1) * block_k_, k_len));
+      int64_t visible = 0;
+      for (std::size_t r = 0; r < n; ++r) {
+        begin[r] = std::clamp(row_begin[r], start, stop);
+        end[r] = std::max(begin[r], std::min(row_end[r], stop));
+        visible += end[r] - begin[r];
+      }
+      const hooks::MaskCount rows{.batch = b, .head = plan_head, .first_query = first,
+                                  .queries = count, .key_begin = begin.data(),
+                                  .key_end = end.data()};
+      const int64_t kept = visible == 0 ? 0 : mod.count(mod.context, rows);
+      row[kb] = kept == 0                                    ? Tile::empty
+                : row[kb] == Tile::full && kept == visible ? Tile::full
+                                                           : Tile::partial;
+    }
+  }
 }
 
 // Causality, key padding and the window alone: a query block's rows see [begin, end)
@@ -209,6 +261,9 @@ void TilePlan::classify_without_elementwise(int64_t b) {
         row[kb] = any ? Tile::partial : Tile::empty;
       }
     }
+    // Per-head classes (a head-dependent mask_mod refines them next) start alike.
+    for (std::size_t ph = 1; ph < plan_heads_; ++ph)
+      std::copy(row, row + k_blocks_, classes_.data() + tile_index(b, static_cast<int64_t>(ph), qb));
   }
 }
 

@@ -7,6 +7,11 @@
 //   full     every pair takes part with zero bias: no mask work at all
 //   partial  anything else: the kernel masks the tile elementwise (vectorized)
 //
+// A programmable mask_mod (qkv/modifiers.hpp) then refines the classes: it is evaluated
+// once per call over every pair the other masks leave in a tile (per head, or once for
+// all heads when it does not vary with them), so its empty tiles are skipped and its
+// full ones get no mask work.
+//
 // Forward and backward read the same plan, so they skip and mask the very same tiles.
 // Cost: one pass over the mask's distinct rows (a mask broadcast over heads, batch or
 // queries is read once, not once per head) plus O(1) work per tile (O(block rows) per
@@ -79,8 +84,8 @@ class TilePlan {
   }
 
   void classify_without_elementwise(int64_t b);
-  void classify_with_elementwise(int64_t b, int64_t plan_head,
-                                 const std::vector<std::uint8_t>& summaries);
+  void classify_with_elementwise(const Extents& e, int threads);
+  void classify_with_mask_mod(int threads);
   void summarize(int64_t b, int64_t h, int64_t i, std::uint8_t* out) const;
   float degenerate_shift(int64_t b, int64_t h, int64_t i, const std::uint8_t* summary) const;
   void finish(int64_t group);

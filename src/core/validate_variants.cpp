@@ -1,5 +1,6 @@
-// Checks of the variant options (window, ALiBi, soft-cap, sinks, dropout), shared by the
-// dense and varlen validators, and their normalized form for the backends.
+// Checks of the variant options (window, ALiBi, soft-cap, sinks, dropout, score_mod and
+// mask_mod), shared by the dense and varlen validators, and their normalized form for
+// the backends.
 #include <cmath>
 #include <string>
 
@@ -24,7 +25,34 @@ void expect_per_head(const Checker& check, std::span<const float> values, const 
   }
 }
 
+// score_mod / mask_mod hooks (qkv/modifiers.hpp): complete, and not combined with what
+// the kernels cannot honour.
+void check_programmable(const Checker& check, const AttentionOptions& options) {
+  const ScoreModHook& score = options.modifiers.score;
+  if (score.active() && (score.tile == nullptr || score.value == nullptr)) {
+    check.fail("options.modifiers.score: expected a hook made by qkv::score_mod (tile and value "
+               "functions both set), got one with a null function");
+  }
+  const MaskModHook& mask = options.modifiers.mask;
+  if (mask.active() && (mask.count == nullptr || mask.apply == nullptr || mask.keeps == nullptr)) {
+    check.fail("options.modifiers.mask: expected a hook made by qkv::mask_mod (count, apply and "
+               "keeps functions all set), got one with a null function");
+  }
+  if (mask.active() && !options.mask.bias.empty()) {
+    check.fail("options.modifiers.mask: not supported together with options.mask.bias (fold the "
+               "bias into a score_mod, or its removed keys into the mask_mod)");
+  }
+}
+
 }  // namespace
+
+void check_modifier_gradient(const Checker& check, const AttentionOptions& options) {
+  const ScoreModHook& score = options.modifiers.score;
+  if (score.active() && score.derivative == nullptr) {
+    check.fail("options.modifiers.score: the backward needs d score_mod / d score; make the "
+               "hook with qkv::score_mod(mod, derivative), got one without a derivative");
+  }
+}
 
 void check_variants(const Checker& check, const AttentionOptions& options, const Extents& e,
                     MaskRule& mask, ScoreModifiers& modifiers) {
@@ -44,6 +72,9 @@ void check_variants(const Checker& check, const AttentionOptions& options, const
   if (!(p >= 0.0f && p < 1.0f)) {
     check.fail("options.dropout.p: expected a probability in [0, 1), got " + std::to_string(p));
   }
+  check_programmable(check, options);
+  mask.mask_mod = options.modifiers.mask;
+  modifiers.score_mod = options.modifiers.score;
   mask.has_sinks = !options.sinks.empty();
   modifiers.softcap = options.softcap;
   modifiers.alibi_slopes = options.alibi_slopes;

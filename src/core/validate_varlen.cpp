@@ -198,6 +198,7 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
   check_variants(check, options, problem.extents, problem.mask, problem.modifiers);
   const Extents& e = problem.extents;
   check_sink_gradient(check, options, args.dsinks, e.q_heads);
+  check_modifier_gradient(check, options);
   const int64_t total_q = args.q.shape[0], total_k = args.k.shape[0];
 
   auto expect_like = [&](const Described& view, int64_t rows, int64_t heads, int64_t dim,

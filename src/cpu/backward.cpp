@@ -15,7 +15,8 @@
 // Run separately, pass 2 recomputes S and dP (7 block products instead of 5): the price
 // of using every core on one head without per-thread copies of dQ.
 // Variants mirror the forward: S is soft-capped (its slope 1 − tanh² kept to multiply
-// dS), ALiBi added and masked as there; with dropout dP ← Z ⊙ dP and dV takes P ⊙ Z;
+// dS), ALiBi added, score_mod applied (its derivative kept to multiply dS) and masked as
+// there (mask_mod on partial tiles); with dropout dP ← Z ⊙ dP and dV takes P ⊙ Z;
 // the sinks' gradient is −Σ_i exp(sink − lse_i)·D_i, summed in a fixed order.
 //
 // One source for every storage type T (storage-inl.h). The packed panels are float
@@ -31,6 +32,7 @@
 #include "cpu/block_ops-inl.h"
 #include "cpu/gemm-inl.h"
 #include "cpu/finite_scan-inl.h"
+#include "cpu/modifier_tiles-inl.h"
 
 #ifndef QKV_CPU_BACKWARD_ONCE_
 #define QKV_CPU_BACKWARD_ONCE_
@@ -144,6 +146,7 @@ struct BackwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> dst;   // kBlockKeys × width: dPᵀ, then dSᵀ
   hwy::AlignedFreeUniquePtr<float[]> add;   // kBlockKeys × width: a partial tile's mask
   hwy::AlignedFreeUniquePtr<float[]> cap;   // kBlockKeys × width: soft-cap slope 1 − tanh²
+  hwy::AlignedFreeUniquePtr<float[]> mod_slope;  // kBlockKeys × width: d score_mod / d score
   hwy::AlignedFreeUniquePtr<float[]> acc;   // kBlockKeys × (d_ld + dv_ld): dK, dV
   hwy::AlignedFreeUniquePtr<float[]> k_pad; // kBlockKeys × d_ld: K padded (d % lanes ≠ 0) or widened
   hwy::AlignedFreeUniquePtr<float[]> v_wide;  // kBlockKeys × dv_ld: V widened, 16-bit storage only
@@ -153,19 +156,24 @@ struct BackwardScratch {
 
   // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass).
   BackwardScratch(const Packed& packed, bool elementwise, bool softcap, size_t lanes,
-                  size_t dq_rows, bool widen)
+                  size_t dq_rows, bool widen, bool score_mod = false)
       : width(round_up(kBlockQueries, lanes)),
         pt(AllocateFloats(kBlockKeys * width)),
         dst(AllocateFloats(kBlockKeys * width)),
         add(AllocateFloats(elementwise ? kBlockKeys * width : 0)),
         cap(AllocateFloats(softcap ? kBlockKeys * width : 0)),
+        mod_slope(AllocateFloats(score_mod ? kBlockKeys * width : 0)),
         acc(AllocateFloats(kBlockKeys * (packed.d_ld + packed.dv_ld))),
         k_pad(AllocateFloats(packed.pad_q_rows ? kBlockKeys * packed.d_ld : 0)),
         v_wide(AllocateFloats(widen ? kBlockKeys * packed.dv_ld : 0)),
         dq(AllocateFloats(dq_rows * packed.d_ld)),
         key_begin(width, 0),
         key_end(width, 0),
-        dropout_keys(width, 0) {}
+        dropout_keys(width, 0) {
+    // Padding columns never get a derivative; ChainScoreMod ignores them (dS = 0 there),
+    // but they should not be read uninitialized.
+    if (score_mod) std::fill(mod_slope.get(), mod_slope.get() + kBlockKeys * width, 1.0f);
+  }
 };
 
 // What every block function of one call reads.
@@ -300,6 +308,7 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
     AlibiTile(s.pt.get(), kn, width, first_key,
               rows.first + detail::ScoreModifiers::alibi_offset(p.mask, rows.batch),
               mods.alibi_slopes[rows.head]);
+  if (mods.has_score_mod()) ApplyScoreMod(mods.score_mod, rows, first_key, keys, s.pt.get(), width, s.mod_slope.get());
   if (tile == detail::Tile::partial) {
     const float* add = nullptr;
     size_t add_ld = width;
@@ -314,6 +323,7 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
     }
     MaskTile(s.pt.get(), kn, width, first_key, s.key_begin.data(), s.key_end.data(), add, add_ld);
     overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.pt.get(), width);
+    if (p.mask.has_mask_mod()) ApplyMaskMod(p.mask.mask_mod, rows, first_key, keys, s.pt.get(), width);
   }
   ProbabilitiesFromLse(s.pt.get(), kn, width, c.packed.lse_of(rows.batch, rows.head) + offset);
 
@@ -328,6 +338,7 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
     DropoutTile(s.dst.get(), kn, width, first_key, s.dropout_keys.data(), threshold, dropout_scale);
   ScoreGradient(s.pt.get(), s.dst.get(), kn, width,
                 c.packed.delta_of(rows.batch, rows.head) + offset);
+  if (mods.has_score_mod()) ChainScoreMod(s.dst.get(), s.mod_slope.get(), kn, width);  // mod came after the cap
   if (mods.softcap > 0.0f) MultiplyTile(s.dst.get(), s.cap.get(), kn * width);  // through tanh
   if (dropout)
     DropoutTile(s.pt.get(), kn, width, first_key, s.dropout_keys.data(), threshold, dropout_scale);
@@ -545,7 +556,7 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
     // (implicit barrier: every task below reads every query block's packed panels, the
     // finite flags and the shared mask tiles)
     BackwardScratch scratch(packed, p.mask.has_elementwise(), p.modifiers.softcap > 0.0f, lanes,
-                            dq_rows, kIsHalf<T>);
+                            dq_rows, kIsHalf<T>, p.modifiers.has_score_mod());
     if (single_pass) {
 #pragma omp for schedule(dynamic, 1)
       for (size_t t = 0; t < head_groups.size(); ++t)

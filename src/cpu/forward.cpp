@@ -4,8 +4,10 @@
 //   m = sink or −inf, l = 1 or 0                             (a sink: a key with no value)
 //   for each key block whose tile the plan (core/tile_plan.hpp) does not skip (64 keys):
 //     Sᵀ = K_blk · Qᵀ                                       micro-kernel, K read in place
-//     variants: Sᵀ ← c·tanh(Sᵀ/c) (soft-cap), Sᵀ −= slope·|i + off − j| (ALiBi)
-//     partial tiles only: mask Sᵀ (window/causal/padding edges, elementwise masks; SIMD)
+//     variants: Sᵀ ← c·tanh(Sᵀ/c) (soft-cap), Sᵀ −= slope·|i + off − j| (ALiBi),
+//       Sᵀ ← score_mod(Sᵀ) (the user's tile loop, modifier_tiles-inl.h)
+//     partial tiles only: mask Sᵀ (window/causal/padding edges, elementwise masks; SIMD;
+//       then mask_mod)
 //     m' = max(m, max_j Sᵀ),  P = exp(Sᵀ − m'),  l = l·e^(m−m') + Σ_j P
 //     dropout: P ← P ⊙ Z  (Z = 0 or 1/(1−p), a hash of the indices; l keeps Σ P)
 //     acc = acc·e^(m−m') + P·V_blk      micro-kernel (V read in place), summed per block
@@ -32,6 +34,7 @@
 #include "cpu/block_ops-inl.h"
 #include "cpu/gemm-inl.h"
 #include "cpu/finite_scan-inl.h"
+#include "cpu/modifier_tiles-inl.h"
 
 #ifndef QKV_CPU_FORWARD_ONCE_
 #define QKV_CPU_FORWARD_ONCE_
@@ -200,6 +203,7 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
          s.qt.get(), width, s.st.get(), width, /*accumulate=*/false);
     if (mods.softcap > 0.0f) SoftcapTile(s.st.get(), static_cast<size_t>(keys), width, mods.softcap, nullptr);
     if (mods.has_alibi()) AlibiTile(s.st.get(), static_cast<size_t>(keys), width, first_key, alibi_first, slope);
+    if (mods.has_score_mod()) ApplyScoreMod(mods.score_mod, rows, first_key, keys, s.st.get(), width, nullptr);
     const bool partial = tile == detail::Tile::partial;
     if (partial) {
       const float* add = nullptr;
@@ -216,6 +220,7 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
       MaskTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.key_begin.data(),
                s.key_end.data(), add, add_ld);
       overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.st.get(), width);
+      if (p.mask.has_mask_mod()) ApplyMaskMod(p.mask.mask_mod, rows, first_key, keys, s.st.get(), width);
     }
 
     if (block_stats == nullptr) {

@@ -91,6 +91,10 @@ struct ViewChecks {
       fail("options.mask: not supported by ring attention (use causal and key_lengths, "
            "which the ring applies in global positions)");
     }
+    if (options.modifiers.active()) {
+      fail("options.modifiers: not supported by ring attention (each rank's call would see "
+           "key positions local to its block)");
+    }
   }
 
  private:

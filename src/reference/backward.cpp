@@ -5,8 +5,9 @@
 //   dP   = dO·Vᵀ                              (O = P·V, differentiated in P)
 //   dS_i = J(P_i)ᵀ·dP_i,  J(s) = diag(s) − s·sᵀ  (the softmax, row by row; J is built)
 //   dQ   = scale·dS·K,  dK = scale·dSᵀ·Q      (S = scale·Q·Kᵀ)
-// Variants: the soft-cap multiplies dS by its slope 1 − tanh²; ALiBi and mask biases are
-// constants; a sink is one more softmax entry with no value (dP = 0), whose dS is
+// Variants: the soft-cap multiplies dS by its slope 1 − tanh², and score_mod by the
+// derivative the user gives (chain rule: both when both are set); ALiBi and mask biases
+// are constants; mask_mod removes keys like a boolean mask; a sink is one more softmax entry with no value (dP = 0), whose dS is
 // ∂L/∂sink; dropout multiplies the weights by Z (0 or 1/(1 − p)) in the forward, so dP
 // by Z here. Removed keys have P_ij = 0, so their row and column of J vanish and dS_ij = 0; a
 // fully masked row has P_i = 0 and contributes nothing. With GQA, dK and dV sum over
@@ -76,12 +77,12 @@ void backward_impl(const detail::BackwardProblem<T>& problem) {
             d_scores[j] = sum;
           }
           if (mods.has_sinks()) dsinks[static_cast<std::size_t>(h)] += d_scores[nk];
-          // Through the soft-cap (ds/ds_raw = 1 − tanh²), then S = scale·Q·Kᵀ:
+          // Through score_mod and the soft-cap (row.slope), then S = scale·Q·Kᵀ:
           // dQ_i = scale · Σ_j dS_ij K_j ;  dK_j += scale · dS_ij Q_i.
           std::fill(dq_row.begin(), dq_row.end(), 0.0);
           for (int64_t j = 0; j < nk; ++j) {
             if (d_scores[j] == 0.0) continue;
-            const double ds = problem.scale * d_scores[j] * row.cap_slope[j];
+            const double ds = problem.scale * d_scores[j] * row.slope[j];
             const T* k = rows.k(b, j, kv_head);
             for (int64_t c = 0; c < e.head_dim; ++c) {
               dq_row[c] += ds * static_cast<double>(k[c]);

@@ -26,15 +26,17 @@ T store_as(double value) {
 
 // One query row as the reference sees it: the logits of the keys of q_i's sequence (keys
 // that do not take part at −inf, never read), then the sink logit when the call has sinks
-// (index k_len: a key without a value), the softmax of all of them, and ds/dlogit of the
-// soft-cap (1 − tanh², 1 without it) for the backward.
+// (index k_len: a key without a value), the softmax of all of them, and for the backward
+// d logit / d (scale·q·k): the soft-cap's 1 − tanh² times score_mod's derivative (1
+// without them).
 struct RowScores {
-  std::vector<double> scores, weights, cap_slope;
+  std::vector<double> scores, weights, slope;
   double lse = 0.0;
 };
 
 //   s_ij = scale·q_i·k_j;  s_ij ← c·tanh(s_ij/c) (soft-cap c);  s_ij += −slope_h·|i + off − j|
-//   (ALiBi);  s_ij += bias_ij (mask);  P_i = softmax(s_i ∪ {sink_h})
+//   (ALiBi);  s_ij ← score_mod(s_ij, b, h, i, j);  s_ij += bias_ij (mask);
+//   P_i = softmax(s_i ∪ {sink_h}). mask_mod removes keys through MaskRule::takes_part.
 template <class Rows>
 void score_row(const detail::Extents& e, const detail::MaskRule& mask,
                const detail::ScoreModifiers& mods, double scale, const Rows& rows, int64_t b,
@@ -46,11 +48,12 @@ void score_row(const detail::Extents& e, const detail::MaskRule& mask,
   const int64_t entries = k_len + (mods.has_sinks() ? 1 : 0);
   row.scores.assign(entries, -std::numeric_limits<double>::infinity());
   row.weights.assign(entries, 0.0);
-  row.cap_slope.assign(k_len, 1.0);
+  row.slope.assign(k_len, 1.0);
   const auto* q = rows.q(b, i, h);
   const double cap = mods.softcap;
   const double slope = mods.has_alibi() ? mods.alibi_slopes[h] : 0.0;
   const int64_t offset = detail::ScoreModifiers::alibi_offset(mask, b);
+  const ScoreModHook& score_mod = mods.score_mod;
   for (int64_t j = key_begin; j < key_end; ++j) {
     if (!mask.takes_part(b, h, i, j, degenerate)) continue;
     const auto* k = rows.k(b, j, kv_head);
@@ -62,9 +65,14 @@ void score_row(const detail::Extents& e, const detail::MaskRule& mask,
     if (cap > 0.0) {
       const double t = std::tanh(logit / cap);
       logit = cap * t;
-      row.cap_slope[j] = 1.0 - t * t;
+      row.slope[j] = 1.0 - t * t;
     }
     logit -= slope * static_cast<double>(std::abs(i + offset - j));
+    if (score_mod.active()) {  // in double when the user's callable allows it
+      if (score_mod.derivative != nullptr)
+        row.slope[j] *= score_mod.derivative(score_mod.context, logit, b, h, i, j);
+      logit = score_mod.value(score_mod.context, logit, b, h, i, j);
+    }
     row.scores[j] = logit + static_cast<double>(mask.bias_at(b, h, i, j));
   }
   if (mods.has_sinks()) row.scores[k_len] = mods.sinks[h];
