@@ -73,6 +73,10 @@ struct BackwardArgs {
   View4<T> dq, dk, dv;  // written, not accumulated into
   // With options.sinks: ∂L/∂sinks, one per query head (float, written). Optional.
   std::span<float> dsinks;
+  // With options.alibi_slopes: ∂L/∂slope_h = −Σ_(i,j) ∂L/∂S_ij·|i + Nk − Nq − j| over every
+  // entry and row of head h, one per query head (float, written). Optional; not with a
+  // score_mod (qkv/modifiers.hpp), whose derivative would have to be chained in between.
+  std::span<float> dalibi_slopes;
 };
 
 void attention_forward(const ForwardArgs<float>& args, const AttentionOptions& options = {});
@@ -135,6 +139,7 @@ struct VarlenBackwardArgs {
   View3<const T> dout;
   View3<T> dq, dk, dv;  // written, not accumulated into
   std::span<float> dsinks;  // optional, with options.sinks
+  std::span<float> dalibi_slopes;  // optional, with options.alibi_slopes (see BackwardArgs)
   SeqOffsets cu_seqlens_q, cu_seqlens_k;
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
 };

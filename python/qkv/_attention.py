@@ -35,7 +35,8 @@ _COMMON_DOC = """
     window: ``(left, right)`` sliding window: query i sees keys j with
         ``i + off - left <= j <= i + off + right`` (None or -1: unbounded), off = 0 with
         ``causal="top_left"``, else Nk - Nq (bottom-right). Tiles outside are skipped.
-    alibi_slopes: one float per query head; adds ``-slope·|i + Nk - Nq - j|``.
+    alibi_slopes: one float per query head; adds ``-slope·|i + Nk - Nq - j|``
+        (differentiable for a torch tensor that requires grad).
     softcap: c > 0 turns each scaled logit s into ``c·tanh(s/c)`` (Gemma 2).
     sinks: one float per query head, a logit that joins every row's softmax without a
         value (gpt-oss); differentiable for torch tensors, and attention_backward then

@@ -36,12 +36,14 @@ def forward(fw, q, k, v, *, layout: str, options: Options, want_lse: bool,
     return out, lse, weights
 
 
-def backward(fw, q, k, v, out, lse, dout, *, layout: str, options: Options, dsinks=None):
+def backward(fw, q, k, v, out, lse, dout, *, layout: str, options: Options, dsinks=None,
+             dalibi=None):
     """(dq, dk, dv), each a new C-order array in `layout` shaped like q, k, v; with
-    `dsinks` (a float32 [Hq] array), also writes the sinks' gradient there."""
+    `dsinks` (a float32 [Hq] array), also writes the sinks' gradient there, and with
+    `dalibi` (float32 [Hq]) the ALiBi slopes' gradient."""
     dq, dk, dv = fw.empty(tuple(q.shape), q), fw.empty(tuple(k.shape), q), fw.empty(tuple(v.shape), q)
     bits = fw.bfloat16_bits(q)
     arrays = fw.bits_views(q, k, v, out) if bits else (q, k, v, out)
     grads = fw.bits_views(dout, dq, dk, dv) if bits else (dout, dq, dk, dv)
-    _qkv.backward(*arrays, lse, *grads, dsinks, options, layout == "bhsd", bits)
+    _qkv.backward(*arrays, lse, *grads, dsinks, options, layout == "bhsd", bits, dalibi)
     return dq, dk, dv

@@ -20,8 +20,9 @@ _DOC = """
     Errors name the argument (qkv.Error), e.g. a cu_seqlens entry that decreases.
     dtypes: float32, float64, float16 or bfloat16 (one for q, k, v; lse is float32 for
     the 16-bit ones, which are computed in float32 and rounded once on output).
-    Variants as in qkv.attention: window, alibi_slopes, softcap, sinks (differentiable for
-    torch; varlen_attention_backward then also returns dsinks), dropout_p, seed.
+    Variants as in qkv.attention: window, alibi_slopes (not differentiable here yet),
+    softcap, sinks (differentiable for torch; varlen_attention_backward then also returns
+    dsinks), dropout_p, seed.
 """
 
 
@@ -88,6 +89,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     if fw is Torch:
         import torch
 
+        slopes = variants.get("alibi_slopes")
+        if isinstance(slopes, torch.Tensor) and slopes.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(
+                "qkv.varlen_attention: no gradient for alibi_slopes yet (qkv.attention has one); "
+                "pass them detached (slopes.detach())")
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad)):
             out, lse = _torch_function().apply(q, k, v, sinks, cu_q, cu_k, settings,

@@ -75,7 +75,8 @@ template <class T>
 void backward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, const ArrayRef& out,
                     const ArrayRef& lse, const ArrayRef& dout, const ArrayRef& dq,
                     const ArrayRef& dk, const ArrayRef& dv, const std::optional<ArrayRef>& dsinks,
-                    const AttentionOptions& options, bool bits) {
+                    const std::optional<ArrayRef>& dalibi, const AttentionOptions& options,
+                    bool bits) {
   BackwardArgs<T> args;
   args.q = view_of<const T, 4>("q", q, kAsQ, bits);
   args.k = view_of<const T, 4>("k", k, kAsQ, bits);
@@ -89,6 +90,10 @@ void backward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, con
   if (dsinks) {
     const auto view = view_of<float, 1>("dsinks", *dsinks, "sinks are float32");
     args.dsinks = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
+  }
+  if (dalibi) {
+    const auto view = view_of<float, 1>("dalibi_slopes", *dalibi, "ALiBi slopes are float32");
+    args.dalibi_slopes = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
   }
 
   if (debug_recording.load(std::memory_order_relaxed)) {
@@ -127,17 +132,18 @@ void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handl
 
 void backward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
               nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv, nb::handle dsinks,
-              const BoundOptions& bound, bool bhsd, bool bfloat16_bits) {
+              const BoundOptions& bound, bool bhsd, bool bfloat16_bits, nb::handle dalibi) {
   const ArrayRef qa = logical(q, false, bhsd), ka = logical(k, false, bhsd),
                  va = logical(v, false, bhsd), oa = logical(out, false, bhsd),
                  la = ArrayRef::from(lse, false), da = logical(dout, false, bhsd),
                  dqa = logical(dq, true, bhsd), dka = logical(dk, true, bhsd),
                  dva = logical(dv, true, bhsd);
   const std::optional<ArrayRef> dsa = optional_array(dsinks);
+  const std::optional<ArrayRef> daa = optional_array(dalibi);
   const CallStorage call = call_storage(qa, bfloat16_bits);
   const AttentionOptions options = bound.for_call();
   with_storage(call, [&]<class T>() {
-    backward_typed<T>(qa, ka, va, oa, la, da, dqa, dka, dva, dsa, options, call.bits);
+    backward_typed<T>(qa, ka, va, oa, la, da, dqa, dka, dva, dsa, daa, options, call.bits);
   });
 }
 
@@ -175,8 +181,10 @@ void bind_attention(nanobind::module_& m) {
   m.def("backward", &backward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
         nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
         nb::arg("dsinks").none(), nb::arg("options"), nb::arg("bhsd"), nb::arg("bfloat16_bits"),
+        nb::arg("dalibi_slopes").none() = nb::none(),
         "qkv::attention_backward on the given arrays (as for forward); writes dq, dk, dv (and "
-        "dsinks, float32 [Hq], with sinks) in place. The GIL is released while computing.");
+        "dsinks, float32 [Hq], with sinks; dalibi_slopes, float32 [Hq], with ALiBi slopes) in "
+        "place. The GIL is released while computing.");
 
   m.def("backend_available", &backend_available, nb::arg("backend"),
         "Whether this build runs the named backend ('auto', 'reference' or 'cpu').");

@@ -173,6 +173,7 @@ BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
   check_variants(check, options, problem.extents, problem.mask, problem.modifiers);
   const Extents& e = problem.extents;
   check_sink_gradient(check, options, args.dsinks, e.q_heads);
+  check_alibi_gradient(check, options, args.dalibi_slopes, e.q_heads);
   check_modifier_gradient(check, options);
 
   auto expect_like = [&](const Described& view, int64_t seq, int64_t heads, int64_t dim,

@@ -20,6 +20,8 @@ void check_variants(const Checker& check, const AttentionOptions& options, const
                     MaskRule& mask, ScoreModifiers& modifiers);
 void check_sink_gradient(const Checker& check, const AttentionOptions& options,
                          std::span<float> dsinks, int64_t q_heads);
+void check_alibi_gradient(const Checker& check, const AttentionOptions& options,
+                          std::span<float> dalibi_slopes, int64_t q_heads);
 // Backward only: a score_mod must come with its derivative.
 void check_modifier_gradient(const Checker& check, const AttentionOptions& options);
 

@@ -94,4 +94,20 @@ void check_sink_gradient(const Checker& check, const AttentionOptions& options,
   }
 }
 
+void check_alibi_gradient(const Checker& check, const AttentionOptions& options,
+                          std::span<float> dalibi_slopes, int64_t q_heads) {
+  if (dalibi_slopes.empty()) return;
+  if (options.alibi_slopes.empty()) {
+    check.fail("dalibi_slopes: given, but options.alibi_slopes is empty (no slopes, no gradient)");
+  }
+  if (static_cast<int64_t>(dalibi_slopes.size()) != q_heads) {
+    check.fail("dalibi_slopes: expected one value per query head (" + std::to_string(q_heads) +
+               "), got " + std::to_string(dalibi_slopes.size()));
+  }
+  if (options.modifiers.score.active()) {
+    check.fail("dalibi_slopes: not computed together with a score_mod (modifiers.score); "
+               "write the ALiBi term inside the score_mod instead");
+  }
+}
+
 }  // namespace qkv::detail

@@ -198,6 +198,7 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
   check_variants(check, options, problem.extents, problem.mask, problem.modifiers);
   const Extents& e = problem.extents;
   check_sink_gradient(check, options, args.dsinks, e.q_heads);
+  check_alibi_gradient(check, options, args.dalibi_slopes, e.q_heads);
   check_modifier_gradient(check, options);
   const int64_t total_q = args.q.shape[0], total_k = args.k.shape[0];
 
@@ -244,6 +245,7 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
   problem.args.dk = as_batched(args.dk, e.batch);
   problem.args.dv = as_batched(args.dv, e.batch);
   problem.args.dsinks = args.dsinks;
+  problem.args.dalibi_slopes = args.dalibi_slopes;
   if (!args.lse.empty()) problem.args.lse = lse_as_batched(args.lse, e.batch);
   return problem;
 }

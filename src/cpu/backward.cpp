@@ -184,7 +184,27 @@ struct Context {
   const KeyValueFinite& finite;
   const SharedMaskTiles& shared;
   const Packed& packed;
+  // ALiBi slope gradient (BackwardArgs::dalibi_slopes), or null: one sum per (entry, head)
+  // in the single-pass schedule (each written by one task), per pass-2 task otherwise.
+  double* alibi_sums = nullptr;
 };
+
+// −Σ_(j, i < count) dSᵀ[j][i]·|aligned_first + i − (first_key + j)|: one tile's share of
+// ∂L/∂slope (ALiBi's bias is −slope·distance). Summed per query column in float over the
+// tile's ≤ 64 keys (vectorizable), then in double.
+inline double AlibiSlopeGradient(const float* dst, size_t keys, size_t width, size_t count,
+                                 int64_t first_key, int64_t aligned_first) {
+  float column[kBlockQueries] = {};
+  const float base = static_cast<float>(aligned_first - first_key);
+  for (size_t j = 0; j < keys; ++j) {
+    const float* row = dst + j * width;
+    const float shift = base - static_cast<float>(j);
+    for (size_t i = 0; i < count; ++i) column[i] += row[i] * std::abs(shift + static_cast<float>(i));
+  }
+  double sum = 0.0;
+  for (size_t i = 0; i < count; ++i) sum -= static_cast<double>(column[i]);
+  return sum;
+}
 
 // One key block's K and V rows as float operands: in place for float storage, else
 // widened into scratch (rows d_ld / dv_ld apart, zero-padded to whole vectors).
@@ -292,7 +312,8 @@ QueryRows DescribeQueryBlock(const Context<T>& c, int64_t b, int64_t h, int64_t 
 // forward did. Returns the columns (queries, padded to whole vectors) computed.
 template <class T>
 size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
-                  const KeyValueRows& kv, int64_t first_key, int64_t keys, BackwardScratch& s) {
+                  const KeyValueRows& kv, int64_t first_key, int64_t keys, BackwardScratch& s,
+                  double* alibi_sum = nullptr) {
   const auto& p = c.p;
   const detail::Extents& e = p.extents;
   const size_t width = round_up(static_cast<size_t>(rows.count), VectorLanes());
@@ -338,6 +359,10 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
     DropoutTile(s.dst.get(), kn, width, first_key, s.dropout_keys.data(), threshold, dropout_scale);
   ScoreGradient(s.pt.get(), s.dst.get(), kn, width,
                 c.packed.delta_of(rows.batch, rows.head) + offset);
+  // ALiBi came after the cap (and validation refuses a score_mod with its gradient).
+  if (alibi_sum != nullptr)
+    *alibi_sum += AlibiSlopeGradient(s.dst.get(), kn, width, static_cast<size_t>(rows.count), first_key,
+                                     rows.first + detail::ScoreModifiers::alibi_offset(p.mask, rows.batch));
   if (mods.has_score_mod()) ChainScoreMod(s.dst.get(), s.mod_slope.get(), kn, width);  // mod came after the cap
   if (mods.softcap > 0.0f) MultiplyTile(s.dst.get(), s.cap.get(), kn * width);  // through tanh
   if (dropout)
@@ -435,7 +460,11 @@ void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
       if (q_block + 1 < q_blocks) PrefetchQueryBlock(c, b, h, first + kBlockQueries, q_rows,
                                                      dout_rows, dq_group, task.kv_head);
       const QueryRows rows = DescribeQueryBlock(c, b, h, first, s);
-      const size_t width = ScoreBlock(c, rows, tile, kv, first_key, keys, s);
+      // The ALiBi gradient is taken where dQ is (each tile once): here in the single pass.
+      double* alibi_sum = dq_group != nullptr && c.alibi_sums != nullptr
+                              ? c.alibi_sums + b * e.q_heads + h
+                              : nullptr;
+      const size_t width = ScoreBlock(c, rows, tile, kv, first_key, keys, s, alibi_sum);
       const size_t count = static_cast<size_t>(rows.count);
       // dV += Pᵀ·dO_blk and dK += dSᵀ·Q_blk (the sum runs over this block's queries).
       GemmAddBlock(kn, packed.dv_ld, count, StridedA{s.pt.get(), width, 1},
@@ -480,7 +509,8 @@ void WriteQueryGradient(const detail::BackwardProblem<T>& p, const Packed& packe
 
 // Pass 2 of the two-pass schedule: one query block's dQ over every tile it does not skip.
 template <class T>
-void QueryBlockGradient(const Context<T>& c, const ForwardTask& task, BackwardScratch& s) {
+void QueryBlockGradient(const Context<T>& c, const ForwardTask& task, BackwardScratch& s,
+                        double* alibi_sum) {
   const detail::Extents& e = c.p.extents;
   const int64_t b = task.batch, h = task.head, kv_head = e.kv_head_of(h);
   const int64_t q_block = task.first_query / kBlockQueries;
@@ -495,7 +525,7 @@ void QueryBlockGradient(const Context<T>& c, const ForwardTask& task, BackwardSc
     const int64_t first_key = k_block * kBlockKeys;
     const int64_t keys = std::min(kBlockKeys, k_len - first_key);
     const KeyValueRows kv = LoadKeyValues(c, b, kv_head, first_key, keys, s);
-    const size_t width = ScoreBlock(c, rows, tile, kv, first_key, keys, s);
+    const size_t width = ScoreBlock(c, rows, tile, kv, first_key, keys, s, alibi_sum);
     AccumulateQueryGradient(c, rows, tile, width, kv_head, kv, first_key, keys, dq_acc, s);
   }
   WriteQueryGradient(c.p, c.packed, b, h, rows.first, rows.count, dq_acc);
@@ -527,6 +557,7 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
   const std::vector<KeyTask> kv_tasks = key_tasks(e, p.mask, plan);
   if (query_tasks.empty() && kv_tasks.empty()) {
     std::fill(p.args.dsinks.begin(), p.args.dsinks.end(), 0.0f);  // no rows: no gradient
+    std::fill(p.args.dalibi_slopes.begin(), p.args.dalibi_slopes.end(), 0.0f);
     return;
   }
 
@@ -534,9 +565,12 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
   KeyValueFinite finite(e);
   const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
   const SharedMaskTiles shared(p.mask, e, plan);
-  const Context<T> context{p, plan, finite, shared, packed};
-
   const bool single_pass = backward_single_pass(e);
+  const bool want_dalibi = !p.args.dalibi_slopes.empty();
+  std::vector<double> alibi_sums(
+      !want_dalibi ? 0 : single_pass ? static_cast<size_t>(e.batch * e.q_heads) : query_tasks.size(), 0.0);
+  const Context<T> context{p, plan, finite, shared, packed, want_dalibi ? alibi_sums.data() : nullptr};
+
   const std::vector<std::pair<int64_t, int64_t>> head_groups =
       single_pass ? head_group_tasks(e, kv_tasks) : std::vector<std::pair<int64_t, int64_t>>{};
   const size_t most_tasks =
@@ -567,8 +601,23 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
       // Pass 2 reads only the packed panels and K, V: no barrier needed before it.
 #pragma omp for schedule(dynamic, 1)
       for (size_t t = 0; t < query_tasks.size(); ++t)
-        QueryBlockGradient(context, query_tasks[t], scratch);
+        QueryBlockGradient(context, query_tasks[t], scratch,
+                           want_dalibi ? alibi_sums.data() + t : nullptr);
     }
+  }
+  // ∂L/∂slope_h: the per-(entry, head) or per-task sums, added in a fixed order.
+  if (want_dalibi) {
+    std::vector<double> per_head(static_cast<size_t>(e.q_heads), 0.0);
+    if (single_pass) {
+      for (int64_t b = 0; b < e.batch; ++b)
+        for (int64_t h = 0; h < e.q_heads; ++h)
+          per_head[static_cast<size_t>(h)] += alibi_sums[static_cast<size_t>(b * e.q_heads + h)];
+    } else {
+      for (size_t t = 0; t < query_tasks.size(); ++t)
+        per_head[static_cast<size_t>(query_tasks[t].head)] += alibi_sums[t];
+    }
+    for (int64_t h = 0; h < e.q_heads; ++h)
+      p.args.dalibi_slopes[static_cast<size_t>(h)] = static_cast<float>(per_head[static_cast<size_t>(h)]);
   }
   // ∂L/∂sink_h = Σ over entries and rows of the per-row terms, in a fixed order.
   if (!p.args.dsinks.empty()) {

@@ -31,6 +31,8 @@ void backward_impl(const detail::BackwardProblem<T>& problem) {
   // dK, dV accumulate in double over query rows and grouped query heads: [Nk, dim].
   std::vector<double> dk_acc, dv_acc, dq_row(e.head_dim);
   std::vector<double> dsinks(static_cast<std::size_t>(e.q_heads), 0.0);
+  std::vector<double> dalibi(static_cast<std::size_t>(e.q_heads), 0.0);
+  const bool want_dalibi = !problem.args.dalibi_slopes.empty();
 
   for (int64_t b = 0; b < e.batch; ++b) {
     const int64_t nk = problem.mask.sequences.k_len(b);
@@ -77,6 +79,14 @@ void backward_impl(const detail::BackwardProblem<T>& problem) {
             d_scores[j] = sum;
           }
           if (mods.has_sinks()) dsinks[static_cast<std::size_t>(h)] += d_scores[nk];
+          // ALiBi is added after the soft-cap (validation refuses a score_mod here), so
+          // ∂S_ij/∂slope = −|i + Nk − Nq − j| multiplies dS_ij itself.
+          if (want_dalibi) {
+            const int64_t aligned = i + detail::ScoreModifiers::alibi_offset(problem.mask, b);
+            for (int64_t j = 0; j < nk; ++j)
+              dalibi[static_cast<std::size_t>(h)] -=
+                  d_scores[j] * static_cast<double>(aligned > j ? aligned - j : j - aligned);
+          }
           // Through score_mod and the soft-cap (row.slope), then S = scale·Q·Kᵀ:
           // dQ_i = scale · Σ_j dS_ij K_j ;  dK_j += scale · dS_ij Q_i.
           std::fill(dq_row.begin(), dq_row.end(), 0.0);
@@ -103,6 +113,10 @@ void backward_impl(const detail::BackwardProblem<T>& problem) {
   }
   if (!problem.args.dsinks.empty()) {
     for (std::size_t h = 0; h < dsinks.size(); ++h) problem.args.dsinks[h] = static_cast<float>(dsinks[h]);
+  }
+  if (want_dalibi) {
+    for (std::size_t h = 0; h < dalibi.size(); ++h)
+      problem.args.dalibi_slopes[h] = static_cast<float>(dalibi[h]);
   }
 }
 

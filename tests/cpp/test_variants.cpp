@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "core/dropout.hpp"
@@ -142,12 +143,12 @@ TEST(VariantGradients, ReferenceBackwardMatchesFiniteDifferences) {
   const auto dout = test::random_tensor<double, 4>({1, 4, 2, 2}, 6);
   Tensor<double, 4> out({1, 4, 2, 2}), dq(c.q.shape()), dk(c.k.shape()), dv(c.v.shape());
   Tensor<double, 3> lse({1, 2, 4});
-  std::vector<float> dsinks(2);
+  std::vector<float> dsinks(2), dslopes(2);
   attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.view(),
                      .lse = lse.view()}, c.options);
   attention_backward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.cview(),
                       .lse = lse.cview(), .dout = dout.cview(), .dq = dq.view(), .dk = dk.view(),
-                      .dv = dv.view(), .dsinks = dsinks}, c.options);
+                      .dv = dv.view(), .dsinks = dsinks, .dalibi_slopes = dslopes}, c.options);
   auto loss = [&]() {
     Tensor<double, 4> o({1, 4, 2, 2});
     attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = o.view()}, c.options);
@@ -180,6 +181,116 @@ TEST(VariantGradients, ReferenceBackwardMatchesFiniteDifferences) {
     sinks[s] = saved;
     EXPECT_NEAR(dsinks[s], (up - down) / (2 * step), 1e-5) << "dsinks[" << s << "]";
   }
+  // Slopes are float: a step of 2⁻¹² is exact on these slopes (0.25, 0.5), and the
+  // central difference's truncation error, step²·f'''/6 with f''' ~ distance³ ≲ 10², stays
+  // near 10⁻⁶.
+  for (std::size_t s = 0; s < slopes.size(); ++s) {
+    const float saved = slopes[s];
+    const float step = 1.0f / 4096.0f;
+    slopes[s] = saved + step;
+    const double up = loss();
+    slopes[s] = saved - step;
+    const double down = loss();
+    slopes[s] = saved;
+    EXPECT_NEAR(dslopes[s], (up - down) / (2 * step), 1e-5) << "dalibi_slopes[" << s << "]";
+  }
+  EXPECT_GT(std::abs(dslopes[0]) + std::abs(dslopes[1]), 1e-3);  // not trivially zero
+}
+
+// ∂L/∂alibi_slopes: the cpu kernels (both backward schedules: two passes with few heads,
+// one pass with B·Hkv ≥ 4 per core) against the fp64 reference, with causal alignment,
+// key_lengths, GQA and soft-cap. Tolerance 2e-5·max(1, |ref|), like the other gradients:
+// the slope gradient sums Nq·Nk terms dS·distance, but blockwise in float (≤ 64 per
+// column, then double per tile), so its error grows with the block, not with N.
+struct SlopeCase {
+  std::string name;
+  CaseSpec spec;
+  float softcap = 0.0f;
+};
+
+std::vector<float> slope_gradient(const Case<float>& c, const std::vector<float>& slopes,
+                                  Backend backend, int threads, float softcap) {
+  const CaseSpec& s = c.spec;
+  AttentionOptions options = c.options;
+  options.alibi_slopes = slopes;
+  options.softcap = softcap;
+  options.execution.backend = backend;
+  options.execution.threads = threads;
+  Tensor<float, 4> out({s.batch, s.q_len, s.q_heads, s.v_dim}), dq(c.q.shape()), dk(c.k.shape()),
+      dv(c.v.shape());
+  Tensor<float, 3> lse({s.batch, s.q_heads, s.q_len});
+  const auto dout = test::random_tensor<float, 4>({s.batch, s.q_len, s.q_heads, s.v_dim}, 11);
+  attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.view(),
+                     .lse = lse.view()}, options);
+  std::vector<float> dslopes(slopes.size(), -1.0f);
+  attention_backward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.cview(),
+                      .lse = lse.cview(), .dout = dout.cview(), .dq = dq.view(), .dk = dk.view(),
+                      .dv = dv.view(), .dalibi_slopes = dslopes}, options);
+  return dslopes;
+}
+
+TEST(VariantGradients, AlibiSlopesCpuMatchesReference) {
+  const CaseSpec two_pass{.name = "two_pass", .batch = 2, .q_len = 150, .k_len = 170, .q_heads = 4,
+                          .kv_heads = 2, .head_dim = 32, .v_dim = 24, .causal = Causal::bottom_right,
+                          .key_padding = true};
+  CaseSpec single_pass = two_pass;  // B·Hkv = 16 ≥ 4 per core on any machine up to 4 cores
+  single_pass.name = "single_pass";
+  single_pass.batch = 4;
+  single_pass.q_heads = 8;
+  single_pass.kv_heads = 4;
+  single_pass.q_len = 70;
+  single_pass.k_len = 90;
+  CaseSpec top_left = two_pass;
+  top_left.causal = Causal::top_left;
+  for (const SlopeCase& sc : {SlopeCase{"two_pass", two_pass}, SlopeCase{"single_pass", single_pass},
+                              SlopeCase{"top_left_softcap", top_left, 2.0f}}) {
+    SCOPED_TRACE(sc.name);
+    const Case<float> c(sc.spec, 21);
+    std::vector<float> slopes;
+    for (int64_t h = 0; h < sc.spec.q_heads; ++h) slopes.push_back(0.05f + 0.1f * static_cast<float>(h));
+    const std::vector<float> ref = slope_gradient(c, slopes, Backend::reference, 1, sc.softcap);
+    double scale = 1.0;
+    for (float g : ref) scale = std::max(scale, static_cast<double>(std::abs(g)));
+    for (int threads : {1, 3}) {
+      const std::vector<float> cpu = slope_gradient(c, slopes, Backend::cpu, threads, sc.softcap);
+      for (std::size_t h = 0; h < ref.size(); ++h)
+        EXPECT_NEAR(cpu[h], ref[h], 2e-5 * scale) << "head " << h << ", threads " << threads;
+      if (threads == 3) {  // and the same bits for any thread count
+        const std::vector<float> one = slope_gradient(c, slopes, Backend::cpu, 1, sc.softcap);
+        EXPECT_EQ(std::memcmp(one.data(), cpu.data(), one.size() * sizeof(float)), 0);
+      }
+    }
+    // Not a vacuous comparison: the gradient is far from 0 on these rows.
+    EXPECT_GT(scale, 1e-2);
+  }
+}
+
+TEST(VariantErrors, AlibiSlopeGradientNeedsSlopesOfTheRightSize) {
+  const CaseSpec spec{.name = "e", .batch = 1, .q_len = 8, .k_len = 8, .q_heads = 2, .kv_heads = 1,
+                      .head_dim = 4, .v_dim = 4};
+  Case<float> c(spec, 1);
+  Tensor<float, 4> out({1, 8, 2, 4}), dq(c.q.shape()), dk(c.k.shape()), dv(c.v.shape());
+  Tensor<float, 3> lse({1, 2, 8});
+  attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.view(),
+                     .lse = lse.view()}, c.options);
+  std::vector<float> dslopes(2, 7.0f), three(3, 7.0f), slopes{0.1f, 0.2f};
+  auto call = [&](std::span<float> grad) {
+    attention_backward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.cview(),
+                        .lse = lse.cview(), .dout = out.cview(), .dq = dq.view(), .dk = dk.view(),
+                        .dv = dv.view(), .dalibi_slopes = grad}, c.options);
+  };
+  auto expect_error = [&](std::span<float> grad, const char* words) {
+    try {
+      call(grad);
+      ADD_FAILURE() << "no error";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find(words), std::string::npos) << error.what();
+    }
+    for (float g : grad) EXPECT_EQ(g, 7.0f);  // nothing written
+  };
+  expect_error(dslopes, "options.alibi_slopes is empty");
+  c.options.alibi_slopes = slopes;
+  expect_error(three, "one value per query head (2), got 3");
 }
 
 // Window 512 at N = 4096: only the tiles near the diagonal are computed.
