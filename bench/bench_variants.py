@@ -19,6 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import bench_attention  # noqa: E402
 from bench_attention import keep_freed_memory, median_time  # noqa: E402
 
 import qkv  # noqa: E402
@@ -39,7 +40,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--n", type=int, default=2048)
     parser.add_argument("--window-n", type=int, default=16384)
+    parser.add_argument("--clock", default="wall", choices=tuple(bench_attention.CLOCK),
+                        help="thread: the calling thread's CPU time, fastest run (with "
+                             "--threads 1; see bench_attention.py --clock)")
     args = parser.parse_args()
+    if args.clock == "thread":
+        if args.threads != 1:
+            parser.error("--clock thread needs --threads 1")
+        bench_attention.clock, bench_attention.summary = bench_attention.CLOCK["thread"], min
     keep_freed_memory()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -51,7 +59,8 @@ def main() -> int:
         "sinks": dict(sinks=[0.5] * heads),
         "dropout 0.1": dict(dropout_p=0.1, seed=1),
     }
-    print(f"# qkv {qkv.__version__}, {args.threads} threads, [1,{heads},{n},{d}] causal")
+    print(f"# qkv {qkv.__version__}, {args.threads} threads, clock {args.clock}, "
+          f"[1,{heads},{n},{d}] causal")
     print("| variant | pass | plain ms | variant ms | variant/plain |")
     print("|---|---|---|---|---|")
     for backward in (False, True):
