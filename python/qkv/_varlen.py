@@ -20,9 +20,8 @@ _DOC = """
     Errors name the argument (qkv.Error), e.g. a cu_seqlens entry that decreases.
     dtypes: float32, float64, float16 or bfloat16 (one for q, k, v; lse is float32 for
     the 16-bit ones, which are computed in float32 and rounded once on output).
-    Variants as in qkv.attention: window, alibi_slopes (not differentiable here yet),
-    softcap, sinks (differentiable for torch; varlen_attention_backward then also returns
-    dsinks), dropout_p, seed.
+    Variants as in qkv.attention: window, alibi_slopes and sinks (both differentiable for
+    torch; varlen_attention_backward also returns dsinks), softcap, dropout_p, seed.
 """
 
 
@@ -59,12 +58,12 @@ def _forward(fw, q, k, v, cu_q, cu_k, settings, stats=None):
     return out, lse
 
 
-def _backward(fw, q, k, v, out, lse, dout, cu_q, cu_k, settings, dsinks=None):
+def _backward(fw, q, k, v, out, lse, dout, cu_q, cu_k, settings, dsinks=None, dalibi=None):
     dq, dk, dv = fw.empty(tuple(q.shape), q), fw.empty(tuple(k.shape), q), fw.empty(tuple(v.shape), q)
     bits = fw.bfloat16_bits(q)
     arrays = fw.bits_views(q, k, v, out) if bits else (q, k, v, out)
     grads = fw.bits_views(dout, dq, dk, dv) if bits else (dout, dq, dk, dv)
-    _qkv.varlen_backward(*arrays, lse, *grads, cu_q, cu_k, dsinks, *settings, bits)
+    _qkv.varlen_backward(*arrays, lse, *grads, cu_q, cu_k, dsinks, *settings, bits, dalibi)
     return dq, dk, dv
 
 
@@ -90,13 +89,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         import torch
 
         slopes = variants.get("alibi_slopes")
-        if isinstance(slopes, torch.Tensor) and slopes.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError(
-                "qkv.varlen_attention: no gradient for alibi_slopes yet (qkv.attention has one); "
-                "pass them detached (slopes.detach())")
+        if not isinstance(slopes, torch.Tensor):
+            slopes = None  # a list has no gradient to track
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (sinks is not None and sinks.requires_grad)):
-            out, lse = _torch_function().apply(q, k, v, sinks, cu_q, cu_k, settings,
+                                        or (sinks is not None and sinks.requires_grad)
+                                        or (slopes is not None and slopes.requires_grad)):
+            out, lse = _torch_function().apply(q, k, v, sinks, slopes, cu_q, cu_k, settings,
                                                library_stats)
         else:
             out, lse = _forward(fw, q, k, v, cu_q, cu_k, settings, library_stats)
@@ -150,12 +148,13 @@ def _torch_function():
 
         class _Varlen(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, q, k, v, sinks, cu_q, cu_k, settings, stats):
+            def forward(ctx, q, k, v, sinks, slopes, cu_q, cu_k, settings, stats):
                 out, lse = _forward(Torch, q, k, v, cu_q, cu_k, settings, stats)
                 ctx.save_for_backward(q, k, v, out, lse)
                 ctx.offsets = (cu_q, cu_k)
                 ctx.settings = settings
                 ctx.sinks_shape = None if sinks is None else tuple(sinks.shape)
+                ctx.slopes_shape = None if slopes is None else tuple(slopes.shape)
                 ctx.mark_non_differentiable(lse)
                 return out, lse
 
@@ -163,12 +162,14 @@ def _torch_function():
             @torch.autograd.function.once_differentiable
             def backward(ctx, dout, _dlse):
                 q, k, v, out, lse = ctx.saved_tensors
-                dsinks = None
+                dsinks = dslopes = None
                 if ctx.sinks_shape is not None and ctx.needs_input_grad[3]:
                     dsinks = torch.empty(ctx.sinks_shape, dtype=torch.float32)
+                if ctx.slopes_shape is not None and ctx.needs_input_grad[4]:
+                    dslopes = torch.empty(ctx.slopes_shape, dtype=torch.float32)
                 dq, dk, dv = _backward(Torch, q, k, v, out, lse, Torch.inner_contiguous(dout),
-                                       *ctx.offsets, ctx.settings, dsinks)
-                return dq, dk, dv, dsinks, None, None, None, None
+                                       *ctx.offsets, ctx.settings, dsinks, dslopes)
+                return dq, dk, dv, dsinks, dslopes, None, None, None, None
 
         _function = _Varlen
     return _function

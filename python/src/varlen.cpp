@@ -65,12 +65,16 @@ void backward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, con
                     const ArrayRef& lse, const ArrayRef& dout, const ArrayRef& dq,
                     const ArrayRef& dk, const ArrayRef& dv, const InArray& cu_q,
                     const InArray& cu_k, int64_t max_q, int64_t max_k,
-                    const std::optional<ArrayRef>& dsinks, const AttentionOptions& options,
-                    bool bits) {
+                    const std::optional<ArrayRef>& dsinks, const std::optional<ArrayRef>& dalibi,
+                    const AttentionOptions& options, bool bits) {
   VarlenBackwardArgs<T> args;
   if (dsinks) {
     const auto view = view_of<float, 1>("dsinks", *dsinks, "sinks are float32");
     args.dsinks = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
+  }
+  if (dalibi) {
+    const auto view = view_of<float, 1>("dalibi_slopes", *dalibi, "ALiBi slopes are float32");
+    args.dalibi_slopes = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
   }
   args.q = view_of<const T, 3>("q", q, kAsQ, bits);
   args.k = view_of<const T, 3>("k", k, kAsQ, bits);
@@ -125,25 +129,28 @@ void bind_varlen(nanobind::module_& m) {
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
          nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv, const InArray& cu_q,
          const InArray& cu_k, nb::handle dsinks, const BoundOptions& bound, int64_t max_q,
-         int64_t max_k, bool bfloat16_bits) {
+         int64_t max_k, bool bfloat16_bits, nb::handle dalibi) {
         const ArrayRef qa = ArrayRef::from(q, false), ka = ArrayRef::from(k, false),
                        va = ArrayRef::from(v, false), oa = ArrayRef::from(out, false),
                        la = ArrayRef::from(lse, false), da = ArrayRef::from(dout, false),
                        dqa = ArrayRef::from(dq, true), dka = ArrayRef::from(dk, true),
                        dva = ArrayRef::from(dv, true);
         const std::optional<ArrayRef> dsa = optional_array(dsinks);
+        const std::optional<ArrayRef> daa = optional_array(dalibi);
         const CallStorage call = call_storage(qa, bfloat16_bits);
         const AttentionOptions options = bound.for_call();
         with_storage(call, [&]<class T>() {
           backward_typed<T>(qa, ka, va, oa, la, da, dqa, dka, dva, cu_q, cu_k, max_q, max_k,
-                            dsa, options, call.bits);
+                            dsa, daa, options, call.bits);
         });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"),
       nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("cu_seqlens_q"),
       nb::arg("cu_seqlens_k"), nb::arg("dsinks").none(), nb::arg("options"),
       nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("bfloat16_bits"),
-      "qkv::varlen_attention_backward on packed arrays; writes dq, dk, dv in place.");
+      nb::arg("dalibi_slopes").none() = nb::none(),
+      "qkv::varlen_attention_backward on packed arrays; writes dq, dk, dv (and dsinks, "
+      "dalibi_slopes when given) in place.");
 }
 
 }  // namespace qkv::python

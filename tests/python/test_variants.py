@@ -205,13 +205,34 @@ def test_variant_errors():
         qkv.attention(q, q, q, window=5)
     with pytest.raises(qkv.Error, match="seed: required"):
         qkv.attention_backward(q, q, q, q, torch.zeros(1, 2, 5), q, dropout_p=0.1)
-    # A slopes gradient is refused, clearly, where qkv cannot compute it: with a score_mod
-    # (C++ only, tests/cpp) and, for now, in varlen calls (their autograd tracks sinks only).
+    # Differentiable slopes (torch) get their gradient.
     slopes = torch.ones(2, requires_grad=True)
     out = qkv.attention(q.requires_grad_(), q, q, alibi_slopes=slopes)
     out.sum().backward()
     assert slopes.grad is not None and slopes.grad.shape == (2,)
-    packed = torch.randn(5, 2, 4)
-    offsets = torch.tensor([0, 5], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="no gradient for alibi_slopes yet"):
-        qkv.varlen_attention(packed, packed, packed, offsets, offsets, alibi_slopes=slopes)
+
+
+def test_varlen_alibi_slope_gradient_is_the_sum_over_its_sequences():
+    # Packed sequences of lengths 37 and 70 (queries 37 and 50, bottom-right aligned): the
+    # slopes' gradient is the sum of the dense per-sequence calls' gradients.
+    torch.manual_seed(3)
+    lens_q, lens_k = [37, 50], [37, 70]
+    q = torch.randn(sum(lens_q), 4, 16)
+    k, v = torch.randn(sum(lens_k), 2, 16), torch.randn(sum(lens_k), 2, 16)
+    weight = torch.randn(sum(lens_q), 4, 16)
+    base = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    cu_q = torch.tensor([0, 37, 87], dtype=torch.int32)
+    cu_k = torch.tensor([0, 37, 107], dtype=torch.int32)
+    slopes = base.clone().requires_grad_()
+    out = qkv.varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes=slopes, causal="bottom_right")
+    (out * weight).sum().backward()
+    expected = torch.zeros(4)
+    for s in range(2):
+        per_seq = base.clone().requires_grad_()
+        qs = q[cu_q[s]:cu_q[s + 1]].transpose(0, 1)[None]
+        ks, vs = (x[cu_k[s]:cu_k[s + 1]].transpose(0, 1)[None] for x in (k, v))
+        o = qkv.attention(qs, ks, vs, alibi_slopes=per_seq, causal="bottom_right")
+        (o * weight[cu_q[s]:cu_q[s + 1]].transpose(0, 1)[None]).sum().backward()
+        expected += per_seq.grad
+    assert expected.abs().max() > 1e-2  # a real gradient, not zeros on both sides
+    torch.testing.assert_close(slopes.grad, expected, rtol=1e-5, atol=1e-5)
