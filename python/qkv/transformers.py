@@ -30,11 +30,12 @@ Inside ``with qkv.torch.collect_stats() as stats:`` every layer's call also reco
 softmax statistics (largest weight, entropy, saturated share per head; see qkv.torch),
 labelled ``"layer <layer_idx>"`` unless a ``qkv.torch.stats_label`` is active.
 
-Where this backend differs from ``"sdpa"``: attention dropout is not implemented (a
-model in training mode with attention dropout > 0 raises NotImplementedError: set the
-config's attention dropout to 0 to train); ``output_attentions`` returns None weights, as
-``"sdpa"`` does; ``softcap``, attention sinks (``s_aux``) and ``position_bias`` raise
-NotImplementedError. float16 and bfloat16 models are computed in float32 (inputs widened,
+Model features passed through to qkv's fused variants: attention dropout in training
+(the keep mask drawn from torch's default generator, so ``torch.manual_seed`` reproduces
+a run), logit soft-capping (Gemma 2's ``softcap``) and attention sinks (gpt-oss's
+``s_aux``, with their gradient). Where this backend differs from ``"sdpa"``:
+``output_attentions`` returns None weights, as ``"sdpa"`` does; ``position_bias`` (T5's
+learned relative bias) raises NotImplementedError. float16 and bfloat16 models are computed in float32 (inputs widened,
 the output rounded once to the model's dtype) until qkv's kernels take half precision.
 """
 
@@ -67,17 +68,19 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     ``is_causal`` (or the module's ``is_causal``, default True, as for ``"sdpa"``) makes a
     call with several queries and no mask causal."""
-    for name in ("softcap", "s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"qkv.transformers: {name} is not supported by the qkv attention backend; "
-                "use attn_implementation='eager' for this model")
-    if dropout > 0 and getattr(module, "training", True):
+    if kwargs.get("position_bias") is not None:
         raise NotImplementedError(
-            f"qkv.transformers: attention dropout {dropout} in training: qkv has no "
-            "attention dropout yet. Set the config's attention dropout to 0.0 (e.g. "
-            "attention_dropout / attention_probs_dropout_prob) to train with qkv, or call "
-            "model.eval() for inference")
+            "qkv.transformers: position_bias is not supported by the qkv attention backend; "
+            "use attn_implementation='eager' for this model")
+    # Variants: dropout only in training (transformers passes 0.0 in eval already), the
+    # soft-cap as given, sinks as float32 (a cast keeps their gradient).
+    variants = {}
+    if dropout > 0 and getattr(module, "training", True):
+        variants["dropout_p"] = float(dropout)
+    if kwargs.get("softcap") is not None:
+        variants["softcap"] = float(kwargs["softcap"])
+    if kwargs.get("s_aux") is not None:
+        variants["sinks"] = kwargs["s_aux"].float()
 
     q_len, k_len = query.shape[2], key.shape[2]
     if is_causal is None:
@@ -107,7 +110,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # as [B, Nq, Hq, dv] in C order, which is what transformers reshapes next, no copy.
     out = _qkv_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                          layout="bshd", causal=causal, mask=mask, key_lengths=key_lengths,
-                         scale=scaling, threads=torch.get_num_threads(), **stats_kwargs)
+                         scale=scaling, threads=torch.get_num_threads(), **variants,
+                         **stats_kwargs)
     if collectors:
         out, stats = out
         _torch_stats.record(collectors, stats, (query.shape[0], query.shape[1], q_len, k_len),

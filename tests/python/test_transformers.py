@@ -242,16 +242,98 @@ def test_llama_generate_with_kv_cache_gives_the_same_tokens(batch, monkeypatch):
         assert spy.calls[-1] == {"causal": None, "mask": None, "key_lengths": None}
 
 
-def test_dropout_in_training_is_refused_clearly():
-    config = _llama_config(attention_dropout=0.1)
-    model = transformers.LlamaForCausalLM(config)
+def test_dropout_in_training_is_reproducible_and_drops():
+    # BERT fine-tuning in train mode: transformers passes the config's attention dropout.
+    config = _bert_config(attention_probs_dropout_prob=0.1)
+    model = transformers.BertModel(config)
     model.set_attn_implementation("qkv")
-    ids = torch.randint(3, 101, (1, 5))
-    model.eval()  # transformers passes dropout=0.0 in eval: fine
-    model(input_ids=ids)
+    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        plain = model(input_ids=ids).last_hidden_state
     model.train()
-    with pytest.raises(NotImplementedError, match="attention dropout 0.1 in training"):
-        model(input_ids=ids)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        out = model(input_ids=ids).last_hidden_state
+        out.square().sum().backward()
+        grad = model.encoder.layer[0].attention.self.query.weight.grad.clone()
+        model.zero_grad()
+        return out.detach(), grad
+
+    (a, ga), (b, gb), (c, _) = run(5), run(5), run(6)
+    assert torch.isfinite(a).all() and torch.isfinite(ga).all()
+    assert torch.equal(a, b) and torch.equal(ga, gb)  # torch.manual_seed reproduces a step
+    assert not torch.equal(a, c)  # another seed, another mask
+    assert not torch.allclose(a, plain, atol=1e-3)  # the dropout did act
+
+
+def _gemma2_config():
+    return transformers.Gemma2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        attn_logit_softcapping=2.0, final_logit_softcapping=None, query_pre_attn_scalar=16,
+        sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _gpt_oss_config():
+    return transformers.GptOssConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("family", ["gemma2_softcap", "gpt_oss_sinks"])
+def test_softcap_and_sinks_models_match_eager(family):
+    """Gemma 2 (logits soft-capped at 2: strongly, so a dropped cap would show) and
+    gpt-oss (learned sinks, sliding-window layers) against transformers' own eager
+    attention. Gemma 2: float64 eager is the truth, and qkv's logits and every parameter
+    gradient must be no worse than twice eager's float32 error plus the floor. gpt-oss's
+    expert layers do not run in float64 (grouped matmuls take float32 at most), so there
+    both run in float32 and must agree to 1e-5 of the largest value: attention's
+    summation order moves each attention output by a few ulps, which the two layers
+    carry into the logits; a missing sink or cap moves them by O(0.1)."""
+    if family == "gemma2_softcap":
+        model_class, config = transformers.Gemma2ForCausalLM, _gemma2_config()
+    else:
+        model_class, config = transformers.GptOssForCausalLM, _gpt_oss_config()
+    torch.manual_seed(4)
+    base = model_class(config)
+    if family == "gpt_oss_sinks":
+        with torch.no_grad():  # sinks start at 0; make them matter
+            for layer in base.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+    ids = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(8))
+    logits, grads = {}, {}
+    runs = [("eager", "eager", torch.float32), ("qkv", "qkv", torch.float32)]
+    if family == "gemma2_softcap":
+        runs.append(("truth", "eager", torch.float64))
+    for name, impl, dtype in runs:
+        model = copy.deepcopy(base).to(dtype)
+        model.set_attn_implementation(impl)
+        model.eval()
+        out = model(input_ids=ids).logits
+        out.square().mean().backward()
+        logits[name] = out.detach()
+        grads[name] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["qkv"].keys() == grads["eager"].keys()
+    if family == "gpt_oss_sinks":
+        assert any(n.endswith("self_attn.sinks") for n in grads["qkv"])
+        scale = logits["eager"].abs().max()
+        torch.testing.assert_close(logits["qkv"], logits["eager"], rtol=0, atol=1e-5 * scale)
+        for n in grads["qkv"]:
+            bound = 1e-5 * max(grads["eager"][n].abs().max().item(), 1e-30)
+            torch.testing.assert_close(grads["qkv"][n], grads["eager"][n], rtol=0, atol=bound,
+                                       msg=f"gradient of {n}")
+        return
+    _assert_no_worse_than_sdpa(logits["qkv"], logits["eager"], logits["truth"], "logits")
+    for n in grads["qkv"]:
+        if n.endswith(_KEY_BIASES):
+            continue  # exactly zero (module docstring); covered by the BERT and Llama tests
+        _assert_no_worse_than_sdpa(grads["qkv"][n], grads["eager"][n], grads["truth"][n],
+                                   f"gradient of {n}")
 
 
 def test_half_precision_models_run_in_float32_and_round_once():
