@@ -60,6 +60,14 @@ double thread_seconds() {
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
+
+// FLOP/s of one thread's rounds by its CPU time (dispatched here, inside the namespace
+// of the exported function, as the static-only build's dispatch macro requires).
+double cpu_time_gflops(long iterations, float* sink) {
+  const double start = thread_seconds();
+  const double flops = HWY_DYNAMIC_DISPATCH(FmaRounds)(iterations, sink);
+  return flops / (thread_seconds() - start) / 1e9;
+}
 }  // namespace qkv_bench
 
 namespace qkv::bench {
@@ -78,11 +86,8 @@ FmaPeak measure_fma_peak_cpu_time(long iterations, int repeats) {
   FmaPeak peak = measure_fma_peak(1, 1000, 1);  // the target's name, and a warm-up
   peak.gflops = 0.0;
   float sink = 0.0f;
-  for (int repeat = 0; repeat < repeats; ++repeat) {
-    const double start = qkv_bench::thread_seconds();
-    const double flops = HWY_DYNAMIC_DISPATCH(qkv_bench::FmaRounds)(iterations, &sink);
-    peak.gflops = std::max(peak.gflops, flops / (qkv_bench::thread_seconds() - start) / 1e9);
-  }
+  for (int repeat = 0; repeat < repeats; ++repeat)
+    peak.gflops = std::max(peak.gflops, qkv_bench::cpu_time_gflops(iterations, &sink));
   return peak;
 }
 
