@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "fma_probe.hpp"
 #include "hwy/highway.h"
 #include "hwy/targets.h"
 
@@ -32,35 +33,8 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Sum of a 1 GiB float array with `threads` threads, 4 independent accumulators each:
-// the rate at which the cores can pull data from DRAM.
-double bandwidth(int threads) {
-  const std::size_t count = std::size_t{1} << 28;  // 1 GiB of floats
-  float* data = static_cast<float*>(std::aligned_alloc(64, count * sizeof(float)));
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (std::size_t i = 0; i < count; ++i) data[i] = 1.0f;
-  double best = 0.0;
-  volatile float sink = 0.0f;
-  for (int pass = 0; pass < 5; ++pass) {
-    const auto start = std::chrono::steady_clock::now();
-    float total = 0.0f;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
-    for (std::size_t block = 0; block < count / 64; ++block) {
-      const float* p = data + block * 64;
-      float a[16] = {};
-      for (int i = 0; i < 64; i += 16)
-        for (int j = 0; j < 16; ++j) a[j] += p[i + j];
-      float s = 0.0f;
-      for (float x : a) s += x;
-      total += s;
-    }
-    sink = total;
-    best = std::max(best, static_cast<double>(count * sizeof(float)) / seconds_since(start) / 1e9);
-  }
-  (void)sink;
-  std::free(data);
-  return best;
-}
+// Streaming read bandwidth of `threads` threads over 1 GiB (fma_probe.hpp), best of 5.
+double bandwidth(int threads) { return qkv::bench::measure_read_bandwidth(threads, std::size_t{1} << 30, 5); }
 
 double cpu_seconds() {
   timespec t{};

@@ -1,5 +1,6 @@
-// The FMA peak probe (fma_probe.hpp), compiled for every SIMD target Highway knows and
-// dispatched at run time to the best the CPU has.
+// The machine probes (fma_probe.hpp): the FMA peak and the streaming read bandwidth,
+// compiled for every SIMD target Highway knows and dispatched at run time to the best
+// the CPU has.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "fma_probe.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "fma_probe.hpp"
@@ -38,12 +40,47 @@ double FmaRounds(long iterations, float* sink) {
   return 2.0 * static_cast<double>(hn::Lanes(d)) * kChains * static_cast<double>(iterations);
 }
 
+// Sum of floats [0, count): whole vectors, 8 independent accumulators (≥ add latency ×
+// ports), no per-block horizontal sums, so the loads — not the adds — set the pace.
+float ReadSum(const float* HWY_RESTRICT data, size_t count) {
+  const hn::ScalableTag<float> d;
+  const size_t lanes = hn::Lanes(d);
+  constexpr size_t kChains = 8;
+  hn::Vec<decltype(d)> acc[kChains];
+  for (size_t c = 0; c < kChains; ++c) acc[c] = hn::Zero(d);
+  size_t i = 0;
+  for (; i + kChains * lanes <= count; i += kChains * lanes)
+    for (size_t c = 0; c < kChains; ++c) acc[c] = hn::Add(acc[c], hn::LoadU(d, data + i + c * lanes));
+  for (size_t c = 1; c < kChains; ++c) acc[0] = hn::Add(acc[0], acc[c]);
+  float total = hn::GetLane(hn::SumOfLanes(d, acc[0]));
+  for (; i < count; ++i) total += data[i];
+  return total;
+}
+
 }  // namespace qkv_bench::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace qkv_bench {
 HWY_EXPORT(FmaRounds);
+HWY_EXPORT(ReadSum);
+
+// Each thread sums its own contiguous share of `data` (first touched by the same thread).
+double read_pass(const float* data, size_t count, int threads) {
+  float total = 0.0f;
+  const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    const size_t share = count / static_cast<size_t>(omp_get_num_threads());
+    const size_t first = share * static_cast<size_t>(omp_get_thread_num());
+    total += HWY_DYNAMIC_DISPATCH(ReadSum)(data + first, share);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile float sink = total;
+  (void)sink;
+  return static_cast<double>(count / static_cast<size_t>(threads) * static_cast<size_t>(threads)) *
+         sizeof(float) / seconds / 1e9;
+}
 
 double measure(int threads, long iterations) {
   std::vector<float> sinks(static_cast<size_t>(threads) * 16);  // a cache line per thread
@@ -89,6 +126,23 @@ FmaPeak measure_fma_peak_cpu_time(long iterations, int repeats) {
   for (int repeat = 0; repeat < repeats; ++repeat)
     peak.gflops = std::max(peak.gflops, qkv_bench::cpu_time_gflops(iterations, &sink));
   return peak;
+}
+
+double measure_read_bandwidth(int threads, size_t bytes, int repeats) {
+  const size_t count = bytes / sizeof(float);
+  float* data = static_cast<float*>(std::aligned_alloc(64, count * sizeof(float)));
+  if (data == nullptr) return 0.0;
+#pragma omp parallel num_threads(threads)
+  {  // each thread touches the pages it will read (its NUMA node, its TLB walks)
+    const size_t share = count / static_cast<size_t>(omp_get_num_threads());
+    const size_t first = share * static_cast<size_t>(omp_get_thread_num());
+    std::fill(data + first, data + first + share, 1.0f);
+  }
+  double best = 0.0;
+  for (int repeat = 0; repeat < repeats; ++repeat)
+    best = std::max(best, qkv_bench::read_pass(data, count, threads));
+  std::free(data);
+  return best;
 }
 
 }  // namespace qkv::bench

@@ -1,9 +1,10 @@
-// The machine's fp32 FMA peak, measured: each thread runs independent fused multiply-adds
-// on enough accumulators to cover FMA latency × ports, nothing else, with the widest SIMD
-// target Highway dispatches to. Shared by bench/fma_peak (for bench/bench_attention.py)
+// The machine's fp32 FMA peak and streaming read bandwidth, measured. FMA peak: each
+// thread runs independent fused multiply-adds on enough accumulators to cover FMA
+// latency × ports, nothing else, with the widest SIMD target Highway dispatches to. Shared by bench/fma_peak (for bench/bench_attention.py)
 // and `qkv bench`, so both state a kernel's share of the same peak.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 namespace qkv::bench {
@@ -19,5 +20,11 @@ FmaPeak measure_fma_peak(int threads, long iterations, int repeats);
 // One core's peak by the calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID), not the
 // wall clock: unaffected by other processes sharing the machine (bench/dense_probe.cpp).
 FmaPeak measure_fma_peak_cpu_time(long iterations, int repeats);
+
+// Streaming read bandwidth (GB/s, decimal) of `threads` threads summing disjoint shares
+// of a `bytes` buffer (make it ≫ the last-level cache): the fastest of `repeats` passes.
+// Whole vectors and independent accumulators, so it measures what the cores can pull
+// from DRAM, the limit a decode call streaming its KV cache is held to.
+double measure_read_bandwidth(int threads, std::size_t bytes, int repeats);
 
 }  // namespace qkv::bench

@@ -46,6 +46,16 @@ struct DecodeOptions {
   // prefill); top_left: query i sees keys 0..i; none: every query sees every cached key.
   Causal causal = Causal::bottom_right;
   int threads = 0;  // 0: every hardware thread. Results never depend on it.
+
+  // The inference variants of today's models, exactly as in AttentionOptions (see
+  // qkv/options.hpp), inert by default. A sliding window (Mistral, Gemma 2, gpt-oss)
+  // makes each query read only the keys of its window: the time of a step grows with
+  // the window, not with the cache. Soft-capping (Gemma 2), ALiBi (BLOOM, MPT; distances
+  // bottom-right aligned) and sinks (gpt-oss) are applied in the kernel.
+  Window window;
+  float softcap = 0.0f;                   // c > 0: each scaled logit s becomes c·tanh(s/c)
+  std::span<const float> alibi_slopes;    // one per query head, or empty
+  std::span<const float> sinks;           // one logit per query head, or empty
 };
 
 void decode(const DecodeArgs<float>& args, const DecodeOptions& options = {});

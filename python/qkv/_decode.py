@@ -121,8 +121,25 @@ def _int_array(values, dtype, name: str, function: str):
     return np.ascontiguousarray(array, dtype=dtype)
 
 
+def _variant_keywords(window, softcap, alibi_slopes, sinks) -> dict:
+    """The bindings' keywords for the inference variants (values checked by the library)."""
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+
+    def per_head(values):
+        if values is None:
+            return None
+        if _is_torch(values):
+            values = values.detach().to("cpu")
+            values = values.float().contiguous().numpy()
+        return np.ascontiguousarray(values, dtype=np.float32)
+
+    return dict(window_left=left, window_right=right, softcap=float(softcap or 0.0),
+                alibi_slopes=per_head(alibi_slopes), sinks=per_head(sinks))
+
+
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
-           layout="bhsd", return_lse=False, threads=None):
+           layout="bhsd", return_lse=False, threads=None, window=None, softcap=None, alibi_slopes=None,
+           sinks=None):
     """Attention of q against caller-owned caches, read in place (no copy of the cache).
 
     q: ``[B, Hq, Nq, d]`` (layout "bhsd") or ``[B, Nq, Hq, d]`` ("bshd"), any float dtype
@@ -133,6 +150,8 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     cache_lengths: ``[B]`` keys held per sequence, the new tokens' own keys included.
     causal: ``"bottom_right"`` (default: the queries are each sequence's last tokens),
     ``"top_left"`` or None.
+    window, softcap, alibi_slopes, sinks: the inference variants, as in ``qkv.attention``
+    (``window=(left, right)``, -1 unbounded; a sliding window reads only the keys in it).
     Returns out like q (with v's last dimension), or ``(out, lse [B, Hq, Nq])``.
     """
     fn = "qkv.decode"
@@ -158,7 +177,8 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     if return_lse:
         lse = np.empty((batch, q_heads, q_len), dtype=np.float32)
     _qkv.decode(q_lib, k_lib, v_lib, lengths, out_lib, lse=lse, block_table=table, bits_as=bits_as,
-                scale=scale, causal="none" if causal is None else causal, threads=threads or 0)
+                scale=scale, causal="none" if causal is None else causal, threads=threads or 0,
+                **_variant_keywords(window, softcap, alibi_slopes, sinks))
     out = _finish(out, work)
     if not return_lse:
         return out
@@ -212,16 +232,18 @@ class KVCache:
         self._cache.append(_float32_logical(k, self.layout, "k", fn), _float32_logical(v, self.layout, "v", fn),
                            seqs)
 
-    def attend(self, q, *, scale=None, causal="bottom_right", return_lse=False, threads=None):
+    def attend(self, q, *, scale=None, causal="bottom_right", return_lse=False, threads=None, window=None,
+               softcap=None, alibi_slopes=None, sinks=None):
         """Attention of q ``[B, Hq, T, d]`` against every sequence's cache, the T queries
-        aligned with each sequence's newest keys. Returns out like q, or (out, lse)."""
+        aligned with each sequence's newest keys. window, softcap, alibi_slopes, sinks: as
+        in ``qkv.decode``. Returns out like q, or (out, lse)."""
         fn = "qkv.KVCache.attend"
         q_lib = _float32_logical(q, self.layout, "q", fn)
         batch, q_len, q_heads, _ = q_lib.shape
         out, work, out_lib = _empty_out(q, batch, q_len, q_heads, self.v_dim, self.layout)
         lse = np.empty((batch, q_heads, q_len), dtype=np.float32) if return_lse else None
         self._cache.attend(q_lib, out_lib, lse=lse, scale=scale, causal="none" if causal is None else causal,
-                           threads=threads or 0)
+                           threads=threads or 0, **_variant_keywords(window, softcap, alibi_slopes, sinks))
         out = _finish(out, work)
         if not return_lse:
             return out

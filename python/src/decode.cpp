@@ -69,17 +69,31 @@ void decode_typed(const InArray& q, const InArray& k_cache, const InArray& v_cac
   decode(args, options);
 }
 
-void decode_any(const InArray& q, const InArray& k_cache, const InArray& v_cache, const InArray& cache_lengths,
-                const OutArray& out, std::optional<OutArray> lse, std::optional<InArray> block_table,
-                const std::string& bits_as, std::optional<double> scale, const std::string& causal,
-                int threads) {
-  const StorageType k_type = cache_storage("k_cache", k_cache, bits_as);
-  if (cache_storage("v_cache", v_cache, bits_as) != k_type)
-    throw nb::type_error("v_cache: expected the dtype of k_cache");
+// The decode options from the bindings' keywords (the library checks the values).
+DecodeOptions decode_options(std::optional<double> scale, const std::string& causal, int threads,
+                             int64_t window_left, int64_t window_right, float softcap,
+                             nb::handle alibi_slopes, nb::handle sinks) {
   DecodeOptions options;
   options.scale = scale;
   options.causal = parse_causal(causal);
   options.threads = threads;
+  options.window = {window_left, window_right};
+  options.softcap = softcap;
+  if (!alibi_slopes.is_none()) options.alibi_slopes = per_head("alibi_slopes", alibi_slopes);
+  if (!sinks.is_none()) options.sinks = per_head("sinks", sinks);
+  return options;
+}
+
+void decode_any(const InArray& q, const InArray& k_cache, const InArray& v_cache, const InArray& cache_lengths,
+                const OutArray& out, std::optional<OutArray> lse, std::optional<InArray> block_table,
+                const std::string& bits_as, std::optional<double> scale, const std::string& causal,
+                int threads, int64_t window_left, int64_t window_right, float softcap, nb::handle alibi_slopes,
+                nb::handle sinks) {
+  const StorageType k_type = cache_storage("k_cache", k_cache, bits_as);
+  if (cache_storage("v_cache", v_cache, bits_as) != k_type)
+    throw nb::type_error("v_cache: expected the dtype of k_cache");
+  const DecodeOptions options =
+      decode_options(scale, causal, threads, window_left, window_right, softcap, alibi_slopes, sinks);
   const auto lengths = lengths_of(cache_lengths);
   switch (k_type) {
     case StorageType::float32: return decode_typed<float>(q, k_cache, v_cache, lengths, block_table, out, lse, options);
@@ -105,7 +119,9 @@ void bind_decode(nb::module_& m) {
   m.def("decode", &decode_any, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("cache_lengths"),
         nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
         nb::arg("block_table").none() = nb::none(), nb::arg("bits_as") = "", nb::arg("scale").none() = nb::none(),
-        nb::arg("causal") = "bottom_right", nb::arg("threads") = 0,
+        nb::arg("causal") = "bottom_right", nb::arg("threads") = 0, nb::arg("window_left") = -1,
+        nb::arg("window_right") = -1, nb::arg("softcap") = 0.0f, nb::arg("alibi_slopes").none() = nb::none(),
+        nb::arg("sinks").none() = nb::none(),
         "qkv::decode on [B, N, H, d] views; caches read in place (16-bit integer arrays hold the "
         "bits of the `bits_as` type). Writes out (and lse) in place; the GIL is released.");
 
@@ -135,11 +151,10 @@ void bind_decode(nb::module_& m) {
       .def(
           "attend",
           [](const KVCache& self, const InArray& q, const OutArray& out, std::optional<OutArray> lse,
-             std::optional<double> scale, const std::string& causal, int threads) {
-            DecodeOptions options;
-            options.scale = scale;
-            options.causal = parse_causal(causal);
-            options.threads = threads;
+             std::optional<double> scale, const std::string& causal, int threads, int64_t window_left,
+             int64_t window_right, float softcap, nb::handle alibi_slopes, nb::handle sinks) {
+            const DecodeOptions options = decode_options(scale, causal, threads, window_left, window_right,
+                                                         softcap, alibi_slopes, sinks);
             const auto qv = view_of<const float, 4>("q", q, "queries are float32");
             const auto ov = view_of<float, 4>("out", out, "the output is float32");
             View3<float> lv;
@@ -148,7 +163,9 @@ void bind_decode(nb::module_& m) {
             self.attend(qv, ov, lv, options);
           },
           nb::arg("q"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
-          nb::arg("scale").none() = nb::none(), nb::arg("causal") = "bottom_right", nb::arg("threads") = 0)
+          nb::arg("scale").none() = nb::none(), nb::arg("causal") = "bottom_right", nb::arg("threads") = 0,
+          nb::arg("window_left") = -1, nb::arg("window_right") = -1, nb::arg("softcap") = 0.0f,
+          nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none())
       .def("reset", [](KVCache& self) { self.reset(); })
       .def("reset", [](KVCache& self, int64_t seq) { self.reset(seq); }, nb::arg("seq"))
       .def_prop_ro("lengths", [](const KVCache& self) {

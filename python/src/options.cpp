@@ -102,15 +102,6 @@ bool truthy(nb::handle value) {
 
 nb::object array_or_none(nb::handle value) { return value.is_none() ? nb::object() : nb::borrow(value); }
 
-// A contiguous float32 vector of one value per query head (alibi_slopes, sinks).
-std::span<const float> per_head(const char* name, nb::handle array) {
-  const auto values = view_of<const float, 1>(name, ArrayRef::from(array, false), "one float32 value per query head");
-  if (values.shape[0] > 1 && values.strides[0] != 1) {
-    throw Error(std::string(name) + ": expected a contiguous array, got stride " +
-                std::to_string(values.strides[0]));
-  }
-  return {values.data, static_cast<std::size_t>(values.shape[0])};
-}
 
 // Sets the field `key` of `o` from a Python value; shared by the constructor's keywords
 // and replace().
@@ -139,6 +130,16 @@ void set_field(BoundOptions& o, const char* function, std::string_view key, nb::
 nb::object optional_array(const nb::object& array) { return array.is_valid() ? array : nb::none(); }
 
 }  // namespace
+
+// A contiguous float32 vector of one value per query head (alibi_slopes, sinks).
+std::span<const float> per_head(const char* name, nb::handle array) {
+  const auto values = view_of<const float, 1>(name, ArrayRef::from(array, false), "one float32 value per query head");
+  if (values.shape[0] > 1 && values.strides[0] != 1) {
+    throw Error(std::string(name) + ": expected a contiguous array, got stride " +
+                std::to_string(values.strides[0]));
+  }
+  return {values.data, static_cast<std::size_t>(values.shape[0])};
+}
 
 Backend parse_backend(const std::string& name) {
   if (const auto backend = backend_from_name(name)) return *backend;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/checker.hpp"
+#include "core/validate.hpp"
 #include "cpu/decode.hpp"
 #include "qkv/error.hpp"
 
@@ -100,6 +101,22 @@ cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options
 
   cpu::DecodeProblem p;
   p.causal = detail::checked_causal(check, options.causal);
+  {  // the variants, by the same checks as attention_forward's
+    AttentionOptions variants;
+    variants.window = options.window;
+    variants.softcap = options.softcap;
+    variants.alibi_slopes = options.alibi_slopes;
+    variants.sinks = options.sinks;
+    detail::Extents extents;
+    extents.q_heads = q_heads;
+    detail::MaskRule mask;
+    detail::ScoreModifiers modifiers;
+    detail::check_variants(check, variants, extents, mask, modifiers);
+    p.window = mask.window;
+    p.softcap = modifiers.softcap;
+    p.alibi_slopes = modifiers.has_alibi() ? modifiers.alibi_slopes.data() : nullptr;
+    p.sinks = modifiers.has_sinks() ? modifiers.sinks.data() : nullptr;
+  }
   p.scale = detail::resolve_scale(check, options.scale, a.q.shape[3]);
   p.threads = detail::resolve_threads(check, options.threads, "options.threads");
   p.batch = batch;

@@ -392,12 +392,15 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
   const ChunkState chunk = plan.chunk_state(state, tile);
 
   // Row (h, i) of the tile: scale·q(b, first_query + i, h, ·), zero-padded to d_pad.
-  int64_t key_end[kDecodeQueries];
-  int64_t min_end = INT64_MAX;
+  // Query i sees keys [key_begin[i], key_end[i]); both bounds grow with i.
+  int64_t key_begin[kDecodeQueries] = {}, key_end[kDecodeQueries] = {};
   for (size_t i = 0; i < tile; ++i) {
+    key_begin[i] = p.key_begin(task.batch, task.first_query + static_cast<int64_t>(i));
     key_end[i] = p.key_end(task.batch, task.first_query + static_cast<int64_t>(i));
-    min_end = std::min(min_end, key_end[i]);
   }
+  const int64_t max_begin = key_begin[tile - 1], min_end = key_end[0];
+  // ALiBi's position of query i among the keys.
+  const int64_t alibi_offset = task.first_query + p.valid_keys(task.batch) - p.q_len;
   const float scale = static_cast<float>(p.scale);
   for (int64_t h = 0; h < p.q_heads; ++h)
     for (size_t i = 0; i < tile; ++i) {
@@ -465,21 +468,42 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
           ScoreKeys(group_rows, queries, d_pad, s.k_packed.data() + j, d_pad, Ahead<float>{}, s.scores.get() + j, ld);
       }
 
+      // Variants on the scaled logits, in the dense kernels' order: soft-cap, then ALiBi
+      // (row r of the group is head g·G + r / tile, query r % tile).
+      if (p.softcap > 0.0f) {
+        for (size_t r = 0; r < group_rows; ++r) SoftcapTile(s.scores.get() + r * ld, 1, padded, p.softcap, nullptr);
+      }
+      if (p.alibi_slopes != nullptr) {
+        for (size_t r = 0; r < group_rows; ++r) {
+          const float slope = p.alibi_slopes[static_cast<size_t>(g) * static_cast<size_t>(p.group()) + r / tile];
+          // One row of keys first..first + padded against query position alibi_offset + i:
+          // AlibiTile's (keys, width) = (1, padded) with the roles of key and query swapped
+          // (the distance is symmetric).
+          AlibiTile(s.scores.get() + r * ld, 1, padded, alibi_offset + static_cast<int64_t>(r % tile), first, slope);
+        }
+      }
+
       // Hidden keys (and the padding past the block) get -inf, overwriting the score: a
       // NaN/Inf key that a row does not see cannot reach it.
-      if (padded > keys || first + static_cast<int64_t>(keys) > min_end) {
+      const auto block_keys = static_cast<int64_t>(keys);
+      if (padded > keys || first + block_keys > min_end || first < max_begin) {
         for (size_t r = 0; r < group_rows; ++r) {
-          const int64_t visible = std::clamp<int64_t>(key_end[r % tile] - first, 0, static_cast<int64_t>(keys));
-          std::fill(s.scores.get() + r * ld + visible, s.scores.get() + r * ld + padded, kMinusInf);
+          const int64_t hidden_before = std::clamp<int64_t>(key_begin[r % tile] - first, 0, block_keys);
+          const int64_t visible_end = std::clamp<int64_t>(key_end[r % tile] - first, hidden_before, block_keys);
+          float* row = s.scores.get() + r * ld;
+          std::fill(row, row + hidden_before, kMinusInf);
+          std::fill(row + visible_end, row + padded, kMinusInf);
         }
       }
       SoftmaxRows(group_rows, padded, s.scores.get(), ld, m, l, s.alpha.get());
 
       // A value behind the mask that holds NaN/Inf: skip P = 0 terms so 0·Inf cannot leak.
-      const size_t seen_by_all = static_cast<size_t>(std::clamp<int64_t>(min_end - first, 0, static_cast<int64_t>(keys)));
+      // Keys [seen_from, seen_to) of the block are visible to every row of the tile.
+      const auto seen_from = static_cast<size_t>(std::clamp<int64_t>(max_begin - first, 0, block_keys));
+      const size_t seen_to = std::max(seen_from, static_cast<size_t>(std::clamp<int64_t>(min_end - first, 0, block_keys)));
       bool hidden_non_finite = false;
-      for (size_t j = seen_by_all; j < keys && !hidden_non_finite; ++j)
-        hidden_non_finite = !AllFinite(v_rows[j], 0, 1, dv);
+      for (size_t j = 0; j < keys && !hidden_non_finite; ++j)
+        if (j < seen_from || j >= seen_to) hidden_non_finite = !AllFinite(v_rows[j], 0, 1, dv);
       if (hidden_non_finite) {
         ScaleRows(acc, group_rows, dv_pad, dv_pad, s.alpha.get());
         for (size_t r = 0; r < group_rows; ++r)
@@ -512,14 +536,16 @@ void MergeChunks(const DecodeProblem& p, const DecodePlan& plan, const DecodeUni
   for (int64_t h = 0; h < p.q_heads; ++h)
     for (size_t i = 0; i < tile; ++i) {
       const size_t r = static_cast<size_t>(h) * tile + i;
-      float m = kMinusInf;
+      // A sink is one more logit in the row's softmax, with no value: it raises m and l.
+      const float sink = p.sinks == nullptr ? kMinusInf : p.sinks[h];
+      float m = sink;
       for (int64_t c = 0; c < unit.chunks; ++c)
         m = std::max(m, plan.chunk_state(states + (unit.first_task + c) * plan.state_floats, tile).m[r]);
       const int64_t query = unit.first_query + static_cast<int64_t>(i);
       float* out = p.out + unit.batch * p.out_batch + query * p.out_row + h * p.out_head;
       // A chunk that saw no key of this row has m = -inf and l = 0 and is skipped. A
       // NaN score leaves m at -inf but l NaN: weight 1 then, so the NaN reaches the row.
-      float l = 0.0f;
+      float l = p.sinks == nullptr ? 0.0f : std::exp(sink - m);
       std::fill(sum, sum + dv_pad, 0.0f);
       for (int64_t c = 0; c < unit.chunks; ++c) {
         const ChunkState chunk = plan.chunk_state(states + (unit.first_task + c) * plan.state_floats, tile);

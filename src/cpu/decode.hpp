@@ -78,20 +78,45 @@ struct DecodeProblem {
   double scale = 1.0;
   int threads = 1;  // resolved, ≥ 1
 
+  // Variants, as in AttentionOptions (validated): the sliding window cuts each row's key
+  // range further (keys before a row's window are never read); soft-cap c·tanh(s/c),
+  // then ALiBi's −slope·|i + Nk − Nq − j|, are applied to the scaled logits before the
+  // masks; a sink joins each row's softmax denominator without a value.
+  Window window;
+  float softcap = 0.0f;                  // 0: off
+  const float* alibi_slopes = nullptr;  // [q_heads], or null
+  const float* sinks = nullptr;         // [q_heads], or null
+
   int64_t group() const { return q_heads / kv_heads; }
   int64_t valid_keys(int64_t b) const { return lengths == nullptr ? key_len : lengths[b]; }
-  // One past the last key query row i of sequence b sees.
+  // Where query i meets the keys for the window (and ALiBi's distances): 0 for top_left,
+  // bottom-right otherwise — exactly MaskRule::window_offset.
+  int64_t window_offset(int64_t b) const {
+    return causal == Causal::top_left ? 0 : valid_keys(b) - q_len;
+  }
+  // One past the last key query row i of sequence b sees (MaskRule::key_end). Never
+  // decreases along i.
   int64_t key_end(int64_t b, int64_t i) const {
     const int64_t valid = valid_keys(b);
+    int64_t end = valid;
     switch (causal) {
       case Causal::top_left:
-        return std::min(valid, i + 1);
+        end = std::min(valid, i + 1);
+        break;
       case Causal::bottom_right:
-        return std::clamp<int64_t>(i + 1 + (valid - q_len), 0, valid);
+        end = std::clamp<int64_t>(i + 1 + (valid - q_len), 0, valid);
+        break;
       case Causal::none:
         break;
     }
-    return valid;
+    if (window.right >= 0) end = std::clamp<int64_t>(i + window_offset(b) + window.right + 1, 0, end);
+    return end;
+  }
+  // The first key query row i sees (MaskRule::key_begin): 0 without a left window. Never
+  // decreases along i; the row sees [key_begin, key_end), possibly nothing.
+  int64_t key_begin(int64_t b, int64_t i) const {
+    if (window.left < 0) return 0;
+    return std::clamp<int64_t>(i + window_offset(b) - window.left, 0, valid_keys(b));
   }
 };
 

@@ -9,12 +9,11 @@ namespace qkv::cpu {
 
 bool forward_by_decode(const detail::ForwardProblem<float>& p) {
   const detail::Extents& e = p.extents;
-  // Only dense batches with prefix masks (causality, key_lengths): the decode kernel has
-  // no elementwise masking, no varlen offsets and none of the variants.
+  // Only dense batches whose rows see a range of keys (causality, key_lengths, a sliding
+  // window), with the inference variants (soft-cap, ALiBi, sinks): the decode kernel has
+  // no elementwise masking, no varlen offsets and no dropout (a training feature).
   const detail::ScoreModifiers& mods = p.modifiers;
-  if (p.mask.has_elementwise() || p.mask.sequences.varlen() || p.mask.window.active() ||
-      mods.softcap > 0.0f || mods.has_alibi() || mods.has_sinks() || mods.has_dropout())
-    return false;
+  if (p.mask.has_elementwise() || p.mask.sequences.varlen() || mods.has_dropout()) return false;
   if (e.q_len < 1 || e.q_len > kDecodeQueries) return false;
   if (!p.args.weights.empty()) return false;
   const auto& a = p.args;
@@ -41,6 +40,10 @@ bool forward_by_decode(const detail::ForwardProblem<float>& p) {
   d.lengths = p.mask.key_lengths.empty() ? nullptr : p.mask.key_lengths.data();
   d.key_len = e.k_len;
   d.causal = p.mask.causal;
+  d.window = p.mask.window;
+  d.softcap = mods.softcap;
+  d.alibi_slopes = mods.has_alibi() ? mods.alibi_slopes.data() : nullptr;
+  d.sinks = mods.has_sinks() ? mods.sinks.data() : nullptr;
   d.out = a.out.data;
   d.out_batch = a.out.strides[0];
   d.out_row = a.out.strides[1];

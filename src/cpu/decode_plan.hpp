@@ -104,13 +104,16 @@ struct DecodePlan {
     for (int64_t b = 0; b < p.batch; ++b)
       for (int64_t first = 0; first < p.q_len; first += kDecodeQueries) {
         DecodeUnit unit{b, first, std::min(kDecodeQueries, p.q_len - first), tasks.size(), 0};
-        // Causal prefixes grow with the query index: the tile's last query sees most.
+        // Key ranges only move right with the query index: the tile's first query starts
+        // earliest, its last one ends latest. Keys before `begin` (a sliding window's
+        // past) are never read.
+        const int64_t begin = p.key_begin(b, first);
         const int64_t end = p.key_end(b, first + unit.queries - 1);
         const int64_t chunk =
             static_cast<int64_t>(round_up(static_cast<std::size_t>(std::max(
-                                              kMinChunkKeys, (end + kMaxChunks - 1) / kMaxChunks)),
+                                              kMinChunkKeys, (end - begin + kMaxChunks - 1) / kMaxChunks)),
                                           static_cast<std::size_t>(block)));
-        for (int64_t key = 0; key < end; key += chunk) {
+        for (int64_t key = begin; key < end; key += chunk) {
           tasks.push_back({b, first, unit.queries, key, std::min(key + chunk, end), tasks.size()});
           ++unit.chunks;
           const auto keys = static_cast<double>(tasks.back().end_key - key);

@@ -169,3 +169,80 @@ def test_errors_name_the_argument():
         qkv.KVCache(1, 4, 1, 8, dtype="int8")
     with pytest.raises(qkv.Error, match="config.block_size"):
         qkv.KVCache(1, 4, 1, 8, paged=True, block_size=0)
+
+
+# ----------------------------------------------------------------------------------
+# The inference variants in the decode kernel (sliding window, soft-cap, ALiBi, sinks),
+# against the same math written in torch (test_variants.torch_math) per sequence: qkv's
+# error at most twice float32 torch's own plus a floor (attention_math's rule).
+
+DECODE_VARIANTS = {
+    "window": dict(window=(40, -1)),
+    "window_two_sided": dict(window=(30, 2), causal=None),
+    "softcap": dict(softcap=0.7),
+    "alibi": dict(alibi=True),
+    "sinks": dict(sinks=True),
+    "everything": dict(window=(64, -1), softcap=20.0, alibi=True, sinks=True),
+}
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(DECODE_VARIANTS))
+def test_decode_variants_match_torch_math(name, cache_dtype):
+    from attention_math import assert_no_worse_than_torch
+    from test_variants import torch_math
+
+    case = DECODE_VARIANTS[name]
+    torch.manual_seed(len(name))
+    batch, hq, hkv, d, nq = 2, 8, 2, 64, 3
+    lengths = [700, 90]
+    q = torch.randn(batch, hq, nq, d)
+    k = torch.randn(batch, hkv, 700, d).to(cache_dtype)
+    v = torch.randn(batch, hkv, 700, d).to(cache_dtype)
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / hq) for h in range(hq)]) if case.get("alibi") else None
+    sinks = torch.randn(hq) if case.get("sinks") else None
+    causal = case.get("causal", "bottom_right")
+    keywords = dict(window=case.get("window"), softcap=case.get("softcap"), alibi_slopes=slopes, sinks=sinks)
+    out = qkv.decode(q, k, v, torch.tensor(lengths), causal=causal, **keywords)
+
+    # The same through an owned paged cache (block 16): the kernel reads any layout alike.
+    cache = qkv.KVCache(batch, 700, hkv, d, dtype=cache_dtype, paged=True, block_size=16)
+    for b, n in enumerate(lengths):
+        cache.append(k[b:b + 1, :, :n].float(), v[b:b + 1, :, :n].float(), seq=b)
+    assert torch.equal(cache.attend(q, causal=causal, **keywords), out)
+
+    for b, n in enumerate(lengths):
+        args = dict(window=case.get("window"), softcap=case.get("softcap"), causal=causal or "none")
+        kb, vb = k[b:b + 1, :, :n].float(), v[b:b + 1, :, :n].float()
+        exact = torch_math(q[b:b + 1].double(), kb.double(), vb.double(),
+                           alibi=None if slopes is None else slopes.double(),
+                           sinks=None if sinks is None else sinks.double(), **args)
+        theirs = torch_math(q[b:b + 1], kb, vb, alibi=slopes, sinks=sinks, **args)
+        assert_no_worse_than_torch(out[b:b + 1], theirs, exact, f"{name} sequence {b}")
+
+
+def test_decode_window_reads_only_the_window():
+    """NaN in keys before the window changes nothing (those keys are never read); in the
+    window's first key it reaches the output."""
+    torch.manual_seed(3)
+    q = torch.randn(1, 4, 1, 32)
+    k = torch.randn(1, 2, 2000, 32)
+    v = torch.randn(1, 2, 2000, 32)
+    clean = qkv.decode(q, k, v, torch.tensor([2000]), window=(100, -1))
+    # The query (position 1999) sees keys 1899..1999.
+    k[:, :, :1899] = float("nan")
+    v[:, :, :1899] = float("inf")
+    assert torch.equal(qkv.decode(q, k, v, torch.tensor([2000]), window=(100, -1)), clean)
+    k[:, :, 1899] = float("nan")
+    assert qkv.decode(q, k, v, torch.tensor([2000]), window=(100, -1)).isnan().all()
+
+
+def test_decode_variant_errors():
+    q = torch.randn(1, 4, 1, 8)
+    k = torch.randn(1, 2, 10, 8)
+    with pytest.raises(qkv.Error, match="sinks: expected one value per query head"):
+        qkv.decode(q, k, k, torch.tensor([10]), sinks=torch.zeros(3))
+    with pytest.raises(qkv.Error, match="softcap"):
+        qkv.decode(q, k, k, torch.tensor([10]), softcap=-1.0)
+    with pytest.raises(qkv.Error, match="window"):
+        qkv.decode(q, k, k, torch.tensor([10]), window=(-3, 0))

@@ -1,0 +1,175 @@
+// A decode problem for the tests: random q/k/v (attention_cases.hpp), the cache in its
+// storage type, contiguous or as a shuffled paged pool, NaN wherever no key lives; the
+// variants (window, soft-cap, ALiBi, sinks) set alike for qkv::decode and the
+// reference's AttentionOptions. Shared by test_decode.cpp and test_decode_variants.cpp.
+#pragma once
+
+#include <qkv/decode.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention_cases.hpp"
+
+namespace qkv::test {
+
+struct DecodeSpec {
+  std::string name;
+  int64_t batch = 1, q_len = 1, capacity = 64, q_heads = 1, kv_heads = 1, head_dim = 64, v_dim = 64;
+  std::vector<int64_t> lengths;  // empty: every sequence full
+  StorageType type = StorageType::float32;
+  int64_t block_size = 0;  // 0: contiguous cache
+  Causal causal = Causal::bottom_right;
+  int threads = 2;
+  // Variants (all off by default): per-head ALiBi slopes and sinks are drawn from the
+  // seed when switched on.
+  Window window;
+  float softcap = 0.0f;
+  bool alibi = false;
+  bool sinks = false;
+
+  bool has_variants() const { return window.active() || softcap > 0.0f || alibi || sinks; }
+};
+
+template <class T>
+T to_storage(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return T(x);
+}
+
+// One decode problem: the case's values rounded to the storage type, the cache in
+// storage (contiguous or a shuffled paged pool) with NaN everywhere no key lives.
+template <class T>
+struct DecodeCase {
+  test::Case<float> c;
+  Tensor<T, 4> k_cache, v_cache;
+  Tensor<int32_t, 2> table;
+  std::vector<int64_t> lengths;
+  std::vector<float> alibi_slopes, sinks;  // per query head, when the spec asks
+
+  explicit DecodeCase(const DecodeSpec& s, std::uint64_t seed = 7)
+      : c(test::CaseSpec{.name = s.name, .batch = s.batch, .q_len = s.q_len, .k_len = s.capacity,
+                         .q_heads = s.q_heads, .kv_heads = s.kv_heads, .head_dim = s.head_dim,
+                         .v_dim = s.v_dim, .causal = s.causal},
+          seed) {
+    lengths = s.lengths.empty() ? std::vector<int64_t>(static_cast<std::size_t>(s.batch), s.capacity) : s.lengths;
+    c.key_lengths = lengths;
+    c.options.key_lengths = c.key_lengths;
+    std::mt19937 variant_rng(static_cast<unsigned>(seed) + 1);
+    for (int64_t h = 0; h < s.q_heads; ++h) {
+      // ALiBi's geometric slopes 2^(−8(h+1)/H); sinks of the size of typical logits.
+      if (s.alibi) alibi_slopes.push_back(std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(s.q_heads)));
+      if (s.sinks) sinks.push_back(std::uniform_real_distribution<float>(-2.0f, 3.0f)(variant_rng));
+    }
+    c.options.window = s.window;
+    c.options.softcap = s.softcap;
+    c.options.alibi_slopes = alibi_slopes;
+    c.options.sinks = sinks;
+    for (std::size_t i = 0; i < c.k.size(); ++i) c.k[i] = static_cast<float>(to_storage<T>(c.k[i]));
+    for (std::size_t i = 0; i < c.v.size(); ++i) c.v[i] = static_cast<float>(to_storage<T>(c.v[i]));
+    const T poison = to_storage<T>(std::nanf(""));
+    auto copy_rows = [&](Tensor<T, 4>& dst, const Tensor<float, 4>& src, int64_t b, int64_t j,
+                         int64_t block, int64_t row) {
+      const int64_t heads = src.shape()[2], dim = src.shape()[3];
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t x = 0; x < dim; ++x)
+          dst(block, row, h, x) = j < lengths[static_cast<std::size_t>(b)] ? to_storage<T>(src(b, j, h, x)) : poison;
+    };
+    if (s.block_size == 0) {
+      k_cache = Tensor<T, 4>({s.batch, s.capacity, s.kv_heads, s.head_dim});
+      v_cache = Tensor<T, 4>({s.batch, s.capacity, s.kv_heads, s.v_dim});
+      for (int64_t b = 0; b < s.batch; ++b)
+        for (int64_t j = 0; j < s.capacity; ++j) {
+          copy_rows(k_cache, c.k, b, j, b, j);
+          copy_rows(v_cache, c.v, b, j, b, j);
+        }
+      return;
+    }
+    const int64_t per_sequence = (s.capacity + s.block_size - 1) / s.block_size;
+    const int64_t pool = s.batch * per_sequence + 3;  // a few blocks nobody uses
+    std::vector<int32_t> order(static_cast<std::size_t>(pool));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<unsigned>(seed)));
+    k_cache = Tensor<T, 4>({pool, s.block_size, s.kv_heads, s.head_dim});
+    v_cache = Tensor<T, 4>({pool, s.block_size, s.kv_heads, s.v_dim});
+    for (std::size_t i = 0; i < k_cache.size(); ++i) k_cache[i] = poison;
+    for (std::size_t i = 0; i < v_cache.size(); ++i) v_cache[i] = poison;
+    table = Tensor<int32_t, 2>({s.batch, per_sequence});
+    for (int64_t b = 0; b < s.batch; ++b)
+      for (int64_t n = 0; n < per_sequence; ++n) {
+        const bool used = n * s.block_size < lengths[static_cast<std::size_t>(b)];
+        table(b, n) = used ? order[static_cast<std::size_t>(b * per_sequence + n)] : -1;
+        if (!used) continue;
+        for (int64_t row = 0; row < s.block_size; ++row) {
+          const int64_t j = n * s.block_size + row;
+          if (j >= s.capacity) break;
+          copy_rows(k_cache, c.k, b, j, table(b, n), row);
+          copy_rows(v_cache, c.v, b, j, table(b, n), row);
+        }
+      }
+  }
+
+  DecodeArgs<T> args(Tensor<float, 4>& out, Tensor<float, 3>& lse) const {
+    DecodeArgs<T> a;
+    a.q = c.q.cview();
+    a.k_cache = k_cache.cview();
+    a.v_cache = v_cache.cview();
+    a.cache_lengths = lengths;
+    if (table.size() > 0) a.block_table = table.cview();
+    a.out = out.view();
+    a.lse = lse.view();
+    return a;
+  }
+};
+
+struct Outputs {
+  Tensor<float, 4> out;
+  Tensor<float, 3> lse;
+};
+
+template <class T>
+Outputs run_decode(const DecodeCase<T>& dc, const DecodeSpec& s, int threads) {
+  Outputs r{Tensor<float, 4>({s.batch, s.q_len, s.q_heads, s.v_dim}), Tensor<float, 3>({s.batch, s.q_heads, s.q_len})};
+  DecodeOptions options;
+  options.causal = s.causal;
+  options.threads = threads;
+  options.window = s.window;
+  options.softcap = s.softcap;
+  options.alibi_slopes = dc.alibi_slopes;
+  options.sinks = dc.sinks;
+  decode(dc.args(r.out, r.lse), options);
+  return r;
+}
+
+template <class T, int R>
+Tensor<T, R> widen(const Tensor<float, R>& t) {
+  Tensor<T, R> w(t.shape());
+  for (std::size_t i = 0; i < t.size(); ++i) w[i] = static_cast<T>(t[i]);
+  return w;
+}
+
+template <int R>
+double error(const Tensor<float, R>& x, const Tensor<double, R>& ref) {
+  double worst = 0.0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (std::isinf(ref[i]) && static_cast<double>(x[i]) == ref[i]) continue;
+    const double e = std::abs(static_cast<double>(x[i]) - ref[i]);
+    if (std::isnan(e)) return INFINITY;
+    worst = std::max(worst, e);
+  }
+  return worst;
+}
+
+template <int R>
+double max_abs(const Tensor<double, R>& t) {
+  double m = 0.0;
+  for (std::size_t i = 0; i < t.size(); ++i)
+    if (std::isfinite(t[i])) m = std::max(m, std::abs(t[i]));
+  return m;
+}
+
+}  // namespace qkv::test
