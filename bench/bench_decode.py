@@ -16,6 +16,7 @@ table; torch has no paged SDPA, so its column repeats the contiguous time.
     python bench/bench_decode.py                 # the default grid (a few minutes)
     python bench/bench_decode.py --quick         # a handful of rows
     python bench/bench_decode.py --shapes 32/8/128 --lengths 32768 --batches 1 --threads 1
+    python bench/bench_decode.py --window 4096 --window-only --shapes 32/8/128 --lengths 32768 131072
 """
 
 from __future__ import annotations
@@ -79,6 +80,40 @@ def paged_copy(k, v, block: int, seed: int = 0):
     return pool_k, pool_v, table
 
 
+def window_rows(args, shapes, lengths) -> None:
+    """Sliding-window decode: qkv.decode(window=(W - 1, -1)) reads only the last W keys of
+    each sequence; its time against the full cache's, its bandwidth over the window's
+    bytes, and SDPA on the same W keys (a slice of the cache, no copy)."""
+    w = args.window
+    print(f"# sliding window of {w} keys, batch 1, contiguous [B, Hkv, N, d] cache")
+    print("| threads | shape Hq/Hkv d | keys | cache | qkv window ms | qkv full ms | full/window | "
+          "GB/s (window bytes) | torch on the window ms | vs torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for hq, hkv, d in shapes:
+        for n in lengths:
+            if n <= w:
+                continue
+            for dtype in (torch.float32, torch.bfloat16):
+                torch.manual_seed(0)
+                q = torch.randn(1, hq, 1, d)
+                k = torch.randn(1, hkv, n, d).to(dtype)
+                v = torch.randn(1, hkv, n, d).to(dtype)
+                lengths_t = torch.full((1,), n, dtype=torch.int64)
+                window_bytes = w * hkv * 2 * d * (4 if dtype == torch.float32 else 2)
+                kw, vw, qp = k[:, :, n - w:], v[:, :, n - w:], q.to(dtype)
+                for threads in args.threads:
+                    torch.set_num_threads(threads)
+                    win = median_time(lambda: qkv.decode(q, k, v, lengths_t, window=(w - 1, -1), threads=threads),
+                                      args.repeats)
+                    full = median_time(lambda: qkv.decode(q, k, v, lengths_t, threads=threads), args.repeats)
+                    peer = median_time(lambda: F.scaled_dot_product_attention(qp, kw, vw, enable_gqa=True),
+                                       args.repeats)
+                    print(f"| {threads} | {hq}/{hkv} d{d} | {n} | {'fp32' if dtype == torch.float32 else 'bf16'} | "
+                          f"{win * 1e3:.3f} | {full * 1e3:.2f} | {full / win:.1f}× | {window_bytes / win / 1e9:.1f} | "
+                          f"{peer * 1e3:.3f} | {peer / win:.2f}× |", flush=True)
+                del k, v
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -87,6 +122,10 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=None, help="HQ/HKV/D, e.g. 32/8/128")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="cached keys")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--window", type=int, default=0,
+                        help="also time a sliding window of this many keys (Mistral-style decode) "
+                             "against the full cache and against SDPA on the window's keys (a view)")
+    parser.add_argument("--window-only", action="store_true", help="only the sliding-window rows")
     parser.add_argument("--no-torch-above-gb", type=float, default=3.0,
                         help="skip torch where its GQA expansion of K/V would exceed this")
     args = parser.parse_args()
@@ -112,6 +151,10 @@ def main() -> int:
     print(f"# load average at start (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for t in args.threads:
         print(f"# threads={t}: streaming read {bandwidth[t]:.1f} GB/s, FMA peak {fma[t]:.0f} GFLOP/s")
+    if args.window:
+        window_rows(args, shapes, lengths)
+        if args.window_only:
+            return 0
     print("| threads | shape Hq/Hkv d | keys | B | cache | layout | qkv ms | GB/s | of limit | limit | torch ms | vs torch |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for hq, hkv, d in shapes:
