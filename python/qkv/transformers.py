@@ -17,7 +17,10 @@ routed to the cheapest qkv call that means the same thing:
                                       → ``key_lengths``
 - causal, plus right padding          → ``causal="top_left"`` and ``key_lengths``
 - causal over a KV cache, no padding  → ``causal="bottom_right"``
-- anything else (left padding, sliding windows, packed sequences, biases)
+- a causal sliding window (Mistral, Gemma 2's and gpt-oss's sliding layers), no padding
+                                      → ``causal="bottom_right"`` and ``window=(left, -1)``
+                                        (decode steps read only the window's keys)
+- anything else (left padding, packed sequences, biases)
                                       → the mask itself
 
 Key lengths and causality let qkv skip whole key blocks instead of reading a mask per
@@ -42,7 +45,7 @@ the output rounded once to the model's dtype) until qkv's kernels take half prec
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -85,7 +88,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q_len, k_len = query.shape[2], key.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    causal, key_lengths, mask = route_mask(attention_mask, query.shape[0], q_len, k_len)
+    causal, key_lengths, mask, window = route_mask(attention_mask, query.shape[0], q_len, k_len)
+    if window is not None:
+        variants["window"] = window
     if attention_mask is None and is_causal and q_len > 1:
         # Several queries and no mask: transformers left the causal mask out (as for
         # sdpa's is_causal, top-left). One query attends to every key.
@@ -129,16 +134,25 @@ def _layer_label(module) -> str:
 _last_route: Optional[tuple] = None
 
 
-def route_mask(mask: Optional[torch.Tensor], batch: int, q_len: int, k_len: int):
-    """(causal, key_lengths, mask) for qkv that mean what ``mask`` means for
-    ``[batch, ·, q_len, k_len]`` attention; at most one of key_lengths and mask is set."""
+class Route(NamedTuple):
+    """What qkv is asked to do for a mask: at most one of key_lengths and mask is set;
+    window, when set, is qkv's ``(left, right)`` on top of the causal mode."""
+    causal: Optional[str]
+    key_lengths: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
+    window: Optional[tuple] = None
+
+
+def route_mask(mask: Optional[torch.Tensor], batch: int, q_len: int, k_len: int) -> Route:
+    """The qkv call (a Route) that means what ``mask`` means for
+    ``[batch, ·, q_len, k_len]`` attention."""
     global _last_route
     if mask is None:
-        return None, None, None
+        return Route(None, None, None)
     if mask.ndim == 4 and mask.shape[-1] > k_len:
         mask = mask[..., :k_len]  # static caches build masks over their whole capacity
     if torch.compiler.is_compiling() or mask.ndim != 4 or mask.device.type != "cpu":
-        return None, None, _inner_contiguous(mask)
+        return Route(None, None, _inner_contiguous(mask))
     key = (mask._version, batch, q_len, k_len, mask.data_ptr(), tuple(mask.stride()))
     if _last_route is not None:
         ref, last_key, result = _last_route
@@ -152,13 +166,13 @@ def route_mask(mask: Optional[torch.Tensor], batch: int, q_len: int, k_len: int)
     return result
 
 
-def _route(mask, batch, q_len, k_len):
+def _route(mask, batch, q_len, k_len) -> Route:
     keep = _as_keep(mask)
     if keep is None:  # a float mask with other values, or fully masked rows: as it is
-        return None, None, _inner_contiguous(mask)
+        return Route(None, None, _inner_contiguous(mask))
     mask_batch, mask_heads, mask_queries, _ = keep.shape
     if mask_heads != 1 or mask_batch not in (1, batch) or mask_queries not in (1, q_len):
-        return None, None, _inner_contiguous(keep)
+        return Route(None, None, _inner_contiguous(keep))
     columns = torch.arange(k_len)
     counts = keep[:, 0].sum(-1)  # [Bm, Qm]: keys each query row keeps
 
@@ -166,8 +180,8 @@ def _route(mask, batch, q_len, k_len):
     lengths = counts[:, 0]
     if torch.equal(keep[:, 0], (columns < lengths[:, None, None]).expand_as(keep[:, 0])):
         if bool((lengths == k_len).all()):
-            return None, None, None
-        return None, _per_batch(lengths, batch), None
+            return Route(None, None, None)
+        return Route(None, _per_batch(lengths, batch), None)
 
     if mask_queries == q_len and q_len > 1:
         rows = torch.arange(q_len)[:, None]
@@ -177,16 +191,25 @@ def _route(mask, batch, q_len, k_len):
         causal = (columns <= rows) & (columns < lengths[:, None, None])
         if torch.equal(keep[:, 0], causal):
             if bool((lengths == min(q_len, k_len)).all()):
-                return "top_left", None, None
-            return "top_left", _per_batch(lengths, batch), None
+                return Route("top_left", None, None)
+            return Route("top_left", _per_batch(lengths, batch), None)
         # Causal over a KV cache (bottom-right: query i is at position k_len - q_len + i),
         # no padding. (With padding the two conventions differ: qkv's bottom-right
         # aligns the last query with each entry's last kept key.)
         if k_len > q_len and torch.equal(keep[:, 0],
                                          (columns <= rows + (k_len - q_len)).expand_as(
                                              keep[:, 0])):
-            return "bottom_right", None, None
-    return None, None, _inner_contiguous(keep)
+            return Route("bottom_right", None, None)
+
+    # A causal sliding window, no padding: query i (at position k_len - q_len + i) sees
+    # its own key and the `left` before it. One decode step's mask is a suffix of the keys.
+    if mask_queries == q_len:
+        position = torch.arange(q_len)[:, None] + (k_len - q_len)
+        left = int(counts[0, -1]) - 1  # the last query is never cut by the start
+        band = (columns <= position) & (columns >= position - left)
+        if 0 <= left < k_len - 1 and torch.equal(keep[:, 0], band.expand_as(keep[:, 0])):
+            return Route("bottom_right", None, None, (left, -1))
+    return Route(None, None, _inner_contiguous(keep))
 
 
 def _as_keep(mask):
@@ -221,4 +244,4 @@ def register() -> None:
 
 register()
 
-__all__ = ["NAME", "attention_forward", "register", "route_mask"]
+__all__ = ["NAME", "Route", "attention_forward", "register", "route_mask"]

@@ -112,7 +112,7 @@ class _Calls:
         original = qkv.transformers._qkv_attention
 
         def spy(*args, **kwargs):
-            self.calls.append({k: kwargs.get(k) for k in ("causal", "mask", "key_lengths")})
+            self.calls.append({k: kwargs.get(k) for k in ("causal", "mask", "key_lengths", "window")})
             return original(*args, **kwargs)
 
         monkeypatch.setattr(qkv.transformers, "_qkv_attention", spy)
@@ -178,7 +178,7 @@ def test_bert_without_padding_passes_no_mask(monkeypatch):
         got = models["qkv"](input_ids=ids).last_hidden_state
         want = models["sdpa"](input_ids=ids).last_hidden_state
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert spy.calls and all(call == {"causal": None, "mask": None, "key_lengths": None}
+    assert spy.calls and all(call == {"causal": None, "mask": None, "key_lengths": None, "window": None}
                              for call in spy.calls)
 
 
@@ -212,7 +212,7 @@ def test_llama_decoder_logits_and_gradients(padding, monkeypatch):
 
     call = spy.calls[0]
     if padding == "none":
-        assert call == {"causal": "top_left", "mask": None, "key_lengths": None}
+        assert call == {"causal": "top_left", "mask": None, "key_lengths": None, "window": None}
     elif padding == "right":  # causal + right padding: no mask either
         assert call["causal"] == "top_left" and call["mask"] is None
         assert call["key_lengths"].tolist() == lengths
@@ -238,8 +238,8 @@ def test_llama_generate_with_kv_cache_gives_the_same_tokens(batch, monkeypatch):
     # Prefill sees all 9 queries; each decode step one query against the cache.
     assert len(spy.calls) >= 2 * 24  # every layer, every step
     if batch == 1:  # no padding: prefill causal, decode with no mask at all
-        assert spy.calls[0] == {"causal": "top_left", "mask": None, "key_lengths": None}
-        assert spy.calls[-1] == {"causal": None, "mask": None, "key_lengths": None}
+        assert spy.calls[0] == {"causal": "top_left", "mask": None, "key_lengths": None, "window": None}
+        assert spy.calls[-1] == {"causal": None, "mask": None, "key_lengths": None, "window": None}
 
 
 def test_dropout_in_training_is_reproducible_and_drops():
@@ -389,21 +389,76 @@ def test_route_mask_finds_key_lengths_and_causality():
             (None, None, True)),
     }
     for name, (mask, (want_causal, want_lengths, want_mask)) in cases.items():
-        got_causal, got_lengths, got_mask = route_mask(mask, 3, 6, 6)
+        got_causal, got_lengths, got_mask, got_window = route_mask(mask, 3, 6, 6)
         assert got_causal == want_causal, name
         assert (None if got_lengths is None else got_lengths.tolist()) == want_lengths, name
         assert (got_mask is not None) == want_mask, name
+        assert got_window is None, name
         got, want = _sdpa_and_qkv(mask)
         torch.testing.assert_close(got, want, rtol=0, atol=2e-6, msg=name)
 
     # Decoding over a KV cache: 2 new queries at positions 4 and 5 of 6 keys.
     cache = (keys <= torch.arange(2)[:, None] + 4).expand(3, 1, 2, 6)
-    assert route_mask(cache, 3, 2, 6) == ("bottom_right", None, None)
+    assert route_mask(cache, 3, 2, 6) == ("bottom_right", None, None, None)
     got, want = _sdpa_and_qkv(cache, q_len=2)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
     # A static cache's mask is wider than the keys: sliced first, as for sdpa.
     wide = torch.cat([padding, torch.zeros(3, 1, 6, 4, dtype=torch.bool)], dim=-1)
     assert route_mask(wide, 3, 6, 6)[1].tolist() == [6, 4, 1]
+
+
+def test_route_mask_finds_sliding_windows():
+    """Causal sliding windows (Mistral's, Gemma 2's and gpt-oss's sliding layers) become
+    qkv's window=(left, -1), bottom-right aligned: prefill, chunked prefill and one decode
+    step (a suffix of the keys); with padding, or not a band, the mask stays."""
+    def band(q_len, k_len, left, batch=3):
+        position = torch.arange(q_len)[:, None] + (k_len - q_len)
+        keys = torch.arange(k_len)
+        return ((keys <= position) & (keys >= position - left)).expand(batch, 1, q_len, k_len)
+
+    for q_len, k_len, left in [(6, 6, 2), (3, 10, 4), (1, 20, 7), (1, 9, 0)]:
+        mask = band(q_len, k_len, left)
+        assert route_mask(mask, 3, q_len, k_len) == ("bottom_right", None, None, (left, -1)), (q_len, k_len)
+        got, want = _sdpa_and_qkv(mask, q_len=q_len, k_len=k_len)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6, msg=f"{q_len}x{k_len}")
+    # A window wider than every row's history is plain causality.
+    assert route_mask(band(6, 6, 5), 3, 6, 6).window is None
+    padded = band(6, 6, 2).clone()
+    padded[1, :, :, :1] = False
+    assert route_mask(padded, 3, 6, 6).mask is not None
+    ragged = band(1, 20, 7).clone()
+    ragged[0, 0, 0, 15] = False  # a hole in the band
+    assert route_mask(ragged, 3, 1, 20).mask is not None
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_sliding_window_models_generate_the_same_tokens(family, monkeypatch):
+    """Gemma 2 (soft-cap, every other layer a sliding window of 8) and gpt-oss (sinks, a
+    sliding and a full layer) prefill 14 tokens and generate 20 greedily with a KV cache:
+    the same tokens as eager. The sliding layers' prefill reaches qkv as window=(7, -1)
+    (tiles outside it skipped), not as a mask; their decode steps need neither
+    (transformers keeps only the window's keys in those layers' caches)."""
+    if family == "gemma2":
+        model_class, config = transformers.Gemma2ForCausalLM, _gemma2_config()
+    else:
+        model_class, config = transformers.GptOssForCausalLM, _gpt_oss_config()
+    torch.manual_seed(6)
+    base = model_class(config).eval()
+    ids = torch.randint(3, 97, (1, 14), generator=torch.Generator().manual_seed(9))
+    tokens = {}
+    spy = None
+    for impl in ("eager", "qkv"):
+        model = copy.deepcopy(base)
+        model.set_attn_implementation(impl)
+        if impl == "qkv":
+            spy = _Calls(monkeypatch)
+        tokens[impl] = model.generate(input_ids=ids, max_new_tokens=20, do_sample=False, use_cache=True,
+                                      pad_token_id=0)
+    assert tokens["qkv"].shape == (1, 34)
+    assert torch.equal(tokens["qkv"], tokens["eager"])
+    windows = [call["window"] for call in spy.calls if call["window"] is not None]
+    assert windows and all(window == (7, -1) for window in windows)
+    assert all(call["mask"] is None for call in spy.calls)
 
 
 def test_route_mask_is_computed_once_per_mask():
