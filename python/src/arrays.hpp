@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <string>
 
 #include "qkv/half.hpp"
@@ -153,6 +155,15 @@ class ArrayRef {
 // A boolean or uint8 array as the uint8 view qkv's keep masks use (same bytes: NumPy
 // and PyTorch store bool as one byte holding 0 or 1).
 TensorView<const std::uint8_t, 4> byte_mask_view(const char* name, const ArrayRef& array);
+
+// An optional float32 vector output (a per-head gradient: dsinks, dalibi_slopes) as the
+// span the library writes; empty when not given.
+inline std::span<float> optional_float_span(const char* name, const std::optional<ArrayRef>& array,
+                                            const char* because) {
+  if (!array) return {};
+  const auto view = view_of<float, 1>(name, *array, because);
+  return {view.data, static_cast<std::size_t>(view.shape[0])};
+}
 
 // Calls float32() or float64(), decided by q's dtype; anything else is a TypeError naming
 // q's dtype. The entry points whose other arrays follow q's dtype dispatch through this.

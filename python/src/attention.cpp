@@ -87,14 +87,8 @@ void backward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, con
   args.dq = view_of<T, 4>("dq", dq, kAsQ, bits);
   args.dk = view_of<T, 4>("dk", dk, kAsQ, bits);
   args.dv = view_of<T, 4>("dv", dv, kAsQ, bits);
-  if (dsinks) {
-    const auto view = view_of<float, 1>("dsinks", *dsinks, "sinks are float32");
-    args.dsinks = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
-  }
-  if (dalibi) {
-    const auto view = view_of<float, 1>("dalibi_slopes", *dalibi, "ALiBi slopes are float32");
-    args.dalibi_slopes = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
-  }
+  args.dsinks = optional_float_span("dsinks", dsinks, "sinks are float32");
+  args.dalibi_slopes = optional_float_span("dalibi_slopes", dalibi, "ALiBi slopes are float32");
 
   if (debug_recording.load(std::memory_order_relaxed)) {
     debug_begin_call();

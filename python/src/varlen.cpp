@@ -68,14 +68,8 @@ void backward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, con
                     const std::optional<ArrayRef>& dsinks, const std::optional<ArrayRef>& dalibi,
                     const AttentionOptions& options, bool bits) {
   VarlenBackwardArgs<T> args;
-  if (dsinks) {
-    const auto view = view_of<float, 1>("dsinks", *dsinks, "sinks are float32");
-    args.dsinks = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
-  }
-  if (dalibi) {
-    const auto view = view_of<float, 1>("dalibi_slopes", *dalibi, "ALiBi slopes are float32");
-    args.dalibi_slopes = std::span<float>(view.data, static_cast<std::size_t>(view.shape[0]));
-  }
+  args.dsinks = optional_float_span("dsinks", dsinks, "sinks are float32");
+  args.dalibi_slopes = optional_float_span("dalibi_slopes", dalibi, "ALiBi slopes are float32");
   args.q = view_of<const T, 3>("q", q, kAsQ, bits);
   args.k = view_of<const T, 3>("k", k, kAsQ, bits);
   args.v = view_of<const T, 3>("v", v, kAsQ, bits);
