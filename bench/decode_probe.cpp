@@ -3,7 +3,7 @@
 //                                        THREADS threads, best of 5 passes
 //   qkv_decode_probe decode HQ HKV D N TYPE THREADS [PAGE]
 //                                        best ms and GB/s of qkv::decode, one query per
-//                                        head, N keys, TYPE f32|bf16|f16, PAGE 0 = contiguous
+//                                        head, N keys, TYPE f32|bf16|f16|i8, PAGE 0 = contiguous
 //                                        [1, N, HKV, D], -1 = PyTorch's [1, HKV, N, D], > 0 paged
 //   qkv_decode_probe small-call          mean µs of attention_forward on q [1,12,1,64]
 //                                        against 64 keys (1 and 2 threads), and of qkv::decode
@@ -21,6 +21,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "fma_probe.hpp"
@@ -108,7 +109,14 @@ void decode_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, int th
   const int64_t blocks = page > 0 ? (n + page - 1) / page : 1;
   Tensor<T, 4> k(page > 0 ? std::array<int64_t, 4>{blocks, page, kv_heads, d} : std::array<int64_t, 4>{1, n, kv_heads, d});
   Tensor<T, 4> v(k.shape());
-  for (std::size_t i = 0; i < k.size(); ++i) k[i] = v[i] = T(static_cast<float>(i % 17) * 0.05f);
+  constexpr bool kInt8 = std::is_same_v<T, std::int8_t>;
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    if constexpr (kInt8) k[i] = v[i] = static_cast<std::int8_t>(i % 17);
+    else k[i] = v[i] = T(static_cast<float>(i % 17) * 0.05f);
+  }
+  // int8: one scale per row (4 bytes per d values; counted in the bytes read below).
+  Tensor<float, 3> scales({k.shape()[0], k.shape()[1], kv_heads});
+  for (std::size_t i = 0; i < scales.size(); ++i) scales[i] = 0.05f;
   Tensor<int32_t, 2> table({1, blocks});
   for (int64_t j = 0; j < blocks; ++j) table(0, j) = static_cast<int32_t>((j * 7919) % blocks);  // scattered
   std::vector<int64_t> lengths{n};
@@ -119,6 +127,7 @@ void decode_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, int th
     args.k_cache = TensorView<const T, 4>::from_bhsd(k.data(), 1, kv_heads, n, d);
     args.v_cache = TensorView<const T, 4>::from_bhsd(v.data(), 1, kv_heads, n, d);
   }
+  if constexpr (kInt8) args.k_scale = args.v_scale = scales.cview();
   DecodeOptions options;
   options.threads = threads;
   decode(args, options);
@@ -134,7 +143,7 @@ void decode_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, int th
     best = std::min(best, seconds_since(start));
     best_cpu = std::min(best_cpu, (cpu_seconds() - cpu_start) / threads);
   }
-  const double bytes = static_cast<double>(n * kv_heads * 2 * d) * sizeof(T);
+  const double bytes = static_cast<double>(n * kv_heads * 2) * (static_cast<double>(d * sizeof(T)) + (kInt8 ? 4.0 : 0.0));
   std::printf("decode_ms=%.3f decode_gbs=%.2f cpu_ms=%.3f cpu_gbs=%.2f target=%s\n", best * 1e3, bytes / best / 1e9,
               best_cpu * 1e3, bytes / best_cpu / 1e9, best_target());
 }
@@ -154,6 +163,7 @@ int main(int argc, char** argv) {
     const int64_t page = argc >= 9 ? std::atoll(argv[8]) : 0;
     if (type == "bf16") decode_rate<qkv::bfloat16>(hq, hkv, d, n, threads, page);
     else if (type == "f16") decode_rate<qkv::float16>(hq, hkv, d, n, threads, page);
+    else if (type == "i8") decode_rate<std::int8_t>(hq, hkv, d, n, threads, page);
     else decode_rate<float>(hq, hkv, d, n, threads, page);
     return 0;
   }

@@ -9,7 +9,10 @@
 //   cache_lengths [B]   keys held for each sequence, the new tokens' own keys included
 //   out      [B, Nq, Hq, dv]   float32;  lse [B, Hq, Nq] optional
 //
-// K/V elements are float32, bfloat16 or float16 (widened exactly; arithmetic in float32).
+// K/V elements are float32, bfloat16 or float16 (widened exactly; arithmetic in float32),
+// or int8 with a float scale per row (k_scale, v_scale; qkv::KVCache quantizes so): the
+// kernel multiplies each key's dot product by its scale and each weight by its value
+// row's scale, so the result is attention over the values int8 · scale.
 // With the default Causal::bottom_right, the Nq queries are the last Nq tokens of their
 // sequence: query i of sequence b sees keys j ≤ i + cache_lengths[b] − Nq. A query that
 // sees no key (a sequence shorter than Nq, or empty) gets out 0 and lse −inf.
@@ -29,7 +32,7 @@
 
 namespace qkv {
 
-template <class T>  // the cache's storage type: float, bfloat16 or float16
+template <class T>  // the cache's storage type: float, bfloat16, float16 or int8_t
 struct DecodeArgs {
   View4<const float> q;
   View4<const T> k_cache, v_cache;
@@ -37,6 +40,9 @@ struct DecodeArgs {
   TensorView<const int32_t, 2> block_table;  // empty: contiguous cache
   View4<float> out;
   View3<float> lse;  // optional
+  // int8 caches only (empty otherwise): one float scale per cached row, the row's values
+  // being int8 · scale — [B, capacity, Hkv] or, paged, [num_blocks, block_size, Hkv].
+  View3<const float> k_scale, v_scale;
 };
 
 struct DecodeOptions {
@@ -61,5 +67,6 @@ struct DecodeOptions {
 void decode(const DecodeArgs<float>& args, const DecodeOptions& options = {});
 void decode(const DecodeArgs<bfloat16>& args, const DecodeOptions& options = {});
 void decode(const DecodeArgs<float16>& args, const DecodeOptions& options = {});
+void decode(const DecodeArgs<std::int8_t>& args, const DecodeOptions& options = {});
 
 }  // namespace qkv

@@ -127,7 +127,9 @@ static_assert(sizeof(bfloat16) == 2 && alignof(bfloat16) == 2);
 static_assert(sizeof(float16) == 2 && alignof(float16) == 2);
 
 // The element type of a storage buffer (a KV cache, later every kernel's inputs).
-enum class StorageType { float32, bfloat16, float16 };
+// int8 is for KV caches only: each cached row (one token's d values of one kv head)
+// holds int8 values and one float scale, value = int8 · scale (qkv/kv_cache.hpp).
+enum class StorageType { float32, bfloat16, float16, int8 };
 
 template <class T>
 inline constexpr StorageType storage_type_of = StorageType::float32;
@@ -135,14 +137,19 @@ template <>
 inline constexpr StorageType storage_type_of<bfloat16> = StorageType::bfloat16;
 template <>
 inline constexpr StorageType storage_type_of<float16> = StorageType::float16;
+template <>
+inline constexpr StorageType storage_type_of<std::int8_t> = StorageType::int8;
 
-constexpr int storage_bytes(StorageType type) { return type == StorageType::float32 ? 4 : 2; }
+constexpr int storage_bytes(StorageType type) {
+  return type == StorageType::float32 ? 4 : type == StorageType::int8 ? 1 : 2;
+}
 
 constexpr const char* storage_name(StorageType type) {
   switch (type) {
     case StorageType::float32: return "float32";
     case StorageType::bfloat16: return "bfloat16";
     case StorageType::float16: return "float16";
+    case StorageType::int8: return "int8";
   }
   return "unknown";
 }

@@ -7,7 +7,10 @@
 //               vLLM uses. append() takes blocks from the pool as sequences grow;
 //               reset(seq) gives a sequence's blocks back.
 // Storage is float32, bfloat16 or float16: appended values are rounded once (to nearest
-// even); attention widens them exactly and computes in float32.
+// even); attention widens them exactly and computes in float32. Or int8, quantized per
+// row (one token's d values of one kv head) with its own float scale = max|x| / 127:
+// each value within scale/2 of its stored int8 · scale, a quarter of float32's bytes
+// plus 4 bytes a row.
 //
 //   KVCache cache({.batch = 1, .capacity = 4096, .kv_heads = 8, .head_dim = 128,
 //                  .dtype = StorageType::bfloat16});
@@ -72,6 +75,10 @@ class KVCache {
   template <class T>
   DecodeArgs<T> views() const;
 
+  // int8: the rows' scales, shaped k_shape()[0..2] (empty for other storage types).
+  std::span<const float> k_scales() const { return k_scale_; }
+  std::span<const float> v_scales() const { return v_scale_; }
+
   // Raw storage, for bindings that hand it out without copying.
   const void* k_data() const { return k_.get(); }
   const void* v_data() const { return v_.get(); }
@@ -94,6 +101,7 @@ class KVCache {
   std::vector<int64_t> lengths_;
   std::vector<int32_t> table_;  // paged: [batch, blocks_per_sequence_], -1 = none
   std::vector<int32_t> free_;   // paged: unassigned pool blocks, taken from the back
+  std::vector<float> k_scale_, v_scale_;  // int8: one scale per stored row (k_shape()[0..2])
 };
 
 }  // namespace qkv

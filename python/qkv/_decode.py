@@ -25,15 +25,17 @@ def _is_torch(x) -> bool:
 
 
 def _storage_name(dtype) -> str:
-    """'float32', 'bfloat16' or 'float16' from a name, a NumPy or a torch dtype."""
+    """'float32', 'bfloat16', 'float16' or 'int8' from a name, a NumPy or a torch dtype."""
     name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+    if name in ("int8", "<class 'numpy.int8'>"):
+        return "int8"
     if name in ("float", "float32", "<class 'numpy.float32'>"):
         return "float32"
     if name in ("half", "float16", "<class 'numpy.float16'>"):
         return "float16"
     if name in ("bfloat16",):
         return "bfloat16"
-    raise Error(f"dtype: expected float32, bfloat16 or float16, got {dtype!r}")
+    raise Error(f"dtype: expected float32, bfloat16, float16 or int8, got {dtype!r}")
 
 
 def _check_layout(function: str, layout: str) -> None:
@@ -104,9 +106,9 @@ def _cache_array(x, name: str, function: str):
             return x.view(torch.int16).numpy(), "bfloat16"
         if x.dtype == torch.float16:
             return x.view(torch.int16).numpy(), "float16"
-        if x.dtype == torch.float32:
+        if x.dtype in (torch.float32, torch.int8):
             return x.numpy(), ""
-        raise TypeError(f"{function}: {name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+        raise TypeError(f"{function}: {name}: expected dtype float32, bfloat16, float16 or int8, got {x.dtype}")
     if isinstance(x, np.ndarray):
         return x, ""
     raise TypeError(f"{function}: {name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
@@ -139,17 +141,20 @@ def _variant_keywords(window, softcap, alibi_slopes, sinks) -> dict:
 
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
            layout="bhsd", return_lse=False, threads=None, window=None, softcap=None, alibi_slopes=None,
-           sinks=None):
+           sinks=None, k_scale=None, v_scale=None):
     """Attention of q against caller-owned caches, read in place (no copy of the cache).
 
     q: ``[B, Hq, Nq, d]`` (layout "bhsd") or ``[B, Nq, Hq, d]`` ("bshd"), any float dtype
     (computed in float32, returned in q's dtype).
     k_cache, v_cache: contiguous ``[B, Hkv, capacity, d]`` ("bhsd") / ``[B, capacity, Hkv, d]``
     ("bshd"); or, with ``block_table [B, max_blocks]`` (int32), the paged pool
-    ``[num_blocks, block_size, Hkv, d]``. float32, bfloat16 or float16.
+    ``[num_blocks, block_size, Hkv, d]``. float32, bfloat16, float16, or int8 with scales.
     cache_lengths: ``[B]`` keys held per sequence, the new tokens' own keys included.
     causal: ``"bottom_right"`` (default: the queries are each sequence's last tokens),
     ``"top_left"`` or None.
+    int8 caches take ``k_scale`` and ``v_scale``, one float32 per cached row (the row's
+    values are int8 · scale): ``[B, Hkv, capacity]`` ("bhsd"), ``[B, capacity, Hkv]``
+    ("bshd"), or ``[num_blocks, block_size, Hkv]`` for a paged pool.
     window, softcap, alibi_slopes, sinks: the inference variants, as in ``qkv.attention``
     (``window=(left, right)``, -1 unbounded; a sliding window reads only the keys in it).
     Returns out like q (with v's last dimension), or ``(out, lse [B, Hq, Nq])``.
@@ -170,6 +175,16 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     else:
         table = _int_array(block_table, np.int32, "block_table", fn)
     lengths = _int_array(cache_lengths, np.int64, "cache_lengths", fn)
+    scales = {}
+    for name, row_scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if row_scales is None:
+            continue
+        if _is_torch(row_scales):
+            row_scales = row_scales.detach().numpy()
+        row_scales = np.asarray(row_scales)
+        if block_table is None and layout == "bhsd" and row_scales.ndim == 3:
+            row_scales = row_scales.swapaxes(1, 2)
+        scales[name] = row_scales
     batch, q_len, q_heads, _ = q_lib.shape
     v_dim = v_lib.shape[3] if v_lib.ndim == 4 else 0
     out, work, out_lib = _empty_out(q, batch, q_len, q_heads, v_dim, layout)
@@ -178,7 +193,7 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
         lse = np.empty((batch, q_heads, q_len), dtype=np.float32)
     _qkv.decode(q_lib, k_lib, v_lib, lengths, out_lib, lse=lse, block_table=table, bits_as=bits_as,
                 scale=scale, causal="none" if causal is None else causal, threads=threads or 0,
-                **_variant_keywords(window, softcap, alibi_slopes, sinks))
+                **_variant_keywords(window, softcap, alibi_slopes, sinks), **scales)
     out = _finish(out, work)
     if not return_lse:
         return out
@@ -266,14 +281,21 @@ class KVCache:
         bfloat16/float16 bits. Shares memory with the cache (it stays alive with them)."""
         return self._cache.key_storage(), self._cache.value_storage()
 
+    def scales(self):
+        """int8: (key scales, value scales), ``[B, capacity, Hkv]`` (or the paged pool's
+        ``[num_blocks, block_size, Hkv]``) NumPy views, one float32 per stored row; None
+        for other dtypes. The stored values are ``storage() · scales()`` (broadcast)."""
+        return self._cache.scales()
+
     def torch_storage(self):
         """(keys, values) as torch tensors of the cache's dtype over its memory (no copy)."""
         import torch
 
         keys, values = self.storage()
-        to = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        to = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "int8": torch.int8}[self.dtype]
         k, v = torch.from_numpy(keys), torch.from_numpy(values)
-        if to is not torch.float32:
+        if to in (torch.bfloat16, torch.float16):
             k, v = k.view(torch.int16).view(to), v.view(torch.int16).view(to)
         return k, v
 

@@ -28,7 +28,8 @@ StorageType parse_storage(const std::string& name) {
   if (name == "float32") return StorageType::float32;
   if (name == "bfloat16") return StorageType::bfloat16;
   if (name == "float16") return StorageType::float16;
-  throw Error("dtype: expected 'float32', 'bfloat16' or 'float16', got '" + name + "'");
+  if (name == "int8") return StorageType::int8;
+  throw Error("dtype: expected 'float32', 'bfloat16', 'float16' or 'int8', got '" + name + "'");
 }
 
 // The storage type of a cache array: its own dtype, or `bits_as` for 16-bit integers.
@@ -38,11 +39,12 @@ StorageType cache_storage(const char* name, const InArray& array, const std::str
   if (dt == nb::dtype<float>()) return StorageType::float32;
   if (dt.code == static_cast<uint8_t>(Code::Float) && dt.bits == 16 && dt.lanes == 1) return StorageType::float16;
   if (dt.code == static_cast<uint8_t>(Code::Bfloat) && dt.bits == 16 && dt.lanes == 1) return StorageType::bfloat16;
+  if (dt == nb::dtype<int8_t>()) return StorageType::int8;
   if ((dt == nb::dtype<int16_t>() || dt == nb::dtype<uint16_t>()) && !bits_as.empty()) {
     const StorageType type = parse_storage(bits_as);
     if (type != StorageType::float32) return type;
   }
-  throw nb::type_error((std::string(name) + ": expected dtype float32, float16 or bfloat16, got " +
+  throw nb::type_error((std::string(name) + ": expected dtype float32, float16, bfloat16 or int8, got " +
                         dtype_name(dt))
                            .c_str());
 }
@@ -56,8 +58,11 @@ std::span<const int64_t> lengths_of(const InArray& lengths) {
 template <class T>
 void decode_typed(const InArray& q, const InArray& k_cache, const InArray& v_cache,
                   std::span<const int64_t> lengths, const std::optional<InArray>& block_table,
-                  const OutArray& out, const std::optional<OutArray>& lse, const DecodeOptions& options) {
+                  const OutArray& out, const std::optional<OutArray>& lse, const DecodeOptions& options,
+                  const std::optional<InArray>& k_scale, const std::optional<InArray>& v_scale) {
   DecodeArgs<T> args;
+  if (k_scale) args.k_scale = view_of<const float, 3>("k_scale", *k_scale, "scales are float32");
+  if (v_scale) args.v_scale = view_of<const float, 3>("v_scale", *v_scale, "scales are float32");
   args.q = view_of<const float, 4>("q", q, "queries are float32");
   args.k_cache = raw_view<const T, 4>("k_cache", k_cache);
   args.v_cache = raw_view<const T, 4>("v_cache", v_cache);
@@ -88,7 +93,7 @@ void decode_any(const InArray& q, const InArray& k_cache, const InArray& v_cache
                 const OutArray& out, std::optional<OutArray> lse, std::optional<InArray> block_table,
                 const std::string& bits_as, std::optional<double> scale, const std::string& causal,
                 int threads, int64_t window_left, int64_t window_right, float softcap, nb::handle alibi_slopes,
-                nb::handle sinks) {
+                nb::handle sinks, std::optional<InArray> k_scale, std::optional<InArray> v_scale) {
   const StorageType k_type = cache_storage("k_cache", k_cache, bits_as);
   if (cache_storage("v_cache", v_cache, bits_as) != k_type)
     throw nb::type_error("v_cache: expected the dtype of k_cache");
@@ -96,9 +101,14 @@ void decode_any(const InArray& q, const InArray& k_cache, const InArray& v_cache
       decode_options(scale, causal, threads, window_left, window_right, softcap, alibi_slopes, sinks);
   const auto lengths = lengths_of(cache_lengths);
   switch (k_type) {
-    case StorageType::float32: return decode_typed<float>(q, k_cache, v_cache, lengths, block_table, out, lse, options);
-    case StorageType::bfloat16: return decode_typed<bfloat16>(q, k_cache, v_cache, lengths, block_table, out, lse, options);
-    case StorageType::float16: return decode_typed<float16>(q, k_cache, v_cache, lengths, block_table, out, lse, options);
+    case StorageType::float32:
+      return decode_typed<float>(q, k_cache, v_cache, lengths, block_table, out, lse, options, k_scale, v_scale);
+    case StorageType::bfloat16:
+      return decode_typed<bfloat16>(q, k_cache, v_cache, lengths, block_table, out, lse, options, k_scale, v_scale);
+    case StorageType::float16:
+      return decode_typed<float16>(q, k_cache, v_cache, lengths, block_table, out, lse, options, k_scale, v_scale);
+    case StorageType::int8:
+      return decode_typed<std::int8_t>(q, k_cache, v_cache, lengths, block_table, out, lse, options, k_scale, v_scale);
   }
 }
 
@@ -109,7 +119,10 @@ nb::ndarray<nb::numpy> storage_array(KVCache& cache, bool keys, nb::handle owner
   const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
                                 static_cast<std::size_t>(shape4[2]), static_cast<std::size_t>(shape4[3])};
   void* data = keys ? cache.k_data() : cache.v_data();
-  const nb::dlpack::dtype dt = cache.config().dtype == StorageType::float32 ? nb::dtype<float>() : nb::dtype<uint16_t>();
+  const StorageType type = cache.config().dtype;
+  const nb::dlpack::dtype dt = type == StorageType::float32 ? nb::dtype<float>()
+                               : type == StorageType::int8  ? nb::dtype<int8_t>()
+                                                            : nb::dtype<uint16_t>();
   return nb::ndarray<nb::numpy>(data, 4, shape, owner, nullptr, dt);
 }
 
@@ -121,7 +134,8 @@ void bind_decode(nb::module_& m) {
         nb::arg("block_table").none() = nb::none(), nb::arg("bits_as") = "", nb::arg("scale").none() = nb::none(),
         nb::arg("causal") = "bottom_right", nb::arg("threads") = 0, nb::arg("window_left") = -1,
         nb::arg("window_right") = -1, nb::arg("softcap") = 0.0f, nb::arg("alibi_slopes").none() = nb::none(),
-        nb::arg("sinks").none() = nb::none(),
+        nb::arg("sinks").none() = nb::none(), nb::arg("k_scale").none() = nb::none(),
+        nb::arg("v_scale").none() = nb::none(),
         "qkv::decode on [B, N, H, d] views; caches read in place (16-bit integer arrays hold the "
         "bits of the `bits_as` type). Writes out (and lse) in place; the GIL is released.");
 
@@ -178,6 +192,17 @@ void bind_decode(nb::module_& m) {
       .def_prop_ro("capacity", [](const KVCache& self) { return self.config().capacity; })
       .def("key_storage", [](nb::handle self) { return storage_array(nb::cast<KVCache&>(self), true, self); })
       .def("value_storage", [](nb::handle self) { return storage_array(nb::cast<KVCache&>(self), false, self); })
+      .def("scales", [](nb::handle self) -> nb::object {
+        // int8: the rows' scales (keys, values), [B | blocks, capacity | block_size, Hkv]
+        // NumPy views of the cache's memory; None for other storage types.
+        KVCache& cache = nb::cast<KVCache&>(self);
+        if (cache.config().dtype != StorageType::int8) return nb::none();
+        const auto shape4 = cache.k_shape();
+        const std::size_t shape[3] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
+                                      static_cast<std::size_t>(shape4[2])};
+        return nb::make_tuple(nb::ndarray<nb::numpy, const float>(cache.k_scales().data(), 3, shape, self),
+                              nb::ndarray<nb::numpy, const float>(cache.v_scales().data(), 3, shape, self));
+      })
       .def("block_table", [](nb::handle self) {
         KVCache& cache = nb::cast<KVCache&>(self);
         const std::size_t shape[2] = {static_cast<std::size_t>(cache.config().batch),

@@ -4,6 +4,7 @@
 
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/checker.hpp"
@@ -97,6 +98,27 @@ cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options
     check.expect_extent(lse, 2, "seq", q_len, "as q.shape[1]");
     outputs.push_back(lse);
   }
+  // int8 caches: a scale per cached row, shaped like the cache without its last axis.
+  const bool scaled = storage_type_of<T> == StorageType::int8;
+  for (const auto& [name, scale, cache, cache_name] :
+       {std::tuple{"k_scale", &a.k_scale, &a.k_cache, "k_cache"}, std::tuple{"v_scale", &a.v_scale, &a.v_cache, "v_cache"}}) {
+    if (!scaled) {
+      if (!scale->empty())
+        check.fail(std::string(name) + ": only int8 caches take scales (this cache is " +
+                   storage_name(storage_type_of<T>) + ")");
+      continue;
+    }
+    if (scale->empty())
+      check.fail(std::string(name) + ": expected one float32 scale per cached row for an int8 cache, got none");
+    const Described d = describe(name, *scale);
+    check.expect_well_formed(d);
+    const char* axis_names[3] = {paged ? "blocks" : "batch", paged ? "block_size" : "capacity", "kv heads"};
+    for (int axis = 0; axis < 3; ++axis) {
+      const std::string as = "as " + std::string(cache_name) + ".shape[" + std::to_string(axis) + "]";
+      check.expect_extent(d, axis, axis_names[axis], cache->shape[axis], as.c_str());
+    }
+    inputs.push_back(d);
+  }
   check.expect_outputs_apart(outputs, inputs);
 
   cpu::DecodeProblem p;
@@ -139,6 +161,16 @@ cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options
   kv.v_batch_stride = a.v_cache.strides[0];
   kv.v_row_stride = a.v_cache.strides[1];
   kv.v_head_stride = a.v_cache.strides[2];
+  if (scaled) {
+    kv.k_scale = a.k_scale.data;
+    kv.v_scale = a.v_scale.data;
+    kv.ks_batch_stride = a.k_scale.strides[0];
+    kv.ks_row_stride = a.k_scale.strides[1];
+    kv.ks_head_stride = a.k_scale.strides[2];
+    kv.vs_batch_stride = a.v_scale.strides[0];
+    kv.vs_row_stride = a.v_scale.strides[1];
+    kv.vs_head_stride = a.v_scale.strides[2];
+  }
   if (paged) {
     kv.block_table = a.block_table.data;
     kv.table_stride = a.block_table.strides[0];
@@ -175,5 +207,6 @@ void run(const DecodeArgs<T>& args, const DecodeOptions& options) {
 void decode(const DecodeArgs<float>& args, const DecodeOptions& options) { run(args, options); }
 void decode(const DecodeArgs<bfloat16>& args, const DecodeOptions& options) { run(args, options); }
 void decode(const DecodeArgs<float16>& args, const DecodeOptions& options) { run(args, options); }
+void decode(const DecodeArgs<std::int8_t>& args, const DecodeOptions& options) { run(args, options); }
 
 }  // namespace qkv

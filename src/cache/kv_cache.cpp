@@ -3,6 +3,7 @@
 #include "qkv/kv_cache.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <new>
@@ -36,11 +37,37 @@ void store_row(const float* src, int64_t count, void* dst) {
   }
 }
 
-void store_row(StorageType type, const float* src, int64_t count, void* dst) {
+// int8: symmetric per-row quantization. scale = max|x| / 127 and q = x / scale rounded
+// to nearest (ties to even), so every value is within scale/2 of q·scale and the row's
+// largest magnitude is exactly ±127·scale. An all-zero row gets scale 0; a row holding
+// NaN or ±inf gets scale NaN, so that whatever attends to it sees NaN, as with the
+// other storage types.
+void store_int8_row(const float* src, int64_t count, void* dst, float* scale) {
+  auto* out = static_cast<std::int8_t*>(dst);
+  float largest = 0.0f;
+  bool finite = true;
+  for (int64_t c = 0; c < count; ++c) {
+    finite = finite && std::isfinite(src[c]);
+    largest = std::max(largest, std::abs(src[c]));
+  }
+  if (!finite || largest == 0.0f) {
+    *scale = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+    std::fill(out, out + count, std::int8_t{0});
+    return;
+  }
+  *scale = largest / 127.0f;
+  for (int64_t c = 0; c < count; ++c) {
+    const float q = std::nearbyint(src[c] / *scale);
+    out[c] = static_cast<std::int8_t>(std::clamp(q, -127.0f, 127.0f));
+  }
+}
+
+void store_row(StorageType type, const float* src, int64_t count, void* dst, float* scale) {
   switch (type) {
     case StorageType::float32: return store_row<float>(src, count, dst);
     case StorageType::bfloat16: return store_row<bfloat16>(src, count, dst);
     case StorageType::float16: return store_row<float16>(src, count, dst);
+    case StorageType::int8: return store_int8_row(src, count, dst, scale);
   }
 }
 
@@ -60,8 +87,8 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
   if (config.v_dim < 0) check.fail("config.v_dim: expected >= 0 (0 = head_dim), got " + std::to_string(config.v_dim));
   if (config_.v_dim == 0) config_.v_dim = config.head_dim;
   if (config.dtype != StorageType::float32 && config.dtype != StorageType::bfloat16 &&
-      config.dtype != StorageType::float16)
-    check.fail("config.dtype: expected float32, bfloat16 or float16, got value " +
+      config.dtype != StorageType::float16 && config.dtype != StorageType::int8)
+    check.fail("config.dtype: expected float32, bfloat16, float16 or int8, got value " +
                std::to_string(static_cast<int>(config.dtype)));
   int64_t rows = config.batch * config.capacity;  // key rows of storage
   if (config.paged) {
@@ -82,6 +109,10 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
   const auto heads = static_cast<std::size_t>(config.kv_heads);
   k_.reset(allocate_bytes(static_cast<std::size_t>(rows) * heads * static_cast<std::size_t>(config_.head_dim) * bytes));
   v_.reset(allocate_bytes(static_cast<std::size_t>(rows) * heads * static_cast<std::size_t>(config_.v_dim) * bytes));
+  if (config.dtype == StorageType::int8) {  // one scale per stored row
+    k_scale_.assign(static_cast<std::size_t>(rows) * heads, 0.0f);
+    v_scale_.assign(static_cast<std::size_t>(rows) * heads, 0.0f);
+  }
   lengths_.assign(static_cast<std::size_t>(config.batch), 0);
 }
 
@@ -153,10 +184,11 @@ void KVCache::append(View4<const float> k, View4<const float> v, std::span<const
         row = static_cast<int64_t>(block) * config_.block_size + length % config_.block_size;
       }
       for (int64_t h = 0; h < hkv; ++h) {
-        store_row(config_.dtype, &k(n, t, h, 0), d,
-                  kb + static_cast<std::size_t>((row * hkv + h) * d) * bytes);
-        store_row(config_.dtype, &v(n, t, h, 0), dv,
-                  vb + static_cast<std::size_t>((row * hkv + h) * dv) * bytes);
+        const auto scale_at = static_cast<std::size_t>(row * hkv + h);
+        store_row(config_.dtype, &k(n, t, h, 0), d, kb + static_cast<std::size_t>((row * hkv + h) * d) * bytes,
+                  k_scale_.empty() ? nullptr : &k_scale_[scale_at]);
+        store_row(config_.dtype, &v(n, t, h, 0), dv, vb + static_cast<std::size_t>((row * hkv + h) * dv) * bytes,
+                  v_scale_.empty() ? nullptr : &v_scale_[scale_at]);
       }
     }
   }
@@ -189,12 +221,18 @@ DecodeArgs<T> KVCache::views() const {
   args.cache_lengths = lengths_;
   if (config_.paged)
     args.block_table = TensorView<const int32_t, 2>::contiguous(table_.data(), {config_.batch, blocks_per_sequence_});
+  if constexpr (storage_type_of<T> == StorageType::int8) {
+    const auto shape = k_shape();
+    args.k_scale = View3<const float>::contiguous(k_scale_.data(), {shape[0], shape[1], shape[2]});
+    args.v_scale = View3<const float>::contiguous(v_scale_.data(), {shape[0], shape[1], shape[2]});
+  }
   return args;
 }
 
 template DecodeArgs<float> KVCache::views<float>() const;
 template DecodeArgs<bfloat16> KVCache::views<bfloat16>() const;
 template DecodeArgs<float16> KVCache::views<float16>() const;
+template DecodeArgs<std::int8_t> KVCache::views<std::int8_t>() const;
 
 void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
                      const DecodeOptions& options) const {
@@ -208,6 +246,7 @@ void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
     case StorageType::float32: return run(views<float>());
     case StorageType::bfloat16: return run(views<bfloat16>());
     case StorageType::float16: return run(views<float16>());
+    case StorageType::int8: return run(views<std::int8_t>());
   }
 }
 

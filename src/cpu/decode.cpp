@@ -25,11 +25,14 @@
 // identical for any number of threads.
 //
 // Storage: K/V may be float32, bfloat16 or float16, widened exactly; all arithmetic is
-// float32. Head sizes that are not whole vectors take a packed path: each block's rows
-// are widened into zero-padded float rows first, then the same kernels run on those.
+// float32. int8 rows carry a scale each: the score tile is computed from the integers
+// (converted exactly) and multiplied by each key's scale, and each weight by its value
+// row's scale before P·V — the row's values are never dequantized into memory. Head
+// sizes that are not whole vectors take a packed path: each block's rows are widened
+// into zero-padded float rows first, then the same kernels run on those.
 //
-// Masks: each query row sees a prefix of its sequence's keys (key lengths and causal
-// alignment), so a block is either fully visible to every row of the tile, or partly
+// Masks: each query row sees a range of its sequence's keys (key lengths, causal
+// alignment, a sliding window), so a block is either fully visible to every row of the tile, or partly
 // visible (scores of hidden keys set to -inf — overwritten, so a NaN key behind the
 // mask never reaches a row); keys past the last visible key of the tile are never read.
 #undef HWY_TARGET_INCLUDE
@@ -69,6 +72,10 @@ template <class T>
 HWY_INLINE FloatVec LoadWidened(FloatTag df, const T* HWY_RESTRICT p) {
   if constexpr (std::is_same_v<T, float>) {
     return hn::LoadU(df, p);
+  } else if constexpr (std::is_same_v<T, std::int8_t>) {  // int8 caches: the row's scale comes later
+    const hn::Rebind<std::int8_t, FloatTag> d8;
+    const hn::RebindToSigned<FloatTag> di;
+    return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, p)));
   } else if constexpr (kVectorWiden<T>) {  // bfloat16: a shift; float16: F16C/AVX-512
     const hn::Rebind<typename HwyLane<T>::type, FloatTag> dh;
     return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const typename HwyLane<T>::type*>(p)));
@@ -304,6 +311,10 @@ void ValueBlock(size_t rows, const float* HWY_RESTRICT p, size_t p_ld, size_t ke
 // are no faster than 2; PyTorch's head-major buffer gains ~3%.
 constexpr size_t kUnitsAhead = 2;
 
+// Storage whose rows carry a scale (value = element · scale): int8.
+template <class T>
+inline constexpr bool kScaledStorage = std::is_same_v<T, std::int8_t>;
+
 // Per-thread scratch, laid out once per call (sizes in floats / rows).
 template <class T>
 struct DecodeScratch {
@@ -316,6 +327,8 @@ struct DecodeScratch {
   // Row pointers of K and V of the current unit and the kUnitsAhead after it (a ring
   // of kUnitsAhead + 1 slots of block_keys rows each).
   std::vector<const T*> k_ring, v_ring;
+  // int8 caches: the rows' scales, in the ring's layout.
+  hwy::AlignedFreeUniquePtr<float[]> k_scales, v_scales;
   std::vector<const float*> k_packed, v_packed;  // rows of `keys` / `values`
 
   explicit DecodeScratch(const DecodePlan& plan)
@@ -326,6 +339,8 @@ struct DecodeScratch {
         alpha(AllocateFloats(plan.group_rows())),
         merged(AllocateFloats(plan.dv_pad)),
         k_ring((kUnitsAhead + 1) * plan.block_keys), v_ring((kUnitsAhead + 1) * plan.block_keys),
+        k_scales(AllocateFloats(kScaledStorage<T> ? (kUnitsAhead + 1) * plan.block_keys : 0)),
+        v_scales(AllocateFloats(kScaledStorage<T> ? (kUnitsAhead + 1) * plan.block_keys : 0)),
         k_packed(plan.packed ? plan.block_keys : 0), v_packed(plan.packed ? plan.block_keys : 0) {}
 };
 
@@ -334,7 +349,7 @@ struct DecodeScratch {
 // scores the mask then removes (so a partial vector of keys never reads past the cache).
 template <class T>
 void RowPointers(const DecodeProblem& p, int64_t batch, int64_t head, int64_t first, size_t keys,
-                 size_t padded, const T** k, const T** v) {
+                 size_t padded, const T** k, const T** v, float* k_scale, float* v_scale) {
   const KvSource& kv = p.kv;
   const T* k_base = static_cast<const T*>(kv.k);
   const T* v_base = static_cast<const T*>(kv.v);
@@ -348,11 +363,23 @@ void RowPointers(const DecodeProblem& p, int64_t batch, int64_t head, int64_t fi
       k[j + r] = k_row + static_cast<int64_t>(r) * kv.k_row_stride;
       v[j + r] = v_row + static_cast<int64_t>(r) * kv.v_row_stride;
     }
+    if constexpr (kScaledStorage<T>) {
+      const float* ks = kv.k_scale + kv.k_scale_offset(batch, key, head);
+      const float* vs = kv.v_scale + kv.v_scale_offset(batch, key, head);
+      for (size_t r = 0; r < run; ++r) {
+        k_scale[j + r] = ks[static_cast<int64_t>(r) * kv.ks_row_stride];
+        v_scale[j + r] = vs[static_cast<int64_t>(r) * kv.vs_row_stride];
+      }
+    }
     j += run;
   }
   for (; j < padded; ++j) {
     k[j] = k[keys - 1];
     v[j] = v[keys - 1];
+    if constexpr (kScaledStorage<T>) {
+      k_scale[j] = k_scale[keys - 1];
+      v_scale[j] = v_scale[keys - 1];
+    }
   }
 }
 
@@ -441,13 +468,17 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
     }
   };
   size_t slot_keys[kUnitsAhead + 1] = {};
+  const auto scales_of = [&](const hwy::AlignedFreeUniquePtr<float[]>& scales, size_t slot) {
+    return kScaledStorage<T> ? scales.get() + slot * block : nullptr;
+  };
   // Fill the ring: units 0 .. kUnitsAhead.
   int64_t ahead_first = task.first_key, ahead_g = 0;
   for (size_t u = 0; u < slots; ++u) {
     slot_keys[u] = unit_keys(ahead_first);
     if (slot_keys[u] > 0)
       RowPointers<T>(p, task.batch, ahead_g, ahead_first, slot_keys[u], round_up(slot_keys[u], lanes),
-                     s.k_ring.data() + u * block, s.v_ring.data() + u * block);
+                     s.k_ring.data() + u * block, s.v_ring.data() + u * block, scales_of(s.k_scales, u),
+                     scales_of(s.v_scales, u));
     if (u + 1 < slots) following(ahead_first, ahead_g);
   }
   size_t unit = 0;
@@ -468,7 +499,7 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
         slot_keys[far_slot] = unit_keys(ahead_first);
         if (slot_keys[far_slot] > 0)
           RowPointers<T>(p, task.batch, ahead_g, ahead_first, slot_keys[far_slot], round_up(slot_keys[far_slot], lanes),
-                         k_far, v_far);
+                         k_far, v_far, scales_of(s.k_scales, far_slot), scales_of(s.v_scales, far_slot));
       }
       const size_t far_keys = slot_keys[far_slot];
       const T** k_rows = s.k_ring.data() + slot * block;
@@ -494,6 +525,12 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
         }
         for (size_t j = 0; j < padded; j += lanes)
           ScoreKeys(group_rows, queries, d_pad, s.k_packed.data() + j, d_pad, Ahead<float>{}, s.scores.get() + j, ld);
+      }
+
+      // int8 rows: the dot products were of the stored integers; times each key's scale.
+      if constexpr (kScaledStorage<T>) {
+        const float* k_scale = scales_of(s.k_scales, slot);
+        for (size_t r = 0; r < group_rows; ++r) MultiplyTile(s.scores.get() + r * ld, k_scale, padded);
       }
 
       // Variants on the scaled logits, in the dense kernels' order: soft-cap, then ALiBi
@@ -529,18 +566,32 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
       // Keys [seen_from, seen_to) of the block are visible to every row of the tile.
       const auto seen_from = static_cast<size_t>(std::clamp<int64_t>(max_begin - first, 0, block_keys));
       const size_t seen_to = std::max(seen_from, static_cast<size_t>(std::clamp<int64_t>(min_end - first, 0, block_keys)));
+      // (int8 rows are finite; their scales may not be.)
+      const float* v_scale = scales_of(s.v_scales, slot);
       bool hidden_non_finite = false;
-      for (size_t j = 0; j < keys && !hidden_non_finite; ++j)
-        if (j < seen_from || j >= seen_to) hidden_non_finite = !AllFinite(v_rows[j], 0, 1, dv);
+      for (size_t j = 0; j < keys && !hidden_non_finite; ++j) {
+        if (j >= seen_from && j < seen_to) continue;
+        if constexpr (kScaledStorage<T>) {
+          hidden_non_finite = !std::isfinite(v_scale[j]);
+        } else {
+          hidden_non_finite = !AllFinite(v_rows[j], 0, 1, dv);
+        }
+      }
       if (hidden_non_finite) {
         ScaleRows(acc, group_rows, dv_pad, dv_pad, s.alpha.get());
         for (size_t r = 0; r < group_rows; ++r)
           for (size_t j = 0; j < keys; ++j) {
-            const float w = s.scores[r * ld + j];
+            float w = s.scores[r * ld + j];
             if (w == 0.0f) continue;
+            if constexpr (kScaledStorage<T>) w *= v_scale[j];
             for (size_t c = 0; c < dv; ++c) acc[r * dv_pad + c] += w * Widen(v_rows[j][c]);
           }
         continue;
+      }
+      // int8 rows: each weight times its value row's scale (the normalizer l has been
+      // summed already, from the unscaled weights).
+      if constexpr (kScaledStorage<T>) {
+        for (size_t r = 0; r < group_rows; ++r) MultiplyTile(s.scores.get() + r * ld, v_scale, padded);
       }
       if (!plan.packed) {
         const Ahead<T> ahead{v_far, far_keys, dv * sizeof(T)};
@@ -632,6 +683,7 @@ void DecodeImpl(const DecodeProblem& p) {
     case StorageType::float32: return RunDecode<float>(p);
     case StorageType::bfloat16: return RunDecode<bfloat16>(p);
     case StorageType::float16: return RunDecode<float16>(p);
+    case StorageType::int8: return RunDecode<std::int8_t>(p);
   }
 }
 

@@ -1,5 +1,6 @@
 // The decode kernel's problem: few queries per sequence against many cached keys, read
-// in place from contiguous or paged memory stored as float32, bfloat16 or float16.
+// in place from contiguous or paged memory stored as float32, bfloat16, float16 or int8
+// (with a scale per row).
 // Built by the public entry points (qkv::decode, KVCache::attend, and attention_forward
 // when its shape calls for it) after they validated everything; the kernel may assume
 // every invariant written here.
@@ -19,12 +20,18 @@ namespace qkv::cpu {
 //               page = block_table[b·table_stride + j / page_size]
 // (paged: batch_stride is the stride between pool blocks). Elements of `type`; strides
 // in elements; each row's head_dim (or v_dim) elements are contiguous.
+// int8 storage: row (b, j, h) of K also has a float scale at k_scale + the same offset
+// computed with the k_scale strides (V alike); the row's values are int8 · scale.
 struct KvSource {
   StorageType type = StorageType::float32;
   const void* k = nullptr;
   const void* v = nullptr;
   int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
   int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  const float* k_scale = nullptr;  // int8 only
+  const float* v_scale = nullptr;
+  int64_t ks_batch_stride = 0, ks_row_stride = 0, ks_head_stride = 0;
+  int64_t vs_batch_stride = 0, vs_row_stride = 0, vs_head_stride = 0;
   const int32_t* block_table = nullptr;  // null: contiguous
   int64_t table_stride = 0;
   int64_t page_size = 0;
@@ -37,6 +44,13 @@ struct KvSource {
   }
   int64_t v_offset(int64_t batch, int64_t key, int64_t head) const {
     return offset(batch, key, head, v_batch_stride, v_row_stride, v_head_stride);
+  }
+  // Offset of row (b, j, h)'s scale (int8 storage).
+  int64_t k_scale_offset(int64_t batch, int64_t key, int64_t head) const {
+    return offset(batch, key, head, ks_batch_stride, ks_row_stride, ks_head_stride);
+  }
+  int64_t v_scale_offset(int64_t batch, int64_t key, int64_t head) const {
+    return offset(batch, key, head, vs_batch_stride, vs_row_stride, vs_head_stride);
   }
   // Keys [key, run_end(key)) lie row_stride apart (the rest of key's page).
   int64_t run_end(int64_t key) const {

@@ -66,6 +66,7 @@ struct HwyLane<float16> {
 HWY_INLINE float Widen(float x) { return x; }
 HWY_INLINE float Widen(bfloat16 x) { return static_cast<float>(x); }
 HWY_INLINE float Widen(float16 x) { return static_cast<float>(x); }
+HWY_INLINE float Widen(std::int8_t x) { return static_cast<float>(x); }  // int8 caches, before the scale
 
 // One rounding to T (to nearest, ties to even; qkv/half.hpp, tested on every tie).
 template <class T>

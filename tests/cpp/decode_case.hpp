@@ -41,12 +41,36 @@ T to_storage(float x) {
   else return T(x);
 }
 
+// int8 storage: each row (b, j, h) of x quantized with its own scale max|row|/127 (as
+// KVCache does); x becomes the values the int8 cache holds, q · scale.
+inline void quantize_rows(Tensor<float, 4>& x, Tensor<std::int8_t, 4>& q, Tensor<float, 3>& scales) {
+  const auto shape = x.shape();
+  q = Tensor<std::int8_t, 4>(shape);
+  scales = Tensor<float, 3>({shape[0], shape[1], shape[2]});
+  for (int64_t b = 0; b < shape[0]; ++b)
+    for (int64_t j = 0; j < shape[1]; ++j)
+      for (int64_t h = 0; h < shape[2]; ++h) {
+        float largest = 0.0f;
+        for (int64_t c = 0; c < shape[3]; ++c) largest = std::max(largest, std::abs(x(b, j, h, c)));
+        const float scale = largest / 127.0f;
+        scales(b, j, h) = scale;
+        for (int64_t c = 0; c < shape[3]; ++c) {
+          const float v = scale == 0.0f ? 0.0f : std::clamp(std::nearbyint(x(b, j, h, c) / scale), -127.0f, 127.0f);
+          q(b, j, h, c) = static_cast<std::int8_t>(v);
+          x(b, j, h, c) = v * scale;
+        }
+      }
+}
+
 // One decode problem: the case's values rounded to the storage type, the cache in
-// storage (contiguous or a shuffled paged pool) with NaN everywhere no key lives.
+// storage (contiguous or a shuffled paged pool) with NaN everywhere no key lives (int8:
+// NaN scales there).
 template <class T>
 struct DecodeCase {
+  static constexpr bool kInt8 = std::is_same_v<T, std::int8_t>;
   test::Case<float> c;
   Tensor<T, 4> k_cache, v_cache;
+  Tensor<float, 3> k_scale, v_scale;  // int8: the cache rows' scales, shaped like its first axes
   Tensor<int32_t, 2> table;
   std::vector<int64_t> lengths;
   std::vector<float> alibi_slopes, sinks;  // per query head, when the spec asks
@@ -69,24 +93,46 @@ struct DecodeCase {
     c.options.softcap = s.softcap;
     c.options.alibi_slopes = alibi_slopes;
     c.options.sinks = sinks;
-    for (std::size_t i = 0; i < c.k.size(); ++i) c.k[i] = static_cast<float>(to_storage<T>(c.k[i]));
-    for (std::size_t i = 0; i < c.v.size(); ++i) c.v[i] = static_cast<float>(to_storage<T>(c.v[i]));
-    const T poison = to_storage<T>(std::nanf(""));
-    auto copy_rows = [&](Tensor<T, 4>& dst, const Tensor<float, 4>& src, int64_t b, int64_t j,
-                         int64_t block, int64_t row) {
+    Tensor<std::int8_t, 4> kq, vq;  // int8: the quantized rows
+    Tensor<float, 3> kq_scale, vq_scale;
+    if constexpr (kInt8) {
+      quantize_rows(c.k, kq, kq_scale);
+      quantize_rows(c.v, vq, vq_scale);
+    } else {
+      for (std::size_t i = 0; i < c.k.size(); ++i) c.k[i] = static_cast<float>(to_storage<T>(c.k[i]));
+      for (std::size_t i = 0; i < c.v.size(); ++i) c.v[i] = static_cast<float>(to_storage<T>(c.v[i]));
+    }
+    const T poison = kInt8 ? T{} : to_storage<T>(std::nanf(""));
+    auto copy_rows = [&](Tensor<T, 4>& dst, Tensor<float, 3>& dst_scale, const Tensor<float, 4>& src,
+                         const Tensor<std::int8_t, 4>& src_q, const Tensor<float, 3>& src_scale, int64_t b,
+                         int64_t j, int64_t block, int64_t row) {
       const int64_t heads = src.shape()[2], dim = src.shape()[3];
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t x = 0; x < dim; ++x)
-          dst(block, row, h, x) = j < lengths[static_cast<std::size_t>(b)] ? to_storage<T>(src(b, j, h, x)) : poison;
+      const bool live = j < lengths[static_cast<std::size_t>(b)];
+      for (int64_t h = 0; h < heads; ++h) {
+        if constexpr (kInt8) dst_scale(block, row, h) = live ? src_scale(b, j, h) : std::nanf("");
+        for (int64_t x = 0; x < dim; ++x) {
+          if constexpr (kInt8) dst(block, row, h, x) = live ? src_q(b, j, h, x) : poison;
+          else dst(block, row, h, x) = live ? to_storage<T>(src(b, j, h, x)) : poison;
+        }
+      }
+    };
+    auto copy_key = [&](int64_t b, int64_t j, int64_t block, int64_t row) {
+      copy_rows(k_cache, k_scale, c.k, kq, kq_scale, b, j, block, row);
+      copy_rows(v_cache, v_scale, c.v, vq, vq_scale, b, j, block, row);
+    };
+    auto allocate = [&](int64_t rows0, int64_t rows1) {
+      k_cache = Tensor<T, 4>({rows0, rows1, s.kv_heads, s.head_dim});
+      v_cache = Tensor<T, 4>({rows0, rows1, s.kv_heads, s.v_dim});
+      if constexpr (kInt8) {
+        k_scale = Tensor<float, 3>({rows0, rows1, s.kv_heads});
+        v_scale = Tensor<float, 3>({rows0, rows1, s.kv_heads});
+        for (std::size_t i = 0; i < k_scale.size(); ++i) k_scale[i] = v_scale[i] = std::nanf("");
+      }
     };
     if (s.block_size == 0) {
-      k_cache = Tensor<T, 4>({s.batch, s.capacity, s.kv_heads, s.head_dim});
-      v_cache = Tensor<T, 4>({s.batch, s.capacity, s.kv_heads, s.v_dim});
+      allocate(s.batch, s.capacity);
       for (int64_t b = 0; b < s.batch; ++b)
-        for (int64_t j = 0; j < s.capacity; ++j) {
-          copy_rows(k_cache, c.k, b, j, b, j);
-          copy_rows(v_cache, c.v, b, j, b, j);
-        }
+        for (int64_t j = 0; j < s.capacity; ++j) copy_key(b, j, b, j);
       return;
     }
     const int64_t per_sequence = (s.capacity + s.block_size - 1) / s.block_size;
@@ -94,8 +140,7 @@ struct DecodeCase {
     std::vector<int32_t> order(static_cast<std::size_t>(pool));
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<unsigned>(seed)));
-    k_cache = Tensor<T, 4>({pool, s.block_size, s.kv_heads, s.head_dim});
-    v_cache = Tensor<T, 4>({pool, s.block_size, s.kv_heads, s.v_dim});
+    allocate(pool, s.block_size);
     for (std::size_t i = 0; i < k_cache.size(); ++i) k_cache[i] = poison;
     for (std::size_t i = 0; i < v_cache.size(); ++i) v_cache[i] = poison;
     table = Tensor<int32_t, 2>({s.batch, per_sequence});
@@ -107,8 +152,7 @@ struct DecodeCase {
         for (int64_t row = 0; row < s.block_size; ++row) {
           const int64_t j = n * s.block_size + row;
           if (j >= s.capacity) break;
-          copy_rows(k_cache, c.k, b, j, table(b, n), row);
-          copy_rows(v_cache, c.v, b, j, table(b, n), row);
+          copy_key(b, j, table(b, n), row);
         }
       }
   }
@@ -120,6 +164,10 @@ struct DecodeCase {
     a.v_cache = v_cache.cview();
     a.cache_lengths = lengths;
     if (table.size() > 0) a.block_table = table.cview();
+    if constexpr (kInt8) {
+      a.k_scale = k_scale.cview();
+      a.v_scale = v_scale.cview();
+    }
     a.out = out.view();
     a.lse = lse.view();
     return a;

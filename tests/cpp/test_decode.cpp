@@ -58,6 +58,7 @@ void check_any(const DecodeSpec& s) {
     case StorageType::float32: return check_spec<float>(s);
     case StorageType::bfloat16: return check_spec<bfloat16>(s);
     case StorageType::float16: return check_spec<float16>(s);
+    case StorageType::int8: return check_spec<std::int8_t>(s);
   }
 }
 
@@ -88,7 +89,7 @@ std::vector<DecodeSpec> decode_specs() {
        .head_dim = 16, .v_dim = 16, .lengths = {4, 0}},
   };
   for (const DecodeSpec& shape : shapes)
-    for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16})
+    for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16, StorageType::int8})
       for (int64_t block : {0, 16, 128}) {
         DecodeSpec s = shape;
         s.type = type;

@@ -49,6 +49,7 @@ void expect_near_reference_any(const DecodeSpec& s) {
     case StorageType::float32: return expect_near_reference<float>(s);
     case StorageType::bfloat16: return expect_near_reference<bfloat16>(s);
     case StorageType::float16: return expect_near_reference<float16>(s);
+    case StorageType::int8: return expect_near_reference<std::int8_t>(s);
   }
 }
 
@@ -84,7 +85,7 @@ std::vector<DecodeSpec> variant_specs() {
 
 TEST(DecodeVariants, MatchTheReferenceOnEveryLayoutAndStorage) {
   for (const DecodeSpec& shape : variant_specs())
-    for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16})
+    for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16, StorageType::int8})
       for (int64_t block : {0, 16, 128}) {
         DecodeSpec s = shape;
         s.type = type;

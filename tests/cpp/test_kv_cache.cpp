@@ -5,6 +5,7 @@
 
 #include <qkv/kv_cache.hpp>
 
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -45,11 +46,25 @@ struct Mirror {
       for (int64_t t = 0; t < k_new.shape()[1]; ++t, ++lengths[static_cast<std::size_t>(b)]) {
         const int64_t j = lengths[static_cast<std::size_t>(b)];
         for (int64_t h = 0; h < 2; ++h) {
-          for (int64_t x = 0; x < 32; ++x) k(b, j, h, x) = round_to(type, k_new(static_cast<int64_t>(n), t, h, x));
-          for (int64_t x = 0; x < 24; ++x) v(b, j, h, x) = round_to(type, v_new(static_cast<int64_t>(n), t, h, x));
+          store(type, &k_new(static_cast<int64_t>(n), t, h, 0), 32, &k(b, j, h, 0));
+          store(type, &v_new(static_cast<int64_t>(n), t, h, 0), 24, &v(b, j, h, 0));
         }
       }
     }
+  }
+
+  // One row as the cache holds it: rounded once, or (int8) quantized with the row's
+  // scale max|x|/127 to the nearest integer, exactly q·scale in double.
+  static void store(StorageType type, const float* x, int64_t count, double* out) {
+    if (type != StorageType::int8) {
+      for (int64_t c = 0; c < count; ++c) out[c] = round_to(type, x[c]);
+      return;
+    }
+    float largest = 0.0f;
+    for (int64_t c = 0; c < count; ++c) largest = std::max(largest, std::abs(x[c]));
+    const float scale = largest / 127.0f;
+    for (int64_t c = 0; c < count; ++c)
+      out[c] = scale == 0.0f ? 0.0 : static_cast<double>(std::nearbyint(x[c] / scale)) * scale;
   }
 };
 
@@ -117,6 +132,92 @@ TEST(KVCache, GenerationMatchesTheReferenceForEveryStorage) {
   run_generation(StorageType::float32);
   run_generation(StorageType::bfloat16);
   run_generation(StorageType::float16);
+  run_generation(StorageType::int8);
+}
+
+// int8: each stored value within half its row's scale of the appended one, the row's
+// largest magnitude exactly ±127·scale; an all-zero row has scale 0, a row with NaN or
+// inf scale NaN (attention over it gives NaN, as other storage types do).
+TEST(KVCache, Int8RowsAreWithinHalfTheirScale) {
+  KVCache cache({.batch = 1, .capacity = 8, .kv_heads = 2, .head_dim = 64, .dtype = StorageType::int8});
+  auto k = test::random_tensor<float, 4>({1, 3, 2, 64}, 5);
+  const auto v = test::random_tensor<float, 4>({1, 3, 2, 64}, 6);
+  for (int64_t x = 0; x < 64; ++x) {
+    k(0, 1, 0, x) = 0.0f;              // an all-zero row
+    k(0, 0, 1, x) *= 1000.0f;          // a large row
+  }
+  cache.append(k.cview(), v.cview());
+  const auto* q = static_cast<const std::int8_t*>(cache.k_data());
+  const std::span<const float> scales = cache.k_scales();
+  ASSERT_EQ(scales.size(), 8u * 2u);
+  for (int64_t j = 0; j < 3; ++j)
+    for (int64_t h = 0; h < 2; ++h) {
+      const float scale = scales[static_cast<std::size_t>(j * 2 + h)];
+      int largest = 0;
+      for (int64_t x = 0; x < 64; ++x) {
+        const int stored = q[(j * 2 + h) * 64 + x];
+        largest = std::max(largest, std::abs(stored));
+        EXPECT_LE(std::abs(k(0, j, h, x) - static_cast<float>(stored) * scale), 0.5f * scale * (1.0f + 1e-6f))
+            << j << " " << h << " " << x;
+      }
+      if (j == 1 && h == 0) {
+        EXPECT_EQ(scale, 0.0f);
+        EXPECT_EQ(largest, 0);
+      } else {
+        EXPECT_EQ(largest, 127);
+      }
+    }
+
+  Tensor<float, 4> bad({1, 1, 2, 64}), q_new({1, 1, 2, 64});
+  bad(0, 0, 0, 5) = std::nanf("");
+  cache.append(bad.cview(), bad.cview());
+  EXPECT_TRUE(std::isnan(cache.k_scales()[3 * 2 + 0]));
+  EXPECT_EQ(cache.k_scales()[3 * 2 + 1], 0.0f);  // head 1's row is finite (zeros)
+  Tensor<float, 4> out({1, 1, 2, 64});
+  cache.attend(q_new.cview(), out.view());
+  EXPECT_TRUE(std::isnan(out(0, 0, 0, 0)));  // head 0 sees the NaN row
+  EXPECT_FALSE(std::isnan(out(0, 0, 1, 0)));
+}
+
+// int8 caches need their scales, other caches take none; the shapes are checked.
+TEST(KVCache, Int8DecodeArgumentsAreChecked) {
+  KVCache cache({.batch = 1, .capacity = 8, .kv_heads = 2, .head_dim = 16, .dtype = StorageType::int8});
+  const auto k = test::random_tensor<float, 4>({1, 4, 2, 16}, 9);
+  cache.append(k.cview(), k.cview());
+  Tensor<float, 4> q({1, 1, 4, 16}), out({1, 1, 4, 16});
+  auto expect_error = [&](DecodeArgs<std::int8_t> args, const std::string& needle) {
+    args.q = q.cview();
+    args.out = out.view();
+    try {
+      decode(args);
+      ADD_FAILURE() << "no error; expected " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  DecodeArgs<std::int8_t> args = cache.views<std::int8_t>();
+  args.k_scale = {};
+  expect_error(args, "k_scale: expected one float32 scale per cached row");
+  args = cache.views<std::int8_t>();
+  args.v_scale.shape[2] = 1;
+  expect_error(args, "v_scale.shape[2] (kv heads): expected 2");
+
+  KVCache floats({.batch = 1, .capacity = 8, .kv_heads = 2, .head_dim = 16});
+  DecodeArgs<float> fargs = floats.views<float>();
+  const std::vector<float> scale(16, 1.0f);
+  fargs.k_scale = View3<const float>::contiguous(scale.data(), {1, 8, 2});
+  fargs.q = q.cview();
+  fargs.out = out.view();
+  EXPECT_THROW(
+      {
+        try {
+          decode(fargs);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("k_scale: only int8 caches take scales"), std::string::npos);
+          throw;
+        }
+      },
+      Error);
 }
 
 TEST(KVCache, StoresValuesRoundedOnce) {

@@ -157,7 +157,7 @@ def test_errors_name_the_argument():
         qkv.decode(q, k, k, [3])
     with pytest.raises(TypeError, match="v_cache: expected the dtype of k_cache"):
         qkv.decode(q, k, k.to(torch.bfloat16), [3, 3])
-    with pytest.raises(TypeError, match="k_cache: expected dtype float32, bfloat16 or float16"):
+    with pytest.raises(TypeError, match="k_cache: expected dtype float32, bfloat16, float16 or int8"):
         qkv.decode(q, k.double(), k.double(), [3, 3])
     with pytest.raises(qkv.Error, match=r"block_table\[0, 0\]: expected a pool block"):
         qkv.decode(q, k.transpose(1, 2), k.transpose(1, 2), [3, 3],
@@ -165,8 +165,8 @@ def test_errors_name_the_argument():
     cache = qkv.KVCache(1, 4, 1, 8)
     with pytest.raises(qkv.Error, match="sequence 0 holds 0 of 4 keys; 5 more do not fit"):
         cache.append(torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8))
-    with pytest.raises(qkv.Error, match="dtype: expected float32, bfloat16 or float16"):
-        qkv.KVCache(1, 4, 1, 8, dtype="int8")
+    with pytest.raises(qkv.Error, match="dtype: expected float32, bfloat16, float16 or int8"):
+        qkv.KVCache(1, 4, 1, 8, dtype="int4")
     with pytest.raises(qkv.Error, match="config.block_size"):
         qkv.KVCache(1, 4, 1, 8, paged=True, block_size=0)
 
@@ -246,3 +246,61 @@ def test_decode_variant_errors():
         qkv.decode(q, k, k, torch.tensor([10]), softcap=-1.0)
     with pytest.raises(qkv.Error, match="window"):
         qkv.decode(q, k, k, torch.tensor([10]), window=(-3, 0))
+
+
+# ----------------------------------------------------------------------------------
+# int8 caches: each row quantized with its own scale; attention over the stored values
+# (int8 · scale) matches SDPA on those values by the module's rule.
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_int8_kv_cache_matches_sdpa_on_its_stored_values(paged):
+    torch.manual_seed(12)
+    batch, hq, hkv, d = 2, 8, 2, 64
+    cache = qkv.KVCache(batch, 300, hkv, d, dtype="int8", paged=paged, block_size=16)
+    k = torch.randn(batch, hkv, 150, d)
+    v = torch.randn(batch, hkv, 150, d)
+    cache.append(k, v)
+    q = torch.randn(batch, hq, 2, d)
+    out = cache.attend(q)
+    # The stored values, from the cache's own memory: int8 · per-row scale.
+    keys, values = cache.storage()
+    k_scale, v_scale = cache.scales()
+    assert keys.dtype == np.int8 and k_scale.shape == keys.shape[:3]
+    if paged:
+        table = cache.block_table()
+        rows = [np.concatenate([keys[b] for b in table[s][: (150 + 15) // 16]])[:150] for s in range(batch)]
+        kq = torch.from_numpy(np.stack(rows)).float()
+        srows = [np.concatenate([k_scale[b] for b in table[s][: (150 + 15) // 16]])[:150] for s in range(batch)]
+        ks = torch.tensor(np.stack(srows))
+        rows = [np.concatenate([values[b] for b in table[s][: (150 + 15) // 16]])[:150] for s in range(batch)]
+        vq = torch.from_numpy(np.stack(rows)).float()
+        srows = [np.concatenate([v_scale[b] for b in table[s][: (150 + 15) // 16]])[:150] for s in range(batch)]
+        vs = torch.tensor(np.stack(srows))
+    else:
+        kq, vq = torch.from_numpy(keys[:, :150]).float(), torch.from_numpy(values[:, :150]).float()
+        ks, vs = torch.tensor(k_scale[:, :150]), torch.tensor(v_scale[:, :150])
+    k_stored = (kq.double() * ks.double()[..., None]).transpose(1, 2)  # [B, Hkv, N, d]
+    v_stored = (vq.double() * vs.double()[..., None]).transpose(1, 2)
+    # Quantization: every stored value within half its row's scale of the appended one.
+    assert ((k_stored - k.double()).abs() <= ks.transpose(1, 2).double()[..., None] * 0.5 * (1 + 1e-6)).all()
+    lengths = [150] * batch
+    ref = sdpa(q, k_stored, v_stored, lengths)
+    bound = 2 * sdpa32_error(q, k_stored.float(), v_stored.float(), lengths, ref) + 1e-6
+    assert (out.double() - ref).abs().max().item() <= bound
+    # The same cache memory through qkv.decode (caller-owned int8 arrays and scales).
+    if not paged:
+        bshd = qkv.decode(q.transpose(1, 2), torch.from_numpy(keys), torch.from_numpy(values), torch.tensor(lengths),
+                          layout="bshd", k_scale=k_scale, v_scale=v_scale)
+        assert torch.equal(bshd.transpose(1, 2), out)
+        # "bhsd": caches [B, Hkv, capacity, d] and scales [B, Hkv, capacity] (views here).
+        bhsd = qkv.decode(q, torch.from_numpy(keys).transpose(1, 2), torch.from_numpy(values).transpose(1, 2),
+                          torch.tensor(lengths), k_scale=np.swapaxes(k_scale, 1, 2),
+                          v_scale=np.swapaxes(v_scale, 1, 2))
+        assert torch.equal(bhsd, out)
+
+
+def test_int8_decode_needs_scales():
+    q = torch.randn(1, 4, 1, 8)
+    k = torch.zeros(1, 2, 10, 8, dtype=torch.int8)
+    with pytest.raises(qkv.Error, match="k_scale: expected one float32 scale per cached row"):
+        qkv.decode(q, k, k, torch.tensor([10]))
