@@ -110,10 +110,26 @@ void check_positions(const std::string& fn, const char* name, const TensorView<T
 
 template <class T>
 void PositionEmbedding<T>::forward(TensorView<T, 3> x) const {
-  check_positions("PositionEmbedding::forward", "x", x, max_, dim_);
+  const std::vector<int64_t> start(static_cast<std::size_t>(x.shape[0]), 0);
+  forward(x, start);
+}
+
+template <class T>
+void PositionEmbedding<T>::forward(TensorView<T, 3> x, std::span<const int64_t> start) const {
+  const std::string fn = "PositionEmbedding::forward";
+  check_positions(fn, "x", x, max_, dim_);
+  detail::expect(static_cast<int64_t>(start.size()) == x.shape[0], fn,
+                 "start.size(): expected " + std::to_string(x.shape[0]) + " (x.shape[0]), got " +
+                     std::to_string(start.size()));
+  for (std::size_t b = 0; b < start.size(); ++b) {
+    detail::expect(start[b] >= 0 && start[b] + x.shape[1] <= max_, fn,
+                   "start[" + std::to_string(b) + "] + x.shape[1]: expected positions in [0, " +
+                       std::to_string(max_) + ") (max_positions), got " +
+                       std::to_string(start[b]) + " + " + std::to_string(x.shape[1]));
+  }
   for (int64_t b = 0; b < x.shape[0]; ++b) {
     for (int64_t t = 0; t < x.shape[1]; ++t) {
-      const T* row = weight.value.data() + t * dim_;
+      const T* row = weight.value.data() + (start[static_cast<std::size_t>(b)] + t) * dim_;
       for (int64_t c = 0; c < dim_; ++c) x(b, t, c) += row[c];
     }
   }

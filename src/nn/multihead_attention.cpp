@@ -222,6 +222,83 @@ void MultiHeadAttention<T>::backward(TensorView<const T, 3> x, Saved& saved,
 }
 
 template <class T>
+void MultiHeadAttention<T>::check_cache(const KVCache& cache, int64_t batch,
+                                        int64_t new_tokens) const {
+  const std::string fn = "MultiHeadAttention::check_cache";
+  const KVCacheConfig& cc = cache.config();
+  auto expect_equal = [&](const char* field, int64_t expected, int64_t got, const char* why) {
+    detail::expect(got == expected, fn,
+                   std::string("cache.config().") + field + ": expected " + str(expected) + " (" +
+                       why + "), got " + str(got));
+  };
+  expect_equal("batch", batch, cc.batch, "the batch of the new tokens");
+  expect_equal("kv_heads", config_.num_kv_heads, cc.kv_heads, "the layer's num_kv_heads");
+  expect_equal("head_dim", head_dim(), cc.head_dim, "the layer's embed_dim / num_heads");
+  expect_equal("v_dim", head_dim(), cc.v_dim, "the layer's embed_dim / num_heads");
+  detail::expect(new_tokens >= 1, fn, "new_tokens: expected ≥ 1, got " + str(new_tokens));
+  // KVCache::append checks these too, but a model appends to one cache per layer: checking
+  // them here first lets a caller reject a step before any layer's cache has changed.
+  int64_t blocks_needed = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t length = cache.lengths()[static_cast<std::size_t>(b)];
+    detail::expect(length + new_tokens <= cc.capacity, fn,
+                   "cache: sequence " + str(b) + " holds " + str(length) + " of " +
+                       str(cc.capacity) + " keys (capacity); " + str(new_tokens) +
+                       " more do not fit");
+    if (cc.paged) {
+      const int64_t bs = cc.block_size;
+      blocks_needed += (length + new_tokens + bs - 1) / bs - (length + bs - 1) / bs;
+    }
+  }
+  detail::expect(!cc.paged || blocks_needed <= cache.free_blocks(), fn,
+                 "cache: the pool has " + str(cache.free_blocks()) + " free blocks, " +
+                     str(blocks_needed) + " are needed for " + str(new_tokens) +
+                     " more tokens per sequence (config.num_blocks)");
+}
+
+template <class T>
+void MultiHeadAttention<T>::forward_cached(TensorView<const T, 3> x, TensorView<T, 3> out,
+                                           KVCache& cache, Saved& scratch) const
+  requires std::same_as<T, float>
+{
+  const std::string fn = "MultiHeadAttention::forward_cached";
+  const auto& c = config_;
+  const int64_t batch = x.shape[0], tokens = x.shape[1];
+  const int64_t d = head_dim(), hd = c.num_heads * d, kv_hd = c.num_kv_heads * d;
+  detail::expect(c.key_dim == c.embed_dim && c.value_dim == c.embed_dim, fn,
+                 "self-attention only: config.key_dim and value_dim must equal embed_dim");
+  check_3d(fn, "x", x, -1, -1, c.embed_dim);
+  check_3d(fn, "out", out, batch, tokens, c.embed_dim);
+  const Matrix<const T> x_rows = detail::flatten_rows(fn, "x", x);
+  const Matrix<T> out_rows = detail::flatten_rows(fn, "out", out);
+  check_cache(cache, batch, tokens);
+
+  detail::ensure_shape(scratch.q, {batch * tokens, hd});
+  detail::ensure_shape(scratch.k, {batch * tokens, kv_hd});
+  detail::ensure_shape(scratch.v, {batch * tokens, kv_hd});
+  detail::ensure_shape(scratch.context, {batch * tokens, hd});
+  scratch.batch = scratch.q_len = scratch.k_len = 0;  // nothing here for a backward
+
+  // Q, K, V of the new tokens only; K and V join the cache (checked above: cannot throw).
+  q_proj.forward(x_rows, scratch.q.view());
+  k_proj.forward(x_rows, scratch.k.view());
+  v_proj.forward(x_rows, scratch.v.view());
+  cache.append(heads_view(std::as_const(scratch.k), batch, tokens, c.num_kv_heads, d),
+               heads_view(std::as_const(scratch.v), batch, tokens, c.num_kv_heads, d));
+
+  // C = softmax(Q·K_cacheᵀ·scale)·V_cache, the new queries aligned with the newest keys.
+  DecodeOptions options;
+  options.scale = c.scale;
+  options.causal = c.causal == Causal::none ? Causal::none : Causal::bottom_right;
+  options.threads = c.execution.threads;
+  cache.attend(heads_view(std::as_const(scratch.q), batch, tokens, c.num_heads, d),
+               heads_view(scratch.context, batch, tokens, c.num_heads, d), {}, options);
+
+  // out = C·W_Oᵀ + b_O.
+  out_proj.forward(scratch.context.view(), out_rows);
+}
+
+template <class T>
 void MultiHeadAttention<T>::collect(ParameterList<T>& list, const std::string& prefix) {
   q_proj.collect(list, prefix + ".q_proj");
   k_proj.collect(list, prefix + ".k_proj");

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "check.hpp"
+#include "qkv/error.hpp"
 #include "qkv/nn/cross_entropy.hpp"
 
 namespace qkv::nn {
@@ -156,6 +157,91 @@ void Transformer<T>::backward(Matrix<const T> dlogits) {
   // x₀ = tok[ids] + pos[0:N].
   pos.backward(as_3d(std::as_const(d_stream_), batch_, seq_));
   tok.backward(ids_, d_stream_.view());
+}
+
+template <class T>
+std::vector<KVCache> Transformer<T>::make_caches(const TransformerCacheConfig& cache_config) const
+  requires std::same_as<T, float>
+{
+  const std::string fn = "Transformer::make_caches";
+  const int64_t capacity = cache_config.capacity == 0 ? config_.context : cache_config.capacity;
+  detail::expect(capacity >= 1 && capacity <= config_.context, fn,
+                 "cache_config.capacity: expected in [1, " + str(config_.context) +
+                     "] (context: later positions have no embedding) or 0, got " +
+                     str(cache_config.capacity));
+  const KVCacheConfig per_layer{.batch = cache_config.batch,
+                                .capacity = capacity,
+                                .kv_heads = config_.num_kv_heads,
+                                .head_dim = config_.embed_dim / config_.num_heads,
+                                .v_dim = 0,
+                                .dtype = cache_config.dtype,
+                                .paged = cache_config.paged,
+                                .block_size = cache_config.block_size,
+                                .num_blocks = cache_config.num_blocks};
+  std::vector<KVCache> caches;
+  caches.reserve(blocks.size());
+  for (std::size_t l = 0; l < blocks.size(); ++l) caches.emplace_back(per_layer);
+  return caches;
+}
+
+template <class T>
+Matrix<const T> Transformer<T>::forward_step(std::span<const int32_t> ids, int64_t batch,
+                                             int64_t new_tokens, std::span<KVCache> caches)
+  requires std::same_as<T, float>
+{
+  const std::string fn = "Transformer::forward_step";
+  detail::expect(batch >= 1, fn, "batch: expected ≥ 1, got " + str(batch));
+  detail::expect(new_tokens >= 1, fn, "new_tokens: expected ≥ 1, got " + str(new_tokens));
+  detail::expect(static_cast<int64_t>(ids.size()) == batch * new_tokens, fn,
+                 "ids.size(): expected " + str(batch * new_tokens) + " (batch·new_tokens), got " +
+                     str(static_cast<int64_t>(ids.size())));
+  detail::expect(static_cast<int64_t>(caches.size()) == config_.num_layers, fn,
+                 "caches.size(): expected " + str(config_.num_layers) +
+                     " (one per block: make_caches), got " + str(static_cast<int64_t>(caches.size())));
+  // Every check before the first cache changes, so a failed step leaves them all as they
+  // were: each block's cache must fit it and have room, and all must hold the same tokens.
+  for (std::size_t l = 0; l < caches.size(); ++l) {
+    try {
+      blocks[l].attn.check_cache(caches[l], batch, new_tokens);
+    } catch (const Error& e) {
+      detail::fail(fn, "caches[" + str(static_cast<int64_t>(l)) + "]: " + e.what());
+    }
+    detail::expect(std::ranges::equal(caches[l].lengths(), caches[0].lengths()), fn,
+                   "caches[" + str(static_cast<int64_t>(l)) +
+                       "].lengths(): expected those of caches[0] (every block has seen the "
+                       "same tokens)");
+  }
+  const std::span<const int64_t> start = caches[0].lengths();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t held = start[static_cast<std::size_t>(b)];
+    detail::expect(held + new_tokens <= config_.context, fn,
+                   "new_tokens: sequence " + str(b) + " holds " + str(held) + " tokens; " +
+                       str(new_tokens) + " more pass context (" + str(config_.context) + ")");
+  }
+  for (std::size_t r = 0; r < ids.size(); ++r) {
+    detail::expect(ids[r] >= 0 && ids[r] < config_.vocab_size, fn,
+                   "ids[" + str(static_cast<int64_t>(r)) + "]: expected in [0, " +
+                       str(config_.vocab_size) + "), got " + str(ids[r]));
+  }
+
+  // x₀ = tok[ids] + pos[start_b : start_b + T]
+  const int64_t rows = batch * new_tokens;
+  detail::ensure_shape(step_x_, {rows, config_.embed_dim});
+  detail::ensure_shape(step_y_, {rows, config_.embed_dim});
+  tok.forward(ids, step_x_.view());
+  pos.forward(as_3d(step_x_, batch, new_tokens), start);
+  // The blocks, each appending to and attending over its own cache.
+  for (std::size_t l = 0; l < blocks.size(); ++l) {
+    blocks[l].forward_step(as_3d(std::as_const(step_x_), batch, new_tokens),
+                           as_3d(step_y_, batch, new_tokens), caches[l], step_scratch_);
+    std::swap(step_x_, step_y_);
+  }
+  // logits = LN_f(x_L)·W_headᵀ
+  detail::ensure_shape(step_norm_, {rows, config_.embed_dim});
+  detail::ensure_shape(step_logits_, {rows, config_.vocab_size});
+  ln_f.forward(step_x_.view(), step_norm_.view(), step_ln_f_);
+  head.forward(step_norm_.view(), step_logits_.view());
+  return step_logits_.view();
 }
 
 template <class T>

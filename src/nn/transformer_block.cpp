@@ -1,5 +1,6 @@
 // One pre-norm transformer block:  h = x + Attn(LN₁(x)),  y = h + MLP(LN₂(h)).
 #include <algorithm>
+#include <string>
 #include <utility>
 
 #include "check.hpp"
@@ -33,10 +34,15 @@ TransformerBlock<T>::TransformerBlock(const TransformerConfig& config)
       ln2(config.embed_dim),
       mlp(config.embed_dim, config.mlp_dim > 0 ? config.mlp_dim : 4 * config.embed_dim) {}
 
-template <class T>
-void TransformerBlock<T>::forward(TensorView<const T, 3> x, TensorView<T, 3> y, Saved& saved,
-                                  View4<T> weights) const {
-  const std::string fn = "TransformerBlock::forward";
+namespace {
+
+// The block's residual structure, shared by the full forward and the cached step:
+//   h = x + attend(LN₁(x)),  y = h + MLP(LN₂(h))
+// `attend(in, out)` writes the attention branch for in = LN₁(x), both [B, N, E].
+template <class T, class Attend>
+void run_block(const TransformerBlock<T>& block, const std::string& fn,
+               TensorView<const T, 3> x, TensorView<T, 3> y, TransformerBlockSaved<T>& saved,
+               Attend&& attend) {
   const int64_t batch = x.shape[0], seq = x.shape[1], dim = x.shape[2];
   const Matrix<const T> x_rows = detail::flatten_rows(fn, "x", x);
   const Matrix<T> y_rows = detail::flatten_rows(fn, "y", y);
@@ -46,22 +52,44 @@ void TransformerBlock<T>::forward(TensorView<const T, 3> x, TensorView<T, 3> y, 
     detail::ensure_shape(*t, {rows, dim});
   }
   // h = x + Attn(LN₁(x))
-  ln1.forward(x_rows, saved.ln1_out.view(), saved.ln1);
-  attn.forward(as_3d(std::as_const(saved.ln1_out), batch, seq), as_3d(saved.attn_out, batch, seq),
-               saved.attn, {}, weights);
+  block.ln1.forward(x_rows, saved.ln1_out.view(), saved.ln1);
+  attend(as_3d(std::as_const(saved.ln1_out), batch, seq), as_3d(saved.attn_out, batch, seq));
   detail::parallel_blocks(rows, detail::kRowBlock, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t c = 0; c < dim; ++c) saved.mid(r, c) = x_rows(r, c) + saved.attn_out(r, c);
     }
   });
   // y = h + MLP(LN₂(h))
-  ln2.forward(saved.mid.view(), saved.ln2_out.view(), saved.ln2);
-  mlp.forward(saved.ln2_out.view(), saved.mlp_out.view(), saved.mlp);
+  block.ln2.forward(saved.mid.view(), saved.ln2_out.view(), saved.ln2);
+  block.mlp.forward(saved.ln2_out.view(), saved.mlp_out.view(), saved.mlp);
   detail::parallel_blocks(rows, detail::kRowBlock, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t c = 0; c < dim; ++c) y_rows(r, c) = saved.mid(r, c) + saved.mlp_out(r, c);
     }
   });
+}
+
+}  // namespace
+
+template <class T>
+void TransformerBlock<T>::forward(TensorView<const T, 3> x, TensorView<T, 3> y, Saved& saved,
+                                  View4<T> weights) const {
+  run_block(*this, "TransformerBlock::forward", x, y, saved,
+            [&](TensorView<const T, 3> in, TensorView<T, 3> out) {
+              attn.forward(in, out, saved.attn, {}, weights);
+            });
+}
+
+template <class T>
+void TransformerBlock<T>::forward_step(TensorView<const T, 3> x, TensorView<T, 3> y,
+                                       KVCache& cache, Saved& scratch) const
+  requires std::same_as<T, float>
+{
+  // forward_cached checks x and the cache before the cache changes.
+  run_block(*this, "TransformerBlock::forward_step", x, y, scratch,
+            [&](TensorView<const T, 3> in, TensorView<T, 3> out) {
+              attn.forward_cached(in, out, cache, scratch.attn);
+            });
 }
 
 template <class T>

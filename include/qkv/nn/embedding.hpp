@@ -2,6 +2,7 @@
 //
 //   Embedding:          out[r, :]    = table[id_r, :]         d table[id_r, :] += dout[r, :]
 //   PositionEmbedding:  x[b, t, :]  += table[t, :]            d table[t, :]    += Σ_b dx[b, t, :]
+//                       (or table[start_b + t, :] for tokens fed after start_b earlier ones)
 // Gradient sums are accumulated in double and added to the gradient once.
 #pragma once
 
@@ -52,6 +53,10 @@ class PositionEmbedding {
 
   // x [B, N, dim] += table[0:N] broadcast over B; N ≤ max_positions.
   void forward(TensorView<T, 3> x) const;
+  // x[b] += table[start[b] : start[b] + N]: tokens that continue sequences already holding
+  // start[b] tokens (incremental decoding). start.size() = B; each start[b] + N must be
+  // ≤ max_positions, else qkv::Error and x unchanged.
+  void forward(TensorView<T, 3> x, std::span<const int64_t> start) const;
   // table gradient[t] += Σ_b dx[b, t].
   void backward(TensorView<const T, 3> dx);
 

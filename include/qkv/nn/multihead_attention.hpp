@@ -13,16 +13,26 @@
 // in reverse: dC = dout·W_O, then qkv::attention_backward gives dQ, dK, dV, and each
 // projection's backward gives its input and parameter gradients.
 //
+// Incremental decoding (forward_cached, float layers): the keys and values of earlier
+// tokens are kept in a qkv::KVCache; each call projects only the new tokens, appends their
+// K and V to the cache and attends their queries to everything cached (qkv::decode):
+//   K_new, V_new = x·W_Kᵀ + b_K, x·W_Vᵀ + b_V  →  cache.append(K_new, V_new)
+//   C = cache.attend(Q)                         (bottom-right causal: query i of T new
+//                                               tokens sees the cache up to its own key)
+//   out = C·W_Oᵀ + b_O
+//
 // Initialization (PyTorch's, for separate projection weights): W_Q, W_K, W_V
 // Xavier-uniform U(±√(6/(fan_in + fan_out))), W_O U(±1/√E), every bias 0.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
 
 #include "qkv/attention_stats.hpp"
+#include "qkv/kv_cache.hpp"
 #include "qkv/nn/linear.hpp"
 #include "qkv/options.hpp"
 #include "qkv/tensor.hpp"
@@ -99,6 +109,22 @@ class MultiHeadAttention {
                const AttentionMasking& masking = {}, View4<T> weights = {}) const;
   void backward(TensorView<const T, 3> x, Saved& saved, TensorView<const T, 3> dout,
                 TensorView<T, 3> dx);
+
+  // Self-attention of T new tokens x [B, T, E] that continue the B sequences held in
+  // `cache` → out [B, T, E]. Appends K, V of x to the cache (rounded to its storage type),
+  // then attends: with causal set (either alignment) query i sees the cached keys up to
+  // its own token (bottom-right); with Causal::none every new query sees every new key
+  // too. Scale and threads come from the config; the decode kernel has no other backend.
+  // `scratch` holds the projections (nothing is kept for a backward: the cache path is
+  // for inference). Everything is checked (check_cache) before the cache changes.
+  void forward_cached(TensorView<const T, 3> x, TensorView<T, 3> out, KVCache& cache,
+                      Saved& scratch) const
+    requires std::same_as<T, float>;
+
+  // Throws qkv::Error unless `cache` fits this layer (kv_heads = num_kv_heads, head_dim =
+  // v_dim = E / H, batch = `batch`) and can take `new_tokens` more tokens per sequence
+  // (capacity; for a paged cache, enough free blocks). Changes nothing.
+  void check_cache(const KVCache& cache, int64_t batch, int64_t new_tokens) const;
 
   void collect(ParameterList<T>& list, const std::string& prefix);
 
