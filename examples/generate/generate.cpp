@@ -10,23 +10,24 @@
 //   repeat: next = argmax(logits);  logits = model.forward_step(next, B, 1, caches);
 //
 // Each step projects only the new token, appends its keys and values to every block's
-// cache (rounded once to float32, bfloat16 or float16; contiguous, or paged like vLLM)
+// cache (rounded once to float32, bfloat16 or float16, or quantized to int8 with a scale
+// per row; contiguous, or paged like vLLM)
 // and attends its queries to everything cached. Then the same tokens are generated again
 // without reusing anything — the whole sequence through the model at every step, as a
 // model without a cache must — and the two token streams must be identical (the program
 // exits with 1 otherwise). Both are timed.
 //
-// The full pass is Transformer::forward for a float32 cache. A 16-bit cache rounds K and V
-// (bfloat16 by up to 2⁻⁹ relatively), which moves logits by ~1e-2 here: at a near-tie of
+// The full pass is Transformer::forward for a float32 cache. A 16-bit or int8 cache rounds K
+// and V (bfloat16 by up to 2⁻⁹ relatively, int8 by up to half its row's scale), which moves logits by ~1e-2 here: at a near-tie of
 // the two best tokens that may, legitimately, pick the other token than float32 would. So
-// for a 16-bit cache the full pass rounds K and V the same way: the whole sequence goes
+// for those caches the full pass rounds K and V the same way: the whole sequence goes
 // through forward_step into a fresh cache each step (one prefill, nothing reused) — what
 // examples/generate.py does with SDPA on rounded K/V. How far the rounding moved the
 // logits from float32's forward is printed too.
 //
 //   generate [--vocab 512] [--embed 256] [--heads 4] [--kv-heads 1] [--layers 4]
 //            [--context 256] [--batch 1] [--prompt 32] [--tokens 128]
-//            [--cache-dtype float32|bfloat16|float16] [--paged] [--block-size 16]
+//            [--cache-dtype float32|bfloat16|float16|int8] [--paged] [--block-size 16]
 //            [--threads 1] [--seed 0]
 #include <qkv/nn/nn.hpp>
 #include <qkv/qkv.hpp>
@@ -55,7 +56,7 @@ void usage() {
   std::puts(
       "usage: generate [--vocab N] [--embed N] [--heads N] [--kv-heads N] [--layers N]\n"
       "                [--context N] [--batch N] [--prompt N] [--tokens N]\n"
-      "                [--cache-dtype float32|bfloat16|float16] [--paged] [--block-size N]\n"
+      "                [--cache-dtype float32|bfloat16|float16|int8] [--paged] [--block-size N]\n"
       "                [--threads N] [--seed N]");
 }
 
@@ -125,7 +126,9 @@ int main(int argc, char** argv) {
     qkv::StorageType dtype = qkv::StorageType::float32;
     if (a.cache_dtype == "bfloat16") dtype = qkv::StorageType::bfloat16;
     else if (a.cache_dtype == "float16") dtype = qkv::StorageType::float16;
-    else if (a.cache_dtype != "float32") throw qkv::Error("--cache-dtype: expected float32, bfloat16 or float16, got " + a.cache_dtype);
+    else if (a.cache_dtype == "int8") dtype = qkv::StorageType::int8;
+    else if (a.cache_dtype != "float32")
+      throw qkv::Error("--cache-dtype: expected float32, bfloat16, float16 or int8, got " + a.cache_dtype);
     if (a.prompt < 1 || a.tokens < 0 || a.prompt + a.tokens > a.context)
       throw qkv::Error("--prompt + --tokens: expected ≤ --context (" + std::to_string(a.context) + ")");
     qkv::nn::set_threads(a.threads);
@@ -201,7 +204,7 @@ int main(int argc, char** argv) {
     }
     const double uncached_seconds = seconds_since(start);
 
-    // A 16-bit cache: how far its rounding moved the logits from float32's forward.
+    // A 16-bit or int8 cache: how far its rounding moved the logits from float32's forward.
     double rounding_effect = 0;
     if (dtype != qkv::StorageType::float32 && first_difference < 0 && a.tokens > 0) {
       const qkv::nn::Matrix<const float> exact = model.forward(cached, B, length);
