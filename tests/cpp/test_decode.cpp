@@ -121,6 +121,11 @@ TEST(Decode, EveryCompiledSimdTargetMatchesTheReference) {
       // bfloat16 read in place (widened in the kernels' loads), 4 + 2 rows, paged.
       {.name = "t_g6_bf16", .batch = 1, .q_len = 1, .capacity = 500, .q_heads = 6, .kv_heads = 1,
        .type = StorageType::bfloat16, .block_size = 16},
+      // int8 rows (converted in the loads, scaled per key), GQA 4, and an odd head size.
+      {.name = "t_int8", .batch = 2, .q_len = 2, .capacity = 400, .q_heads = 8, .kv_heads = 2,
+       .lengths = {400, 33}, .type = StorageType::int8, .block_size = 16},
+      {.name = "t_int8_odd", .batch = 1, .q_len = 1, .capacity = 90, .q_heads = 2, .kv_heads = 1, .head_dim = 37,
+       .v_dim = 19, .type = StorageType::int8},
   };
   for (int64_t target : targets) {
     hwy::SetSupportedTargetsForTest(target);
