@@ -111,7 +111,7 @@ cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options
     if (scale->empty())
       check.fail(std::string(name) + ": expected one float32 scale per cached row for an int8 cache, got none");
     const Described d = describe(name, *scale);
-    check.expect_well_formed(d);
+    check.expect_well_formed(d, /*inner_contiguous=*/false);  // read one scale per row, any strides
     const char* axis_names[3] = {paged ? "blocks" : "batch", paged ? "block_size" : "capacity", "kv heads"};
     for (int axis = 0; axis < 3; ++axis) {
       const std::string as = "as " + std::string(cache_name) + ".shape[" + std::to_string(axis) + "]";

@@ -39,7 +39,8 @@ void store_row(const float* src, int64_t count, void* dst) {
 
 // int8: symmetric per-row quantization. scale = max|x| / 127 and q = x / scale rounded
 // to nearest (ties to even), so every value is within scale/2 of q·scale and the row's
-// largest magnitude is exactly ±127·scale. An all-zero row gets scale 0; a row holding
+// largest magnitude is exactly ±127·scale. An all-zero row (or one below 127 × the
+// smallest float, whose scale would round to 0) gets scale 0; a row holding
 // NaN or ±inf gets scale NaN, so that whatever attends to it sees NaN, as with the
 // other storage types.
 void store_int8_row(const float* src, int64_t count, void* dst, float* scale) {
@@ -50,12 +51,15 @@ void store_int8_row(const float* src, int64_t count, void* dst, float* scale) {
     finite = finite && std::isfinite(src[c]);
     largest = std::max(largest, std::abs(src[c]));
   }
-  if (!finite || largest == 0.0f) {
+  // A row whose largest magnitude is below 127 × the smallest float has no representable
+  // scale (it would round to 0): stored as zeros, like an all-zero row.
+  const float row_scale = largest / 127.0f;
+  if (!finite || row_scale == 0.0f) {
     *scale = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
     std::fill(out, out + count, std::int8_t{0});
     return;
   }
-  *scale = largest / 127.0f;
+  *scale = row_scale;
   for (int64_t c = 0; c < count; ++c) {
     const float q = std::nearbyint(src[c] / *scale);
     out[c] = static_cast<std::int8_t>(std::clamp(q, -127.0f, 127.0f));

@@ -146,7 +146,9 @@ class Checker {
 
   // Layout rules shared by every tensor argument. Strides of an empty view address
   // nothing (NumPy gives empty arrays all-zero strides), so only its extents count.
-  void expect_well_formed(const Described& view) const {
+  // inner_contiguous: the last axis must have stride 1 (every view a kernel reads a row
+  // of). Views read element by element (int8 caches' per-row scales) may pass false.
+  void expect_well_formed(const Described& view, bool inner_contiguous = true) const {
     for (int axis = 0; axis < view.rank; ++axis) {
       if (view.shape[axis] < 0) {
         std::ostringstream out;
@@ -164,7 +166,7 @@ class Checker {
       }
     }
     const int inner = view.rank - 1;
-    if (view.shape[inner] > 1 && view.strides[inner] != 1) {
+    if (inner_contiguous && view.shape[inner] > 1 && view.strides[inner] != 1) {
       std::ostringstream out;
       out << view.name << ".strides[" << inner
           << "]: expected 1 (the innermost dimension must be contiguous), got "

@@ -61,7 +61,10 @@ void check_variants(const Checker& check, const AttentionOptions& options, const
     check.fail("options.window: expected left and right >= 0, or -1 for unbounded, got (" +
                std::to_string(window.left) + ", " + std::to_string(window.right) + ")");
   }
-  mask.window = window;
+  // A bound past any sequence length means unbounded; normalizing it keeps the kernels'
+  // position arithmetic (i + offset + right + 1) from overflowing.
+  constexpr int64_t kUnbounded = int64_t{1} << 62;
+  mask.window = {window.left >= kUnbounded ? -1 : window.left, window.right >= kUnbounded ? -1 : window.right};
   expect_per_head(check, options.alibi_slopes, "options.alibi_slopes", e.q_heads);
   expect_per_head(check, options.sinks, "options.sinks", e.q_heads);
   if (!std::isfinite(options.softcap) || options.softcap < 0.0f) {

@@ -13,6 +13,7 @@
 #include <qkv/qkv.hpp>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -162,6 +163,28 @@ TEST(DecodeVariants, KeysBeforeTheWindowNeverReachARow) {
     EXPECT_EQ(std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)), 0) << block;
     EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)), 0) << block;
   }
+}
+
+// A window bound past any sequence means unbounded (normalized when checked, so the
+// kernels' position arithmetic cannot overflow): the same bits as -1.
+TEST(DecodeVariants, AHugeWindowBoundIsUnbounded) {
+  DecodeSpec s{.name = "huge_bound", .batch = 2, .q_len = 3, .capacity = 300, .q_heads = 4, .kv_heads = 2,
+               .lengths = {300, 2}, .causal = Causal::none, .window = {.left = 20, .right = -1}};
+  const DecodeCase<float> unbounded(s);
+  const Outputs want = test::run_decode(unbounded, s, 2);
+  s.window.right = INT64_MAX;
+  const DecodeCase<float> huge(s);
+  const Outputs got = test::run_decode(huge, s, 2);
+  EXPECT_EQ(std::memcmp(want.out.data(), got.out.data(), want.out.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(want.lse.data(), got.lse.data(), want.lse.size() * sizeof(float)), 0);
+  s.window = {.left = INT64_MAX, .right = INT64_MAX};  // both sides: plain attention
+  s.causal = Causal::bottom_right;
+  const DecodeCase<float> both(s);
+  DecodeSpec plain = s;
+  plain.window = {};
+  const DecodeCase<float> reference(plain);
+  const Outputs a = test::run_decode(both, s, 2), b = test::run_decode(reference, plain, 2);
+  EXPECT_EQ(std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)), 0);
 }
 
 // A row that sees no key gives all its weight to its sink: out 0, LSE = the sink.

@@ -168,6 +168,14 @@ TEST(KVCache, Int8RowsAreWithinHalfTheirScale) {
       }
     }
 
+  // A row too small for a representable scale (largest/127 rounds to 0): zeros, scale 0.
+  Tensor<float, 4> tiny({1, 1, 2, 64});
+  for (std::size_t i = 0; i < tiny.size(); ++i) tiny[i] = (i % 2 == 0 ? 1 : -1) * 3e-44f;
+  KVCache small({.batch = 1, .capacity = 2, .kv_heads = 2, .head_dim = 64, .dtype = StorageType::int8});
+  small.append(tiny.cview(), tiny.cview());
+  EXPECT_EQ(small.k_scales()[0], 0.0f);
+  for (int64_t x = 0; x < 64; ++x) EXPECT_EQ(static_cast<const std::int8_t*>(small.k_data())[x], 0);
+
   Tensor<float, 4> bad({1, 1, 2, 64}), q_new({1, 1, 2, 64});
   bad(0, 0, 0, 5) = std::nanf("");
   cache.append(bad.cview(), bad.cview());

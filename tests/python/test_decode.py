@@ -292,10 +292,12 @@ def test_int8_kv_cache_matches_sdpa_on_its_stored_values(paged):
         bshd = qkv.decode(q.transpose(1, 2), torch.from_numpy(keys), torch.from_numpy(values), torch.tensor(lengths),
                           layout="bshd", k_scale=k_scale, v_scale=v_scale)
         assert torch.equal(bshd.transpose(1, 2), out)
-        # "bhsd": caches [B, Hkv, capacity, d] and scales [B, Hkv, capacity] (views here).
-        bhsd = qkv.decode(q, torch.from_numpy(keys).transpose(1, 2), torch.from_numpy(values).transpose(1, 2),
-                          torch.tensor(lengths), k_scale=np.swapaxes(k_scale, 1, 2),
-                          v_scale=np.swapaxes(v_scale, 1, 2))
+        # "bhsd": caches [B, Hkv, capacity, d] and scales [B, Hkv, capacity], here
+        # contiguous copies in that layout (read with any strides).
+        bhsd = qkv.decode(q, torch.from_numpy(keys).transpose(1, 2).contiguous(),
+                          torch.from_numpy(values).transpose(1, 2).contiguous(), torch.tensor(lengths),
+                          k_scale=np.ascontiguousarray(np.swapaxes(k_scale, 1, 2)),
+                          v_scale=torch.tensor(np.swapaxes(v_scale, 1, 2)).contiguous())
         assert torch.equal(bhsd, out)
 
 
