@@ -155,21 +155,13 @@ cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options
   kv.type = storage_type_of<T>;
   kv.k = a.k_cache.data;
   kv.v = a.v_cache.data;
-  kv.k_batch_stride = a.k_cache.strides[0];
-  kv.k_row_stride = a.k_cache.strides[1];
-  kv.k_head_stride = a.k_cache.strides[2];
-  kv.v_batch_stride = a.v_cache.strides[0];
-  kv.v_row_stride = a.v_cache.strides[1];
-  kv.v_head_stride = a.v_cache.strides[2];
+  kv.k_strides = cpu::RowStrides::of(a.k_cache);
+  kv.v_strides = cpu::RowStrides::of(a.v_cache);
   if (scaled) {
     kv.k_scale = a.k_scale.data;
     kv.v_scale = a.v_scale.data;
-    kv.ks_batch_stride = a.k_scale.strides[0];
-    kv.ks_row_stride = a.k_scale.strides[1];
-    kv.ks_head_stride = a.k_scale.strides[2];
-    kv.vs_batch_stride = a.v_scale.strides[0];
-    kv.vs_row_stride = a.v_scale.strides[1];
-    kv.vs_head_stride = a.v_scale.strides[2];
+    kv.k_scale_strides = cpu::RowStrides::of(a.k_scale);
+    kv.v_scale_strides = cpu::RowStrides::of(a.v_scale);
   }
   if (paged) {
     kv.block_table = a.block_table.data;

@@ -357,18 +357,18 @@ void RowPointers(const DecodeProblem& p, int64_t batch, int64_t head, int64_t fi
   while (j < keys) {  // one run of evenly strided rows (a page, or everything) at a time
     const int64_t key = first + static_cast<int64_t>(j);
     const size_t run = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(keys - j), kv.run_end(key) - key));
-    const T* k_row = k_base + kv.k_offset(batch, key, head);
-    const T* v_row = v_base + kv.v_offset(batch, key, head);
+    const T* k_row = k_base + kv.offset(kv.k_strides, batch, key, head);
+    const T* v_row = v_base + kv.offset(kv.v_strides, batch, key, head);
     for (size_t r = 0; r < run; ++r) {
-      k[j + r] = k_row + static_cast<int64_t>(r) * kv.k_row_stride;
-      v[j + r] = v_row + static_cast<int64_t>(r) * kv.v_row_stride;
+      k[j + r] = k_row + static_cast<int64_t>(r) * kv.k_strides.row;
+      v[j + r] = v_row + static_cast<int64_t>(r) * kv.v_strides.row;
     }
     if constexpr (kScaledStorage<T>) {
-      const float* ks = kv.k_scale + kv.k_scale_offset(batch, key, head);
-      const float* vs = kv.v_scale + kv.v_scale_offset(batch, key, head);
+      const float* ks = kv.k_scale + kv.offset(kv.k_scale_strides, batch, key, head);
+      const float* vs = kv.v_scale + kv.offset(kv.v_scale_strides, batch, key, head);
       for (size_t r = 0; r < run; ++r) {
-        k_scale[j + r] = ks[static_cast<int64_t>(r) * kv.ks_row_stride];
-        v_scale[j + r] = vs[static_cast<int64_t>(r) * kv.vs_row_stride];
+        k_scale[j + r] = ks[static_cast<int64_t>(r) * kv.k_scale_strides.row];
+        v_scale[j + r] = vs[static_cast<int64_t>(r) * kv.v_scale_strides.row];
       }
     }
     j += run;

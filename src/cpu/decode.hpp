@@ -14,55 +14,48 @@
 
 namespace qkv::cpu {
 
+// Strides (in elements) of a [batch | pool block, key, kv head, ...] view's first three
+// axes: where each cached row (or its int8 scale) starts.
+struct RowStrides {
+  int64_t batch = 0, row = 0, head = 0;
+
+  template <class View>
+  static RowStrides of(const View& view) {
+    return {view.strides[0], view.strides[1], view.strides[2]};
+  }
+};
+
 // Where key/value rows live. Row (sequence b, key j, kv head h) of K starts at
-//   contiguous: k + b·batch_stride + j·row_stride + h·head_stride
-//   paged:      k + page·batch_stride + (j % page_size)·row_stride + h·head_stride,
+//   contiguous: k + b·k_strides.batch + j·k_strides.row + h·k_strides.head
+//   paged:      k + page·k_strides.batch + (j % page_size)·k_strides.row + h·k_strides.head,
 //               page = block_table[b·table_stride + j / page_size]
-// (paged: batch_stride is the stride between pool blocks). Elements of `type`; strides
-// in elements; each row's head_dim (or v_dim) elements are contiguous.
-// int8 storage: row (b, j, h) of K also has a float scale at k_scale + the same offset
-// computed with the k_scale strides (V alike); the row's values are int8 · scale.
+// (paged: the batch stride steps between pool blocks). Elements of `type`; each row's
+// head_dim (or v_dim) elements are contiguous. int8 storage: row (b, j, h) of K also has
+// a float scale at k_scale + offset(k_scale_strides, b, j, h) (V alike); the row's values
+// are int8 · scale.
 struct KvSource {
   StorageType type = StorageType::float32;
   const void* k = nullptr;
   const void* v = nullptr;
-  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
-  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  RowStrides k_strides, v_strides;
   const float* k_scale = nullptr;  // int8 only
   const float* v_scale = nullptr;
-  int64_t ks_batch_stride = 0, ks_row_stride = 0, ks_head_stride = 0;
-  int64_t vs_batch_stride = 0, vs_row_stride = 0, vs_head_stride = 0;
+  RowStrides k_scale_strides, v_scale_strides;
   const int32_t* block_table = nullptr;  // null: contiguous
   int64_t table_stride = 0;
   int64_t page_size = 0;
 
   bool paged() const { return block_table != nullptr; }
 
-  // Element offset of row (b, j, h) of K or V.
-  int64_t k_offset(int64_t batch, int64_t key, int64_t head) const {
-    return offset(batch, key, head, k_batch_stride, k_row_stride, k_head_stride);
+  // Element offset of row (b, j, h) in a view with these strides (K, V or their scales).
+  int64_t offset(const RowStrides& strides, int64_t batch, int64_t key, int64_t head) const {
+    if (!paged()) return batch * strides.batch + key * strides.row + head * strides.head;
+    const int64_t page = block_table[batch * table_stride + key / page_size];
+    return page * strides.batch + (key % page_size) * strides.row + head * strides.head;
   }
-  int64_t v_offset(int64_t batch, int64_t key, int64_t head) const {
-    return offset(batch, key, head, v_batch_stride, v_row_stride, v_head_stride);
-  }
-  // Offset of row (b, j, h)'s scale (int8 storage).
-  int64_t k_scale_offset(int64_t batch, int64_t key, int64_t head) const {
-    return offset(batch, key, head, ks_batch_stride, ks_row_stride, ks_head_stride);
-  }
-  int64_t v_scale_offset(int64_t batch, int64_t key, int64_t head) const {
-    return offset(batch, key, head, vs_batch_stride, vs_row_stride, vs_head_stride);
-  }
-  // Keys [key, run_end(key)) lie row_stride apart (the rest of key's page).
+  // Keys [key, run_end(key)) lie strides.row apart (the rest of key's page).
   int64_t run_end(int64_t key) const {
     return paged() ? (key / page_size + 1) * page_size : INT64_MAX;
-  }
-
- private:
-  int64_t offset(int64_t batch, int64_t key, int64_t head, int64_t batch_stride,
-                 int64_t row_stride, int64_t head_stride) const {
-    if (!paged()) return batch * batch_stride + key * row_stride + head * head_stride;
-    const int64_t page = block_table[batch * table_stride + key / page_size];
-    return page * batch_stride + (key % page_size) * row_stride + head * head_stride;
   }
 };
 

@@ -31,12 +31,8 @@ bool forward_by_decode(const detail::ForwardProblem<float>& p) {
   d.kv.type = StorageType::float32;
   d.kv.k = a.k.data;
   d.kv.v = a.v.data;
-  d.kv.k_batch_stride = a.k.strides[0];
-  d.kv.k_row_stride = a.k.strides[1];
-  d.kv.k_head_stride = a.k.strides[2];
-  d.kv.v_batch_stride = a.v.strides[0];
-  d.kv.v_row_stride = a.v.strides[1];
-  d.kv.v_head_stride = a.v.strides[2];
+  d.kv.k_strides = RowStrides::of(a.k);
+  d.kv.v_strides = RowStrides::of(a.v);
   d.lengths = p.mask.key_lengths.empty() ? nullptr : p.mask.key_lengths.data();
   d.key_len = e.k_len;
   d.causal = p.mask.causal;

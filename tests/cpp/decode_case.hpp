@@ -1,7 +1,8 @@
 // A decode problem for the tests: random q/k/v (attention_cases.hpp), the cache in its
 // storage type, contiguous or as a shuffled paged pool, NaN wherever no key lives; the
 // variants (window, soft-cap, ALiBi, sinks) set alike for qkv::decode and the
-// reference's AttentionOptions. Shared by test_decode.cpp and test_decode_variants.cpp.
+// reference's AttentionOptions. Shared by test_decode.cpp and test_decode_variants.cpp;
+// the comparisons (widen, error, max_abs) are cpu_check.hpp's.
 #pragma once
 
 #include <qkv/decode.hpp>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "attention_cases.hpp"
+#include "cpu_check.hpp"  // widen, error, max_abs
 
 namespace qkv::test {
 
@@ -191,33 +193,6 @@ Outputs run_decode(const DecodeCase<T>& dc, const DecodeSpec& s, int threads) {
   options.sinks = dc.sinks;
   decode(dc.args(r.out, r.lse), options);
   return r;
-}
-
-template <class T, int R>
-Tensor<T, R> widen(const Tensor<float, R>& t) {
-  Tensor<T, R> w(t.shape());
-  for (std::size_t i = 0; i < t.size(); ++i) w[i] = static_cast<T>(t[i]);
-  return w;
-}
-
-template <int R>
-double error(const Tensor<float, R>& x, const Tensor<double, R>& ref) {
-  double worst = 0.0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    if (std::isinf(ref[i]) && static_cast<double>(x[i]) == ref[i]) continue;
-    const double e = std::abs(static_cast<double>(x[i]) - ref[i]);
-    if (std::isnan(e)) return INFINITY;
-    worst = std::max(worst, e);
-  }
-  return worst;
-}
-
-template <int R>
-double max_abs(const Tensor<double, R>& t) {
-  double m = 0.0;
-  for (std::size_t i = 0; i < t.size(); ++i)
-    if (std::isfinite(t[i])) m = std::max(m, std::abs(t[i]));
-  return m;
 }
 
 }  // namespace qkv::test
