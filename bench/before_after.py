@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 PROBES = ("qkv_dense_probe", "qkv_mask_probe", "qkv_decode_probe", "qkv_small_call")
 
@@ -46,7 +47,7 @@ class Job:
     """One probe invocation; `parse` turns its output into {row label: value}."""
     section: str
     argv: list[str]
-    parse: object
+    parse: Callable[[str], dict[str, float]]
     unit: str
     env: dict[str, str] = field(default_factory=dict)
 
