@@ -45,23 +45,30 @@ struct DecodeArgs {
   View3<const float> k_scale, v_scale;
 };
 
-struct DecodeOptions {
-  // Multiplies q·kᵀ; unset: 1/√d. Must be finite and > 0.
-  std::optional<double> scale;
-  // bottom_right: queries are the sequence's last tokens (the usual decode and chunked
-  // prefill); top_left: query i sees keys 0..i; none: every query sees every cached key.
-  Causal causal = Causal::bottom_right;
-  int threads = 0;  // 0: every hardware thread. Results never depend on it.
+// The options are the same AttentionOptions as every other entry point's. qkv::decode
+// reads scale, causal (Causal::bottom_right for the usual step, where the queries are
+// their sequence's newest tokens; AttentionOptions' default, none, lets every query see
+// every cached key), window, softcap, alibi_slopes, sinks and execution (threads; backend:
+// automatic and cpu run the cpu backend's split-K schedule, reference the fp64 oracle over
+// the same cache). cache_lengths take the place of key_lengths; options.mask,
+// key_lengths, dropout, modifiers and execution.check_finite are refused with qkv::Error.
+void decode(const DecodeArgs<float>& args, const AttentionOptions& options);
+void decode(const DecodeArgs<bfloat16>& args, const AttentionOptions& options);
+void decode(const DecodeArgs<float16>& args, const AttentionOptions& options);
+void decode(const DecodeArgs<std::int8_t>& args, const AttentionOptions& options);
 
-  // The inference variants of today's models, exactly as in AttentionOptions (see
-  // qkv/options.hpp), inert by default. A sliding window (Mistral, Gemma 2, gpt-oss)
-  // makes each query read only the keys of its window: the time of a step grows with
-  // the window, not with the cache. Soft-capping (Gemma 2), ALiBi (BLOOM, MPT; distances
-  // bottom-right aligned) and sinks (gpt-oss) are applied in the kernel.
+// The options of earlier releases, kept so that existing callers compile and keep their
+// meaning (note the bottom_right default); attention() is the AttentionOptions they mean.
+struct DecodeOptions {
+  std::optional<double> scale;
+  Causal causal = Causal::bottom_right;
+  int threads = 0;  // AttentionOptions::execution.threads
   Window window;
-  float softcap = 0.0f;                   // c > 0: each scaled logit s becomes c·tanh(s/c)
-  std::span<const float> alibi_slopes;    // one per query head, or empty
-  std::span<const float> sinks;           // one logit per query head, or empty
+  float softcap = 0.0f;
+  std::span<const float> alibi_slopes;
+  std::span<const float> sinks;
+
+  AttentionOptions attention() const;
 };
 
 void decode(const DecodeArgs<float>& args, const DecodeOptions& options = {});

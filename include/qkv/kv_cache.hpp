@@ -67,6 +67,10 @@ class KVCache {
   // sequence's cached keys, bottom-right aligned unless options say otherwise.
   void attend(View4<const float> q, View4<float> out, View3<float> lse = {},
               const DecodeOptions& options = {}) const;
+  // The same with the AttentionOptions every entry point takes (as qkv::decode reads them:
+  // set causal = Causal::bottom_right for the usual step).
+  void attend(View4<const float> q, View4<float> out, View3<float> lse,
+              const AttentionOptions& options) const;
 
   void reset();             // every sequence empty (paged: all blocks back to the pool)
   void reset(int64_t seq);  // one sequence empty

@@ -1,5 +1,6 @@
-// qkv::decode: validate every argument (nothing is written on a bad call), describe the
-// call as a cpu::DecodeProblem, run the decode kernel.
+// qkv::decode: validate every argument (nothing is written on a bad call) into the same
+// problem every entry point produces (core/problem.hpp) — the cache as its key/value
+// source — and run it through the same backend dispatch (core/dispatch.hpp).
 #include "qkv/decode.hpp"
 
 #include <sstream>
@@ -8,8 +9,8 @@
 #include <vector>
 
 #include "core/checker.hpp"
+#include "core/dispatch.hpp"
 #include "core/validate.hpp"
-#include "cpu/decode.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv {
@@ -19,8 +20,23 @@ using detail::Checker;
 using detail::Described;
 using detail::describe;
 
+// What qkv::decode cannot take from AttentionOptions: a cache has its own lengths, and
+// the split-K schedule no elementwise mask, dropout or programmable modifier.
+void refuse_unsupported(const Checker& check, const AttentionOptions& options) {
+  const auto refuse = [&](bool present, const char* name, const char* why) {
+    if (present) check.fail(std::string(name) + ": not supported for caches (" + why + ")");
+  };
+  refuse(!options.mask.empty(), "options.mask", "a cache's keys are cut by cache_lengths, causal and window");
+  refuse(!options.key_lengths.empty(), "options.key_lengths", "use cache_lengths");
+  refuse(options.dropout.p != 0.0f, "options.dropout", "a training feature; use attention_forward");
+  refuse(options.modifiers.active(), "options.modifiers",
+         "use attention_forward");
+  refuse(options.execution.check_finite, "options.execution.check_finite",
+         "a cache's unused rows may hold anything");
+}
+
 template <class T>
-cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options) {
+detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOptions& options) {
   const Checker check("qkv::decode", Checker::Wording::terse);
   const Described q = describe("q", a.q), k = describe("k_cache", a.k_cache),
                   v = describe("v_cache", a.v_cache), out = describe("out", a.out);
@@ -121,47 +137,44 @@ cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options
   }
   check.expect_outputs_apart(outputs, inputs);
 
-  cpu::DecodeProblem p;
-  p.causal = detail::checked_causal(check, options.causal);
-  {  // the variants, by the same checks as attention_forward's
-    AttentionOptions variants;
-    variants.window = options.window;
-    variants.softcap = options.softcap;
-    variants.alibi_slopes = options.alibi_slopes;
-    variants.sinks = options.sinks;
-    detail::Extents extents;
-    extents.q_heads = q_heads;
-    detail::MaskRule mask;
-    detail::ScoreModifiers modifiers;
-    detail::check_variants(check, variants, extents, mask, modifiers);
-    p.window = mask.window;
-    p.softcap = modifiers.softcap;
-    p.alibi_slopes = modifiers.has_alibi() ? modifiers.alibi_slopes.data() : nullptr;
-    p.sinks = modifiers.has_sinks() ? modifiers.sinks.data() : nullptr;
-  }
-  p.scale = detail::resolve_scale(check, options.scale, a.q.shape[3]);
-  p.threads = detail::resolve_threads(check, options.threads, "options.threads");
-  p.batch = batch;
-  p.q_len = q_len;
-  p.q_heads = q_heads;
-  p.kv_heads = a.k_cache.shape[2];
-  p.head_dim = a.q.shape[3];
-  p.v_dim = v_dim;
-  p.q = a.q.data;
-  p.q_batch = a.q.strides[0];
-  p.q_row = a.q.strides[1];
-  p.q_head = a.q.strides[2];
-  cpu::KvSource& kv = p.kv;
+  refuse_unsupported(check, options);
+  detail::check_backend(check, options, /*is_double=*/false, /*wants_weights=*/false);
+
+  // The call as a dense problem: B sequences of Nq queries against a capacity of keys,
+  // each cut to its cache length (the mask rule's key lengths).
+  detail::ForwardProblem<float> p;
+  detail::Extents& e = p.extents;
+  e.batch = batch;
+  e.q_len = q_len;
+  e.k_len = capacity;
+  e.q_heads = q_heads;
+  e.kv_heads = a.k_cache.shape[2];
+  e.head_dim = a.q.shape[3];
+  e.v_dim = v_dim;
+  detail::MaskRule& mask = p.mask;
+  mask.causal = detail::checked_causal(check, options);
+  mask.sequences.count = batch;
+  mask.sequences.dense_q_len = q_len;
+  mask.sequences.dense_k_len = capacity;
+  mask.key_lengths = a.cache_lengths;
+  detail::check_variants(check, options, e, mask, p.modifiers);
+  p.scale = detail::resolve_scale(check, options, e.head_dim);
+  p.threads = detail::resolve_threads(check, options);
+  p.args.q = a.q;
+  p.args.out = a.out;
+  p.args.lse = a.lse;
+
+  detail::KvSource& kv = p.kv;
   kv.type = storage_type_of<T>;
   kv.k = a.k_cache.data;
   kv.v = a.v_cache.data;
-  kv.k_strides = cpu::RowStrides::of(a.k_cache);
-  kv.v_strides = cpu::RowStrides::of(a.v_cache);
+  kv.k_strides = detail::RowStrides::of(a.k_cache);
+  kv.v_strides = detail::RowStrides::of(a.v_cache);
   if (scaled) {
     kv.k_scale = a.k_scale.data;
     kv.v_scale = a.v_scale.data;
-    kv.k_scale_strides = cpu::RowStrides::of(a.k_scale);
-    kv.v_scale_strides = cpu::RowStrides::of(a.v_scale);
+    kv.k_scale_strides = detail::RowStrides::of(a.k_scale);
+    kv.v_scale_strides = detail::RowStrides::of(a.v_scale);
   }
   if (paged) {
     kv.block_table = a.block_table.data;
@@ -172,33 +185,37 @@ cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options
                  std::to_string(a.block_table.strides[1]));
     }
   }
-  p.lengths = a.cache_lengths.data();
-  p.key_len = capacity;
-  p.out = a.out.data;
-  p.out_batch = a.out.strides[0];
-  p.out_row = a.out.strides[1];
-  p.out_head = a.out.strides[2];
-  if (!a.lse.empty()) {
-    p.lse = a.lse.data;
-    p.lse_batch = a.lse.strides[0];
-    p.lse_head = a.lse.strides[1];
-    p.lse_row = a.lse.strides[2];
-  }
   return p;
 }
 
 template <class T>
-void run(const DecodeArgs<T>& args, const DecodeOptions& options) {
-  const cpu::DecodeProblem problem = validate(args, options);
-  if (problem.batch == 0 || problem.q_len == 0) return;
-  cpu::decode(problem);
+void run(const DecodeArgs<T>& args, const AttentionOptions& options) {
+  const detail::ForwardProblem<float> problem = validate(args, options);
+  if (problem.extents.batch == 0 || problem.extents.q_len == 0) return;
+  detail::run_forward(problem, resolve_backend(options, false, false));
 }
 
 }  // namespace
 
-void decode(const DecodeArgs<float>& args, const DecodeOptions& options) { run(args, options); }
-void decode(const DecodeArgs<bfloat16>& args, const DecodeOptions& options) { run(args, options); }
-void decode(const DecodeArgs<float16>& args, const DecodeOptions& options) { run(args, options); }
-void decode(const DecodeArgs<std::int8_t>& args, const DecodeOptions& options) { run(args, options); }
+AttentionOptions DecodeOptions::attention() const {
+  AttentionOptions options;
+  options.scale = scale;
+  options.causal = causal;
+  options.window = window;
+  options.softcap = softcap;
+  options.alibi_slopes = alibi_slopes;
+  options.sinks = sinks;
+  options.execution.threads = threads;
+  return options;
+}
+
+#define QKV_DEFINE_DECODE(T)                                                              \
+  void decode(const DecodeArgs<T>& args, const AttentionOptions& options) { run(args, options); } \
+  void decode(const DecodeArgs<T>& args, const DecodeOptions& options) { run(args, options.attention()); }
+QKV_DEFINE_DECODE(float)
+QKV_DEFINE_DECODE(bfloat16)
+QKV_DEFINE_DECODE(float16)
+QKV_DEFINE_DECODE(std::int8_t)
+#undef QKV_DEFINE_DECODE
 
 }  // namespace qkv

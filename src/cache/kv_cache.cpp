@@ -240,6 +240,11 @@ template DecodeArgs<std::int8_t> KVCache::views<std::int8_t>() const;
 
 void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
                      const DecodeOptions& options) const {
+  attend(q, out, lse, options.attention());
+}
+
+void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
+                     const AttentionOptions& options) const {
   auto run = [&](auto args) {
     args.q = q;
     args.out = out;

@@ -3,9 +3,9 @@
 
 #include <type_traits>
 
+#include "core/dispatch.hpp"
 #include "core/validate.hpp"
 #include "cpu/cpu_backend.hpp"
-#include "cpu/decode_dispatch.hpp"
 #include "reference/reference.hpp"
 
 namespace qkv {
@@ -21,20 +21,13 @@ namespace {
 
 // Validation has already refused cpu for double and for weights. The cpu kernels take
 // float and the 16-bit storage types (widened to float inside).
+// Validation has already refused cpu for double and for weights. The cpu backend takes
+// float and the 16-bit storage types (widened to float inside) and chooses its schedule
+// itself (cpu/forward_schedule.cpp).
 template <class T>
 void run_forward(const detail::ForwardProblem<T>& problem, Backend backend) {
   if constexpr (!std::is_same_v<T, double>) {
-    if (backend == Backend::cpu) {
-      if constexpr (std::is_same_v<T, float>) {
-        // Few queries against many keys: the decode kernel reads each K/V head once per
-        // GQA group and splits the keys across threads. It keeps no softmax statistics
-        // (yet): calls that ask for them run the tiled forward, which does; nor does it
-        // run score_mod / mask_mod.
-        const bool programmable = problem.modifiers.has_score_mod() || problem.mask.has_mask_mod();
-        if (!problem.collect_stats && !programmable && cpu::forward_by_decode(problem)) return;
-      }
-      return cpu::forward(problem);
-    }
+    if (backend == Backend::cpu) return cpu::forward(problem);
   }
   reference::forward(problem);
 }
@@ -73,6 +66,10 @@ void varlen_backward_entry(const VarlenBackwardArgs<T>& args, const AttentionOpt
 }
 
 }  // namespace
+
+void detail::run_forward(const ForwardProblem<float>& problem, Backend backend) {
+  qkv::run_forward(problem, backend);
+}
 
 #define QKV_DEFINE_ENTRY_POINTS(T)                                                           \
   void attention_forward(const ForwardArgs<T>& args, const AttentionOptions& options) {      \

@@ -14,6 +14,7 @@
 #include <span>
 #include <vector>
 
+#include "core/kv_source.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/options.hpp"
 
@@ -199,6 +200,12 @@ struct ForwardProblem {
   MaskRule mask;  // holds the Sequences too
   ScoreModifiers modifiers;
   ForwardArgs<T> args;  // args.stats is null: read `stats` below
+  // Where the key/value rows live when they are not the views args.k / args.v: a cache
+  // (qkv::decode, KVCache::attend; core/kv_source.hpp) — contiguous or paged, any storage
+  // type, int8 with row scales — read by the split-K schedule and the reference, with
+  // args.k / args.v empty. Empty (kv.k null) for dense and varlen calls. key_values() is
+  // the one description either way.
+  KvSource kv;
   int threads = 1;  // resolved: ≥ 1
   // Softmax statistics (qkv/attention_stats.hpp, core/head_stats.hpp), normalized like
   // the other views: per-row views [B, Hq, Nq] (varlen: batch stride 0, rows addressed
@@ -209,6 +216,12 @@ struct ForwardProblem {
 
   const Sequences& sequences() const { return mask.sequences; }
   RowAccess<ForwardArgs<T>> rows() const { return {&mask.sequences, &args}; }
+  // K and V are args.k / args.v (else only `kv` describes them: a paged, scaled or
+  // differently stored cache, which only the split-K schedule and the reference read).
+  bool kv_in_args() const { return kv.k == nullptr; }
+  KvSource key_values() const {
+    return kv_in_args() ? KvSource::of_views(storage_type_of<T>, args.k, args.v) : kv;
+  }
 };
 
 template <class T>

@@ -33,6 +33,7 @@
 #include "cpu/gemm-inl.h"
 #include "cpu/finite_scan-inl.h"
 #include "cpu/modifier_tiles-inl.h"
+#include "cpu/score_pipeline-inl.h"
 
 #ifndef QKV_CPU_BACKWARD_ONCE_
 #define QKV_CPU_BACKWARD_ONCE_
@@ -189,23 +190,6 @@ struct Context {
   double* alibi_sums = nullptr;
 };
 
-// −Σ_(j, i < count) dSᵀ[j][i]·|aligned_first + i − (first_key + j)|: one tile's share of
-// ∂L/∂slope (ALiBi's bias is −slope·distance). Summed per query column in float over the
-// tile's ≤ 64 keys (vectorizable), then in double.
-inline double AlibiSlopeGradient(const float* dst, size_t keys, size_t width, size_t count,
-                                 int64_t first_key, int64_t aligned_first) {
-  float column[kBlockQueries] = {};
-  const float base = static_cast<float>(aligned_first - first_key);
-  for (size_t j = 0; j < keys; ++j) {
-    const float* row = dst + j * width;
-    const float shift = base - static_cast<float>(j);
-    for (size_t i = 0; i < count; ++i) column[i] += row[i] * std::abs(shift + static_cast<float>(i));
-  }
-  double sum = 0.0;
-  for (size_t i = 0; i < count; ++i) sum -= static_cast<double>(column[i]);
-  return sum;
-}
-
 // One key block's K and V rows as float operands: in place for float storage, else
 // widened into scratch (rows d_ld / dv_ld apart, zero-padded to whole vectors).
 struct KeyValueRows {
@@ -322,30 +306,16 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
   Gemm(kn, width, static_cast<size_t>(e.head_dim), StridedA{kv.k, kv.k_ld, 1},
        c.packed.qt_block(rows.batch, rows.head, rows.first), kBlockQueries, s.pt.get(), width,
        false);
-  // The forward's variants, in its order: soft-cap (keeping its slope), ALiBi, masks.
+  // The forward's score pipeline (core/score_pipeline.hpp), keeping the soft-cap's and
+  // score_mod's derivatives for the chain rule below.
   const detail::ScoreModifiers& mods = p.modifiers;
-  if (mods.softcap > 0.0f) SoftcapTile(s.pt.get(), kn, width, mods.softcap, s.cap.get());
-  if (mods.has_alibi())
-    AlibiTile(s.pt.get(), kn, width, first_key,
-              rows.first + detail::ScoreModifiers::alibi_offset(p.mask, rows.batch),
-              mods.alibi_slopes[rows.head]);
-  if (mods.has_score_mod()) ApplyScoreMod(mods.score_mod, rows, first_key, keys, s.pt.get(), width, s.mod_slope.get());
-  if (tile == detail::Tile::partial) {
-    const float* add = nullptr;
-    size_t add_ld = width;
-    if (p.mask.has_elementwise()) {
-      add = c.shared.find(rows.batch, rows.first / kBlockQueries, first_key / kBlockKeys);
-      if (add != nullptr) {
-        add_ld = SharedMaskTiles::kLd;
-      } else {
-        build_additive_tile(p.mask, rows, first_key, keys, s.add.get(), width);
-        add = s.add.get();
-      }
-    }
-    MaskTile(s.pt.get(), kn, width, first_key, s.key_begin.data(), s.key_end.data(), add, add_ld);
-    overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.pt.get(), width);
-    if (p.mask.has_mask_mod()) ApplyMaskMod(p.mask.mask_mod, rows, first_key, keys, s.pt.get(), width);
-  }
+  detail::apply_score_pipeline(mods, TileStages{.rule = p.mask, .mods = mods, .rows = rows,
+                                                .first_key = first_key, .keys = keys,
+                                                .st = s.pt.get(), .width = width,
+                                                .partial = tile == detail::Tile::partial,
+                                                .shared = &c.shared, .add = s.add.get(),
+                                                .cap_slope = s.cap.get(),
+                                                .mod_slope = s.mod_slope.get()});
   ProbabilitiesFromLse(s.pt.get(), kn, width, c.packed.lse_of(rows.batch, rows.head) + offset);
 
   Gemm(kn, width, static_cast<size_t>(e.v_dim), StridedA{kv.v, kv.v_ld, 1},
@@ -359,12 +329,12 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
     DropoutTile(s.dst.get(), kn, width, first_key, s.dropout_keys.data(), threshold, dropout_scale);
   ScoreGradient(s.pt.get(), s.dst.get(), kn, width,
                 c.packed.delta_of(rows.batch, rows.head) + offset);
-  // ALiBi came after the cap (and validation refuses a score_mod with its gradient).
-  if (alibi_sum != nullptr)
-    *alibi_sum += AlibiSlopeGradient(s.dst.get(), kn, width, static_cast<size_t>(rows.count), first_key,
-                                     rows.first + detail::ScoreModifiers::alibi_offset(p.mask, rows.batch));
-  if (mods.has_score_mod()) ChainScoreMod(s.dst.get(), s.mod_slope.get(), kn, width);  // mod came after the cap
-  if (mods.softcap > 0.0f) MultiplyTile(s.dst.get(), s.cap.get(), kn * width);  // through tanh
+  // Back through the pipeline: ALiBi's slope gradient is collected from dS (validation
+  // refuses a score_mod together with it), then score_mod's and the cap's derivatives.
+  detail::chain_score_pipeline(mods, ChainStages{.rows = rows, .alibi_offset = detail::ScoreModifiers::alibi_offset(p.mask, rows.batch),
+                                                 .first_key = first_key, .keys = kn, .width = width,
+                                                 .dst = s.dst.get(), .cap_slope = s.cap.get(),
+                                                 .mod_slope = s.mod_slope.get(), .alibi_sum = alibi_sum});
   if (dropout)
     DropoutTile(s.pt.get(), kn, width, first_key, s.dropout_keys.data(), threshold, dropout_scale);
   return width;

@@ -42,6 +42,8 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "cpu/block_ops-inl.h"
+#include "cpu/decode_tiles-inl.h"
+#include "cpu/score_pipeline-inl.h"
 
 #ifndef QKV_CPU_DECODE_ONCE_
 #define QKV_CPU_DECODE_ONCE_
@@ -55,6 +57,7 @@
 
 #include "cpu/blocking.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "core/score_pipeline.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/decode_plan.hpp"
 #endif
@@ -64,244 +67,8 @@ namespace qkv::cpu::HWY_NAMESPACE {
 
 namespace {
 
-// ---------------------------------------------------------------------------------
-// Widening loads, fused into the kernels: one vector of floats from float32, bfloat16 or
-// float16 storage, read in place from the cache (no packed copy of K or V).
-
-template <class T>
-HWY_INLINE FloatVec LoadWidened(FloatTag df, const T* HWY_RESTRICT p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return hn::LoadU(df, p);
-  } else if constexpr (std::is_same_v<T, std::int8_t>) {  // int8 caches: the row's scale comes later
-    const hn::Rebind<std::int8_t, FloatTag> d8;
-    const hn::RebindToSigned<FloatTag> di;
-    return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, p)));
-  } else if constexpr (kVectorWiden<T>) {  // bfloat16: a shift; float16: F16C/AVX-512
-    const hn::Rebind<typename HwyLane<T>::type, FloatTag> dh;
-    return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const typename HwyLane<T>::type*>(p)));
-  } else {
-    // float16 where Highway 1.0.3 has no hardware conversion: one value at a time through
-    // qkv/half.hpp (exact; its software PromoteTo turns ±inf and NaN into finite numbers).
-    HWY_ALIGN float wide[hn::MaxLanes(FloatTag())];
-    for (size_t i = 0; i < hn::Lanes(df); ++i) wide[i] = static_cast<float>(p[i]);
-    return hn::Load(df, wide);
-  }
-}
-
-// dst[0, cols) = float(src[0, cols)), dst[cols, padded) = 0.
-template <class T>
-HWY_INLINE void WidenRow(const T* HWY_RESTRICT src, size_t cols, float* HWY_RESTRICT dst,
-                         size_t padded) {
-  const FloatTag df;
-  const size_t lanes = hn::Lanes(df);
-  size_t c = 0;
-  for (; c + lanes <= cols; c += lanes) hn::StoreU(LoadWidened(df, src + c), df, dst + c);
-  for (; c < cols; ++c) dst[c] = Widen(src[c]);
-  for (; c < padded; ++c) dst[c] = 0.0f;
-}
-
-// Starts moving a row of `bytes` bytes towards the core: the key block after the current
-// one, so that its DRAM latency overlaps this block's arithmetic. Into L2 (locality 2):
-// a block of one head is up to 64 KiB, more than L1 holds next to the current one.
-HWY_INLINE void PrefetchRow(const void* row, size_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
-  __builtin_prefetch(p + bytes - 1, 0, 2);  // a row that starts inside a cache line
-}
-
-// Rows of a unit of work ahead to prefetch while the kernels read the same-numbered rows
-// of this one: spread over the arithmetic key by key, not issued in bursts that would
-// fill the core's miss buffers and stall it (rows null: nothing to prefetch).
-template <class S>
-struct Ahead {
-  const S* const* rows = nullptr;
-  size_t count = 0;  // rows[0, count) exist
-  size_t bytes = 0;
-
-  HWY_INLINE void operator()(size_t j) const {
-    if (j < count) PrefetchRow(rows[j], bytes);
-  }
-  Ahead offset(size_t j) const { return j < count ? Ahead{rows + j, count - j, bytes} : Ahead{}; }
-};
-
-// ---------------------------------------------------------------------------------
-// Scores of R rows against L = lanes consecutive keys: R vectors, lane t of row r's
-// vector = (scale·q_r)·k_t.
-//
-// Register tile: KL keys × R rows of accumulators with lanes over d; each K vector is
-// loaded (and widened) once for all R rows, each Q vector once for KL keys. The KL·R
-// accumulators are independent FMA chains (8 of them: FMA latency × ports). Each row's
-// KL accumulators are then summed across lanes together by a transpose-add tree: a pair
-// (lo, hi) becomes ConcatEven(hi, lo) + ConcatOdd(hi, lo), whose lower half holds lo's
-// pairwise lane sums and upper half hi's; after log2 L levels lane t holds key t's dot
-// product — L − 1 shuffle pairs per row for L keys instead of a horizontal sum per key.
-// Above the leaf the tree runs depth-first (Tree<N> = combine(Tree<N/2>, Tree<N/2>)), so
-// only log2 L partial vectors per row are live.
-
-HWY_INLINE FloatVec Combine(FloatVec lo, FloatVec hi) {
-#if HWY_TARGET == HWY_SCALAR
-  (void)hi;
-  return lo;  // one lane: never called with two keys
-#else
-  const FloatTag df;
-  return hn::Add(hn::ConcatEven(df, hi, lo), hn::ConcatOdd(df, hi, lo));
-#endif
-}
-
-constexpr size_t kLanes = HWY_LANES(float);  // upper bound; equal on fixed-width targets
-
-// Keys per leaf for R rows: 8 accumulator chains, no more keys than lanes.
-template <size_t R>
-constexpr size_t kLeafKeys = std::min<size_t>(kLanes, R >= 4 ? 2 : R >= 2 ? 4 : 8);
-
-template <size_t N>
-HWY_INLINE FloatVec CombineKeys(const FloatVec* v) {
-  if constexpr (N == 1) {
-    return v[0];
-  } else {
-    return Combine(CombineKeys<N / 2>(v), CombineKeys<N / 2>(v + N / 2));
-  }
-}
-
-// out[r] (N keys' partial sums, as the tree above) for keys k[0, N), rows q + r·q_ld.
-template <size_t N, size_t R, class S>
-HWY_INLINE void ScoreTree(const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
-                          Ahead<S> ahead, FloatVec (&out)[R]) {
-  const FloatTag df;
-  constexpr size_t kLeaf = kLeafKeys<R>;
-  if constexpr (N <= kLeaf) {
-    const size_t lanes = hn::Lanes(df);
-    for (size_t j = 0; j < N; ++j) ahead(j);
-    FloatVec acc[R][N];
-    for (size_t r = 0; r < R; ++r)
-      for (size_t j = 0; j < N; ++j) acc[r][j] = hn::Zero(df);
-    for (size_t c = 0; c < dim; c += lanes) {
-      FloatVec kv[N];
-      for (size_t j = 0; j < N; ++j) kv[j] = LoadWidened(df, k[j] + c);
-      for (size_t r = 0; r < R; ++r) {
-        const FloatVec qv = hn::LoadU(df, q + r * q_ld + c);
-        for (size_t j = 0; j < N; ++j) acc[r][j] = hn::MulAdd(qv, kv[j], acc[r][j]);
-      }
-    }
-    for (size_t r = 0; r < R; ++r) out[r] = CombineKeys<N>(acc[r]);
-  } else {
-    FloatVec lo[R], hi[R];
-    ScoreTree<N / 2, R>(q, q_ld, k, dim, ahead, lo);
-    ScoreTree<N / 2, R>(q, q_ld, k + N / 2, dim, ahead.offset(N / 2), hi);
-    for (size_t r = 0; r < R; ++r) out[r] = Combine(lo[r], hi[r]);
-  }
-}
-
-// scores[r·ld + t] for rows r < R and the L keys k[0, L).
-template <size_t R, class S>
-HWY_INLINE void ScoreRows(const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
-                          Ahead<S> ahead, float* HWY_RESTRICT scores, size_t ld) {
-  const FloatTag df;
-  FloatVec s[R];
-  ScoreTree<kLanes, R>(q, q_ld, k, dim, ahead, s);
-  for (size_t r = 0; r < R; ++r) hn::StoreU(s[r], df, scores + r * ld);
-}
-
-// One vector of keys against every row, rows in tiles of up to 4: the keys' rows are
-// read from memory by the first tile (which also prefetches) and from L1 by the others.
-template <class S>
-void ScoreKeys(size_t rows, const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
-               Ahead<S> ahead, float* HWY_RESTRICT scores, size_t ld) {
-  size_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    ScoreRows<4>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
-    ahead = Ahead<S>{};
-  }
-  switch (rows - r) {
-    case 3: return ScoreRows<3>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
-    case 2: return ScoreRows<2>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
-    case 1: return ScoreRows<1>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
-    default: return;
-  }
-}
-
-// ---------------------------------------------------------------------------------
-// P·V: acc[r][0:dim] = acc[r]·alpha[r] + Σ_j P[r][j]·v_j for R rows, C vectors of columns.
-// Register tile R × C (each V vector loaded and widened once for R rows, each P entry
-// broadcast once for C vectors); the block's product is summed from zero first, so its
-// rounding grows with the block, not with the sequence.
-
-#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_EMU128 || HWY_TARGET == HWY_SCALAR
-inline constexpr size_t kValueTileVectors = 8;  // 16 registers: R·C accumulators + C loads
-#else
-inline constexpr size_t kValueTileVectors = 16;  // 32 registers
-#endif
-
-template <size_t R, size_t C, class S>
-HWY_INLINE void ValueTile(const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
-                          size_t col, Ahead<S> ahead, const float* HWY_RESTRICT alpha,
-                          float* HWY_RESTRICT acc, size_t acc_ld) {
-  const FloatTag df;
-  const size_t lanes = hn::Lanes(df);
-  FloatVec sum[R][C];
-  for (size_t r = 0; r < R; ++r)
-    for (size_t c = 0; c < C; ++c) sum[r][c] = hn::Zero(df);
-  for (size_t j = 0; j < keys; ++j) {
-    ahead(j);
-    FloatVec vv[C];
-    for (size_t c = 0; c < C; ++c) vv[c] = LoadWidened(df, v[j] + col + c * lanes);
-    for (size_t r = 0; r < R; ++r) {
-      const FloatVec w = hn::Set(df, p[r * p_ld + j]);
-      for (size_t c = 0; c < C; ++c) sum[r][c] = hn::MulAdd(w, vv[c], sum[r][c]);
-    }
-  }
-  for (size_t r = 0; r < R; ++r) {
-    const FloatVec a = hn::Set(df, alpha[r]);
-    float* out = acc + r * acc_ld + col;
-    for (size_t c = 0; c < C; ++c)
-      hn::StoreU(hn::MulAdd(hn::LoadU(df, out + c * lanes), a, sum[r][c]), df, out + c * lanes);
-  }
-}
-
-// All columns [0, dim) of R rows: panels of C vectors, C as wide as the registers allow.
-template <size_t R, class S>
-HWY_INLINE void ValueRows(const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
-                          size_t dim, Ahead<S> ahead, const float* HWY_RESTRICT alpha,
-                          float* HWY_RESTRICT acc, size_t acc_ld) {
-  const size_t lanes = VectorLanes();
-  // The widest power-of-two panel whose accumulators and loads fit the registers.
-  constexpr size_t kFit = kValueTileVectors / (R < 2 ? 2 : R);
-  constexpr size_t kC = kFit >= 8 ? 8 : kFit >= 4 ? 4 : kFit >= 2 ? 2 : 1;
-  size_t col = 0;
-  for (; col + kC * lanes <= dim; col += kC * lanes) {
-    ValueTile<R, kC>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
-    ahead = Ahead<S>{};  // the first panel prefetches
-  }
-  for (; col + 4 * lanes <= dim; col += 4 * lanes) {  // the rest in narrower panels
-    ValueTile<R, 4>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
-    ahead = Ahead<S>{};
-  }
-  for (; col + 2 * lanes <= dim; col += 2 * lanes) {
-    ValueTile<R, 2>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
-    ahead = Ahead<S>{};
-  }
-  for (; col < dim; col += lanes) {
-    ValueTile<R, 1>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
-    ahead = Ahead<S>{};
-  }
-}
-
-template <class S>
-void ValueBlock(size_t rows, const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
-                size_t dim, Ahead<S> ahead, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT acc,
-                size_t acc_ld) {
-  size_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    ValueRows<4>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
-    ahead = Ahead<S>{};
-  }
-  switch (rows - r) {
-    case 3: return ValueRows<3>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
-    case 2: return ValueRows<2>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
-    case 1: return ValueRows<1>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
-    default: return;
-  }
-}
+using Problem = detail::ForwardProblem<float>;
+using detail::KvSource;
 
 // ---------------------------------------------------------------------------------
 // How many units of (block, kv head) ahead of the computing one the prefetches run.
@@ -348,9 +115,8 @@ struct DecodeScratch {
 // the cache (contiguous or paged), padded to `padded` entries with the last row, whose
 // scores the mask then removes (so a partial vector of keys never reads past the cache).
 template <class T>
-void RowPointers(const DecodeProblem& p, int64_t batch, int64_t head, int64_t first, size_t keys,
+void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first, size_t keys,
                  size_t padded, const T** k, const T** v, float* k_scale, float* v_scale) {
-  const KvSource& kv = p.kv;
   const T* k_base = static_cast<const T*>(kv.k);
   const T* v_base = static_cast<const T*>(kv.v);
   size_t j = 0;
@@ -415,32 +181,32 @@ HWY_INLINE void SoftmaxRows(size_t rows, size_t padded, float* HWY_RESTRICT scor
 // to -inf, the online-softmax step, then acc = acc·alpha + P·V. Writes the chunk's
 // (m, l, acc) of every row of the tile into `state`.
 template <class T>
-void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTask& task,
+void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, const DecodeTask& task,
                  DecodeScratch<T>& s, float* state) {
   const FloatTag df;
   const size_t lanes = hn::Lanes(df);
-  const size_t d = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.v_dim);
+  const detail::Extents& e = p.extents;
+  const detail::MaskRule& mask = p.mask;
+  const detail::ScoreModifiers& mods = p.modifiers;
+  const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
   const size_t d_pad = plan.d_pad, dv_pad = plan.dv_pad;
   const size_t tile = static_cast<size_t>(task.queries);  // queries in this tile
-  const size_t group_rows = static_cast<size_t>(p.group()) * tile;
-  const size_t all_rows = static_cast<size_t>(p.q_heads) * tile;
+  const size_t group_rows = static_cast<size_t>(e.group()) * tile;
+  const size_t all_rows = static_cast<size_t>(e.q_heads) * tile;
   const ChunkState chunk = plan.chunk_state(state, tile);
 
   // Row (h, i) of the tile: scale·q(b, first_query + i, h, ·), zero-padded to d_pad.
   // Query i sees keys [key_begin[i], key_end[i]); both bounds grow with i.
   int64_t key_begin[kDecodeQueries] = {}, key_end[kDecodeQueries] = {};
   for (size_t i = 0; i < tile; ++i) {
-    key_begin[i] = p.key_begin(task.batch, task.first_query + static_cast<int64_t>(i));
-    key_end[i] = p.key_end(task.batch, task.first_query + static_cast<int64_t>(i));
+    key_begin[i] = mask.key_begin(task.batch, task.first_query + static_cast<int64_t>(i));
+    key_end[i] = mask.key_end(task.batch, task.first_query + static_cast<int64_t>(i));
   }
   const int64_t max_begin = key_begin[tile - 1], min_end = key_end[0];
-  // ALiBi's position of query i among the keys.
-  const int64_t alibi_offset = task.first_query + p.valid_keys(task.batch) - p.q_len;
   const float scale = static_cast<float>(p.scale);
-  for (int64_t h = 0; h < p.q_heads; ++h)
+  for (int64_t h = 0; h < e.q_heads; ++h)
     for (size_t i = 0; i < tile; ++i) {
-      const float* q = p.q + task.batch * p.q_batch +
-                       (task.first_query + static_cast<int64_t>(i)) * p.q_row + h * p.q_head;
+      const float* q = &p.args.q(task.batch, task.first_query + static_cast<int64_t>(i), h, 0);
       float* row = s.queries.get() + (static_cast<size_t>(h) * tile + i) * d_pad;
       for (size_t c = 0; c < d; ++c) row[c] = scale * q[c];
       std::fill(row + d, row + d_pad, 0.0f);
@@ -462,7 +228,7 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
   };
   // The unit after (first, g): the next head of the block, or the next block's head 0.
   const auto following = [&](int64_t& first, int64_t& g) {
-    if (++g == p.kv_heads) {
+    if (++g == e.kv_heads) {
       g = 0;
       first += static_cast<int64_t>(block);
     }
@@ -476,14 +242,14 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
   for (size_t u = 0; u < slots; ++u) {
     slot_keys[u] = unit_keys(ahead_first);
     if (slot_keys[u] > 0)
-      RowPointers<T>(p, task.batch, ahead_g, ahead_first, slot_keys[u], round_up(slot_keys[u], lanes),
+      RowPointers<T>(kv, task.batch, ahead_g, ahead_first, slot_keys[u], round_up(slot_keys[u], lanes),
                      s.k_ring.data() + u * block, s.v_ring.data() + u * block, scales_of(s.k_scales, u),
                      scales_of(s.v_scales, u));
     if (u + 1 < slots) following(ahead_first, ahead_g);
   }
   size_t unit = 0;
   for (int64_t first = task.first_key; first < end; first += static_cast<int64_t>(block)) {
-    for (int64_t g = 0; g < p.kv_heads; ++g, ++unit) {
+    for (int64_t g = 0; g < e.kv_heads; ++g, ++unit) {
       const size_t row0 = static_cast<size_t>(g) * group_rows;  // first row of the group
       const float* queries = s.queries.get() + row0 * d_pad;
       float* m = chunk.m + row0;
@@ -498,7 +264,7 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
         following(ahead_first, ahead_g);
         slot_keys[far_slot] = unit_keys(ahead_first);
         if (slot_keys[far_slot] > 0)
-          RowPointers<T>(p, task.batch, ahead_g, ahead_first, slot_keys[far_slot], round_up(slot_keys[far_slot], lanes),
+          RowPointers<T>(kv, task.batch, ahead_g, ahead_first, slot_keys[far_slot], round_up(slot_keys[far_slot], lanes),
                          k_far, v_far, scales_of(s.k_scales, far_slot), scales_of(s.v_scales, far_slot));
       }
       const size_t far_keys = slot_keys[far_slot];
@@ -516,8 +282,8 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
         }
       } else {
         for (size_t j = 0; j < keys; ++j) {
-          WidenRow(k_rows[j], d, s.keys.get() + j * d_pad, d_pad);
-          WidenRow(v_rows[j], dv, s.values.get() + j * dv_pad, dv_pad);
+          WidenRows(k_rows[j], 0, 1, d, s.keys.get() + j * d_pad, d_pad);
+          WidenRows(v_rows[j], 0, 1, dv, s.values.get() + j * dv_pad, dv_pad);
         }
         for (size_t j = 0; j < padded; ++j) {
           s.k_packed[j] = s.keys.get() + std::min(j, keys - 1) * d_pad;
@@ -533,32 +299,19 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
         for (size_t r = 0; r < group_rows; ++r) MultiplyTile(s.scores.get() + r * ld, k_scale, padded);
       }
 
-      // Variants on the scaled logits, in the dense kernels' order: soft-cap, then ALiBi
-      // (row r of the group is head g·G + r / tile, query r % tile).
-      if (p.softcap > 0.0f) {
-        for (size_t r = 0; r < group_rows; ++r) SoftcapTile(s.scores.get() + r * ld, 1, padded, p.softcap, nullptr);
-      }
-      if (p.alibi_slopes != nullptr) {
-        for (size_t r = 0; r < group_rows; ++r) {
-          const float slope = p.alibi_slopes[static_cast<size_t>(g) * static_cast<size_t>(p.group()) + r / tile];
-          // One row of keys first..first + padded against query position alibi_offset + i:
-          // AlibiTile's (keys, width) = (1, padded) with the roles of key and query swapped
-          // (the distance is symmetric).
-          AlibiTile(s.scores.get() + r * ld, 1, padded, alibi_offset + static_cast<int64_t>(r % tile), first, slope);
-        }
-      }
-
-      // Hidden keys (and the padding past the block) get -inf, overwriting the score: a
-      // NaN/Inf key that a row does not see cannot reach it.
+      // The score pipeline, row by row (row r of the group is head g·G + r / tile, query
+      // r % tile): the variants on the scaled logits, then the row's key range — hidden
+      // keys and the padding past the block get -inf, overwriting the score, so a NaN/Inf
+      // key that a row does not see cannot reach it.
       const auto block_keys = static_cast<int64_t>(keys);
-      if (padded > keys || first + block_keys > min_end || first < max_begin) {
-        for (size_t r = 0; r < group_rows; ++r) {
-          const int64_t hidden_before = std::clamp<int64_t>(key_begin[r % tile] - first, 0, block_keys);
-          const int64_t visible_end = std::clamp<int64_t>(key_end[r % tile] - first, hidden_before, block_keys);
-          float* row = s.scores.get() + r * ld;
-          std::fill(row, row + hidden_before, kMinusInf);
-          std::fill(row + visible_end, row + padded, kMinusInf);
-        }
+      for (size_t r = 0; r < group_rows; ++r) {
+        const size_t i = r % tile;
+        detail::apply_score_pipeline(
+            mods, RowStages{.rule = mask, .mods = mods, .batch = task.batch,
+                            .head = g * e.group() + static_cast<int64_t>(r / tile),
+                            .query = task.first_query + static_cast<int64_t>(i), .first_key = first,
+                            .keys = keys, .padded = padded, .key_begin = key_begin[i],
+                            .key_end = key_end[i], .s = s.scores.get() + r * ld});
       }
       SoftmaxRows(group_rows, padded, s.scores.get(), ld, m, l, s.alpha.get());
 
@@ -606,25 +359,26 @@ void DecodeChunk(const DecodeProblem& p, const DecodePlan& plan, const DecodeTas
 
 // out = Σ_c acc_c·e^(m_c−m) / Σ_c l_c·e^(m_c−m) over the chunks of one (batch, tile), in
 // chunk order; a row that saw no key gets out 0 and lse -inf.
-void MergeChunks(const DecodeProblem& p, const DecodePlan& plan, const DecodeUnit& unit,
+void MergeChunks(const Problem& p, const DecodePlan& plan, const DecodeUnit& unit,
                  float* states, float* sum) {
   const FloatTag df;
   const size_t lanes = hn::Lanes(df);
-  const size_t dv = static_cast<size_t>(p.v_dim), dv_pad = plan.dv_pad;
+  const size_t dv = static_cast<size_t>(p.extents.v_dim), dv_pad = plan.dv_pad;
   const size_t tile = static_cast<size_t>(unit.queries);
-  for (int64_t h = 0; h < p.q_heads; ++h)
+  const detail::ScoreModifiers& mods = p.modifiers;
+  for (int64_t h = 0; h < p.extents.q_heads; ++h)
     for (size_t i = 0; i < tile; ++i) {
       const size_t r = static_cast<size_t>(h) * tile + i;
       // A sink is one more logit in the row's softmax, with no value: it raises m and l.
-      const float sink = p.sinks == nullptr ? kMinusInf : p.sinks[h];
+      const float sink = mods.has_sinks() ? mods.sinks[h] : kMinusInf;
       float m = sink;
       for (int64_t c = 0; c < unit.chunks; ++c)
         m = std::max(m, plan.chunk_state(states + (unit.first_task + c) * plan.state_floats, tile).m[r]);
       const int64_t query = unit.first_query + static_cast<int64_t>(i);
-      float* out = p.out + unit.batch * p.out_batch + query * p.out_row + h * p.out_head;
+      float* out = &p.args.out(unit.batch, query, h, 0);
       // A chunk that saw no key of this row has m = -inf and l = 0 and is skipped. A
       // NaN score leaves m at -inf but l NaN: weight 1 then, so the NaN reaches the row.
-      float l = p.sinks == nullptr ? 0.0f : std::exp(sink - m);
+      float l = mods.has_sinks() ? std::exp(sink - m) : 0.0f;
       std::fill(sum, sum + dv_pad, 0.0f);
       for (int64_t c = 0; c < unit.chunks; ++c) {
         const ChunkState chunk = plan.chunk_state(states + (unit.first_task + c) * plan.state_floats, tile);
@@ -641,16 +395,13 @@ void MergeChunks(const DecodeProblem& p, const DecodePlan& plan, const DecodeUni
       } else {
         for (size_t x = 0; x < dv; ++x) out[x] = sum[x] / l;  // one rounding
       }
-      if (p.lse != nullptr) {
-        p.lse[unit.batch * p.lse_batch + h * p.lse_head + query * p.lse_row] =
-            l == 0.0f ? kMinusInf : m + std::log(l);
-      }
+      if (!p.args.lse.empty()) p.args.lse(unit.batch, h, query) = l == 0.0f ? kMinusInf : m + std::log(l);
     }
 }
 
 template <class T>
-void RunDecode(const DecodeProblem& p) {
-  const DecodePlan plan(p, VectorLanes());
+void RunDecode(const Problem& p, const KvSource& kv) {
+  const DecodePlan plan(p, kv.type, VectorLanes());
   if (plan.units.empty()) return;
   hwy::AlignedFreeUniquePtr<float[]> states =
       AllocateFloats(plan.tasks.size() * plan.state_floats);
@@ -658,7 +409,7 @@ void RunDecode(const DecodeProblem& p) {
   if (threads <= 1) {  // no parallel region for work one thread does best
     DecodeScratch<T> scratch(plan);
     for (const DecodeTask& task : plan.tasks)
-      DecodeChunk<T>(p, plan, task, scratch, states.get() + task.index * plan.state_floats);
+      DecodeChunk<T>(p, kv, plan, task, scratch, states.get() + task.index * plan.state_floats);
     for (const DecodeUnit& unit : plan.units) MergeChunks(p, plan, unit, states.get(), scratch.merged.get());
     return;
   }
@@ -668,7 +419,7 @@ void RunDecode(const DecodeProblem& p) {
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < plan.order.size(); ++t) {
       const DecodeTask& task = plan.tasks[plan.order[t]];
-      DecodeChunk<T>(p, plan, task, scratch, states.get() + task.index * plan.state_floats);
+      DecodeChunk<T>(p, kv, plan, task, scratch, states.get() + task.index * plan.state_floats);
     }
 #pragma omp for schedule(static)
     for (size_t u = 0; u < plan.units.size(); ++u)
@@ -678,12 +429,13 @@ void RunDecode(const DecodeProblem& p) {
 
 }  // namespace
 
-void DecodeImpl(const DecodeProblem& p) {
-  switch (p.kv.type) {
-    case StorageType::float32: return RunDecode<float>(p);
-    case StorageType::bfloat16: return RunDecode<bfloat16>(p);
-    case StorageType::float16: return RunDecode<float16>(p);
-    case StorageType::int8: return RunDecode<std::int8_t>(p);
+void DecodeImpl(const Problem& p) {
+  const KvSource kv = p.key_values();
+  switch (kv.type) {
+    case StorageType::float32: return RunDecode<float>(p, kv);
+    case StorageType::bfloat16: return RunDecode<bfloat16>(p, kv);
+    case StorageType::float16: return RunDecode<float16>(p, kv);
+    case StorageType::int8: return RunDecode<std::int8_t>(p, kv);
   }
 }
 
@@ -694,7 +446,7 @@ HWY_AFTER_NAMESPACE();
 namespace qkv::cpu {
 HWY_EXPORT(DecodeImpl);
 
-void decode(const DecodeProblem& problem) {
+void decode(const detail::ForwardProblem<float>& problem) {
   apply_simd_target_override();  // QKV_SIMD_TARGET (cpu_backend.hpp)
   HWY_DYNAMIC_DISPATCH(DecodeImpl)(problem);
 }

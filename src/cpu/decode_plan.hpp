@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "cpu/blocking.hpp"
-#include "cpu/decode.hpp"
+#include "core/problem.hpp"
 #include "qkv/half.hpp"
 
 namespace qkv::cpu {
@@ -86,7 +86,13 @@ struct DecodePlan {
   double flops = 0.0;
   double bytes = 0.0;
 
-  DecodePlan(const DecodeProblem& p, std::size_t lanes)
+  // `p` is a dense problem (batch entries of p.extents.q_len queries); `storage` is its
+  // key/value source's element type.
+  DecodePlan(const detail::ForwardProblem<float>& problem, StorageType storage, std::size_t lanes)
+      : DecodePlan(problem.extents, problem.mask, storage, lanes) {}
+
+  DecodePlan(const detail::Extents& p, const detail::MaskRule& mask, StorageType storage,
+             std::size_t lanes)
       : d_pad(round_up(static_cast<std::size_t>(p.head_dim), lanes)),
         dv_pad(round_up(static_cast<std::size_t>(p.v_dim), lanes)),
         block_keys(std::clamp<std::size_t>(
@@ -99,7 +105,7 @@ struct DecodePlan {
         group(static_cast<std::size_t>(p.group())),
         max_tile(static_cast<std::size_t>(std::min(p.q_len, kDecodeQueries))),
         state_floats(q_heads * max_tile * (dv_pad + 2)) {
-    const double element_bytes = storage_bytes(p.kv.type);
+    const double element_bytes = storage_bytes(storage);
     const auto block = static_cast<int64_t>(block_keys);
     for (int64_t b = 0; b < p.batch; ++b)
       for (int64_t first = 0; first < p.q_len; first += kDecodeQueries) {
@@ -107,8 +113,8 @@ struct DecodePlan {
         // Key ranges only move right with the query index: the tile's first query starts
         // earliest, its last one ends latest. Keys before `begin` (a sliding window's
         // past) are never read.
-        const int64_t begin = p.key_begin(b, first);
-        const int64_t end = p.key_end(b, first + unit.queries - 1);
+        const int64_t begin = mask.key_begin(b, first);
+        const int64_t end = mask.key_end(b, first + unit.queries - 1);
         const int64_t chunk =
             static_cast<int64_t>(round_up(static_cast<std::size_t>(std::max(
                                               kMinChunkKeys, (end - begin + kMaxChunks - 1) / kMaxChunks)),

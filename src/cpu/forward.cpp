@@ -35,6 +35,7 @@
 #include "cpu/gemm-inl.h"
 #include "cpu/finite_scan-inl.h"
 #include "cpu/modifier_tiles-inl.h"
+#include "cpu/score_pipeline-inl.h"
 
 #ifndef QKV_CPU_FORWARD_ONCE_
 #define QKV_CPU_FORWARD_ONCE_
@@ -51,6 +52,7 @@
 #include "cpu/mask_tiles.hpp"
 #include "cpu/blocking.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cpu/decode.hpp"
 #include "cpu/work_order.hpp"
 #endif
 
@@ -141,8 +143,6 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
   const size_t width = round_up(count, lanes);  // query columns computed this block
   describe_rows(p.mask, rows, s.key_begin.data(), s.key_end.data(), width);
   const detail::ScoreModifiers& mods = p.modifiers;
-  const float slope = mods.has_alibi() ? mods.alibi_slopes[h] : 0.0f;
-  const int64_t alibi_first = rows.first + detail::ScoreModifiers::alibi_offset(p.mask, b);
   const uint32_t dropout_threshold = detail::dropout_threshold(mods.dropout.p);
   const float dropout_scale = 1.0f / (1.0f - mods.dropout.p);
   if (mods.has_dropout()) {
@@ -201,27 +201,13 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
     // Sᵀ = K_blk · (scale·Qᵀ)
     Gemm(static_cast<size_t>(keys), width, d, StridedA{k, k_ld, 1},
          s.qt.get(), width, s.st.get(), width, /*accumulate=*/false);
-    if (mods.softcap > 0.0f) SoftcapTile(s.st.get(), static_cast<size_t>(keys), width, mods.softcap, nullptr);
-    if (mods.has_alibi()) AlibiTile(s.st.get(), static_cast<size_t>(keys), width, first_key, alibi_first, slope);
-    if (mods.has_score_mod()) ApplyScoreMod(mods.score_mod, rows, first_key, keys, s.st.get(), width, nullptr);
+    // Soft-cap, ALiBi, score_mod, then the mask on partial tiles (core/score_pipeline.hpp).
     const bool partial = tile == detail::Tile::partial;
-    if (partial) {
-      const float* add = nullptr;
-      size_t add_ld = width;
-      if (p.mask.has_elementwise()) {
-        add = shared.find(b, q_block, k_block);
-        if (add != nullptr) {
-          add_ld = SharedMaskTiles::kLd;
-        } else {
-          build_additive_tile(p.mask, rows, first_key, keys, s.add.get(), width);
-          add = s.add.get();
-        }
-      }
-      MaskTile(s.st.get(), static_cast<size_t>(keys), width, first_key, s.key_begin.data(),
-               s.key_end.data(), add, add_ld);
-      overwrite_degenerate_columns(p.mask, rows, first_key, keys, s.st.get(), width);
-      if (p.mask.has_mask_mod()) ApplyMaskMod(p.mask.mask_mod, rows, first_key, keys, s.st.get(), width);
-    }
+    detail::apply_score_pipeline(mods, TileStages{.rule = p.mask, .mods = mods, .rows = rows,
+                                                  .first_key = first_key, .keys = keys,
+                                                  .st = s.st.get(), .width = width,
+                                                  .partial = partial, .shared = &shared,
+                                                  .add = s.add.get()});
 
     if (block_stats == nullptr) {
       OnlineSoftmaxStep(s.st.get(), static_cast<size_t>(keys), width, m, l, alpha);
@@ -340,6 +326,10 @@ HWY_EXPORT(ForwardBfloat16);
 HWY_EXPORT(ForwardFloat16);
 
 void forward(const detail::ForwardProblem<float>& problem) {
+  if (runs_split_k(problem)) return decode(problem);  // the schedule, chosen in forward_schedule.cpp
+  tiled_forward(problem);
+}
+void tiled_forward(const detail::ForwardProblem<float>& problem) {
   apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(ForwardFloat32)(problem);
 }

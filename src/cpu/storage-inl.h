@@ -2,10 +2,13 @@
 // kernels are written once, over the storage type T; everything a tile computes is
 // float. These are the only places T is read or written:
 //
-//   Widen / WidenRows     T → float, exact (every bfloat16 and float16 is a float), on
-//                         load or pack. WidenRows uses Highway's PromoteTo: a shift for
-//                         bfloat16; for float16 the F16C / AVX-512 instruction, on the
-//                         targets that have it (see kHardwareFloat16).
+//   Widen / LoadWidened / WidenRows
+//                         T → float, exact (every bfloat16, float16 and int8 is a float),
+//                         one value, one vector (read in place by the split-K schedule),
+//                         or rows packed into float scratch. The vectors use Highway's
+//                         PromoteTo: a shift for bfloat16; for float16 the F16C / AVX-512
+//                         instruction, on the targets that have it (see kHardwareFloat16).
+//                         int8 (caches) is widened before its row's scale is applied.
 //   StoreAs               float → T, round to nearest even, once per output element.
 //   AllFinite             the non-finite scan of a K/V block (finite_scan.hpp): the
 //                         16-bit types' overload reads the bits (float's is in
@@ -68,6 +71,32 @@ HWY_INLINE float Widen(bfloat16 x) { return static_cast<float>(x); }
 HWY_INLINE float Widen(float16 x) { return static_cast<float>(x); }
 HWY_INLINE float Widen(std::int8_t x) { return static_cast<float>(x); }  // int8 caches, before the scale
 
+// Whether LoadWidened reads T with vector instructions (else one value at a time).
+template <class T>
+inline constexpr bool kVectorLoad =
+    std::is_same_v<T, float> || std::is_same_v<T, std::int8_t> || kVectorWiden<T>;
+
+// One vector of floats from Lanes(df) consecutive values of T, read in place.
+template <class T, class D>
+HWY_INLINE hn::Vec<D> LoadWidened(D df, const T* HWY_RESTRICT p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return hn::LoadU(df, p);
+  } else if constexpr (std::is_same_v<T, std::int8_t>) {
+    const hn::Rebind<std::int8_t, D> d8;
+    const hn::RebindToSigned<D> di;
+    return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, p)));
+  } else if constexpr (kVectorWiden<T>) {  // bfloat16: a shift; float16: F16C/AVX-512
+    const hn::Rebind<typename HwyLane<T>::type, D> dh;
+    return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const typename HwyLane<T>::type*>(p)));
+  } else {
+    // float16 where Highway 1.0.3 has no hardware conversion: one value at a time through
+    // qkv/half.hpp (exact; its software PromoteTo turns ±inf and NaN into finite numbers).
+    HWY_ALIGN float wide[hn::MaxLanes(D())];
+    for (size_t i = 0; i < hn::Lanes(df); ++i) wide[i] = static_cast<float>(p[i]);
+    return hn::Load(df, wide);
+  }
+}
+
 // One rounding to T (to nearest, ties to even; qkv/half.hpp, tested on every tie).
 template <class T>
 HWY_INLINE T StoreAs(float x) {
@@ -89,10 +118,8 @@ HWY_INLINE void WidenRows(const T* HWY_RESTRICT src, int64_t src_row, size_t row
     const T* in = src + static_cast<int64_t>(i) * src_row;
     float* out = dst + i * ld;
     size_t c = 0;
-    if constexpr (kVectorWiden<T>) {
-      const hn::Rebind<typename HwyLane<T>::type, decltype(df)> dh;
-      const auto* lanes_in = reinterpret_cast<const typename HwyLane<T>::type*>(in);
-      for (; c + lanes <= cols; c += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, lanes_in + c)), df, out + c);
+    if constexpr (kVectorLoad<T>) {
+      for (; c + lanes <= cols; c += lanes) hn::StoreU(LoadWidened(df, in + c), df, out + c);
     }
     for (; c < cols; ++c) out[c] = Widen(in[c]);
     for (; c < ld; ++c) out[c] = 0.0f;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "qkv/softmax.hpp"
+#include "reference/key_values.hpp"
 #include "reference/reference.hpp"
 #include "reference/scores.hpp"
 
@@ -48,7 +49,7 @@ void backward_impl(const detail::BackwardProblem<T>& problem) {
         const uint32_t head_key =
             detail::dropout_head_key(mods.dropout.seed, mods.dropout.offset, b, h);
         for (int64_t i = 0; i < problem.mask.q_len(b); ++i) {
-          score_row(e, problem.mask, mods, problem.scale, rows, b, h, i, row);
+          score_row(e, problem.mask, mods, problem.scale, rows, ViewKeyValues<decltype(rows)>{rows}, b, h, i, row);
           const uint32_t row_key = detail::dropout_row_key(head_key, i);
           const T* dout = rows.dout(b, i, h);
           const T* q = rows.q(b, i, h);

@@ -3,9 +3,11 @@
 // (max_j P_ij and −Σ_j P_ij ln P_ij): the oracle for the cpu backend's online version.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "core/head_stats.hpp"
+#include "reference/key_values.hpp"
 #include "reference/reference.hpp"
 #include "reference/scores.hpp"
 
@@ -27,8 +29,9 @@ RowHealth row_health(const std::vector<double>& weights, double lse) {
   return health;
 }
 
-template <class T>
-void forward_impl(const detail::ForwardProblem<T>& problem) {
+// K and V through `kv` (reference/key_values.hpp): the call's views, or a cache's source.
+template <class T, class KeyValues>
+void forward_rows(const detail::ForwardProblem<T>& problem, const KeyValues& kv) {
   const detail::Extents& e = problem.extents;
   const auto& args = problem.args;
   const auto& mods = problem.modifiers;
@@ -43,7 +46,7 @@ void forward_impl(const detail::ForwardProblem<T>& problem) {
       const uint32_t head_key =
           detail::dropout_head_key(mods.dropout.seed, mods.dropout.offset, b, h);
       for (int64_t i = 0; i < problem.mask.q_len(b); ++i) {
-        score_row(e, problem.mask, mods, problem.scale, rows, b, h, i, row);
+        score_row(e, problem.mask, mods, problem.scale, rows, kv, b, h, i, row);
         const uint32_t row_key = detail::dropout_row_key(head_key, i);
         // O_i = Σ_j P_ij · Z_ij · V_j over the keys that take part (a removed key's V is
         // never read, so a NaN there cannot leak into rows that do not see it; Z is the
@@ -53,8 +56,7 @@ void forward_impl(const detail::ForwardProblem<T>& problem) {
         for (int64_t j = 0; j < k_len; ++j) {
           if (row.scores[j] == -INFINITY) continue;
           const double weight = row.weights[j] * dropout_factor(mods, row_key, j);
-          const T* v = rows.v(b, j, kv_head);
-          for (int64_t c = 0; c < e.v_dim; ++c) row_out[c] += weight * static_cast<double>(v[c]);
+          for (int64_t c = 0; c < e.v_dim; ++c) row_out[c] += weight * kv.value(b, j, kv_head, c);
         }
         T* out = rows.out(b, i, h);
         for (int64_t c = 0; c < e.v_dim; ++c) out[c] = store_as<T>(row_out[c]);
@@ -78,6 +80,15 @@ void forward_impl(const detail::ForwardProblem<T>& problem) {
       if (problem.collect_stats) detail::write_head_stats(problem.stats, b, h, head_stats);
     }
   }
+}
+
+template <class T>
+void forward_impl(const detail::ForwardProblem<T>& problem) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!problem.kv_in_args()) return forward_rows(problem, SourceKeyValues{problem.kv});
+  }
+  const auto rows = problem.rows();
+  forward_rows(problem, ViewKeyValues<decltype(rows)>{rows});
 }
 
 }  // namespace

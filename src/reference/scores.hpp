@@ -10,6 +10,7 @@
 
 #include "core/dropout.hpp"
 #include "core/problem.hpp"
+#include "core/score_pipeline.hpp"
 #include "reference/softmax_row.hpp"
 
 namespace qkv::reference {
@@ -34,13 +35,12 @@ struct RowScores {
   double lse = 0.0;
 };
 
-//   s_ij = scale·q_i·k_j;  s_ij ← c·tanh(s_ij/c) (soft-cap c);  s_ij += −slope_h·|i + off − j|
-//   (ALiBi);  s_ij ← score_mod(s_ij, b, h, i, j);  s_ij += bias_ij (mask);
-//   P_i = softmax(s_i ∪ {sink_h}). mask_mod removes keys through MaskRule::takes_part.
-template <class Rows>
+//   s_ij = scale·q_i·k_j through the score pipeline;  P_i = softmax(s_i ∪ {sink_h}).
+// `rows` gives the queries, `kv` the keys (reference/key_values.hpp).
+template <class Rows, class KeyValues>
 void score_row(const detail::Extents& e, const detail::MaskRule& mask,
-               const detail::ScoreModifiers& mods, double scale, const Rows& rows, int64_t b,
-               int64_t h, int64_t i, RowScores& row) {
+               const detail::ScoreModifiers& mods, double scale, const Rows& rows,
+               const KeyValues& kv, int64_t b, int64_t h, int64_t i, RowScores& row) {
   const int64_t kv_head = e.kv_head_of(h);
   const int64_t k_len = mask.sequences.k_len(b);
   const int64_t key_begin = mask.key_begin(b, i), key_end = mask.key_end(b, i);
@@ -50,30 +50,13 @@ void score_row(const detail::Extents& e, const detail::MaskRule& mask,
   row.weights.assign(entries, 0.0);
   row.slope.assign(k_len, 1.0);
   const auto* q = rows.q(b, i, h);
-  const double cap = mods.softcap;
-  const double slope = mods.has_alibi() ? mods.alibi_slopes[h] : 0.0;
-  const int64_t offset = detail::ScoreModifiers::alibi_offset(mask, b);
-  const ScoreModHook& score_mod = mods.score_mod;
   for (int64_t j = key_begin; j < key_end; ++j) {
     if (!mask.takes_part(b, h, i, j, degenerate)) continue;
-    const auto* k = rows.k(b, j, kv_head);
     double dot = 0.0;
-    for (int64_t c = 0; c < e.head_dim; ++c) {
-      dot += static_cast<double>(q[c]) * static_cast<double>(k[c]);
-    }
+    for (int64_t c = 0; c < e.head_dim; ++c) dot += static_cast<double>(q[c]) * kv.key(b, j, kv_head, c);
     double logit = scale * dot;
-    if (cap > 0.0) {
-      const double t = std::tanh(logit / cap);
-      logit = cap * t;
-      row.slope[j] = 1.0 - t * t;
-    }
-    logit -= slope * static_cast<double>(std::abs(i + offset - j));
-    if (score_mod.active()) {  // in double when the user's callable allows it
-      if (score_mod.derivative != nullptr)
-        row.slope[j] *= score_mod.derivative(score_mod.context, logit, b, h, i, j);
-      logit = score_mod.value(score_mod.context, logit, b, h, i, j);
-    }
-    row.scores[j] = logit + static_cast<double>(mask.bias_at(b, h, i, j));
+    detail::apply_score_pipeline(mods, detail::ElementStages{mask, mods, b, h, i, j, logit, row.slope[j]});
+    row.scores[j] = logit;
   }
   if (mods.has_sinks()) row.scores[k_len] = mods.sinks[h];
   row.lse = detail::softmax_row(row.scores.data(), row.weights.data(), entries);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention_cases.hpp"
+#include "core/problem.hpp"  // detail::MaskRule, the one rule of which keys a row sees
 
 namespace qkv::test {
 

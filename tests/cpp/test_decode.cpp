@@ -317,7 +317,7 @@ TEST(DecodeErrors, NameTheArgument) {
   expect_error(c.args(), "options.scale: expected a finite value > 0", c.out, bad_scale);
   DecodeOptions bad_threads;
   bad_threads.threads = -2;
-  expect_error(c.args(), "options.threads: expected >= 0", c.out, bad_threads);
+  expect_error(c.args(), "threads: expected >= 0", c.out, bad_threads);
   DecodeOptions bad_causal;
   bad_causal.causal = static_cast<Causal>(9);
   expect_error(c.args(), "options.causal", c.out, bad_causal);

@@ -1,0 +1,73 @@
+// Where an attention problem's key and value rows live, for every path: a dense call's K/V
+// views, a contiguous cache [B, capacity, Hkv, d] (any strides), or a paged pool
+// [num_blocks, block_size, Hkv, d] with a block table — stored as float32, bfloat16,
+// float16 or int8 (with a float scale per row). Built by validation; read by the decode
+// schedule and the reference (the tiled schedules read ForwardArgs::k/v, the same memory,
+// which validation sets whenever K/V are a plain view of the call's storage type).
+#pragma once
+
+#include <cstdint>
+
+#include "qkv/half.hpp"
+
+namespace qkv::detail {
+
+// Strides (in elements) of a [batch | pool block, key, kv head, ...] view's first three
+// axes: where each key/value row (or its int8 scale) starts.
+struct RowStrides {
+  int64_t batch = 0, row = 0, head = 0;
+
+  template <class View>
+  static RowStrides of(const View& view) {
+    return {view.strides[0], view.strides[1], view.strides[2]};
+  }
+};
+
+// Row (sequence b, key j, kv head h) of K starts at
+//   contiguous: k + b·k_strides.batch + j·k_strides.row + h·k_strides.head
+//   paged:      k + page·k_strides.batch + (j % page_size)·k_strides.row + h·k_strides.head,
+//               page = block_table[b·table_stride + j / page_size]
+// (paged: the batch stride steps between pool blocks). Elements of `type`; each row's
+// head_dim (or v_dim) elements are contiguous. int8 storage: row (b, j, h) of K also has
+// a float scale at k_scale + offset(k_scale_strides, b, j, h) (V alike); the row's values
+// are int8 · scale.
+struct KvSource {
+  StorageType type = StorageType::float32;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  RowStrides k_strides, v_strides;
+  const float* k_scale = nullptr;  // int8 only
+  const float* v_scale = nullptr;
+  RowStrides k_scale_strides, v_scale_strides;
+  const int32_t* block_table = nullptr;  // null: contiguous
+  int64_t table_stride = 0;
+  int64_t page_size = 0;
+
+  bool paged() const { return block_table != nullptr; }
+  bool scaled() const { return type == StorageType::int8; }
+
+  // Element offset of row (b, j, h) in a view with these strides (K, V or their scales).
+  int64_t offset(const RowStrides& strides, int64_t batch, int64_t key, int64_t head) const {
+    if (!paged()) return batch * strides.batch + key * strides.row + head * strides.head;
+    const int64_t page = block_table[batch * table_stride + key / page_size];
+    return page * strides.batch + (key % page_size) * strides.row + head * strides.head;
+  }
+  // Keys [key, run_end(key)) lie strides.row apart (the rest of key's page).
+  int64_t run_end(int64_t key) const {
+    return paged() ? (key / page_size + 1) * page_size : INT64_MAX;
+  }
+
+  // The source of a plain K/V view pair (a dense call, or a contiguous cache).
+  template <class View>
+  static KvSource of_views(StorageType type, const View& k, const View& v) {
+    KvSource source;
+    source.type = type;
+    source.k = k.data;
+    source.v = v.data;
+    source.k_strides = RowStrides::of(k);
+    source.v_strides = RowStrides::of(v);
+    return source;
+  }
+};
+
+}  // namespace qkv::detail

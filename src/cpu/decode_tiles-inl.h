@@ -1,0 +1,228 @@
+// The split-K schedule's register tiles (decode.cpp): scores of a group of query rows
+// against a vector of keys, and P·V, reading K and V rows in place through row pointers
+// (contiguous or paged; any storage type, widened in the loads by storage-inl.h), with
+// the next unit's rows prefetched key by key while these compute.
+#if defined(QKV_CPU_DECODE_TILES_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_CPU_DECODE_TILES_INL_H_
+#undef QKV_CPU_DECODE_TILES_INL_H_
+#else
+#define QKV_CPU_DECODE_TILES_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstddef>
+
+#include "hwy/highway.h"
+#include "cpu/block_ops-inl.h"
+#include "cpu/storage-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::cpu::HWY_NAMESPACE {
+
+// Starts moving a row of `bytes` bytes towards the core: the key block after the current
+// one, so that its DRAM latency overlaps this block's arithmetic. Into L2 (locality 2):
+// a block of one head is up to 64 KiB, more than L1 holds next to the current one.
+HWY_INLINE void PrefetchRow(const void* row, size_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+  __builtin_prefetch(p + bytes - 1, 0, 2);  // a row that starts inside a cache line
+}
+
+// Rows of a unit of work ahead to prefetch while the kernels read the same-numbered rows
+// of this one: spread over the arithmetic key by key, not issued in bursts that would
+// fill the core's miss buffers and stall it (rows null: nothing to prefetch).
+template <class S>
+struct Ahead {
+  const S* const* rows = nullptr;
+  size_t count = 0;  // rows[0, count) exist
+  size_t bytes = 0;
+
+  HWY_INLINE void operator()(size_t j) const {
+    if (j < count) PrefetchRow(rows[j], bytes);
+  }
+  Ahead offset(size_t j) const { return j < count ? Ahead{rows + j, count - j, bytes} : Ahead{}; }
+};
+
+// ---------------------------------------------------------------------------------
+// Scores of R rows against L = lanes consecutive keys: R vectors, lane t of row r's
+// vector = (scale·q_r)·k_t.
+//
+// Register tile: KL keys × R rows of accumulators with lanes over d; each K vector is
+// loaded (and widened) once for all R rows, each Q vector once for KL keys. The KL·R
+// accumulators are independent FMA chains (8 of them: FMA latency × ports). Each row's
+// KL accumulators are then summed across lanes together by a transpose-add tree: a pair
+// (lo, hi) becomes ConcatEven(hi, lo) + ConcatOdd(hi, lo), whose lower half holds lo's
+// pairwise lane sums and upper half hi's; after log2 L levels lane t holds key t's dot
+// product — L − 1 shuffle pairs per row for L keys instead of a horizontal sum per key.
+// Above the leaf the tree runs depth-first (Tree<N> = combine(Tree<N/2>, Tree<N/2>)), so
+// only log2 L partial vectors per row are live.
+
+HWY_INLINE FloatVec Combine(FloatVec lo, FloatVec hi) {
+#if HWY_TARGET == HWY_SCALAR
+  (void)hi;
+  return lo;  // one lane: never called with two keys
+#else
+  const FloatTag df;
+  return hn::Add(hn::ConcatEven(df, hi, lo), hn::ConcatOdd(df, hi, lo));
+#endif
+}
+
+constexpr size_t kLanes = HWY_LANES(float);  // upper bound; equal on fixed-width targets
+
+// Keys per leaf for R rows: 8 accumulator chains, no more keys than lanes.
+template <size_t R>
+constexpr size_t kLeafKeys = std::min<size_t>(kLanes, R >= 4 ? 2 : R >= 2 ? 4 : 8);
+
+template <size_t N>
+HWY_INLINE FloatVec CombineKeys(const FloatVec* v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    return Combine(CombineKeys<N / 2>(v), CombineKeys<N / 2>(v + N / 2));
+  }
+}
+
+// out[r] (N keys' partial sums, as the tree above) for keys k[0, N), rows q + r·q_ld.
+template <size_t N, size_t R, class S>
+HWY_INLINE void ScoreTree(const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
+                          Ahead<S> ahead, FloatVec (&out)[R]) {
+  const FloatTag df;
+  constexpr size_t kLeaf = kLeafKeys<R>;
+  if constexpr (N <= kLeaf) {
+    const size_t lanes = hn::Lanes(df);
+    for (size_t j = 0; j < N; ++j) ahead(j);
+    FloatVec acc[R][N];
+    for (size_t r = 0; r < R; ++r)
+      for (size_t j = 0; j < N; ++j) acc[r][j] = hn::Zero(df);
+    for (size_t c = 0; c < dim; c += lanes) {
+      FloatVec kv[N];
+      for (size_t j = 0; j < N; ++j) kv[j] = LoadWidened(df, k[j] + c);
+      for (size_t r = 0; r < R; ++r) {
+        const FloatVec qv = hn::LoadU(df, q + r * q_ld + c);
+        for (size_t j = 0; j < N; ++j) acc[r][j] = hn::MulAdd(qv, kv[j], acc[r][j]);
+      }
+    }
+    for (size_t r = 0; r < R; ++r) out[r] = CombineKeys<N>(acc[r]);
+  } else {
+    FloatVec lo[R], hi[R];
+    ScoreTree<N / 2, R>(q, q_ld, k, dim, ahead, lo);
+    ScoreTree<N / 2, R>(q, q_ld, k + N / 2, dim, ahead.offset(N / 2), hi);
+    for (size_t r = 0; r < R; ++r) out[r] = Combine(lo[r], hi[r]);
+  }
+}
+
+// scores[r·ld + t] for rows r < R and the L keys k[0, L).
+template <size_t R, class S>
+HWY_INLINE void ScoreRows(const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
+                          Ahead<S> ahead, float* HWY_RESTRICT scores, size_t ld) {
+  const FloatTag df;
+  FloatVec s[R];
+  ScoreTree<kLanes, R>(q, q_ld, k, dim, ahead, s);
+  for (size_t r = 0; r < R; ++r) hn::StoreU(s[r], df, scores + r * ld);
+}
+
+// One vector of keys against every row, rows in tiles of up to 4: the keys' rows are
+// read from memory by the first tile (which also prefetches) and from L1 by the others.
+template <class S>
+void ScoreKeys(size_t rows, const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
+               Ahead<S> ahead, float* HWY_RESTRICT scores, size_t ld) {
+  size_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    ScoreRows<4>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
+    ahead = Ahead<S>{};
+  }
+  switch (rows - r) {
+    case 3: return ScoreRows<3>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
+    case 2: return ScoreRows<2>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
+    case 1: return ScoreRows<1>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
+    default: return;
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// P·V: acc[r][0:dim] = acc[r]·alpha[r] + Σ_j P[r][j]·v_j for R rows, C vectors of columns.
+// Register tile R × C (each V vector loaded and widened once for R rows, each P entry
+// broadcast once for C vectors); the block's product is summed from zero first, so its
+// rounding grows with the block, not with the sequence.
+
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_EMU128 || HWY_TARGET == HWY_SCALAR
+inline constexpr size_t kValueTileVectors = 8;  // 16 registers: R·C accumulators + C loads
+#else
+inline constexpr size_t kValueTileVectors = 16;  // 32 registers
+#endif
+
+template <size_t R, size_t C, class S>
+HWY_INLINE void ValueTile(const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
+                          size_t col, Ahead<S> ahead, const float* HWY_RESTRICT alpha,
+                          float* HWY_RESTRICT acc, size_t acc_ld) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  FloatVec sum[R][C];
+  for (size_t r = 0; r < R; ++r)
+    for (size_t c = 0; c < C; ++c) sum[r][c] = hn::Zero(df);
+  for (size_t j = 0; j < keys; ++j) {
+    ahead(j);
+    FloatVec vv[C];
+    for (size_t c = 0; c < C; ++c) vv[c] = LoadWidened(df, v[j] + col + c * lanes);
+    for (size_t r = 0; r < R; ++r) {
+      const FloatVec w = hn::Set(df, p[r * p_ld + j]);
+      for (size_t c = 0; c < C; ++c) sum[r][c] = hn::MulAdd(w, vv[c], sum[r][c]);
+    }
+  }
+  for (size_t r = 0; r < R; ++r) {
+    const FloatVec a = hn::Set(df, alpha[r]);
+    float* out = acc + r * acc_ld + col;
+    for (size_t c = 0; c < C; ++c)
+      hn::StoreU(hn::MulAdd(hn::LoadU(df, out + c * lanes), a, sum[r][c]), df, out + c * lanes);
+  }
+}
+
+// All columns [0, dim) of R rows: panels of C vectors, C as wide as the registers allow.
+template <size_t R, class S>
+HWY_INLINE void ValueRows(const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
+                          size_t dim, Ahead<S> ahead, const float* HWY_RESTRICT alpha,
+                          float* HWY_RESTRICT acc, size_t acc_ld) {
+  const size_t lanes = VectorLanes();
+  // The widest power-of-two panel whose accumulators and loads fit the registers.
+  constexpr size_t kFit = kValueTileVectors / (R < 2 ? 2 : R);
+  constexpr size_t kC = kFit >= 8 ? 8 : kFit >= 4 ? 4 : kFit >= 2 ? 2 : 1;
+  size_t col = 0;
+  for (; col + kC * lanes <= dim; col += kC * lanes) {
+    ValueTile<R, kC>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ahead = Ahead<S>{};  // the first panel prefetches
+  }
+  for (; col + 4 * lanes <= dim; col += 4 * lanes) {  // the rest in narrower panels
+    ValueTile<R, 4>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ahead = Ahead<S>{};
+  }
+  for (; col + 2 * lanes <= dim; col += 2 * lanes) {
+    ValueTile<R, 2>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ahead = Ahead<S>{};
+  }
+  for (; col < dim; col += lanes) {
+    ValueTile<R, 1>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ahead = Ahead<S>{};
+  }
+}
+
+template <class S>
+void ValueBlock(size_t rows, const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
+                size_t dim, Ahead<S> ahead, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT acc,
+                size_t acc_ld) {
+  size_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    ValueRows<4>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    ahead = Ahead<S>{};
+  }
+  switch (rows - r) {
+    case 3: return ValueRows<3>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    case 2: return ValueRows<2>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    case 1: return ValueRows<1>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    default: return;
+  }
+}
+
+}  // namespace qkv::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

@@ -1,0 +1,52 @@
+// The reference's reading of key and value elements, as doubles: from the call's K/V
+// views (each element exactly static_cast<double>), or from a cache's key/value source
+// (core/kv_source.hpp: contiguous or paged, any storage type widened exactly, int8 times
+// its row's scale — the values the split-K schedule attends over).
+#pragma once
+
+#include <cstdint>
+
+#include "core/kv_source.hpp"
+#include "qkv/half.hpp"
+
+namespace qkv::reference {
+
+template <class Rows>
+struct ViewKeyValues {
+  const Rows& rows;
+  double key(int64_t b, int64_t j, int64_t h, int64_t c) const {
+    return static_cast<double>(rows.k(b, j, h)[c]);
+  }
+  double value(int64_t b, int64_t j, int64_t h, int64_t c) const {
+    return static_cast<double>(rows.v(b, j, h)[c]);
+  }
+};
+
+struct SourceKeyValues {
+  const detail::KvSource& kv;
+
+  double key(int64_t b, int64_t j, int64_t h, int64_t c) const {
+    return element(kv.k, kv.k_strides, kv.k_scale, kv.k_scale_strides, b, j, h, c);
+  }
+  double value(int64_t b, int64_t j, int64_t h, int64_t c) const {
+    return element(kv.v, kv.v_strides, kv.v_scale, kv.v_scale_strides, b, j, h, c);
+  }
+
+ private:
+  double element(const void* base, const detail::RowStrides& strides, const float* scales,
+                 const detail::RowStrides& scale_strides, int64_t b, int64_t j, int64_t h,
+                 int64_t c) const {
+    const int64_t at = kv.offset(strides, b, j, h) + c;
+    switch (kv.type) {
+      case StorageType::float32: return static_cast<const float*>(base)[at];
+      case StorageType::bfloat16: return static_cast<float>(static_cast<const bfloat16*>(base)[at]);
+      case StorageType::float16: return static_cast<float>(static_cast<const float16*>(base)[at]);
+      case StorageType::int8:
+        return static_cast<double>(static_cast<const std::int8_t*>(base)[at]) *
+               static_cast<double>(scales[kv.offset(scale_strides, b, j, h)]);
+    }
+    return 0.0;
+  }
+};
+
+}  // namespace qkv::reference
