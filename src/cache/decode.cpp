@@ -21,7 +21,7 @@ using detail::describe;
 
 template <class T>
 cpu::DecodeProblem validate(const DecodeArgs<T>& a, const DecodeOptions& options) {
-  const Checker check("qkv::decode", Checker::Wording::terse);
+  const Checker check("qkv::decode");
   const Described q = describe("q", a.q), k = describe("k_cache", a.k_cache),
                   v = describe("v_cache", a.v_cache), out = describe("out", a.out);
   for (const Described* view : {&q, &k, &v, &out}) check.expect_well_formed(*view);
