@@ -3,7 +3,6 @@
 // source — and run it through the same backend dispatch (core/dispatch.hpp).
 #include "qkv/decode.hpp"
 
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -37,7 +36,7 @@ void refuse_unsupported(const Checker& check, const AttentionOptions& options) {
 
 template <class T>
 detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOptions& options) {
-  const Checker check("qkv::decode", Checker::Wording::terse);
+  const Checker check("qkv::decode");
   const Described q = describe("q", a.q), k = describe("k_cache", a.k_cache),
                   v = describe("v_cache", a.v_cache), out = describe("out", a.out);
   for (const Described* view : {&q, &k, &v, &out}) check.expect_well_formed(*view);
@@ -51,12 +50,7 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
                       a.k_cache.shape[1], "as k_cache.shape[1]");
   check.expect_extent(v, 2, "kv heads", a.k_cache.shape[2], "as k_cache.shape[2]");
   check.expect_at_least_one(v, 3, "head_dim");
-  if (a.q.shape[2] % a.k_cache.shape[2] != 0) {
-    std::ostringstream msg;
-    msg << "q.shape[2] (heads): expected a multiple of k_cache.shape[2] (kv heads) = "
-        << a.k_cache.shape[2] << " for grouped-query attention, got " << a.q.shape[2];
-    check.fail(msg.str());
-  }
+  detail::check_head_groups(check, q, k, 2);
   const int64_t batch = a.q.shape[0], q_len = a.q.shape[1], q_heads = a.q.shape[2];
   const int64_t v_dim = a.v_cache.shape[3];
 
@@ -138,7 +132,6 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
   check.expect_outputs_apart(outputs, inputs);
 
   refuse_unsupported(check, options);
-  detail::check_backend(check, options, /*is_double=*/false, /*wants_weights=*/false);
 
   // The call as a dense problem: B sequences of Nq queries against a capacity of keys,
   // each cut to its cache length (the mask rule's key lengths).
@@ -158,8 +151,7 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
   mask.sequences.dense_k_len = capacity;
   mask.key_lengths = a.cache_lengths;
   detail::check_variants(check, options, e, mask, p.modifiers);
-  p.scale = detail::resolve_scale(check, options, e.head_dim);
-  p.threads = detail::resolve_threads(check, options);
+  detail::resolve_execution(check, options, /*wants_weights=*/false, p);
   p.args.q = a.q;
   p.args.out = a.out;
   p.args.lse = a.lse;

@@ -132,7 +132,7 @@ std::array<int64_t, 4> KVCache::v_shape() const {
 }
 
 void KVCache::append(View4<const float> k, View4<const float> v, std::span<const int64_t> seqs) {
-  const detail::Checker check("qkv::KVCache::append", detail::Checker::Wording::terse);
+  const detail::Checker check("qkv::KVCache::append");
   const detail::Described kf = detail::describe("k", k), vf = detail::describe("v", v);
   check.expect_well_formed(kf);
   check.expect_well_formed(vf);

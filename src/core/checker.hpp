@@ -1,24 +1,19 @@
-// Argument checking shared by the validators of every entry point (core/validate.cpp,
-// core/validate_varlen.cpp, cache/decode.cpp, cache/kv_cache.cpp): a view reduced to what
-// the checks need, and a Checker whose failures throw qkv::Error naming the function, the
-// argument, the expected and the actual value.
+// The rules every attention entry point checks alike (core/validate.cpp,
+// core/validate_varlen.cpp, cache/decode.cpp, cache/kv_cache.cpp), on the shared Checker
+// (check/checker.hpp): one function per rule, so the same bad value gives the same
+// message from attention_forward, varlen, decode and the caches.
 #pragma once
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <optional>
-#include <span>
 #include <sstream>
 #include <string>
 #include <thread>
-#include <utility>
-#include <vector>
+#include <type_traits>
 
-#include "qkv/error.hpp"
-#include "qkv/half.hpp"
+#include "check/checker.hpp"
 #include "qkv/options.hpp"
 
 namespace qkv::detail {
@@ -26,243 +21,35 @@ namespace qkv::detail {
 // Longest sequence (and packed total) a call may have: the kernels index rows with int32.
 inline constexpr int64_t kMaxRows = 2147483647;
 
-
-// A view reduced to what the checks need: its name, extents, strides and byte range.
-struct Described {
-  std::string name;
-  int rank = 0;
-  std::array<int64_t, 4> shape{};
-  std::array<int64_t, 4> strides{};
-  const void* data = nullptr;
-  std::size_t element_bytes = 0;
-
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int axis = 0; axis < rank; ++axis) n *= shape[axis];
-    return n;
+// Grouped-query attention: every key/value head serves the same number of query heads.
+// `axis` is the heads axis of q and kv (2 for [B, N, H, d] views, 1 for packed ones).
+inline void check_head_groups(const Checker& check, const Described& q, const Described& kv,
+                              int axis) {
+  if (q.shape[axis] % kv.shape[axis] != 0) {
+    std::ostringstream out;
+    out << q.name << ".shape[" << axis << "] (heads): expected a multiple of " << kv.name
+        << ".shape[" << axis << "] (key/value heads) = " << kv.shape[axis]
+        << " for grouped-query attention, got " << q.shape[axis];
+    check.fail(out.str());
   }
-  // [first byte, one past the last byte) that the view can touch; empty when numel == 0.
-  std::pair<std::uintptr_t, std::uintptr_t> byte_range() const {
-    if (numel() == 0 || data == nullptr) return {0, 0};
-    int64_t last = 0;
-    for (int axis = 0; axis < rank; ++axis) last += (shape[axis] - 1) * strides[axis];
-    const auto first = reinterpret_cast<std::uintptr_t>(data);
-    return {first, first + static_cast<std::uintptr_t>(last + 1) * element_bytes};
-  }
-};
-
-// Up to N described views on the stack: what the validators collect on every call (the
-// outputs, the inputs they must not alias), without a heap allocation per call.
-template <std::size_t N>
-class DescribedList {
- public:
-  DescribedList(std::initializer_list<Described> views) {
-    for (const Described& view : views) push_back(view);
-  }
-  void push_back(const Described& view) {
-    if (size_ == N) throw Error("qkv internal error: DescribedList capacity exceeded");
-    items_[size_++] = view;
-  }
-  operator std::span<const Described>() const { return {items_.data(), size_}; }  // NOLINT
-
- private:
-  std::array<Described, N> items_{};
-  std::size_t size_ = 0;
-};
-
-inline double widen_for_check(double value) { return value; }
-inline float widen_for_check(float value) { return value; }
-inline float widen_for_check(bfloat16 value) { return static_cast<float>(value); }
-inline float widen_for_check(float16 value) { return static_cast<float>(value); }
-
-template <class T, int R>
-Described describe(const std::string& name, const TensorView<T, R>& view) {
-  Described d;
-  d.name = name;
-  d.rank = R;
-  for (int axis = 0; axis < R; ++axis) {
-    d.shape[axis] = view.shape[axis];
-    d.strides[axis] = view.strides[axis];
-  }
-  d.data = view.data;
-  d.element_bytes = sizeof(T);
-  return d;
 }
-
-inline std::string format_index(const std::array<int64_t, 4>& index, int rank) {
-  std::ostringstream out;
-  out << '[';
-  for (int axis = 0; axis < rank; ++axis) out << (axis ? ", " : "") << index[axis];
-  out << ']';
-  return out.str();
-}
-
-class Checker {
- public:
-  // How much a failure says beyond "argument: expected …, got …". qkv::decode and KVCache
-  // keep their shorter messages (terse): no "(heads may not be empty)", no count of the
-  // elements an overlapping stride revisits, no shape of a null view.
-  enum class Wording { detailed, terse };
-
-  // `function` is a string literal (the entry point's name): a Checker is built on every
-  // call, so it copies nothing until a check fails.
-  explicit Checker(const char* function, Wording wording = Wording::detailed)
-      : function_(function), wording_(wording) {}
-
-  [[noreturn]] void fail(const std::string& what) const {
-    throw Error(std::string(function_) + ": " + what);
-  }
-
-  void expect_extent(const Described& view, int axis, const char* axis_name, int64_t expected,
-                     const std::string& because) const {
-    if (view.shape[axis] != expected) {
-      std::ostringstream out;
-      out << view.name << ".shape[" << axis << "] (" << axis_name << "): expected " << expected
-          << " (" << because << "), got " << view.shape[axis];
-      fail(out.str());
-    }
-  }
-
-  // Broadcastable axis: 1 or the full extent.
-  void expect_extent_or_one(const Described& view, int axis, const char* axis_name,
-                            int64_t expected, const std::string& because) const {
-    if (view.shape[axis] != expected && view.shape[axis] != 1) {
-      std::ostringstream out;
-      out << view.name << ".shape[" << axis << "] (" << axis_name << "): expected " << expected
-          << " (" << because << ") or 1 to broadcast, got " << view.shape[axis];
-      fail(out.str());
-    }
-  }
-
-  void expect_at_least_one(const Described& view, int axis, const char* axis_name) const {
-    if (view.shape[axis] < 1) {
-      std::ostringstream out;
-      out << view.name << ".shape[" << axis << "] (" << axis_name << "): expected >= 1, got "
-          << view.shape[axis];
-      if (wording_ == Wording::detailed) out << " (" << axis_name << " may not be empty)";
-      fail(out.str());
-    }
-  }
-
-  // Layout rules shared by every tensor argument. Strides of an empty view address
-  // nothing (NumPy gives empty arrays all-zero strides), so only its extents count.
-  // inner_contiguous: the last axis must have stride 1 (every view a kernel reads a row
-  // of). Views read element by element (int8 caches' per-row scales) may pass false.
-  void expect_well_formed(const Described& view, bool inner_contiguous = true) const {
-    for (int axis = 0; axis < view.rank; ++axis) {
-      if (view.shape[axis] < 0) {
-        std::ostringstream out;
-        out << view.name << ".shape[" << axis << "]: expected >= 0, got " << view.shape[axis];
-        fail(out.str());
-      }
-    }
-    if (view.numel() == 0) return;
-    for (int axis = 0; axis < view.rank; ++axis) {
-      if (view.strides[axis] < 0) {
-        std::ostringstream out;
-        out << view.name << ".strides[" << axis << "]: expected >= 0, got "
-            << view.strides[axis];
-        fail(out.str());
-      }
-    }
-    const int inner = view.rank - 1;
-    if (inner_contiguous && view.shape[inner] > 1 && view.strides[inner] != 1) {
-      std::ostringstream out;
-      out << view.name << ".strides[" << inner
-          << "]: expected 1 (the innermost dimension must be contiguous), got "
-          << view.strides[inner];
-      fail(out.str());
-    }
-    if (view.data == nullptr && view.numel() > 0) {
-      fail(view.name + ": data is null but the " +
-           (wording_ == Wording::detailed ? "shape " + format_index(view.shape, view.rank)
-                                          : std::string("view")) +
-           " has elements");
-    }
-  }
-
-  // Outputs must not have two indices on one element: sort the axes by stride and ask
-  // each stride to step over everything the smaller axes span (sufficient condition).
-  void expect_no_self_overlap(const Described& view) const {
-    if (view.numel() == 0) return;
-    std::vector<int> axes;
-    for (int axis = 0; axis < view.rank; ++axis)
-      if (view.shape[axis] > 1) axes.push_back(axis);
-    std::sort(axes.begin(), axes.end(),
-              [&](int a, int b) { return view.strides[a] < view.strides[b]; });
-    int64_t spanned = 1;  // elements covered by the axes already visited
-    for (int axis : axes) {
-      if (view.strides[axis] < spanned) {
-        std::ostringstream out;
-        out << view.name << ": an output's elements must not overlap, but strides[" << axis
-            << "] = " << view.strides[axis] << " revisits memory already spanned by the axes"
-            << " with smaller strides";
-        if (wording_ == Wording::detailed) out << " (" << spanned << " elements)";
-        fail(out.str());
-      }
-      spanned = view.strides[axis] * (view.shape[axis] - 1) + spanned;
-    }
-  }
-
-  void expect_disjoint(const Described& output, const Described& other) const {
-    const auto [a_lo, a_hi] = output.byte_range();
-    const auto [b_lo, b_hi] = other.byte_range();
-    if (a_lo == a_hi || b_lo == b_hi) return;
-    if (a_lo < b_hi && b_lo < a_hi) {
-      fail(output.name + ": must not share memory with " + other.name +
-           " (outputs may not alias inputs or other outputs)");
-    }
-  }
-
-  // Every output has one index per element and shares no memory with an input or with
-  // another output.
-  void expect_outputs_apart(std::span<const Described> outputs,
-                            std::span<const Described> inputs) const {
-    for (std::size_t i = 0; i < outputs.size(); ++i) {
-      expect_no_self_overlap(outputs[i]);
-      for (const Described& input : inputs) expect_disjoint(outputs[i], input);
-      for (std::size_t j = 0; j < i; ++j) expect_disjoint(outputs[i], outputs[j]);
-    }
-  }
-
-  template <class T>
-  void expect_finite(const Described& view, bool allow_minus_inf = false) const {
-    if (view.numel() == 0) return;
-    const T* base = static_cast<const T*>(view.data);
-    std::array<int64_t, 4> index{};
-    const int rank = view.rank;
-    while (true) {
-      int64_t offset = 0;
-      for (int axis = 0; axis < rank; ++axis) offset += index[axis] * view.strides[axis];
-      // Half types widen exactly to float, so the value printed is the stored one.
-      const auto value = static_cast<double>(widen_for_check(base[offset]));
-      const bool ok = std::isfinite(value) || (allow_minus_inf && value == -INFINITY);
-      if (!ok) {
-        std::ostringstream out;
-        out << "check_finite: " << view.name << format_index(index, rank) << " is " << value;
-        fail(out.str());
-      }
-      int axis = rank - 1;
-      while (axis >= 0 && ++index[axis] == view.shape[axis]) index[axis--] = 0;
-      if (axis < 0) break;
-    }
-  }
-
- private:
-  const char* function_;
-  Wording wording_;
-};
 
 // The scale of q·kᵀ: 1/√head_dim when unset (`scale` is options.scale of any entry point).
+// Checked in float, the type the kernels multiply in: a double such as 1e39 is finite but
+// rounds to inf in float (every output NaN), and 1e-46 rounds to 0.
 inline double resolve_scale(const Checker& check, const std::optional<double>& scale,
                             int64_t head_dim) {
   if (!scale) return 1.0 / std::sqrt(static_cast<double>(head_dim));
-  if (!std::isfinite(*scale) || *scale <= 0.0) {
+  const double value = *scale;
+  const bool valid_double = std::isfinite(value) && value > 0.0;
+  const float as_float = valid_double ? static_cast<float>(value) : 0.0f;
+  if (!valid_double || !std::isfinite(as_float) || as_float <= 0.0f) {
     std::ostringstream out;
-    out << "options.scale: expected a finite value > 0, got " << *scale;
+    out << "options.scale: expected a finite value > 0, got " << value;
+    if (valid_double) out << " (" << as_float << " as a float, the type the kernels compute in)";
     check.fail(out.str());
   }
-  return *scale;
+  return value;
 }
 
 inline double resolve_scale(const Checker& check, const AttentionOptions& options, int64_t head_dim) {
@@ -321,6 +108,17 @@ inline void check_backend(const Checker& check, const AttentionOptions& options,
     check.fail("weights: the cpu backend never materializes the attention weights; use "
                "Backend::reference or Backend::automatic to get them");
   }
+}
+
+// The execution options of a dense or varlen problem (ForwardProblem<T> or
+// BackwardProblem<T>, core/problem.hpp): the backend checked, the scale and the thread
+// count resolved into the problem. Last in every validator, after the views.
+template <template <class> class Problem, class T>
+void resolve_execution(const Checker& check, const AttentionOptions& options, bool wants_weights,
+                       Problem<T>& problem) {
+  check_backend(check, options, std::is_same_v<T, double>, wants_weights);
+  problem.scale = resolve_scale(check, options, problem.extents.head_dim);
+  problem.threads = resolve_threads(check, options);
 }
 
 }  // namespace qkv::detail

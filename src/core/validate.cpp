@@ -16,11 +16,13 @@
 namespace qkv::detail {
 namespace {
 // Checks q, k, v against each other and the options shared by forward and backward;
-// returns the extents and the mask rule with broadcast axes given stride 0.
-template <class T>
+// fills the problem's extents, the mask rule (broadcast axes given stride 0) and the
+// score modifiers.
+template <class T, class Problem>
 void check_common(const Checker& check, const View4<const T>& q, const View4<const T>& k,
-                  const View4<const T>& v, const AttentionOptions& options, Extents& extents,
-                  MaskRule& mask) {
+                  const View4<const T>& v, const AttentionOptions& options, Problem& problem) {
+  Extents& extents = problem.extents;
+  MaskRule& mask = problem.mask;
   const Described dq = describe("q", q), dk = describe("k", k), dv = describe("v", v);
   for (const Described* view : {&dq, &dk, &dv}) check.expect_well_formed(*view);
 
@@ -33,12 +35,7 @@ void check_common(const Checker& check, const View4<const T>& q, const View4<con
   check.expect_extent(dv, 1, "seq", k.shape[1], "as k.shape[1]");
   check.expect_extent(dv, 2, "heads", k.shape[2], "as k.shape[2]");
   check.expect_at_least_one(dv, 3, "head_dim");
-  if (q.shape[2] % k.shape[2] != 0) {
-    std::ostringstream out;
-    out << "q.shape[2] (heads): expected a multiple of k.shape[2] (key/value heads) = "
-        << k.shape[2] << " for grouped-query attention, got " << q.shape[2];
-    check.fail(out.str());
-  }
+  check_head_groups(check, dq, dk, 2);
 
   for (const Described* view : {&dq, &dk}) {
     if (view->shape[1] > kMaxRows) {
@@ -101,14 +98,29 @@ void check_common(const Checker& check, const View4<const T>& q, const View4<con
       check.expect_finite<float>(describe("mask.bias", options.mask.bias),
                                  /*allow_minus_inf=*/true);
   }
+  check_variants(check, options, extents, mask, problem.modifiers);
 }
 
+// The log-sum-exp [B, Hq, Nq] that the forward writes and the backward reads.
+template <class L>
+Described checked_lse(const Checker& check, const View3<L>& view, const Extents& e) {
+  const Described lse = describe("lse", view);
+  if (!view.empty()) {
+    check.expect_well_formed(lse);
+    check.expect_extent(lse, 0, "batch", e.batch, "as q.shape[0]");
+    check.expect_extent(lse, 1, "heads", e.q_heads, "as q.shape[2]");
+    check.expect_extent(lse, 2, "seq", e.q_len, "as q.shape[1]");
+  }
+  return lse;
+}
+
+}  // namespace
+
 template <class T>
-ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOptions& options) {
+ForwardProblem<T> validate(const ForwardArgs<T>& args, const AttentionOptions& options) {
   const Checker check("qkv::attention_forward");
   ForwardProblem<T> problem;
-  check_common<T>(check, args.q, args.k, args.v, options, problem.extents, problem.mask);
-  check_variants(check, options, problem.extents, problem.mask, problem.modifiers);
+  check_common<T>(check, args.q, args.k, args.v, options, problem);
   const Extents& e = problem.extents;
 
   const Described out = describe("out", args.out);
@@ -120,14 +132,7 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
 
   // out, lse, weights and up to 7 statistics views.
   DescribedList<10> outputs{out};
-  if (!args.lse.empty()) {
-    const Described lse = describe("lse", args.lse);
-    check.expect_well_formed(lse);
-    check.expect_extent(lse, 0, "batch", e.batch, "as q.shape[0]");
-    check.expect_extent(lse, 1, "heads", e.q_heads, "as q.shape[2]");
-    check.expect_extent(lse, 2, "seq", e.q_len, "as q.shape[1]");
-    outputs.push_back(lse);
-  }
+  if (!args.lse.empty()) outputs.push_back(checked_lse(check, args.lse, e));
   if (!args.weights.empty()) {
     const Described weights = describe("weights", args.weights);
     check.expect_well_formed(weights);
@@ -152,9 +157,7 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
   if (!options.mask.bias.empty()) inputs.push_back(describe("mask.bias", options.mask.bias));
   check.expect_outputs_apart(outputs, inputs);
 
-  check_backend(check, options, std::is_same_v<T, double>, !args.weights.empty());
-  problem.scale = resolve_scale(check, options, e.head_dim);
-  problem.threads = resolve_threads(check, options);
+  resolve_execution(check, options, !args.weights.empty(), problem);
   problem.args = args;
   problem.args.stats = nullptr;
   if (args.stats != nullptr) {
@@ -165,16 +168,12 @@ ForwardProblem<T> validate_forward(const ForwardArgs<T>& args, const AttentionOp
 }
 
 template <class T>
-BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
-                                     const AttentionOptions& options) {
+BackwardProblem<T> validate(const BackwardArgs<T>& args, const AttentionOptions& options) {
   const Checker check("qkv::attention_backward");
   BackwardProblem<T> problem;
-  check_common<T>(check, args.q, args.k, args.v, options, problem.extents, problem.mask);
-  check_variants(check, options, problem.extents, problem.mask, problem.modifiers);
+  check_common<T>(check, args.q, args.k, args.v, options, problem);
   const Extents& e = problem.extents;
-  check_sink_gradient(check, options, args.dsinks, e.q_heads);
-  check_alibi_gradient(check, options, args.dalibi_slopes, e.q_heads);
-  check_modifier_gradient(check, options);
+  check_variant_gradients(check, options, args.dsinks, args.dalibi_slopes, e.q_heads);
 
   auto expect_like = [&](const Described& view, int64_t seq, int64_t heads, int64_t dim,
                          const char* like) {
@@ -192,13 +191,7 @@ BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
   if (args.lse.empty() && e.batch * e.q_len > 0) {
     check.fail("lse: required (pass the log-sum-exp that attention_forward returned)");
   }
-  const Described lse = describe("lse", args.lse);
-  if (!args.lse.empty()) {
-    check.expect_well_formed(lse);
-    check.expect_extent(lse, 0, "batch", e.batch, "as q.shape[0]");
-    check.expect_extent(lse, 1, "heads", e.q_heads, "as q.shape[2]");
-    check.expect_extent(lse, 2, "seq", e.q_len, "as q.shape[1]");
-  }
+  const Described lse = checked_lse(check, args.lse, e);
   const Described dq = describe("dq", args.dq), dk = describe("dk", args.dk),
                   dv = describe("dv", args.dv);
   expect_like(dq, e.q_len, e.q_heads, e.head_dim, "q");
@@ -215,31 +208,11 @@ BackwardProblem<T> validate_backward(const BackwardArgs<T>& args,
     check.expect_finite<T>(out);
   }
 
-  check_backend(check, options, std::is_same_v<T, double>, false);
-  problem.scale = resolve_scale(check, options, e.head_dim);
-  problem.threads = resolve_threads(check, options);
+  resolve_execution(check, options, /*wants_weights=*/false, problem);
   problem.args = args;
   return problem;
 }
 
-}  // namespace
-
-template <class T>
-ForwardProblem<T> validate(const ForwardArgs<T>& args, const AttentionOptions& options) {
-  return validate_forward(args, options);
-}
-template <class T>
-BackwardProblem<T> validate(const BackwardArgs<T>& args, const AttentionOptions& options) {
-  return validate_backward(args, options);
-}
-
-#define QKV_INSTANTIATE_VALIDATE(T)                                                      \
-  template ForwardProblem<T> validate(const ForwardArgs<T>&, const AttentionOptions&); \
-  template BackwardProblem<T> validate(const BackwardArgs<T>&, const AttentionOptions&);
-QKV_INSTANTIATE_VALIDATE(float)
-QKV_INSTANTIATE_VALIDATE(double)
-QKV_INSTANTIATE_VALIDATE(bfloat16)
-QKV_INSTANTIATE_VALIDATE(float16)
-#undef QKV_INSTANTIATE_VALIDATE
+QKV_INSTANTIATE_VALIDATE(ForwardArgs, BackwardArgs)
 
 }  // namespace qkv::detail

@@ -14,16 +14,26 @@ BackwardProblem<T> validate(const BackwardArgs<T>& args, const AttentionOptions&
 
 class Checker;
 
+// Explicit instantiations of the forward and backward validators of one kind of call
+// (ForwardArgs/BackwardArgs, VarlenForwardArgs/VarlenBackwardArgs) for every storage type.
+#define QKV_INSTANTIATE_VALIDATE_FOR(T, Forward, Backward)                              \
+  template ForwardProblem<T> validate(const Forward<T>&, const AttentionOptions&); \
+  template BackwardProblem<T> validate(const Backward<T>&, const AttentionOptions&);
+#define QKV_INSTANTIATE_VALIDATE(Forward, Backward)             \
+  QKV_INSTANTIATE_VALIDATE_FOR(float, Forward, Backward)        \
+  QKV_INSTANTIATE_VALIDATE_FOR(double, Forward, Backward)       \
+  QKV_INSTANTIATE_VALIDATE_FOR(bfloat16, Forward, Backward)     \
+  QKV_INSTANTIATE_VALIDATE_FOR(float16, Forward, Backward)
+
 // The variant options (validate_variants.cpp): checked, then copied into the mask rule
 // (window, sinks) and the score modifiers.
 void check_variants(const Checker& check, const AttentionOptions& options, const Extents& e,
                     MaskRule& mask, ScoreModifiers& modifiers);
-void check_sink_gradient(const Checker& check, const AttentionOptions& options,
-                         std::span<float> dsinks, int64_t q_heads);
-void check_alibi_gradient(const Checker& check, const AttentionOptions& options,
-                          std::span<float> dalibi_slopes, int64_t q_heads);
-// Backward only: a score_mod must come with its derivative.
-void check_modifier_gradient(const Checker& check, const AttentionOptions& options);
+// Backward only: the gradients of the variants asked for (dsinks, dalibi_slopes) match
+// their options, and a score_mod comes with its derivative.
+void check_variant_gradients(const Checker& check, const AttentionOptions& options,
+                             std::span<float> dsinks, std::span<float> dalibi_slopes,
+                             int64_t q_heads);
 
 // Varlen calls become ordinary problems whose batch entries are the sequences
 // (Sequences::cu_q/cu_k set, views [sequences, total, heads, dim] with batch stride 0).

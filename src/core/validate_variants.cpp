@@ -44,8 +44,6 @@ void check_programmable(const Checker& check, const AttentionOptions& options) {
   }
 }
 
-}  // namespace
-
 void check_modifier_gradient(const Checker& check, const AttentionOptions& options) {
   const ScoreModHook& score = options.modifiers.score;
   if (score.active() && score.derivative == nullptr) {
@@ -53,6 +51,8 @@ void check_modifier_gradient(const Checker& check, const AttentionOptions& optio
                "hook with qkv::score_mod(mod, derivative), got one without a derivative");
   }
 }
+
+}  // namespace
 
 void check_variants(const Checker& check, const AttentionOptions& options, const Extents& e,
                     MaskRule& mask, ScoreModifiers& modifiers) {
@@ -85,6 +85,8 @@ void check_variants(const Checker& check, const AttentionOptions& options, const
   modifiers.dropout = options.dropout;
 }
 
+namespace {
+
 void check_sink_gradient(const Checker& check, const AttentionOptions& options,
                          std::span<float> dsinks, int64_t q_heads) {
   if (dsinks.empty()) return;
@@ -111,6 +113,16 @@ void check_alibi_gradient(const Checker& check, const AttentionOptions& options,
     check.fail("dalibi_slopes: not computed together with a score_mod (modifiers.score); "
                "write the ALiBi term inside the score_mod instead");
   }
+}
+
+}  // namespace
+
+void check_variant_gradients(const Checker& check, const AttentionOptions& options,
+                             std::span<float> dsinks, std::span<float> dalibi_slopes,
+                             int64_t q_heads) {
+  check_sink_gradient(check, options, dsinks, q_heads);
+  check_alibi_gradient(check, options, dalibi_slopes, q_heads);
+  check_modifier_gradient(check, options);
 }
 
 }  // namespace qkv::detail

@@ -68,10 +68,12 @@ View3<T> lse_as_batched(const TensorView<T, 2>& view, int64_t sequences) {
 }
 
 // Checks shared by forward and backward: q, k, v, the options, cu_seqlens; fills the
-// extents and the mask rule (causal and the sequences only).
-template <class T, class Args>
+// problem's extents, mask rule (causal, variants and the sequences) and score modifiers.
+template <class T, class Args, class Problem>
 void check_varlen_common(const Checker& check, const Args& args, const AttentionOptions& options,
-                         Extents& e, MaskRule& mask) {
+                         Problem& problem) {
+  Extents& e = problem.extents;
+  MaskRule& mask = problem.mask;
   const Described q = describe("q", args.q), k = describe("k", args.k), v = describe("v", args.v);
   for (const Described* view : {&q, &k, &v}) check.expect_well_formed(*view);
   check.expect_at_least_one(q, 1, "heads");
@@ -81,11 +83,7 @@ void check_varlen_common(const Checker& check, const Args& args, const Attention
   check.expect_extent(v, 0, "total_k", args.k.shape[0], "as k.shape[0]");
   check.expect_extent(v, 1, "heads", args.k.shape[1], "as k.shape[1]");
   check.expect_at_least_one(v, 2, "head_dim");
-  if (args.q.shape[1] % args.k.shape[1] != 0) {
-    check.fail("q.shape[1] (heads): expected a multiple of k.shape[1] (key/value heads) = " +
-               std::to_string(args.k.shape[1]) + " for grouped-query attention, got " +
-               std::to_string(args.q.shape[1]));
-  }
+  check_head_groups(check, q, k, 1);
   for (const Described* view : {&q, &k}) {
     if (view->shape[0] > kMaxRows) {
       check.fail(view->name + ".shape[0] (total): expected at most " + std::to_string(kMaxRows) +
@@ -128,15 +126,39 @@ void check_varlen_common(const Checker& check, const Args& args, const Attention
     check.expect_finite<T>(k);
     check.expect_finite<T>(v);
   }
+  check_variants(check, options, e, mask, problem.modifiers);
 }
 
+// The packed log-sum-exp [Hq, total_q] that the forward writes and the backward reads.
+template <class L>
+Described checked_lse(const Checker& check, const TensorView<L, 2>& view, const Extents& e,
+                      int64_t total_q) {
+  const Described lse = describe("lse", view);
+  if (!view.empty()) {
+    check.expect_well_formed(lse);
+    check.expect_extent(lse, 0, "heads", e.q_heads, "as q.shape[1]");
+    check.expect_extent(lse, 1, "total_q", total_q, "as q.shape[0]");
+  }
+  return lse;
+}
+
+// The packed views a forward and a backward share, seen as batched ones.
+template <class Batched, class Packed>
+void batch_views(Batched& to, const Packed& from, int64_t sequences) {
+  to.q = as_batched(from.q, sequences);
+  to.k = as_batched(from.k, sequences);
+  to.v = as_batched(from.v, sequences);
+  to.out = as_batched(from.out, sequences);
+  if (!from.lse.empty()) to.lse = lse_as_batched(from.lse, sequences);
+}
+
+}  // namespace
+
 template <class T>
-ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
-                                          const AttentionOptions& options) {
+ForwardProblem<T> validate(const VarlenForwardArgs<T>& args, const AttentionOptions& options) {
   const Checker check("qkv::varlen_attention_forward");
   ForwardProblem<T> problem;
-  check_varlen_common<T>(check, args, options, problem.extents, problem.mask);
-  check_variants(check, options, problem.extents, problem.mask, problem.modifiers);
+  check_varlen_common<T>(check, args, options, problem);
   const Extents& e = problem.extents;
   const int64_t total_q = args.q.shape[0];
 
@@ -146,13 +168,7 @@ ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
   check.expect_extent(out, 1, "heads", e.q_heads, "as q.shape[1]");
   check.expect_extent(out, 2, "head_dim", e.v_dim, "as v.shape[2]");
   std::vector<Described> outputs{out};
-  if (!args.lse.empty()) {
-    const Described lse = describe("lse", args.lse);
-    check.expect_well_formed(lse);
-    check.expect_extent(lse, 0, "heads", e.q_heads, "as q.shape[1]");
-    check.expect_extent(lse, 1, "total_q", total_q, "as q.shape[0]");
-    outputs.push_back(lse);
-  }
+  if (!args.lse.empty()) outputs.push_back(checked_lse(check, args.lse, e, total_q));
   if (args.stats != nullptr) {
     check_stats<LseOf<T>, 2>(check, *args.stats,
                              {{{e.batch, "sequences", "as cu_seqlens_q.size() - 1"},
@@ -163,14 +179,8 @@ ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
   }
   check.expect_outputs_apart(
       outputs, std::array{describe("q", args.q), describe("k", args.k), describe("v", args.v)});
-  check_backend(check, options, std::is_same_v<T, double>, false);
-  problem.scale = resolve_scale(check, options, e.head_dim);
-  problem.threads = resolve_threads(check, options);
-  problem.args.q = as_batched(args.q, e.batch);
-  problem.args.k = as_batched(args.k, e.batch);
-  problem.args.v = as_batched(args.v, e.batch);
-  problem.args.out = as_batched(args.out, e.batch);
-  if (!args.lse.empty()) problem.args.lse = lse_as_batched(args.lse, e.batch);
+  resolve_execution(check, options, /*wants_weights=*/false, problem);
+  batch_views(problem.args, args, e.batch);
   if (args.stats != nullptr) {
     const VarlenAttentionStats<LseOf<T>>& stats = *args.stats;
     problem.stats.max_weight_mean = stats.max_weight_mean;
@@ -190,16 +200,12 @@ ForwardProblem<T> validate_varlen_forward(const VarlenForwardArgs<T>& args,
 }
 
 template <class T>
-BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
-                                            const AttentionOptions& options) {
+BackwardProblem<T> validate(const VarlenBackwardArgs<T>& args, const AttentionOptions& options) {
   const Checker check("qkv::varlen_attention_backward");
   BackwardProblem<T> problem;
-  check_varlen_common<T>(check, args, options, problem.extents, problem.mask);
-  check_variants(check, options, problem.extents, problem.mask, problem.modifiers);
+  check_varlen_common<T>(check, args, options, problem);
   const Extents& e = problem.extents;
-  check_sink_gradient(check, options, args.dsinks, e.q_heads);
-  check_alibi_gradient(check, options, args.dalibi_slopes, e.q_heads);
-  check_modifier_gradient(check, options);
+  check_variant_gradients(check, options, args.dsinks, args.dalibi_slopes, e.q_heads);
   const int64_t total_q = args.q.shape[0], total_k = args.k.shape[0];
 
   auto expect_like = [&](const Described& view, int64_t rows, int64_t heads, int64_t dim,
@@ -215,12 +221,7 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
   if (args.lse.empty() && total_q > 0) {
     check.fail("lse: required (pass the log-sum-exp that varlen_attention_forward returned)");
   }
-  const Described lse = describe("lse", args.lse);
-  if (!args.lse.empty()) {
-    check.expect_well_formed(lse);
-    check.expect_extent(lse, 0, "heads", e.q_heads, "as q.shape[1]");
-    check.expect_extent(lse, 1, "total_q", total_q, "as q.shape[0]");
-  }
+  const Described lse = checked_lse(check, args.lse, e, total_q);
   const Described dq = describe("dq", args.dq), dk = describe("dk", args.dk),
                   dv = describe("dv", args.dv);
   expect_like(dq, total_q, e.q_heads, e.head_dim, "q");
@@ -233,41 +234,17 @@ BackwardProblem<T> validate_varlen_backward(const VarlenBackwardArgs<T>& args,
     check.expect_finite<T>(dout);
     check.expect_finite<T>(out);
   }
-  check_backend(check, options, std::is_same_v<T, double>, false);
-  problem.scale = resolve_scale(check, options, e.head_dim);
-  problem.threads = resolve_threads(check, options);
-  problem.args.q = as_batched(args.q, e.batch);
-  problem.args.k = as_batched(args.k, e.batch);
-  problem.args.v = as_batched(args.v, e.batch);
-  problem.args.out = as_batched(args.out, e.batch);
+  resolve_execution(check, options, /*wants_weights=*/false, problem);
+  batch_views(problem.args, args, e.batch);
   problem.args.dout = as_batched(args.dout, e.batch);
   problem.args.dq = as_batched(args.dq, e.batch);
   problem.args.dk = as_batched(args.dk, e.batch);
   problem.args.dv = as_batched(args.dv, e.batch);
   problem.args.dsinks = args.dsinks;
   problem.args.dalibi_slopes = args.dalibi_slopes;
-  if (!args.lse.empty()) problem.args.lse = lse_as_batched(args.lse, e.batch);
   return problem;
 }
 
-}  // namespace
-
-template <class T>
-ForwardProblem<T> validate(const VarlenForwardArgs<T>& args, const AttentionOptions& options) {
-  return validate_varlen_forward(args, options);
-}
-template <class T>
-BackwardProblem<T> validate(const VarlenBackwardArgs<T>& args, const AttentionOptions& options) {
-  return validate_varlen_backward(args, options);
-}
-
-#define QKV_INSTANTIATE_VALIDATE(T)                                                            \
-  template ForwardProblem<T> validate(const VarlenForwardArgs<T>&, const AttentionOptions&); \
-  template BackwardProblem<T> validate(const VarlenBackwardArgs<T>&, const AttentionOptions&);
-QKV_INSTANTIATE_VALIDATE(float)
-QKV_INSTANTIATE_VALIDATE(double)
-QKV_INSTANTIATE_VALIDATE(bfloat16)
-QKV_INSTANTIATE_VALIDATE(float16)
-#undef QKV_INSTANTIATE_VALIDATE
+QKV_INSTANTIATE_VALIDATE(VarlenForwardArgs, VarlenBackwardArgs)
 
 }  // namespace qkv::detail

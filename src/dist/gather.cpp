@@ -5,9 +5,9 @@
 #include <vector>
 
 #include "blocks.hpp"
+#include "check/checker.hpp"
 #include "collective.hpp"
 #include "qkv/dist.hpp"
-#include "view_checks.hpp"
 
 namespace qkv::dist {
 
@@ -15,7 +15,8 @@ Tensor<float, 4> gather_sequence(View4<const float> local, MPI_Comm comm, Shardi
   constexpr const char* kFunction = "qkv::dist::gather_sequence";
   if (comm == MPI_COMM_NULL) throw Error(std::string(kFunction) + ": comm: MPI_COMM_NULL");
   detail::agree_on_errors(kFunction, detail::error_of([&] {
-                            detail::ViewChecks{kFunction}.well_formed("local", local);
+                            qkv::detail::Checker(kFunction).expect_well_formed(
+                                qkv::detail::describe("local", local));
                           }),
                           comm);
   const auto all = detail::allgather_values({local.shape[0], local.shape[1], local.shape[2], local.shape[3]}, comm);

@@ -5,23 +5,21 @@
 #include <limits>
 #include <string>
 
+#include "check/checker.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv {
 namespace {
 
-template <class V>
-void expect_shape(const char* name, const V& view, const V& like, const char* like_name) {
-  constexpr int rank = static_cast<int>(std::tuple_size_v<typename V::Shape>);
-  for (int axis = 0; axis < rank; ++axis) {
-    if (view.shape[axis] != like.shape[axis]) {
-      throw Error(std::string("qkv::merge_partials: ") + name + ".shape[" + std::to_string(axis) +
-                  "]: expected " + std::to_string(like.shape[axis]) + " (as " + like_name +
-                  "), got " + std::to_string(view.shape[axis]));
-    }
-  }
-  if (view.numel() > 0 && view.empty()) {
-    throw Error(std::string("qkv::merge_partials: ") + name + ": null data");
+using detail::Checker;
+using detail::Described;
+
+// Every axis of `view` as the same axis of `like` (both described, same rank).
+void expect_like(const Checker& check, const Described& view, const Described& like,
+                 const char* const* axis_names) {
+  for (int axis = 0; axis < view.rank; ++axis) {
+    const std::string because = "as " + like.name + ".shape[" + std::to_string(axis) + "]";
+    check.expect_extent(view, axis, axis_names[axis], like.shape[axis], because);
   }
 }
 
@@ -29,13 +27,19 @@ void expect_shape(const char* name, const V& view, const V& like, const char* li
 
 void merge_partials(View4<float> out, View3<float> lse, View4<const float> part_out,
                     View3<const float> part_lse) {
-  const View4<const float> out_c = out;
-  const View3<const float> lse_c = lse;
-  expect_shape("part_out", part_out, out_c, "out");
-  const View3<const float> lse_shape(nullptr, {out.shape[0], out.shape[2], out.shape[1]}, {});
-  expect_shape("lse", lse_c, lse_shape, "out's [B, H, N]");
-  expect_shape("part_lse", part_lse, lse_c, "lse");
-  if (out.numel() > 0 && out.empty()) throw Error("qkv::merge_partials: out: null data");
+  const Checker check("qkv::merge_partials");
+  const Described d_out = detail::describe("out", out), d_lse = detail::describe("lse", lse),
+                  d_part_out = detail::describe("part_out", part_out),
+                  d_part_lse = detail::describe("part_lse", part_lse);
+  constexpr const char* kOutAxes[] = {"batch", "seq", "heads", "head_dim"};
+  constexpr const char* kLseAxes[] = {"batch", "heads", "seq"};
+  expect_like(check, d_part_out, d_out, kOutAxes);
+  // lse is [B, H, N] for out's [B, N, H, d].
+  check.expect_extent(d_lse, 0, "batch", out.shape[0], "as out.shape[0]");
+  check.expect_extent(d_lse, 1, "heads", out.shape[2], "as out.shape[2]");
+  check.expect_extent(d_lse, 2, "seq", out.shape[1], "as out.shape[1]");
+  expect_like(check, d_part_lse, d_lse, kLseAxes);
+  for (const Described* view : {&d_out, &d_lse, &d_part_out, &d_part_lse}) check.expect_data(*view);
 
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t dim = out.shape[3];

@@ -13,14 +13,15 @@
 // After W steps the next rank is the owner: each rank receives its own dK/dV, complete.
 // dK/dV make W hops, K/V W−1; each transfer overlaps a step's compute.
 #include <algorithm>
+#include <array>
 #include <vector>
 
 #include "blocks.hpp"
+#include "check/checker.hpp"
 #include "messages.hpp"
 #include "qkv/dist.hpp"
 #include "qkv/error.hpp"
 #include "ring_setup.hpp"
-#include "view_checks.hpp"
 
 namespace qkv::dist {
 namespace {
@@ -28,17 +29,15 @@ namespace {
 constexpr const char* kFunction = "qkv::dist::ring_attention_backward";
 
 void check_local(const BackwardArgs<float>& a, const AttentionOptions& options, const RingOptions& ring) {
-  const detail::ViewChecks check{kFunction};
-  check.ring_options(options);
-  if (ring.progress_rows < 1) {
-    check.fail("ring.progress_rows: expected >= 1, got " + std::to_string(ring.progress_rows));
-  }
-  const std::pair<const char*, View4<const float>> inputs[] = {
-      {"q", a.q}, {"k", a.k}, {"v", a.v}, {"out", a.out}, {"dout", a.dout}};
-  const std::pair<const char*, View4<float>> outputs[] = {{"dq", a.dq}, {"dk", a.dk}, {"dv", a.dv}};
-  for (const auto& [name, view] : inputs) check.well_formed(name, view);
-  for (const auto& [name, view] : outputs) check.well_formed(name, view);
-  check.well_formed("lse", a.lse);
+  const qkv::detail::Checker check(kFunction);
+  detail::check_ring_options(check, options, ring);
+  using qkv::detail::describe;
+  // The inputs, lse last (its check_finite allows −inf), then the outputs.
+  const std::array inputs{describe("q", a.q),     describe("k", a.k),       describe("v", a.v),
+                          describe("out", a.out), describe("dout", a.dout), describe("lse", a.lse)};
+  const std::array outputs{describe("dq", a.dq), describe("dk", a.dk), describe("dv", a.dv)};
+  for (const auto& view : inputs) check.expect_well_formed(view);
+  for (const auto& view : outputs) check.expect_well_formed(view);
   if (a.lse.empty() && a.q.numel() > 0) check.fail("lse: required (the forward's log-sum-exp)");
   // Heads, head dims, batch, GQA and options: the library's own checks, on no rows.
   AttentionOptions probe = options;
@@ -50,22 +49,18 @@ void check_local(const BackwardArgs<float>& a, const AttentionOptions& options, 
                       .dq = none(a.dq), .dk = none(a.dk), .dv = none(a.dv)},
                      probe);
   // Sequence lengths, which the probe cannot see.
-  check.extent("v", a.v, 1, "seq", a.k.shape[1], "as k.shape[1]");
-  check.extent("out", a.out, 1, "seq", a.q.shape[1], "as q.shape[1]");
-  check.extent("dout", a.dout, 1, "seq", a.q.shape[1], "as q.shape[1]");
-  check.extent("lse", a.lse, 2, "seq", a.q.shape[1], "as q.shape[1]");
-  check.extent("dq", a.dq, 1, "seq", a.q.shape[1], "as q.shape[1]");
-  check.extent("dk", a.dk, 1, "seq", a.k.shape[1], "as k.shape[1]");
-  check.extent("dv", a.dv, 1, "seq", a.k.shape[1], "as k.shape[1]");
-  for (std::size_t i = 0; i < std::size(outputs); ++i) {
-    for (const auto& [name, view] : inputs) check.disjoint(outputs[i].first, outputs[i].second, name, view);
-    check.disjoint(outputs[i].first, outputs[i].second, "lse", a.lse);
-    for (std::size_t j = 0; j < i; ++j)
-      check.disjoint(outputs[i].first, outputs[i].second, outputs[j].first, outputs[j].second);
-  }
+  const int64_t q_rows = a.q.shape[1], k_rows = a.k.shape[1];
+  check.expect_extent(inputs[2], 1, "seq", k_rows, "as k.shape[1]");
+  check.expect_extent(inputs[3], 1, "seq", q_rows, "as q.shape[1]");
+  check.expect_extent(inputs[4], 1, "seq", q_rows, "as q.shape[1]");
+  check.expect_extent(inputs[5], 2, "seq", q_rows, "as q.shape[1]");
+  check.expect_extent(outputs[0], 1, "seq", q_rows, "as q.shape[1]");
+  check.expect_extent(outputs[1], 1, "seq", k_rows, "as k.shape[1]");
+  check.expect_extent(outputs[2], 1, "seq", k_rows, "as k.shape[1]");
+  check.expect_outputs_apart(outputs, inputs);
   if (options.execution.check_finite) {
-    for (const auto& [name, view] : inputs) check.finite(name, view);
-    check.finite("lse", a.lse, /*allow_minus_inf=*/true);
+    for (const auto& view : inputs)
+      check.expect_finite<float>(view, /*allow_minus_inf=*/view.name == "lse", "local index");
   }
 }
 

@@ -6,15 +6,16 @@
 // call's (out, lse) into its accumulators by LSE, then waits: the transfer overlaps the
 // compute. W−1 transfers in all; the last block is not passed on.
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <vector>
 
 #include "blocks.hpp"
+#include "check/checker.hpp"
 #include "messages.hpp"
 #include "qkv/dist.hpp"
 #include "qkv/error.hpp"
 #include "ring_setup.hpp"
-#include "view_checks.hpp"
 
 namespace qkv::dist {
 namespace {
@@ -22,16 +23,14 @@ namespace {
 constexpr const char* kFunction = "qkv::dist::ring_attention_forward";
 
 void check_local(const ForwardArgs<float>& a, const AttentionOptions& options, const RingOptions& ring) {
-  const detail::ViewChecks check{kFunction};
-  check.ring_options(options);
-  if (ring.progress_rows < 1) {
-    check.fail("ring.progress_rows: expected >= 1, got " + std::to_string(ring.progress_rows));
-  }
+  const qkv::detail::Checker check(kFunction);
+  detail::check_ring_options(check, options, ring);
   if (!a.weights.empty()) check.fail("weights: not supported by ring attention");
-  for (const auto& [name, view] : {std::pair{"q", a.q}, {"k", a.k}, {"v", a.v}})
-    check.well_formed(name, view);
-  check.well_formed("out", a.out);
-  check.well_formed("lse", a.lse);
+  using qkv::detail::describe;
+  const std::array inputs{describe("q", a.q), describe("k", a.k), describe("v", a.v)};
+  const std::array outputs{describe("out", a.out), describe("lse", a.lse)};
+  for (const auto& view : inputs) check.expect_well_formed(view);
+  for (const auto& view : outputs) check.expect_well_formed(view);
   // Heads, head dims, batch, GQA and options: the library's own checks, on no rows.
   AttentionOptions probe = options;
   probe.key_lengths = {};
@@ -43,16 +42,12 @@ void check_local(const ForwardArgs<float>& a, const AttentionOptions& options, c
                      .lse = a.lse.empty() ? View3<float>{} : detail::lse_rows(a.lse, 0, a.lse.shape[0], 0, 0)},
                     probe);
   // Sequence lengths, which the probe cannot see.
-  check.extent("v", a.v, 1, "seq", a.k.shape[1], "as k.shape[1]");
-  check.extent("out", a.out, 1, "seq", a.q.shape[1], "as q.shape[1]");
-  if (!a.lse.empty()) check.extent("lse", a.lse, 2, "seq", a.q.shape[1], "as q.shape[1]");
-  for (const auto& [name, view] : {std::pair{"q", a.q}, {"k", a.k}, {"v", a.v}}) {
-    check.disjoint("out", a.out, name, view);
-    check.disjoint("lse", a.lse, name, view);
-  }
-  check.disjoint("lse", a.lse, "out", a.out);
+  check.expect_extent(inputs[2], 1, "seq", a.k.shape[1], "as k.shape[1]");
+  check.expect_extent(outputs[0], 1, "seq", a.q.shape[1], "as q.shape[1]");
+  if (!a.lse.empty()) check.expect_extent(outputs[1], 2, "seq", a.q.shape[1], "as q.shape[1]");
+  check.expect_outputs_apart(outputs, inputs);
   if (options.execution.check_finite) {
-    for (const auto& [name, view] : {std::pair{"q", a.q}, {"k", a.k}, {"v", a.v}}) check.finite(name, view);
+    for (const auto& view : inputs) check.expect_finite<float>(view, false, "local index");
   }
 }
 

@@ -5,9 +5,26 @@
 #include <numeric>
 #include <string>
 
+#include "check/checker.hpp"
 #include "collective.hpp"
 
 namespace qkv::dist::detail {
+
+void check_ring_options(const qkv::detail::Checker& check, const AttentionOptions& options,
+                        const RingOptions& ring) {
+  if (!options.mask.empty()) {
+    check.fail("options.mask: not supported by ring attention (use causal and key_lengths, "
+               "which the ring applies in global positions)");
+  }
+  if (options.modifiers.active()) {
+    check.fail("options.modifiers: not supported by ring attention (each rank's call would see "
+               "key positions local to its block)");
+  }
+  if (ring.progress_rows < 1) {
+    check.fail("ring.progress_rows: expected >= 1, got " + std::to_string(ring.progress_rows));
+  }
+}
+
 namespace {
 
 // What every rank must pass identically, in a fixed order, with names for messages.

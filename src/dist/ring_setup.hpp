@@ -12,6 +12,10 @@
 #include "blocks.hpp"
 #include "qkv/dist.hpp"
 
+namespace qkv::detail {
+class Checker;  // check/checker.hpp
+}  // namespace qkv::detail
+
 namespace qkv::dist::detail {
 
 // This rank's local extents, read from its views.
@@ -32,6 +36,10 @@ struct RingSetup {
   int64_t max_k_rows() const;
   int64_t max_block_floats() const { return block.floats(max_k_rows()); }
 };
+
+// What a ring pass cannot take (a mask, modifiers) and its own options (ring.*).
+void check_ring_options(const qkv::detail::Checker& check, const AttentionOptions& options,
+                        const RingOptions& ring);
 
 // Runs `local_checks` (which throws qkv::Error for a bad local argument), agrees across
 // the ranks, checks that the ranks' shapes and options match and that their shard

@@ -1,17 +1,35 @@
-// Argument checks shared by the layers: each throws qkv::Error naming the function,
-// the argument, what was expected and what was received.
+// Argument checks shared by the layers, on the checker every qkv library uses
+// (check/checker.hpp): each throws qkv::Error "qkv::nn::function: argument: expected …,
+// got …".
 #pragma once
 
 #include <cstdint>
 #include <string>
 
+#include "check/checker.hpp"
 #include "qkv/error.hpp"
 #include "qkv/nn/parameter.hpp"
 
 namespace qkv::nn::detail {
 
+// The shared Checker for a layer function ("Linear::forward"), prefixed with qkv::nn::.
+// Holds the name itself: the Checker only refers to it.
+class LayerChecker {
+ public:
+  explicit LayerChecker(const std::string& function)
+      : name_("qkv::nn::" + function), check_(name_) {}
+  LayerChecker(const LayerChecker&) = delete;
+  LayerChecker& operator=(const LayerChecker&) = delete;
+  const qkv::detail::Checker& operator*() const { return check_; }
+  const qkv::detail::Checker* operator->() const { return &check_; }
+
+ private:
+  std::string name_;
+  qkv::detail::Checker check_;
+};
+
 [[noreturn]] inline void fail(const std::string& function, const std::string& message) {
-  throw Error("qkv::nn::" + function + ": " + message);
+  LayerChecker(function)->fail(message);
 }
 
 inline void expect(bool condition, const std::string& function, const std::string& message) {
@@ -22,23 +40,18 @@ inline void expect(bool condition, const std::string& function, const std::strin
 template <class T>
 void check_matrix(const std::string& function, const char* name, const Matrix<T>& view,
                   int64_t rows, int64_t cols) {
-  if (view.data == nullptr && view.numel() != 0) fail(function, std::string(name) + " is empty");
-  if (rows >= 0 && view.shape[0] != rows) {
-    fail(function, std::string(name) + ".shape[0] (rows): expected " + std::to_string(rows) +
-                       ", got " + std::to_string(view.shape[0]));
-  }
-  if (cols >= 0 && view.shape[1] != cols) {
-    fail(function, std::string(name) + ".shape[1] (features): expected " +
-                       std::to_string(cols) + ", got " + std::to_string(view.shape[1]));
-  }
+  const LayerChecker check(function);
+  const qkv::detail::Described d = qkv::detail::describe(name, view);
+  check->expect_data(d);
+  if (rows >= 0) check->expect_extent(d, 0, "rows", rows);
+  if (cols >= 0) check->expect_extent(d, 1, "features", cols);
   if (view.shape[1] > 1 && view.strides[1] != 1) {
-    fail(function, std::string(name) + ".strides[1]: expected 1 (contiguous rows), got " +
-                       std::to_string(view.strides[1]));
+    check->fail(std::string(name) + ".strides[1]: expected 1 (contiguous rows), got " +
+                std::to_string(view.strides[1]));
   }
   if (view.shape[0] > 1 && view.strides[0] < view.shape[1]) {
-    fail(function, std::string(name) + ".strides[0]: expected ≥ " +
-                       std::to_string(view.shape[1]) + " (rows must not overlap), got " +
-                       std::to_string(view.strides[0]));
+    check->fail(std::string(name) + ".strides[0]: expected ≥ " + std::to_string(view.shape[1]) +
+                " (rows must not overlap), got " + std::to_string(view.strides[0]));
   }
 }
 

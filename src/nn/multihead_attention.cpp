@@ -30,15 +30,13 @@ View4<const T> heads_view(const Tensor<T, 2>& t, int64_t batch, int64_t seq, int
 template <class T>
 void check_3d(const std::string& fn, const char* name, const TensorView<T, 3>& view,
               int64_t batch, int64_t seq, int64_t features) {
+  const detail::LayerChecker check(fn);
+  const qkv::detail::Described d = qkv::detail::describe(name, view);
   const int64_t expected[3] = {batch, seq, features};
   const char* axis[3] = {"batch", "seq", "features"};
-  for (int a = 0; a < 3; ++a) {
-    if (expected[a] >= 0 && view.shape[a] != expected[a]) {
-      detail::fail(fn, std::string(name) + ".shape[" + str(a) + "] (" + axis[a] +
-                           "): expected " + str(expected[a]) + ", got " + str(view.shape[a]));
-    }
-  }
-  if (view.data == nullptr && view.numel() != 0) detail::fail(fn, std::string(name) + " is empty");
+  for (int a = 0; a < 3; ++a)
+    if (expected[a] >= 0) check->expect_extent(d, a, axis[a], expected[a]);
+  check->expect_data(d);
 }
 
 }  // namespace

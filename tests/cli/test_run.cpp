@@ -326,6 +326,7 @@ TEST_F(RunErrors, InconsistentFlags) {
   expect_failure({"--grad", dir / "dout.npy", "--dq", dir / "x.npy", "--dk", dir / "./x.npy"}, "--dk and --dq both name");
   expect_failure({"--scale", "-1"}, "scale");
   expect_failure({"--scale", "nan"}, "scale");
+  expect_failure({"--scale", "1e39"}, "options.scale: expected a finite value > 0, got 1e+39");  // inf as a float
   expect_failure({"--weights", dir / "w.npy", "--backend", "cpu"}, "weights");
   expect_failure({"--threads", "-2"}, "--threads", "", kExitUsage);
   expect_failure({"--causal", "diagonal"}, "--causal", "", kExitUsage);
