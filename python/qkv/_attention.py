@@ -119,8 +119,8 @@ def _traced(fn, q, k, v, *, causal, mask, scale, key_lengths, return_lse, stats,
         _torch_ops.refuse_variants_when_traced()
     keep, bias = mask_arrays(fn, Torch, mask)
     lengths = None if key_lengths is None else key_lengths_array(fn, Torch, key_lengths)
-    args = _torch_ops.OpArgs.plain(keep, bias, lengths, scale, causal, layout, backend, threads,
-                                   check_finite)
+    args = _torch_ops.OpArgs.plain(fn, keep, bias, lengths, scale, causal, layout, backend,
+                                   threads, check_finite)
     out, lse = _torch_ops.traced_forward(q, k, v, args)
     return (out, lse) if return_lse else out
 

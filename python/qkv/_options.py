@@ -13,11 +13,13 @@ from __future__ import annotations
 from ._qkv import Backend, Causal, Error, Options
 
 # Options is qkv._qkv.Options, the one bound object a call hands to the library: built
-# once per call by make_options (or the torch operators), read by C++. The causal mode
-# and backend are the library's enums, named by its one name table (qkv/names.hpp),
-# which the `qkv` command line reads too. The type and value checks of the scalars
-# (causal, scale, backend, threads) are made in C++, once; Python only converts what
-# needs the array framework (masks, key lengths, per-head vectors).
+# once per call by make_options (or the torch operators), read by C++. Every entry point
+# (attention, varlen, decode, KVCache.attend, the torch operators) builds it here, and
+# every field goes through one C++ setter (python/src/options.cpp), which checks its type
+# and range before narrowing it, so a bad value gets the same error everywhere. Python
+# only converts what needs the array framework (masks, key lengths, per-head vectors) and
+# draws a dropout seed. The causal mode and backend are the library's enums, named by its
+# one name table (qkv/names.hpp), which the `qkv` command line reads too.
 __all__ = ["Backend", "Causal", "Error", "Options", "make_options"]
 
 

@@ -31,6 +31,15 @@ from ._options import Options
 TORCH_THREADS = -(1 << 30)
 
 
+@torch.compiler.assume_constant_result
+def _checked_scalars(function, scale, causal, backend, threads, check_finite) -> tuple:
+    """(scale, causal name, backend name, threads, check_finite) as Options binds them,
+    its setter checking each. Under torch.compile dynamo runs this while tracing (its
+    arguments are constants) and keeps the result instead of tracing into nanobind."""
+    o = Options(function, causal, scale, backend, threads, check_finite)
+    return o.scale, o.causal_name, o.backend_name, o.threads, o.check_finite
+
+
 class OpArgs(NamedTuple):
     """The operators' arguments after the tensors (q, k, v; the backward's out, lse,
     dout): the call's options as plain values, in the operators' order."""
@@ -52,13 +61,15 @@ class OpArgs(NamedTuple):
                       options.check_finite)
 
     @staticmethod
-    def plain(keep, bias, key_lengths, scale, causal, layout, backend, threads,
+    def plain(function, keep, bias, key_lengths, scale, causal, layout, backend, threads,
               check_finite) -> "OpArgs":
-        """From a traced call's keywords: only what the schema's types need (None → its
-        default); the values are checked when the operator binds them."""
-        return OpArgs(keep, bias, key_lengths, None if scale is None else float(scale),
-                      "none" if causal is None else causal, layout, backend,
-                      0 if threads is None else int(threads), bool(check_finite))
+        """From a traced call's keywords: the scalars checked and converted by the same
+        C++ setter as an eager call's (so a bad value gets the same error), as the plain
+        values the schema takes."""
+        scale, causal, backend, threads, check_finite = _checked_scalars(
+            function, scale, causal, backend, threads, check_finite)
+        return OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
+                      check_finite)
 
     def options(self) -> Options:
         """The bound Options of one operator call (TORCH_THREADS resolved now)."""

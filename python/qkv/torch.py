@@ -122,8 +122,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if _torch_ops.traced(q, k, v):
         if has_variants:
             _torch_ops.refuse_variants_when_traced()
-        args = _torch_ops.OpArgs.plain(keep, bias, None, scale, "top_left" if is_causal else None,
-                                       "bhsd", "auto", _torch_ops.TORCH_THREADS, False)
+        args = _torch_ops.OpArgs.plain(_FN, keep, bias, None, scale,
+                                       "top_left" if is_causal else None, "bhsd", "auto",
+                                       _torch_ops.TORCH_THREADS, False)
         out, _ = _torch_ops.traced_forward(q, k, v, args)
         return out if out_shape is None else out.reshape(out_shape)
     causal = "top_left" if is_causal else None

@@ -259,8 +259,6 @@ nb::dict fields_of(const BoundOptions& o) {
   return d;
 }
 
-}  // namespace
-
 // A contiguous float32 vector of one value per query head (alibi_slopes, sinks).
 std::span<const float> per_head(const char* name, nb::handle array) {
   const auto values = view_of<const float, 1>(name, ArrayRef::from(array, false, name), "one float32 value per query head");
@@ -271,11 +269,12 @@ std::span<const float> per_head(const char* name, nb::handle array) {
   return {values.data, static_cast<std::size_t>(values.shape[0])};
 }
 
+}  // namespace
+
 Backend parse_backend(const std::string& name) {
   if (const auto backend = backend_from_name(name)) return *backend;
   throw Error("backend: expected " + enum_choices(kBackendNames, "'", " or ") + ", got '" + name + "'");
 }
-
 
 bool BoundOptions::has_variants() const {
   return options.window.active() || alibi_slopes.is_valid() || options.softcap != 0.0f ||

@@ -38,8 +38,4 @@ void bind_options(nanobind::module_& m);
 // From the name table; qkv::Error naming the argument otherwise.
 Backend parse_backend(const std::string& name);
 
-// A contiguous float32 vector of one value per query head (alibi_slopes, sinks), viewed
-// in place; qkv::Error naming `name` otherwise.
-std::span<const float> per_head(const char* name, nanobind::handle array);
-
 }  // namespace qkv::python

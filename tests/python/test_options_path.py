@@ -250,3 +250,24 @@ def test_the_package_has_no_import_cycle_and_one_attention_function():
                  and any(ast.unparse(base).endswith("autograd.Function") for base in node.bases)]
     # The ring attention of qkv.dist is a different computation (blocks across ranks).
     assert sorted(functions) == [("_autograd", "_Attention"), ("dist", "_RingAttention")]
+
+
+@pytest.mark.parametrize("options", [dict(scale="1"), dict(threads=1.5), dict(threads=2**31),
+                                     dict(causal="lower"), dict(backend="gpu")])
+def test_a_traced_call_checks_its_scalars_like_an_eager_one(options):
+    """Fake tensors and torch.compile take the operators' plain arguments, made by the
+    same C++ setter: the same bad value gets the same error as an eager call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q = torch.randn(1, HEADS, 3, DIM)
+    eager = _outcome(lambda **o: qkv.attention(q, q, q, **o), options)
+    assert eager is not None
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(q)
+        assert _outcome(lambda **o: qkv.attention(fake, fake, fake, **o), options) == eager
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: qkv.attention(x, x, x, **options), backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(Exception) as info:
+        compiled(q)
+    assert eager[1] in str(info.value)
