@@ -323,7 +323,7 @@ void bind_options(nb::module_& m) {
             if (values.size() > std::size(kFields))
               type_error(function, "Options: at most " + std::to_string(std::size(kFields)) + " fields by position");
             for (std::size_t i = 0; i < values.size(); ++i) {
-              if (changes.contains(kFields[i].name.data()))
+              if (changes.size() != 0 && changes.contains(kFields[i].name.data()))
                 type_error(function, "Options: '" + std::string(kFields[i].name) + "' given by position and by keyword");
               kFields[i].set(*o, function, nb::handle(PyTuple_GET_ITEM(values.ptr(), static_cast<Py_ssize_t>(i))));
             }

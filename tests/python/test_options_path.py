@@ -271,3 +271,21 @@ def test_a_traced_call_checks_its_scalars_like_an_eager_one(options):
     with pytest.raises(Exception) as info:
         compiled(q)
     assert eager[1] in str(info.value)
+
+
+def test_a_head_count_mismatch_is_the_same_error_everywhere():
+    """Hq not a multiple of Hkv: the library's one check. The argument names differ as the
+    arrays do (varlen's heads are axis 1, decode's keys are k_cache)."""
+    q = RNG.standard_normal((1, 3, 2, DIM)).astype(np.float32)
+    packed = q[0].transpose(1, 0, 2).copy()
+    calls = {"qkv.attention": lambda: qkv.attention(q, K, K),
+             "qkv.varlen_attention": lambda: qkv.varlen_attention(
+                 packed, K[0].transpose(1, 0, 2).copy(), K[0].transpose(1, 0, 2).copy(),
+                 np.array([0, 2]), np.array([0, 5])),
+             "qkv.decode": lambda: qkv.decode(q, K, K, np.array([5])),
+             "KVCache.attend": lambda: CACHE.attend(q)}
+    for name, call in calls.items():
+        with pytest.raises(qkv.Error, match=r"q\.shape\[[12]\] \(heads\): expected a multiple of "
+                                            r"k(_cache)?\.shape\[[12]\] \(.*\) = 2 for "
+                                            r"grouped-query attention, got 3$"):
+            call()
