@@ -131,7 +131,8 @@ def _int_array(values, dtype, name: str, function: str):
 def _options(function: str, q, scale, causal, threads, window, softcap, alibi_slopes, sinks):
     """The call's Options, built as qkv.attention builds its own (the same keywords, the
     same C++ checks and so the same errors)."""
-    return make_options(function, Torch if _is_torch(q) else NumPy, scale=scale, causal=causal,
+    fw = Torch if any(_is_torch(x) for x in (q, alibi_slopes, sinks)) else NumPy  # no gradient here
+    return make_options(function, fw, scale=scale, causal=causal,
                         threads=threads, window=window, softcap=softcap,
                         alibi_slopes=alibi_slopes, sinks=sinks)
 
