@@ -92,8 +92,10 @@ def attention(q, k, v, *, causal=None, mask=None, scale=None, key_lengths=None,
                                 (batch, q_heads, q_len) if return_row_stats else None)
         library_stats = _stats.for_library(fw, stats, threshold)
     if fw is Torch:
-        out, lse = _torch_ops.forward_with_autograd(q, k, v, layout=layout, options=options,
-                                                    stats=library_stats)
+        from . import _autograd
+
+        out, lse = _autograd.forward_with_autograd(q, k, v, layout=layout, options=options,
+                                                   stats=library_stats)
     else:
         out, lse, _ = _core.forward(fw, q, k, v, layout=layout, options=options,
                                     want_lse=return_lse, stats=library_stats)
@@ -114,14 +116,11 @@ def _traced(fn, q, k, v, *, causal, mask, scale, key_lengths, return_lse, stats,
     window, alibi_slopes, softcap, sinks, dropout_p, seed = variants
     if (window is not None or alibi_slopes is not None or softcap or sinks is not None
             or dropout_p or seed is not None):
-        raise NotImplementedError(
-            "qkv: window, alibi_slopes, softcap, sinks and dropout are not traced by "
-            "torch.compile or fake tensors yet; call qkv eagerly for them")
+        _torch_ops.refuse_variants_when_traced()
     keep, bias = mask_arrays(fn, Torch, mask)
     lengths = None if key_lengths is None else key_lengths_array(fn, Torch, key_lengths)
-    args = _torch_ops.OpArgs(keep, bias, lengths, None if scale is None else float(scale),
-                             "none" if causal is None else causal, layout, backend,
-                             0 if threads is None else int(threads), bool(check_finite))
+    args = _torch_ops.OpArgs.plain(fn, keep, bias, lengths, scale, causal, layout, backend,
+                                   threads, check_finite)
     out, lse = _torch_ops.traced_forward(q, k, v, args)
     return (out, lse) if return_lse else out
 

@@ -14,7 +14,8 @@ import sys
 import numpy as np
 
 from . import _qkv
-from ._arrays import LAYOUTS, Error
+from ._arrays import LAYOUTS, Error, NumPy, Torch
+from ._options import make_options
 
 _STORAGE = ("float32", "bfloat16", "float16")
 
@@ -115,28 +116,25 @@ def _cache_array(x, name: str, function: str):
 
 
 def _int_array(values, dtype, name: str, function: str):
+    """A contiguous integer array of `values`: of `dtype`, or (dtype None) of its own
+    integer dtype, for the binding to check before narrowing."""
     if _is_torch(values):
         values = values.detach().cpu().numpy()
     array = np.asarray(values)
     if array.size and array.dtype.kind not in "iu":
         raise TypeError(f"{function}: {name}: expected integers, got dtype {array.dtype}")
+    if dtype is None and array.dtype.kind not in "iu":
+        dtype = np.int64  # an empty list
     return np.ascontiguousarray(array, dtype=dtype)
 
 
-def _variant_keywords(window, softcap, alibi_slopes, sinks) -> dict:
-    """The bindings' keywords for the inference variants (values checked by the library)."""
-    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
-
-    def per_head(values):
-        if values is None:
-            return None
-        if _is_torch(values):
-            values = values.detach().to("cpu")
-            values = values.float().contiguous().numpy()
-        return np.ascontiguousarray(values, dtype=np.float32)
-
-    return dict(window_left=left, window_right=right, softcap=float(softcap or 0.0),
-                alibi_slopes=per_head(alibi_slopes), sinks=per_head(sinks))
+def _options(function: str, q, scale, causal, threads, window, softcap, alibi_slopes, sinks):
+    """The call's Options, built as qkv.attention builds its own (the same keywords, the
+    same C++ checks and so the same errors)."""
+    fw = Torch if any(_is_torch(x) for x in (q, alibi_slopes, sinks)) else NumPy  # no gradient here
+    return make_options(function, fw, scale=scale, causal=causal,
+                        threads=threads, window=window, softcap=softcap,
+                        alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
@@ -147,7 +145,8 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     q: ``[B, Hq, Nq, d]`` (layout "bhsd") or ``[B, Nq, Hq, d]`` ("bshd"), any float dtype
     (computed in float32, returned in q's dtype).
     k_cache, v_cache: contiguous ``[B, Hkv, capacity, d]`` ("bhsd") / ``[B, capacity, Hkv, d]``
-    ("bshd"); or, with ``block_table [B, max_blocks]`` (int32), the paged pool
+    ("bshd"); or, with ``block_table [B, max_blocks]`` (int32, or int64 whose entries
+    fit int32), the paged pool
     ``[num_blocks, block_size, Hkv, d]``. float32, bfloat16, float16, or int8 with scales.
     cache_lengths: ``[B]`` keys held per sequence, the new tokens' own keys included.
     causal: ``"bottom_right"`` (default: the queries are each sequence's last tokens),
@@ -155,12 +154,15 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     int8 caches take ``k_scale`` and ``v_scale``, one float32 per cached row (the row's
     values are int8 · scale): ``[B, Hkv, capacity]`` ("bhsd"), ``[B, capacity, Hkv]``
     ("bshd"), or ``[num_blocks, block_size, Hkv]`` for a paged pool.
-    window, softcap, alibi_slopes, sinks: the inference variants, as in ``qkv.attention``
-    (``window=(left, right)``, -1 unbounded; a sliding window reads only the keys in it).
+    scale, causal, threads, window, softcap, alibi_slopes, sinks: as in ``qkv.attention``
+    (the same Options, checked alike: a bad value gets the same error;
+    ``window=(left, right)``, -1 or None unbounded; a sliding window reads only the keys
+    in it).
     Returns out like q (with v's last dimension), or ``(out, lse [B, Hq, Nq])``.
     """
     fn = "qkv.decode"
     _check_layout(fn, layout)
+    options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
     q_lib = _float32_logical(q, layout, "q", fn)
     k_lib, bits_as = _cache_array(k_cache, "k_cache", fn)
     v_lib, v_bits = _cache_array(v_cache, "v_cache", fn)
@@ -173,7 +175,7 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
             k_lib, v_lib = k_lib.swapaxes(1, 2), v_lib.swapaxes(1, 2)
         table = None
     else:
-        table = _int_array(block_table, np.int32, "block_table", fn)
+        table = _int_array(block_table, None, "block_table", fn)  # int64 entries: checked in C++
     lengths = _int_array(cache_lengths, np.int64, "cache_lengths", fn)
     scales = {}
     for name, row_scales in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -192,8 +194,7 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     if return_lse:
         lse = np.empty((batch, q_heads, q_len), dtype=np.float32)
     _qkv.decode(q_lib, k_lib, v_lib, lengths, out_lib, lse=lse, block_table=table, bits_as=bits_as,
-                scale=scale, causal="none" if causal is None else causal, threads=threads or 0,
-                **_variant_keywords(window, softcap, alibi_slopes, sinks), **scales)
+                options=options, **scales)
     out = _finish(out, work)
     if not return_lse:
         return out
@@ -253,12 +254,12 @@ class KVCache:
         aligned with each sequence's newest keys. window, softcap, alibi_slopes, sinks: as
         in ``qkv.decode``. Returns out like q, or (out, lse)."""
         fn = "qkv.KVCache.attend"
+        options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
         q_lib = _float32_logical(q, self.layout, "q", fn)
         batch, q_len, q_heads, _ = q_lib.shape
         out, work, out_lib = _empty_out(q, batch, q_len, q_heads, self.v_dim, self.layout)
         lse = np.empty((batch, q_heads, q_len), dtype=np.float32) if return_lse else None
-        self._cache.attend(q_lib, out_lib, lse=lse, scale=scale, causal="none" if causal is None else causal,
-                           threads=threads or 0, **_variant_keywords(window, softcap, alibi_slopes, sinks))
+        self._cache.attend(q_lib, out_lib, lse=lse, options=options)
         out = _finish(out, work)
         if not return_lse:
             return out

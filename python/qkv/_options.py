@@ -10,16 +10,16 @@ widened to float32 (one copy, exact).
 
 from __future__ import annotations
 
-import numbers
-
 from ._qkv import Backend, Causal, Error, Options
 
 # Options is qkv._qkv.Options, the one bound object a call hands to the library: built
-# once per call by make_options (or the torch operators), read by C++. The causal mode
-# and backend are the library's enums, named by its one name table (qkv/names.hpp),
-# which the `qkv` command line reads too. The type and value checks of the scalars
-# (causal, scale, backend, threads) are made in C++, once; Python only converts what
-# needs the array framework (masks, key lengths, per-head vectors).
+# once per call by make_options (or the torch operators), read by C++. Every entry point
+# (attention, varlen, decode, KVCache.attend, the torch operators) builds it here, and
+# every field goes through one C++ setter (python/src/options.cpp), which checks its type
+# and range before narrowing it, so a bad value gets the same error everywhere. Python
+# only converts what needs the array framework (masks, key lengths, per-head vectors) and
+# draws a dropout seed. The causal mode and backend are the library's enums, named by its
+# one name table (qkv/names.hpp), which the `qkv` command line reads too.
 __all__ = ["Backend", "Causal", "Error", "Options", "make_options"]
 
 
@@ -63,29 +63,12 @@ def key_lengths_array(function: str, fw, key_lengths):
     return lengths
 
 
-def window_pair(function: str, window) -> tuple:
-    """(left, right) with None → -1 (unbounded), as FlashAttention's window_size."""
-    if window is None:
-        return (-1, -1)
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise TypeError(f"{function}: window: expected (left, right), got {window!r}") from None
-    pair = tuple(-1 if x is None else x for x in (left, right))
-    for x in pair:
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-            raise TypeError(f"{function}: window: expected two ints or None, got {window!r}")
-    return tuple(int(x) for x in pair)
-
-
 def per_head_vector(function: str, fw, name: str, values):
-    """A float32 1-D array of the caller's type (torch: keeps requires_grad through .float())."""
+    """One value per query head as a float32 array of the caller's type (torch: keeps
+    requires_grad through .float()); its shape and length are checked in C++."""
     if values is None:
         return None
     if fw.owns(values):
-        if values.ndim != 1:
-            raise Error(f"{function}: {name}: expected one value per query head (1-D), "
-                        f"got shape {tuple(values.shape)}")
         return values if fw.is_float32(values) else fw.to_float32(values)
     vector = fw.float_vector(values)
     if vector is None:
@@ -111,7 +94,9 @@ def make_options(
     dropout_p=0.0,
     seed=None,
 ) -> Options:
-    """The bound Options of one call; `function` names the caller in messages."""
+    """The bound Options of one call; `function` names the caller in messages. Python
+    only converts what needs the array framework (masks, key lengths, per-head vectors)
+    and draws a dropout seed; every value is checked by the C++ setter."""
     keep = bias = None
     if mask is not None:
         keep, bias = mask_arrays(function, fw, mask)
@@ -122,17 +107,8 @@ def make_options(
                                                         and dropout_p == 0))):
         return Options(function, causal, scale, backend, threads, check_finite, keep, bias,
                        key_lengths)
-    for name, value in (("softcap", softcap), ("dropout_p", dropout_p)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-            raise TypeError(f"{function}: {name}: expected a number, got {value!r}")
-    dropout_p = float(dropout_p or 0.0)
-    if seed is None:
-        seed = fw.random_seed() if dropout_p > 0.0 else 0
-    elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise TypeError(f"{function}: seed: expected None or an int >= 0, got {seed!r}")
-    left, right = window_pair(function, window)
+    if seed is None and dropout_p:
+        seed = fw.random_seed()
     return Options(function, causal, scale, backend, threads, check_finite, keep, bias,
-                   key_lengths, left, right,
-                   per_head_vector(function, fw, "alibi_slopes", alibi_slopes),
-                   float(softcap or 0.0), per_head_vector(function, fw, "sinks", sinks),
-                   dropout_p, int(seed) % (1 << 64))
+                   key_lengths, window, per_head_vector(function, fw, "alibi_slopes", alibi_slopes),
+                   softcap, per_head_vector(function, fw, "sinks", sinks), dropout_p, seed)

@@ -1,15 +1,14 @@
-"""qkv's attention inside PyTorch autograd: two roads to the same library calls
-(_core.forward and _core.backward).
+"""The operators torch.ops.qkv.attention_forward and attention_backward
+(torch.library.custom_op): what torch.compile and fake-tensor tracing see of qkv, with
+fake-tensor shape functions and the backward registered as the forward's autograd
+formula; torch.library.opcheck checks them. Their schema takes the options as plain
+values (OpArgs: tensors, floats, strings, ints), which the operator binds into one
+Options when it runs, so a traced call's values are checked by the same C++ setter as an
+eager call's.
 
-- The operators torch.ops.qkv.attention_forward and attention_backward
-  (torch.library.custom_op), with fake-tensor shape functions and the backward
-  registered as the forward's autograd formula. torch.compile and fake-tensor tracing
-  see these; torch.library.opcheck checks them. Their schema takes the options as plain
-  values (OpArgs: tensors, floats, strings, ints), which the operator binds into one
-  Options when it runs.
-- For eager calls, _Attention (an autograd.Function), about ten times cheaper per call
-  than a Python custom op's autograd wrapper, or no autograd at all when no input
-  requires grad. It carries the bound Options as it is.
+Eager calls take the cheaper road of _autograd (one autograd.Function, about ten times
+cheaper per call than a Python custom op's autograd wrapper) to the same library calls
+(_core.forward and _core.backward); it uses attention_backward here for create_graph.
 
 Every tensor argument is already in its final form: masks 4-D, key_lengths int64. The
 log-sum-exp output is not differentiable (qkv's backward takes no gradient for it);
@@ -32,6 +31,15 @@ from ._options import Options
 TORCH_THREADS = -(1 << 30)
 
 
+@torch.compiler.assume_constant_result
+def _checked_scalars(function, scale, causal, backend, threads, check_finite) -> tuple:
+    """(scale, causal name, backend name, threads, check_finite) as Options binds them,
+    its setter checking each. Under torch.compile dynamo runs this while tracing (its
+    arguments are constants) and keeps the result instead of tracing into nanobind."""
+    o = Options(function, causal, scale, backend, threads, check_finite)
+    return o.scale, o.causal_name, o.backend_name, o.threads, o.check_finite
+
+
 class OpArgs(NamedTuple):
     """The operators' arguments after the tensors (q, k, v; the backward's out, lse,
     dout): the call's options as plain values, in the operators' order."""
@@ -51,6 +59,17 @@ class OpArgs(NamedTuple):
         return OpArgs(options.keep, options.bias, options.key_lengths, options.scale,
                       options.causal_name, layout, options.backend_name, options.threads,
                       options.check_finite)
+
+    @staticmethod
+    def plain(function, keep, bias, key_lengths, scale, causal, layout, backend, threads,
+              check_finite) -> "OpArgs":
+        """From a traced call's keywords: the scalars checked and converted by the same
+        C++ setter as an eager call's (so a bad value gets the same error), as the plain
+        values the schema takes."""
+        scale, causal, backend, threads, check_finite = _checked_scalars(
+            function, scale, causal, backend, threads, check_finite)
+        return OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
+                      check_finite)
 
     def options(self) -> Options:
         """The bound Options of one operator call (TORCH_THREADS resolved now)."""
@@ -149,36 +168,6 @@ def _backward(ctx, dout, _dlse):
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _Attention(torch.autograd.Function):
-    """The eager path: the same forward and backward as the operators above, through an
-    autograd.Function, which costs ~10× less per call than a Python custom op's
-    autograd wrapper. (Traced code, under torch.compile or fake tensors, uses the
-    operators.)"""
-
-    @staticmethod
-    def forward(ctx, q, k, v, options, layout, stats=None):
-        out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options,
-                                    want_lse=True, stats=stats)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options, ctx.layout = options, layout
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dout = Torch.inner_contiguous(dout)
-        if torch.is_grad_enabled():
-            # create_graph=True: through the backward operator, which has no autograd
-            # formula, so differentiating these gradients again raises instead of
-            # silently treating them as constants.
-            grads = attention_backward(q, k, v, out, lse, dout, *OpArgs.of(ctx.options, ctx.layout))
-        else:
-            grads = _core.backward(Torch, q, k, v, out, lse, dout, layout=ctx.layout,
-                                   options=ctx.options)
-        return (*grads, None, None, None)
-
-
 def traced(q, k, v) -> bool:
     """Whether this call is being traced (torch.compile) or gets tensor subclasses
     (fake tensors): then it must go through the operators, with plain arguments."""
@@ -186,44 +175,17 @@ def traced(q, k, v) -> bool:
             or not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor))
 
 
+def refuse_variants_when_traced() -> None:
+    raise NotImplementedError(
+        "qkv: window, alibi_slopes, softcap, sinks and dropout are not traced by "
+        "torch.compile or fake tensors yet; call qkv eagerly for them")
+
+
 def refuse_stats_when_traced(stats) -> None:
     if stats is not None:
         raise NotImplementedError(
             "qkv: attention statistics (return_stats) are computed by eager calls on "
             "plain tensors only, not under torch.compile or with tensor subclasses")
-
-
-def forward_with_autograd(q, k, v, *, layout: str, options: Options, stats=None,
-                          want_lse: bool = True):
-    """(out, lse), recorded by autograd when an input requires grad; lse is None when
-    not wanted and no graph is recorded (a no-grad call then skips computing it).
-
-    Eager calls with plain CPU tensors run the library directly, through _Attention when
-    a graph is needed; traced calls (torch.compile, fake tensors) go through the
-    operator torch.ops.qkv.attention_forward, whose autograd formula is the same (they
-    should come with OpArgs through traced_forward; a bound Options is converted).
-    `stats`: None or the library's dict of statistics outputs (_stats.for_library),
-    filled by the same forward; eager calls only (the operator has no such output)."""
-    grad = torch.is_grad_enabled()
-    if options.has_variants():  # window, ALiBi, soft-cap, sinks, dropout: eager only
-        from . import _variants
-
-        return _variants.forward_with_autograd(q, k, v, layout=layout, options=options,
-                                               stats=stats)
-    if grad:
-        bias = options.bias
-        if bias is not None and bias.requires_grad:
-            raise NotImplementedError(
-                "qkv: the gradient with respect to a float attention mask is not implemented "
-                "yet; pass the mask detached (mask.detach()) if it is not being trained")
-    if traced(q, k, v):
-        refuse_stats_when_traced(stats)
-        return attention_forward(q, k, v, *OpArgs.of(options, layout))
-    if grad and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(q, k, v, options, layout, stats)
-    out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=options,
-                                want_lse=want_lse, stats=stats)
-    return out, lse
 
 
 def traced_forward(q, k, v, args: OpArgs, stats=None):

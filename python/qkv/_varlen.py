@@ -4,6 +4,8 @@ layout), with no padding and so no work spent on padding."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from . import _qkv, _stats
 from ._arrays import Torch, framework_of
 from ._options import Error, make_options
@@ -86,18 +88,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                                 (q.shape[1], q.shape[0]) if return_row_stats else None)
         library_stats = _stats.for_library(fw, stats, threshold)
     if fw is Torch:
-        import torch
+        from . import _autograd
 
-        slopes = variants.get("alibi_slopes")
-        if not isinstance(slopes, torch.Tensor):
-            slopes = None  # a list has no gradient to track
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (sinks is not None and sinks.requires_grad)
-                                        or (slopes is not None and slopes.requires_grad)):
-            out, lse = _torch_function().apply(q, k, v, sinks, slopes, cu_q, cu_k, settings,
-                                               library_stats)
-        else:
-            out, lse = _forward(fw, q, k, v, cu_q, cu_k, settings, library_stats)
+        out, lse = _autograd.run(Packed(cu_q, cu_k, *settings[1:]), q, k, v, settings[0],
+                                 library_stats)
     else:
         out, lse = _forward(fw, q, k, v, cu_q, cu_k, settings, library_stats)
     result = (out, lse) if return_lse else (out,)
@@ -137,42 +131,25 @@ varlen_attention_backward.__doc__ = """Gradients ``(dq, dk, dv)`` of varlen_atte
     given its ``out``, ``lse`` and ``dout = ∂L/∂out``, with the same arguments.
 """ + _DOC
 
-_function = None
+class Packed(NamedTuple):
+    """A varlen call, for _autograd's one Function: the sequences' offsets and the
+    max_seqlen bounds (0: not given)."""
 
+    cu_q: object
+    cu_k: object
+    max_q: int
+    max_k: int
 
-def _torch_function():
-    """The autograd.Function, built on first use so NumPy users never import torch."""
-    global _function
-    if _function is None:
-        import torch
+    def forward(self, q, k, v, options, stats, want_lse):
+        return _forward(Torch, q, k, v, self.cu_q, self.cu_k,
+                        (options, self.max_q, self.max_k), stats)
 
-        class _Varlen(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, q, k, v, sinks, slopes, cu_q, cu_k, settings, stats):
-                out, lse = _forward(Torch, q, k, v, cu_q, cu_k, settings, stats)
-                ctx.save_for_backward(q, k, v, out, lse)
-                ctx.offsets = (cu_q, cu_k)
-                ctx.settings = settings
-                ctx.sinks_shape = None if sinks is None else tuple(sinks.shape)
-                ctx.slopes_shape = None if slopes is None else tuple(slopes.shape)
-                ctx.mark_non_differentiable(lse)
-                return out, lse
+    def backward(self, q, k, v, out, lse, dout, options, dsinks, dslopes):
+        return _backward(Torch, q, k, v, out, lse, dout, self.cu_q, self.cu_k,
+                         (options, self.max_q, self.max_k), dsinks, dslopes)
 
-            @staticmethod
-            @torch.autograd.function.once_differentiable
-            def backward(ctx, dout, _dlse):
-                q, k, v, out, lse = ctx.saved_tensors
-                dsinks = dslopes = None
-                if ctx.sinks_shape is not None and ctx.needs_input_grad[3]:
-                    dsinks = torch.empty(ctx.sinks_shape, dtype=torch.float32)
-                if ctx.slopes_shape is not None and ctx.needs_input_grad[4]:
-                    dslopes = torch.empty(ctx.slopes_shape, dtype=torch.float32)
-                dq, dk, dv = _backward(Torch, q, k, v, out, lse, Torch.inner_contiguous(dout),
-                                       *ctx.offsets, ctx.settings, dsinks, dslopes)
-                return dq, dk, dv, dsinks, dslopes, None, None, None, None
-
-        _function = _Varlen
-    return _function
+    def backward_operator(self, options):
+        return None  # no traceable varlen operator (yet): gradients are computed once
 
 
 __all__ = ["varlen_attention", "varlen_attention_backward"]

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from . import _torch_ops, _torch_stats
+from . import _autograd, _torch_ops, _torch_stats
 from ._arrays import Torch
 from ._options import Options, make_options
 from ._qkv import Error
@@ -121,31 +121,28 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                         or sinks is not None)
     if _torch_ops.traced(q, k, v):
         if has_variants:
-            raise NotImplementedError(
-                "qkv: window, alibi_slopes, softcap, sinks and dropout are not traced by "
-                "torch.compile or fake tensors yet; call qkv eagerly for them")
-        args = _torch_ops.OpArgs(keep, bias, None, None if scale is None else float(scale),
-                                 "top_left" if is_causal else "none", "bhsd", "auto",
-                                 _torch_ops.TORCH_THREADS, False)
+            _torch_ops.refuse_variants_when_traced()
+        args = _torch_ops.OpArgs.plain(_FN, keep, bias, None, scale,
+                                       "top_left" if is_causal else None, "bhsd", "auto",
+                                       _torch_ops.TORCH_THREADS, False)
         out, _ = _torch_ops.traced_forward(q, k, v, args)
         return out if out_shape is None else out.reshape(out_shape)
     causal = "top_left" if is_causal else None
     if has_variants:
-        options = make_options(_FN, Torch, scale=None if scale is None else float(scale),
-                               causal=causal,
+        options = make_options(_FN, Torch, scale=scale, causal=causal,
                                threads=torch.get_num_threads(), window=window,
                                alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
                                dropout_p=dropout_p).replace(keep=keep, bias=bias)
     else:
-        options = Options(_FN, causal, None if scale is None else float(scale), "auto",
+        options = Options(_FN, causal, scale, "auto",
                           torch.get_num_threads(), False, keep, bias)
     # Attention health, only while qkv.torch.collect_stats() is active.
     stats = library_stats = None
     collectors = _torch_stats.active()
     if collectors:
         stats, library_stats = _torch_stats.prepare(collectors, q, batch, heads, q_len)
-    out, _ = _torch_ops.forward_with_autograd(q, k, v, layout="bhsd", options=options,
-                                              stats=library_stats, want_lse=False)
+    out, _ = _autograd.forward_with_autograd(q, k, v, layout="bhsd", options=options,
+                                             stats=library_stats, want_lse=False)
     if stats is not None:
         _torch_stats.record(collectors, stats, (batch, heads, q_len, k_len))
     return out if out_shape is None else out.reshape(out_shape)

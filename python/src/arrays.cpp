@@ -128,6 +128,24 @@ struct TorchNames {
   }
 };
 
+// Why nanobind could not import `object` as an array, for the message.
+std::string unreadable_array(nb::handle object, bool writable) {
+  const nb::handle cls = object.type();
+  const std::string type = nb::cast<std::string>(nb::str(cls.attr("__module__"))) + "." +
+                           nb::cast<std::string>(nb::str(cls.attr("__qualname__")));
+  if (nb::hasattr(object, "dtype") && nb::hasattr(nb::getattr(object, "dtype"), "isnative") &&
+      !nb::cast<bool>(nb::getattr(object, "dtype").attr("isnative"))) {
+    return "expected an array in native byte order, got " + type + " of dtype " +
+           nb::cast<std::string>(nb::str(nb::getattr(object, "dtype"))) +
+           " (convert it: x.astype(x.dtype.newbyteorder('=')))";
+  }
+  if (writable && nb::hasattr(object, "flags") &&
+      !nb::cast<bool>(nb::getattr(object, "flags").attr("writeable"))) {
+    return "expected a writable array, got a read-only " + type;
+  }
+  return "expected an array readable in place (NumPy, DLPack or the buffer protocol), got " + type;
+}
+
 int64_t to_int64(PyObject* value) {
   const long long n = PyLong_AsLongLong(value);
   if (n == -1 && PyErr_Occurred()) throw nb::python_error();
@@ -197,11 +215,19 @@ ArrayRef ArrayRef::from_torch(nb::handle tensor) {
   return ref;
 }
 
-ArrayRef ArrayRef::from(nb::handle object, bool writable) {
+ArrayRef ArrayRef::from(nb::handle object, bool writable, const char* name) {
   const TorchNames* torch = TorchNames::get();
   if (torch != nullptr && PyObject_TypeCheck(object.ptr(), torch->tensor)) return from_torch(object);
-  if (writable) return from_ndarray(nb::cast<OutArray>(object));
-  return from_ndarray(nb::cast<InArray>(object));
+  // nb::try_cast, not nb::cast: a failed import is the caller's bad argument, not the
+  // bare std::bad_cast nanobind would raise.
+  if (writable) {
+    OutArray array;
+    if (nb::try_cast(object, array)) return from_ndarray(array);
+  } else {
+    InArray array;
+    if (nb::try_cast(object, array)) return from_ndarray(array);
+  }
+  throw Error(std::string(name) + ": " + unreadable_array(object, writable));
 }
 
 ArrayRef ArrayRef::swapped_1_2() const {

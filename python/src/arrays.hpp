@@ -122,8 +122,10 @@ class ArrayRef {
  public:
   static constexpr int kMaxRank = 8;  // deeper arrays keep their rank only (for messages)
 
-  // `writable`: the library writes into it (NumPy: a read-only array is refused).
-  static ArrayRef from(nb::handle object, bool writable);
+  // `writable`: the library writes into it (NumPy: a read-only array is refused). An
+  // object nanobind cannot import (a NumPy array in non-native byte order, a non-array)
+  // is a qkv::Error naming `name`.
+  static ArrayRef from(nb::handle object, bool writable, const char* name);
 
   int device_type() const { return device_type_; }
   std::size_t ndim() const { return static_cast<std::size_t>(ndim_); }

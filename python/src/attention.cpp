@@ -28,14 +28,14 @@ constexpr const char* kLseBecause =
 
 // The 4-D arrays of a call in the library's [batch, seq, heads, dim] order: PyTorch's
 // [batch, heads, seq, dim] (`bhsd`) is the same memory with axes 1 and 2 exchanged.
-ArrayRef logical(nb::handle array, bool writable, bool bhsd) {
-  const ArrayRef ref = ArrayRef::from(array, writable);
+ArrayRef logical(const char* name, nb::handle array, bool writable, bool bhsd) {
+  const ArrayRef ref = ArrayRef::from(array, writable, name);
   return bhsd ? ref.swapped_1_2() : ref;
 }
 
-std::optional<ArrayRef> optional_array(nb::handle array) {
+std::optional<ArrayRef> optional_array(const char* name, nb::handle array) {
   if (array.is_none()) return std::nullopt;
-  return ArrayRef::from(array, true);
+  return ArrayRef::from(array, true, name);
 }
 
 template <class T>
@@ -114,9 +114,9 @@ void backward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, con
 void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
              nb::handle weights, const std::optional<nb::dict>& stats,
              const BoundOptions& bound, bool bhsd, bool bfloat16_bits) {
-  const ArrayRef qa = logical(q, false, bhsd), ka = logical(k, false, bhsd),
-                 va = logical(v, false, bhsd), oa = logical(out, true, bhsd);
-  const std::optional<ArrayRef> la = optional_array(lse), wa = optional_array(weights);
+  const ArrayRef qa = logical("q", q, false, bhsd), ka = logical("k", k, false, bhsd),
+                 va = logical("v", v, false, bhsd), oa = logical("out", out, true, bhsd);
+  const std::optional<ArrayRef> la = optional_array("lse", lse), wa = optional_array("weights", weights);
   const CallStorage call = call_storage(qa, bfloat16_bits);
   const AttentionOptions options = bound.for_call();
   with_storage(call, [&]<class T>() {
@@ -127,13 +127,13 @@ void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handl
 void backward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
               nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv, nb::handle dsinks,
               const BoundOptions& bound, bool bhsd, bool bfloat16_bits, nb::handle dalibi) {
-  const ArrayRef qa = logical(q, false, bhsd), ka = logical(k, false, bhsd),
-                 va = logical(v, false, bhsd), oa = logical(out, false, bhsd),
-                 la = ArrayRef::from(lse, false), da = logical(dout, false, bhsd),
-                 dqa = logical(dq, true, bhsd), dka = logical(dk, true, bhsd),
-                 dva = logical(dv, true, bhsd);
-  const std::optional<ArrayRef> dsa = optional_array(dsinks);
-  const std::optional<ArrayRef> daa = optional_array(dalibi);
+  const ArrayRef qa = logical("q", q, false, bhsd), ka = logical("k", k, false, bhsd),
+                 va = logical("v", v, false, bhsd), oa = logical("out", out, false, bhsd),
+                 la = ArrayRef::from(lse, false, "lse"), da = logical("dout", dout, false, bhsd),
+                 dqa = logical("dq", dq, true, bhsd), dka = logical("dk", dk, true, bhsd),
+                 dva = logical("dv", dv, true, bhsd);
+  const std::optional<ArrayRef> dsa = optional_array("dsinks", dsinks);
+  const std::optional<ArrayRef> daa = optional_array("dalibi_slopes", dalibi);
   const CallStorage call = call_storage(qa, bfloat16_bits);
   const AttentionOptions options = bound.for_call();
   with_storage(call, [&]<class T>() {

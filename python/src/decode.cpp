@@ -24,6 +24,14 @@ namespace {
 
 namespace nb = nanobind;
 
+// The decode options of a call: until qkv::decode takes AttentionOptions, the fields it
+// shares with them (the only ones the Python decode and KVCache.attend set). The one
+// place the bindings still speak DecodeOptions.
+DecodeOptions to_decode_options(const AttentionOptions& a) {
+  return {.scale = a.scale, .causal = a.causal, .threads = a.execution.threads, .window = a.window,
+          .softcap = a.softcap, .alibi_slopes = a.alibi_slopes, .sinks = a.sinks};
+}
+
 StorageType parse_storage(const std::string& name) {
   if (name == "float32") return StorageType::float32;
   if (name == "bfloat16") return StorageType::bfloat16;
@@ -33,7 +41,7 @@ StorageType parse_storage(const std::string& name) {
 }
 
 // The storage type of a cache array: its own dtype, or `bits_as` for 16-bit integers.
-StorageType cache_storage(const char* name, const InArray& array, const std::string& bits_as) {
+StorageType cache_storage(const char* name, const ArrayRef& array, const std::string& bits_as) {
   using Code = nb::dlpack::dtype_code;
   const nb::dlpack::dtype dt = array.dtype();
   if (dt == nb::dtype<float>()) return StorageType::float32;
@@ -49,17 +57,74 @@ StorageType cache_storage(const char* name, const InArray& array, const std::str
                            .c_str());
 }
 
-std::span<const int64_t> lengths_of(const InArray& lengths) {
+std::span<const int64_t> lengths_of(const ArrayRef& lengths) {
   const auto view = view_of<const int64_t, 1>("cache_lengths", lengths, "sequence lengths are int64");
   if (view.shape[0] > 1 && view.strides[0] != 1) throw Error("qkv::decode: cache_lengths: expected a contiguous array");
   return {view.data, static_cast<std::size_t>(view.shape[0])};
 }
 
+// Entry [row, column] of a C-contiguous 2-D integer array as int64; nullopt when it does
+// not fit (a uint64 past 2**63).
+template <class Int>
+std::optional<int64_t> entry_of(const ArrayRef& table, std::size_t index) {
+  const Int value = static_cast<const Int*>(table.data_handle())[index];
+  if constexpr (std::is_same_v<Int, std::uint64_t>) {
+    if (value > static_cast<std::uint64_t>(INT64_MAX)) return std::nullopt;
+  }
+  return static_cast<int64_t>(value);
+}
+
+// The block table as the int32 view the library reads: an int32 array in place, any other
+// integer array (int64 from torch or NumPy) copied into `storage` with every entry
+// checked to fit int32 first, so that no block id is silently wrapped (2**32 + 1 is not
+// block 1). Whether each id names a block of the pool is the library's check.
+TensorView<const int32_t, 2> block_table_view(const ArrayRef& table, std::vector<int32_t>& storage) {
+  if (table.dtype() == nb::dtype<int32_t>()) return view_of<const int32_t, 2>("block_table", table, "block ids are int32");
+  expect_cpu("block_table", table.device_type());
+  expect_rank("block_table", table.ndim(), 2);
+  const nb::dlpack::dtype dt = table.dtype();
+  using Code = nb::dlpack::dtype_code;
+  const bool integer = (dt.code == static_cast<uint8_t>(Code::Int) || dt.code == static_cast<uint8_t>(Code::UInt)) &&
+                       dt.lanes == 1 && (dt.bits == 8 || dt.bits == 16 || dt.bits == 32 || dt.bits == 64);
+  if (!integer) {
+    throw nb::type_error(("block_table: expected dtype int32 or int64 (block ids), got " + dtype_name(dt)).c_str());
+  }
+  const int64_t rows = static_cast<int64_t>(table.shape(0)), columns = static_cast<int64_t>(table.shape(1));
+  if (table.size() > 0 && (table.stride(1) != 1 || (rows > 1 && table.stride(0) != columns))) {
+    throw Error("block_table: expected a C-contiguous array");
+  }
+  const bool is_signed = dt.code == static_cast<uint8_t>(Code::Int);
+  storage.resize(table.size());
+  for (std::size_t i = 0; i < table.size(); ++i) {
+    std::optional<int64_t> id;
+    switch (dt.bits) {
+      case 8: id = is_signed ? entry_of<std::int8_t>(table, i) : entry_of<std::uint8_t>(table, i); break;
+      case 16: id = is_signed ? entry_of<std::int16_t>(table, i) : entry_of<std::uint16_t>(table, i); break;
+      case 32: id = is_signed ? entry_of<std::int32_t>(table, i) : entry_of<std::uint32_t>(table, i); break;
+      default: id = is_signed ? entry_of<std::int64_t>(table, i) : entry_of<std::uint64_t>(table, i); break;
+    }
+    if (!id || *id < INT32_MIN || *id > INT32_MAX) {
+      const int64_t row = columns > 0 ? static_cast<int64_t>(i) / columns : 0;
+      const int64_t column = columns > 0 ? static_cast<int64_t>(i) % columns : 0;
+      throw Error("qkv::decode: block_table[" + std::to_string(row) + ", " + std::to_string(column) +
+                  "]: expected a block id that fits int32, got " +
+                  (id ? std::to_string(*id) : std::string("a value past 2**63")));
+    }
+    storage[i] = static_cast<int32_t>(*id);
+  }
+  return TensorView<const int32_t, 2>(storage.data(), {rows, columns}, {columns, 1});
+}
+
+std::optional<ArrayRef> optional_in(const char* name, nb::handle array) {
+  if (array.is_none()) return std::nullopt;
+  return ArrayRef::from(array, false, name);
+}
+
 template <class T>
-void decode_typed(const InArray& q, const InArray& k_cache, const InArray& v_cache,
-                  std::span<const int64_t> lengths, const std::optional<InArray>& block_table,
-                  const OutArray& out, const std::optional<OutArray>& lse, const DecodeOptions& options,
-                  const std::optional<InArray>& k_scale, const std::optional<InArray>& v_scale) {
+void decode_typed(const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_cache,
+                  std::span<const int64_t> lengths, const std::optional<ArrayRef>& block_table,
+                  const ArrayRef& out, const std::optional<ArrayRef>& lse, const DecodeOptions& options,
+                  const std::optional<ArrayRef>& k_scale, const std::optional<ArrayRef>& v_scale) {
   DecodeArgs<T> args;
   if (k_scale) args.k_scale = view_of<const float, 3>("k_scale", *k_scale, "scales are float32");
   if (v_scale) args.v_scale = view_of<const float, 3>("v_scale", *v_scale, "scales are float32");
@@ -67,48 +132,37 @@ void decode_typed(const InArray& q, const InArray& k_cache, const InArray& v_cac
   args.k_cache = raw_view<const T, 4>("k_cache", k_cache);
   args.v_cache = raw_view<const T, 4>("v_cache", v_cache);
   args.cache_lengths = lengths;
-  if (block_table) args.block_table = view_of<const int32_t, 2>("block_table", *block_table, "block ids are int32");
+  std::vector<int32_t> table_storage;
+  if (block_table) args.block_table = block_table_view(*block_table, table_storage);
   args.out = view_of<float, 4>("out", out, "the output is float32");
   if (lse) args.lse = view_of<float, 3>("lse", *lse, "the log-sum-exp is float32");
   nb::gil_scoped_release release;
   decode(args, options);
 }
 
-// The decode options from the bindings' keywords (the library checks the values).
-DecodeOptions decode_options(std::optional<double> scale, const std::string& causal, int threads,
-                             int64_t window_left, int64_t window_right, float softcap,
-                             nb::handle alibi_slopes, nb::handle sinks) {
-  DecodeOptions options;
-  options.scale = scale;
-  options.causal = parse_causal(causal);
-  options.threads = threads;
-  options.window = {window_left, window_right};
-  options.softcap = softcap;
-  if (!alibi_slopes.is_none()) options.alibi_slopes = per_head("alibi_slopes", alibi_slopes);
-  if (!sinks.is_none()) options.sinks = per_head("sinks", sinks);
-  return options;
-}
-
-void decode_any(const InArray& q, const InArray& k_cache, const InArray& v_cache, const InArray& cache_lengths,
-                const OutArray& out, std::optional<OutArray> lse, std::optional<InArray> block_table,
-                const std::string& bits_as, std::optional<double> scale, const std::string& causal,
-                int threads, int64_t window_left, int64_t window_right, float softcap, nb::handle alibi_slopes,
-                nb::handle sinks, std::optional<InArray> k_scale, std::optional<InArray> v_scale) {
-  const StorageType k_type = cache_storage("k_cache", k_cache, bits_as);
-  if (cache_storage("v_cache", v_cache, bits_as) != k_type)
+void decode_any(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle cache_lengths, nb::handle out,
+                nb::handle lse, nb::handle block_table, const std::string& bits_as, nb::handle k_scale,
+                nb::handle v_scale, const BoundOptions& bound) {
+  const ArrayRef qa = ArrayRef::from(q, false, "q"), ka = ArrayRef::from(k_cache, false, "k_cache"),
+                 va = ArrayRef::from(v_cache, false, "v_cache"), oa = ArrayRef::from(out, true, "out"),
+                 la = ArrayRef::from(cache_lengths, false, "cache_lengths");
+  const std::optional<ArrayRef> lse_a = lse.is_none() ? std::nullopt : std::optional(ArrayRef::from(lse, true, "lse"));
+  const std::optional<ArrayRef> table = optional_in("block_table", block_table),
+                                ks = optional_in("k_scale", k_scale), vs = optional_in("v_scale", v_scale);
+  const StorageType k_type = cache_storage("k_cache", ka, bits_as);
+  if (cache_storage("v_cache", va, bits_as) != k_type)
     throw nb::type_error("v_cache: expected the dtype of k_cache");
-  const DecodeOptions options =
-      decode_options(scale, causal, threads, window_left, window_right, softcap, alibi_slopes, sinks);
-  const auto lengths = lengths_of(cache_lengths);
+  const DecodeOptions options = to_decode_options(bound.for_call());
+  const auto lengths = lengths_of(la);
   switch (k_type) {
     case StorageType::float32:
-      return decode_typed<float>(q, k_cache, v_cache, lengths, block_table, out, lse, options, k_scale, v_scale);
+      return decode_typed<float>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs);
     case StorageType::bfloat16:
-      return decode_typed<bfloat16>(q, k_cache, v_cache, lengths, block_table, out, lse, options, k_scale, v_scale);
+      return decode_typed<bfloat16>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs);
     case StorageType::float16:
-      return decode_typed<float16>(q, k_cache, v_cache, lengths, block_table, out, lse, options, k_scale, v_scale);
+      return decode_typed<float16>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs);
     case StorageType::int8:
-      return decode_typed<std::int8_t>(q, k_cache, v_cache, lengths, block_table, out, lse, options, k_scale, v_scale);
+      return decode_typed<std::int8_t>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs);
   }
 }
 
@@ -131,13 +185,11 @@ nb::ndarray<nb::numpy> storage_array(KVCache& cache, bool keys, nb::handle owner
 void bind_decode(nb::module_& m) {
   m.def("decode", &decode_any, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("cache_lengths"),
         nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
-        nb::arg("block_table").none() = nb::none(), nb::arg("bits_as") = "", nb::arg("scale").none() = nb::none(),
-        nb::arg("causal") = "bottom_right", nb::arg("threads") = 0, nb::arg("window_left") = -1,
-        nb::arg("window_right") = -1, nb::arg("softcap") = 0.0f, nb::arg("alibi_slopes").none() = nb::none(),
-        nb::arg("sinks").none() = nb::none(), nb::arg("k_scale").none() = nb::none(),
-        nb::arg("v_scale").none() = nb::none(),
+        nb::arg("block_table").none() = nb::none(), nb::arg("bits_as") = "",
+        nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(), nb::arg("options"),
         "qkv::decode on [B, N, H, d] views; caches read in place (16-bit integer arrays hold the "
-        "bits of the `bits_as` type). Writes out (and lse) in place; the GIL is released.");
+        "bits of the `bits_as` type). options: an Options (scale, causal, threads and the "
+        "variants). Writes out (and lse) in place; the GIL is released.");
 
   nb::class_<KVCache>(m, "KVCache")
       .def(
@@ -164,22 +216,16 @@ void bind_decode(nb::module_& m) {
           nb::arg("k"), nb::arg("v"), nb::arg("seqs").none() = nb::none())
       .def(
           "attend",
-          [](const KVCache& self, const InArray& q, const OutArray& out, std::optional<OutArray> lse,
-             std::optional<double> scale, const std::string& causal, int threads, int64_t window_left,
-             int64_t window_right, float softcap, nb::handle alibi_slopes, nb::handle sinks) {
-            const DecodeOptions options = decode_options(scale, causal, threads, window_left, window_right,
-                                                         softcap, alibi_slopes, sinks);
-            const auto qv = view_of<const float, 4>("q", q, "queries are float32");
-            const auto ov = view_of<float, 4>("out", out, "the output is float32");
+          [](const KVCache& self, nb::handle q, nb::handle out, nb::handle lse, const BoundOptions& bound) {
+            const DecodeOptions options = to_decode_options(bound.for_call());
+            const auto qv = view_of<const float, 4>("q", ArrayRef::from(q, false, "q"), "queries are float32");
+            const auto ov = view_of<float, 4>("out", ArrayRef::from(out, true, "out"), "the output is float32");
             View3<float> lv;
-            if (lse) lv = view_of<float, 3>("lse", *lse, "the log-sum-exp is float32");
+            if (!lse.is_none()) lv = view_of<float, 3>("lse", ArrayRef::from(lse, true, "lse"), "the log-sum-exp is float32");
             nb::gil_scoped_release release;
             self.attend(qv, ov, lv, options);
           },
-          nb::arg("q"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
-          nb::arg("scale").none() = nb::none(), nb::arg("causal") = "bottom_right", nb::arg("threads") = 0,
-          nb::arg("window_left") = -1, nb::arg("window_right") = -1, nb::arg("softcap") = 0.0f,
-          nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none())
+          nb::arg("q"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(), nb::arg("options"))
       .def("reset", [](KVCache& self) { self.reset(); })
       .def("reset", [](KVCache& self, int64_t seq) { self.reset(seq); }, nb::arg("seq"))
       .def_prop_ro("lengths", [](const KVCache& self) {

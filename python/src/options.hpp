@@ -1,8 +1,12 @@
 // qkv._qkv.Options: the options of one call, converted from Python once, here, and handed
-// to the library as they are. Python builds it (qkv/_options.py) and passes the one
-// object to the bindings; the causal mode and backend are the library's enums, named by
-// its one name table (qkv/names.hpp). The values themselves (threads >= 0, scale > 0,
-// window, soft-cap, dropout p, ...) are the library's to check when the call runs.
+// to the library as they are. Every entry point that takes options (attention, varlen,
+// decode, KVCache.attend) takes this one object, and every field is set through one table
+// in options.cpp: each value is type-checked and range-checked there, before it is
+// narrowed to the library's type (an int that does not fit, a float that overflows
+// float32, an empty per-head vector are qkv::Errors naming the field). The causal mode
+// and backend are the library's enums, named by its one name table (qkv/names.hpp). The
+// values themselves (threads >= 0, scale > 0, window >= -1, soft-cap, dropout p, the
+// per-head vectors' lengths) are the library's to check when the call runs.
 //
 // Arrays (masks, key lengths, per-head vectors) are held as the caller's objects (NumPy
 // arrays or torch tensors) and become views only when a call runs: an Options may be kept
@@ -33,10 +37,5 @@ void bind_options(nanobind::module_& m);
 
 // From the name table; qkv::Error naming the argument otherwise.
 Backend parse_backend(const std::string& name);
-Causal parse_causal(const std::string& name);
-
-// A contiguous float32 vector of one value per query head (alibi_slopes, sinks), viewed
-// in place; qkv::Error naming `name` otherwise.
-std::span<const float> per_head(const char* name, nanobind::handle array);
 
 }  // namespace qkv::python

@@ -87,9 +87,9 @@ void backward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, con
   varlen_attention_backward(args, options);
 }
 
-std::optional<ArrayRef> optional_array(nanobind::handle array) {
+std::optional<ArrayRef> optional_array(const char* name, nanobind::handle array) {
   if (array.is_none()) return std::nullopt;
-  return ArrayRef::from(array, true);
+  return ArrayRef::from(array, true, name);
 }
 
 }  // namespace
@@ -101,9 +101,9 @@ void bind_varlen(nanobind::module_& m) {
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, const InArray& cu_q,
          const InArray& cu_k, nb::handle lse, std::optional<nb::dict> stats,
          const BoundOptions& bound, int64_t max_q, int64_t max_k, bool bfloat16_bits) {
-        const ArrayRef qa = ArrayRef::from(q, false), ka = ArrayRef::from(k, false),
-                       va = ArrayRef::from(v, false), oa = ArrayRef::from(out, true);
-        const std::optional<ArrayRef> la = optional_array(lse);
+        const ArrayRef qa = ArrayRef::from(q, false, "q"), ka = ArrayRef::from(k, false, "k"),
+                       va = ArrayRef::from(v, false, "v"), oa = ArrayRef::from(out, true, "out");
+        const std::optional<ArrayRef> la = optional_array("lse", lse);
         const CallStorage call = call_storage(qa, bfloat16_bits);
         const AttentionOptions options = bound.for_call();
         with_storage(call, [&]<class T>() {
@@ -124,13 +124,13 @@ void bind_varlen(nanobind::module_& m) {
          nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv, const InArray& cu_q,
          const InArray& cu_k, nb::handle dsinks, const BoundOptions& bound, int64_t max_q,
          int64_t max_k, bool bfloat16_bits, nb::handle dalibi) {
-        const ArrayRef qa = ArrayRef::from(q, false), ka = ArrayRef::from(k, false),
-                       va = ArrayRef::from(v, false), oa = ArrayRef::from(out, false),
-                       la = ArrayRef::from(lse, false), da = ArrayRef::from(dout, false),
-                       dqa = ArrayRef::from(dq, true), dka = ArrayRef::from(dk, true),
-                       dva = ArrayRef::from(dv, true);
-        const std::optional<ArrayRef> dsa = optional_array(dsinks);
-        const std::optional<ArrayRef> daa = optional_array(dalibi);
+        const ArrayRef qa = ArrayRef::from(q, false, "q"), ka = ArrayRef::from(k, false, "k"),
+                       va = ArrayRef::from(v, false, "v"), oa = ArrayRef::from(out, false, "out"),
+                       la = ArrayRef::from(lse, false, "lse"), da = ArrayRef::from(dout, false, "dout"),
+                       dqa = ArrayRef::from(dq, true, "dq"), dka = ArrayRef::from(dk, true, "dk"),
+                       dva = ArrayRef::from(dv, true, "dv");
+        const std::optional<ArrayRef> dsa = optional_array("dsinks", dsinks);
+        const std::optional<ArrayRef> daa = optional_array("dalibi_slopes", dalibi);
         const CallStorage call = call_storage(qa, bfloat16_bits);
         const AttentionOptions options = bound.for_call();
         with_storage(call, [&]<class T>() {
