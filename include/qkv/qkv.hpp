@@ -3,6 +3,7 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/decode.hpp"
+#include "qkv/dropout.hpp"
 #include "qkv/error.hpp"
 #include "qkv/half.hpp"
 #include "qkv/kv_cache.hpp"

@@ -24,14 +24,6 @@ namespace {
 
 namespace nb = nanobind;
 
-// The decode options of a call: until qkv::decode takes AttentionOptions, the fields it
-// shares with them (the only ones the Python decode and KVCache.attend set). The one
-// place the bindings still speak DecodeOptions.
-DecodeOptions to_decode_options(const AttentionOptions& a) {
-  return {.scale = a.scale, .causal = a.causal, .threads = a.execution.threads, .window = a.window,
-          .softcap = a.softcap, .alibi_slopes = a.alibi_slopes, .sinks = a.sinks};
-}
-
 StorageType parse_storage(const std::string& name) {
   if (name == "float32") return StorageType::float32;
   if (name == "bfloat16") return StorageType::bfloat16;
@@ -123,7 +115,7 @@ std::optional<ArrayRef> optional_in(const char* name, nb::handle array) {
 template <class T>
 void decode_typed(const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_cache,
                   std::span<const int64_t> lengths, const std::optional<ArrayRef>& block_table,
-                  const ArrayRef& out, const std::optional<ArrayRef>& lse, const DecodeOptions& options,
+                  const ArrayRef& out, const std::optional<ArrayRef>& lse, const AttentionOptions& options,
                   const std::optional<ArrayRef>& k_scale, const std::optional<ArrayRef>& v_scale) {
   DecodeArgs<T> args;
   if (k_scale) args.k_scale = view_of<const float, 3>("k_scale", *k_scale, "scales are float32");
@@ -152,7 +144,7 @@ void decode_any(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle
   const StorageType k_type = cache_storage("k_cache", ka, bits_as);
   if (cache_storage("v_cache", va, bits_as) != k_type)
     throw nb::type_error("v_cache: expected the dtype of k_cache");
-  const DecodeOptions options = to_decode_options(bound.for_call());
+  const AttentionOptions options = bound.for_call();
   const auto lengths = lengths_of(la);
   switch (k_type) {
     case StorageType::float32:
@@ -217,7 +209,7 @@ void bind_decode(nb::module_& m) {
       .def(
           "attend",
           [](const KVCache& self, nb::handle q, nb::handle out, nb::handle lse, const BoundOptions& bound) {
-            const DecodeOptions options = to_decode_options(bound.for_call());
+            const AttentionOptions options = bound.for_call();
             const auto qv = view_of<const float, 4>("q", ArrayRef::from(q, false, "q"), "queries are float32");
             const auto ov = view_of<float, 4>("out", ArrayRef::from(out, true, "out"), "the output is float32");
             View3<float> lv;
