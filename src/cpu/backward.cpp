@@ -33,6 +33,7 @@
 #include "cpu/gemm-inl.h"
 #include "cpu/finite_scan-inl.h"
 #include "cpu/modifier_tiles-inl.h"
+#include "cpu/decode_tiles-inl.h"
 #include "cpu/score_pipeline-inl.h"
 
 #ifndef QKV_CPU_BACKWARD_ONCE_
@@ -55,6 +56,7 @@
 #include "cpu/mask_tiles.hpp"
 #include "cpu/blocking.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cpu/decode.hpp"
 #include "cpu/work_order.hpp"
 #endif
 
@@ -154,10 +156,12 @@ struct BackwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> dq;    // dQ accumulator: dq_rows × d_ld
   std::vector<int32_t> key_begin, key_end;  // width (0 past the block's queries)
   std::vector<uint32_t> dropout_keys;       // width: dropout row keys of the block
+  SplitKLogits split_k;                     // the split-K schedule's logits (Context::split_k_logits)
 
-  // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass).
+  // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass); split_k_head_dim: the
+  // head dim when the logits are the split-K schedule's, else 0.
   BackwardScratch(const Packed& packed, bool elementwise, bool softcap, size_t lanes,
-                  size_t dq_rows, bool widen, bool score_mod = false)
+                  size_t dq_rows, bool widen, bool score_mod, size_t split_k_head_dim)
       : width(round_up(kBlockQueries, lanes)),
         pt(AllocateFloats(kBlockKeys * width)),
         dst(AllocateFloats(kBlockKeys * width)),
@@ -170,7 +174,8 @@ struct BackwardScratch {
         dq(AllocateFloats(dq_rows * packed.d_ld)),
         key_begin(width, 0),
         key_end(width, 0),
-        dropout_keys(width, 0) {
+        dropout_keys(width, 0),
+        split_k(split_k_head_dim, kBlockQueries, kBlockKeys, split_k_head_dim > 0) {
     // Padding columns never get a derivative; ChainScoreMod ignores them (dS = 0 there),
     // but they should not be read uninitialized.
     if (score_mod) std::fill(mod_slope.get(), mod_slope.get() + kBlockKeys * width, 1.0f);
@@ -188,6 +193,9 @@ struct Context {
   // ALiBi slope gradient (BackwardArgs::dalibi_slopes), or null: one sum per (entry, head)
   // in the single-pass schedule (each written by one task), per pass-2 task otherwise.
   double* alibi_sums = nullptr;
+  // Sequences of ≤ kDecodeQueries queries take the split-K schedule's logits, as in the
+  // forward (cpu::split_k_logits_for).
+  bool split_k_logits = false;
 };
 
 // One key block's K and V rows as float operands: in place for float storage, else
@@ -303,9 +311,18 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
   const size_t width = round_up(static_cast<size_t>(rows.count), VectorLanes());
   const size_t kn = static_cast<size_t>(keys);
   const size_t offset = static_cast<size_t>(rows.first);
-  Gemm(kn, width, static_cast<size_t>(e.head_dim), StridedA{kv.k, kv.k_ld, 1},
-       c.packed.qt_block(rows.batch, rows.head, rows.first), kBlockQueries, s.pt.get(), width,
-       false);
+  const bool split_k_logits = c.split_k_logits && split_k_logits_for(p.mask, rows.batch);
+  if constexpr (std::is_same_v<T, float>) {
+    if (split_k_logits) {
+      s.split_k.Tile(p.rows().q(rows.batch, rows.first, rows.head), p.args.q.strides[1],
+                     static_cast<size_t>(rows.count), static_cast<float>(p.scale), kv.k,
+                     static_cast<int64_t>(kv.k_ld), kn, s.pt.get(), width);
+    }
+  }
+  if (!split_k_logits)
+    Gemm(kn, width, static_cast<size_t>(e.head_dim), StridedA{kv.k, kv.k_ld, 1},
+         c.packed.qt_block(rows.batch, rows.head, rows.first), kBlockQueries, s.pt.get(), width,
+         false);
   // The forward's score pipeline (core/score_pipeline.hpp), keeping the soft-cap's and
   // score_mod's derivatives for the chain rule below.
   const detail::ScoreModifiers& mods = p.modifiers;
@@ -539,7 +556,9 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
   const bool want_dalibi = !p.args.dalibi_slopes.empty();
   std::vector<double> alibi_sums(
       !want_dalibi ? 0 : single_pass ? static_cast<size_t>(e.batch * e.q_heads) : query_tasks.size(), 0.0);
-  const Context<T> context{p, plan, finite, shared, packed, want_dalibi ? alibi_sums.data() : nullptr};
+  const bool split_k_logits = std::is_same_v<T, float> && split_k_eligible(p.mask, p.modifiers);
+  const Context<T> context{p, plan, finite, shared, packed, want_dalibi ? alibi_sums.data() : nullptr,
+                           split_k_logits};
 
   const std::vector<std::pair<int64_t, int64_t>> head_groups =
       single_pass ? head_group_tasks(e, kv_tasks) : std::vector<std::pair<int64_t, int64_t>>{};
@@ -560,7 +579,8 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
     // (implicit barrier: every task below reads every query block's packed panels, the
     // finite flags and the shared mask tiles)
     BackwardScratch scratch(packed, p.mask.has_elementwise(), p.modifiers.softcap > 0.0f, lanes,
-                            dq_rows, kIsHalf<T>, p.modifiers.has_score_mod());
+                            dq_rows, kIsHalf<T>, p.modifiers.has_score_mod(),
+                            split_k_logits ? static_cast<size_t>(e.head_dim) : 0);
     if (single_pass) {
 #pragma omp for schedule(dynamic, 1)
       for (size_t t = 0; t < head_groups.size(); ++t)

@@ -10,8 +10,13 @@
 
 namespace qkv::cpu {
 
-// Calls of few queries whose rows each see a range of keys: no elementwise mask, no
-// dropout, no programmable modifier, no varlen (cpu/forward_schedule.cpp).
+// Calls whose rows each see a range of keys: no elementwise mask, no dropout, no
+// programmable modifier (cpu/forward_schedule.cpp). Their sequences of at most
+// kDecodeQueries queries have their logits summed the split-K way in every schedule and
+// pass (split_k_logits_for), so that a row's logits depend on its own sequence only.
+bool split_k_eligible(const detail::MaskRule& mask, const detail::ScoreModifiers& modifiers);
+bool split_k_logits_for(const detail::MaskRule& mask, int64_t batch_entry);
+// split_k_eligible dense calls of 1..kDecodeQueries queries: what the split-K schedule runs.
 bool split_k_shape(const detail::Extents& extents, const detail::MaskRule& mask,
                    const detail::ScoreModifiers& modifiers);
 

@@ -11,9 +11,14 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "hwy/aligned_allocator.h"
 
 #include "hwy/highway.h"
 #include "cpu/block_ops-inl.h"
+#include "cpu/blocking.hpp"
 #include "cpu/storage-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -221,6 +226,66 @@ void ValueBlock(size_t rows, const float* HWY_RESTRICT p, size_t p_ld, size_t ke
     default: return;
   }
 }
+
+// ---------------------------------------------------------------------------------
+// The split-K schedule's logits inside a tiled pass. A problem the forward runs split-K
+// (cpu::split_k_shape) has its LSE from logits summed as ScoreKeys sums them (lanes over
+// d, then the tree of lane sums); its backward computes P = exp(S − lse), which sums to 1
+// only if S is that very sum — one FMA chain over d (the tiled GEMM) differs by up to
+// |S|·ε·√d, far above the gradient's error bound at large logits. So the tiled backward
+// (and the tiled forward, when it runs such a problem to collect statistics) takes its
+// logits from here: bit for bit the split-K schedule's, as every (row, key) logit of
+// ScoreKeys depends only on q_row and k_key (the tree pairs adjacent lanes the same way
+// whatever the tile), and the queries are scaled in float as the split-K schedule does.
+class SplitKLogits {
+ public:
+  // Nothing allocated when `active` is false (every other problem).
+  SplitKLogits(size_t head_dim, size_t block_queries, size_t block_keys, bool active)
+      : d_(head_dim),
+        d_pad_(round_up(head_dim, VectorLanes())),
+        block_keys_(round_up(block_keys, VectorLanes())),
+        queries_(AllocateFloats(active ? block_queries * d_pad_ : 0)),
+        keys_(AllocateFloats(active && d_pad_ != d_ ? block_keys_ * d_pad_ : 0)),
+        rows_(AllocateFloats(active ? block_queries * block_keys_ : 0)),
+        key_rows_(active ? block_keys_ : 0) {}
+
+  // st[j·width + i] = (scale·q_i)·k_j for queries q_i = q + i·q_row (i < count) and keys
+  // k_j = k + j·k_row (j < keys), float rows; st's columns count..width are zero (as the
+  // GEMM gives them from zero-padded queries).
+  void Tile(const float* q, int64_t q_row, size_t count, float scale, const float* k, int64_t k_row,
+            size_t keys, float* HWY_RESTRICT st, size_t width) {
+    const size_t lanes = VectorLanes(), padded = round_up(keys, lanes);
+    for (size_t i = 0; i < count; ++i) {
+      const float* in = q + static_cast<int64_t>(i) * q_row;
+      float* row = queries_.get() + i * d_pad_;
+      for (size_t c = 0; c < d_; ++c) row[c] = scale * in[c];
+      std::fill(row + d_, row + d_pad_, 0.0f);
+    }
+    for (size_t j = 0; j < padded; ++j) {  // past `keys`: the last row again, never stored
+      const float* key = k + static_cast<int64_t>(std::min(j, keys - 1)) * k_row;
+      if (d_pad_ == d_) {
+        key_rows_[j] = key;
+      } else {
+        if (j < keys) WidenRows(key, 0, 1, d_, keys_.get() + j * d_pad_, d_pad_);
+        key_rows_[j] = keys_.get() + std::min(j, keys - 1) * d_pad_;
+      }
+    }
+    for (size_t j = 0; j < padded; j += lanes)
+      ScoreKeys(count, queries_.get(), d_pad_, key_rows_.data() + j, d_pad_, Ahead<float>{}, rows_.get() + j, padded);
+    for (size_t j = 0; j < keys; ++j) {
+      float* out = st + j * width;
+      for (size_t i = 0; i < count; ++i) out[i] = rows_[i * padded + j];
+      std::fill(out + count, out + width, 0.0f);
+    }
+  }
+
+ private:
+  size_t d_, d_pad_, block_keys_;
+  hwy::AlignedFreeUniquePtr<float[]> queries_;  // count × d_pad: scale·q, zero-padded
+  hwy::AlignedFreeUniquePtr<float[]> keys_;     // keys × d_pad: K rows zero-padded (d not whole vectors)
+  hwy::AlignedFreeUniquePtr<float[]> rows_;     // count × padded keys: the logits, row-major
+  std::vector<const float*> key_rows_;
+};
 
 }  // namespace qkv::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();

@@ -35,6 +35,7 @@
 #include "cpu/gemm-inl.h"
 #include "cpu/finite_scan-inl.h"
 #include "cpu/modifier_tiles-inl.h"
+#include "cpu/decode_tiles-inl.h"
 #include "cpu/score_pipeline-inl.h"
 
 #ifndef QKV_CPU_FORWARD_ONCE_
@@ -74,6 +75,10 @@ struct ForwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> stats;  // m, l, alpha, u: 4 × width
   std::vector<int32_t> key_begin, key_end;   // width (0 past the block's queries)
   std::vector<uint32_t> dropout_keys;        // width: dropout row keys of the block
+  // A float problem whose short sequences take the split-K schedule's logits (cpu::
+  // split_k_logits_for; decode_tiles-inl.h), so that its backward sees the same logits.
+  bool split_k_logits;
+  SplitKLogits split_k;
 
   template <class T>
   ForwardScratch(const detail::ForwardProblem<T>& p, size_t lanes)
@@ -91,7 +96,9 @@ struct ForwardScratch {
         stats(AllocateFloats(4 * width)),
         key_begin(width, 0),
         key_end(width, 0),
-        dropout_keys(width, 0) {}
+        dropout_keys(width, 0),
+        split_k_logits(std::is_same_v<T, float> && split_k_eligible(p.mask, p.modifiers)),
+        split_k(static_cast<size_t>(p.extents.head_dim), kBlockQueries, kBlockKeys, split_k_logits) {}
 };
 
 // Attention health of a block's rows from the online softmax's own sums (see
@@ -199,8 +206,15 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
       PrefetchRows(rows_of.v(b, first_key + kBlockKeys, kv_head), v_row, next, dv);
     }
     // Sᵀ = K_blk · (scale·Qᵀ)
-    Gemm(static_cast<size_t>(keys), width, d, StridedA{k, k_ld, 1},
-         s.qt.get(), width, s.st.get(), width, /*accumulate=*/false);
+    const bool split_k_logits = s.split_k_logits && split_k_logits_for(p.mask, b);
+    if constexpr (std::is_same_v<T, float>) {
+      if (split_k_logits)
+        s.split_k.Tile(rows_of.q(b, rows.first, h), p.args.q.strides[1], count, static_cast<float>(p.scale), k,
+                       static_cast<int64_t>(k_ld), static_cast<size_t>(keys), s.st.get(), width);
+    }
+    if (!split_k_logits)
+      Gemm(static_cast<size_t>(keys), width, d, StridedA{k, k_ld, 1},
+           s.qt.get(), width, s.st.get(), width, /*accumulate=*/false);
     // Soft-cap, ALiBi, score_mod, then the mask on partial tiles (core/score_pipeline.hpp).
     const bool partial = tile == detail::Tile::partial;
     detail::apply_score_pipeline(mods, TileStages{.rule = p.mask, .mods = mods, .rows = rows,

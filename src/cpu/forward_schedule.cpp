@@ -9,14 +9,20 @@
 
 namespace qkv::cpu {
 
-bool split_k_shape(const detail::Extents& e, const detail::MaskRule& mask, const detail::ScoreModifiers& mods) {
+bool split_k_eligible(const detail::MaskRule& mask, const detail::ScoreModifiers& mods) {
   // Rows that each see a range of keys (causality, key_lengths, a sliding window), with
   // the inference variants (soft-cap, ALiBi, sinks): the split-K schedule has no
-  // elementwise mask, no varlen offsets, no dropout (a training feature), and runs the
-  // programmable modifiers only per row (slower than the tiled schedule's per tile).
-  if (mask.has_elementwise() || mask.has_mask_mod() || mask.sequences.varlen()) return false;
-  if (mods.has_dropout() || mods.has_score_mod()) return false;
-  return e.q_len >= 1 && e.q_len <= kDecodeQueries;
+  // elementwise mask, no dropout (a training feature), and runs the programmable
+  // modifiers only per row (slower than the tiled schedule's per tile).
+  return !mask.has_elementwise() && !mask.has_mask_mod() && !mods.has_dropout() && !mods.has_score_mod();
+}
+
+bool split_k_logits_for(const detail::MaskRule& mask, int64_t batch_entry) {
+  return mask.q_len(batch_entry) <= kDecodeQueries;
+}
+
+bool split_k_shape(const detail::Extents& e, const detail::MaskRule& mask, const detail::ScoreModifiers& mods) {
+  return split_k_eligible(mask, mods) && !mask.sequences.varlen() && e.q_len >= 1 && e.q_len <= kDecodeQueries;
 }
 
 bool runs_split_k(const detail::ForwardProblem<float>& p) {

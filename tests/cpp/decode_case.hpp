@@ -195,4 +195,20 @@ Outputs run_decode(const DecodeCase<T>& dc, const DecodeSpec& s, int threads) {
   return r;
 }
 
+// The fp64 oracle: attention over the case's stored values (dc.c holds them: rounded to
+// the storage type, or int8 · scale), through the reference backend.
+struct Reference64 {
+  Tensor<double, 4> out;
+  Tensor<double, 3> lse;
+};
+
+template <class T>
+Reference64 reference_of(const DecodeCase<T>& dc, const DecodeSpec& s) {
+  const auto q = widen<double>(dc.c.q), k = widen<double>(dc.c.k), v = widen<double>(dc.c.v);
+  Reference64 r{Tensor<double, 4>({s.batch, s.q_len, s.q_heads, s.v_dim}), Tensor<double, 3>({s.batch, s.q_heads, s.q_len})};
+  attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = r.out.view(), .lse = r.lse.view()},
+                    dc.c.options);
+  return r;
+}
+
 }  // namespace qkv::test

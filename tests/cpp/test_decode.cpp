@@ -31,7 +31,6 @@ using test::error;
 using test::max_abs;
 using test::run_decode;
 using test::to_storage;
-using test::widen;
 
 template <class T>
 void check_spec(const DecodeSpec& s) {
@@ -39,11 +38,9 @@ void check_spec(const DecodeSpec& s) {
   const DecodeCase<T> dc(s);
   const Outputs got = run_decode(dc, s, s.threads);
 
-  const auto q = widen<double>(dc.c.q), k = widen<double>(dc.c.k), v = widen<double>(dc.c.v);
-  Tensor<double, 4> ref_out({s.batch, s.q_len, s.q_heads, s.v_dim});
-  Tensor<double, 3> ref_lse({s.batch, s.q_heads, s.q_len});
-  attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = ref_out.view(), .lse = ref_lse.view()},
-                    dc.c.options);
+  const test::Reference64 ref = test::reference_of(dc, s);
+  const Tensor<double, 4>& ref_out = ref.out;
+  const Tensor<double, 3>& ref_lse = ref.lse;
   const test::PlainResult plain = test::plain_fp32(dc.c, nullptr);
   const double floor = 8.0 * std::numeric_limits<float>::epsilon() * std::max(1.0, max_abs(ref_out));
   EXPECT_LE(error(got.out, ref_out), 2.0 * error(plain.out, ref_out) + floor)

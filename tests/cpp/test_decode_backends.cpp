@@ -22,17 +22,13 @@
 namespace qkv {
 namespace {
 
-using test::DecodeCase;
 using test::DecodeSpec;
 using test::Outputs;
-using test::error;
-using test::max_abs;
-using test::widen;
 
 template <class T>
 void check_backends(const DecodeSpec& s) {
   SCOPED_TRACE(s.name + " storage=" + storage_name(s.type) + " block=" + std::to_string(s.block_size));
-  const DecodeCase<T> dc(s);
+  const test::DecodeCase<T> dc(s);
   AttentionOptions options;
   options.causal = s.causal;
   options.window = s.window;
@@ -53,15 +49,12 @@ void check_backends(const DecodeSpec& s) {
   const Outputs by_default = run(Backend::automatic);
   const Outputs by_compat = test::run_decode(dc, s, s.threads);  // DecodeOptions
 
-  // The fp64 oracle over the stored values (dc.c holds them: rounded, or int8 · scale).
-  const auto q = widen<double>(dc.c.q), k = widen<double>(dc.c.k), v = widen<double>(dc.c.v);
-  Tensor<double, 4> ref_out({s.batch, s.q_len, s.q_heads, s.v_dim});
-  Tensor<double, 3> ref_lse({s.batch, s.q_heads, s.q_len});
-  attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = ref_out.view(), .lse = ref_lse.view()},
-                    dc.c.options);
+  const test::Reference64 ref = test::reference_of(dc, s);  // over the stored values
+  const Tensor<double, 4>& ref_out = ref.out;
+  const Tensor<double, 3>& ref_lse = ref.lse;
   const double eps = std::numeric_limits<float>::epsilon();
-  EXPECT_LE(error(by_reference.out, ref_out), eps * std::max(1.0, max_abs(ref_out)));
-  EXPECT_LE(error(by_reference.lse, ref_lse), eps * std::max(1.0, max_abs(ref_lse)));
+  EXPECT_LE(test::error(by_reference.out, ref_out), eps * std::max(1.0, test::max_abs(ref_out)));
+  EXPECT_LE(test::error(by_reference.lse, ref_lse), eps * std::max(1.0, test::max_abs(ref_lse)));
 
   // automatic = cpu = the DecodeOptions path, bit for bit.
   for (const Outputs* other : {&by_default, &by_compat}) {
@@ -100,7 +93,7 @@ TEST(DecodeBackends, ReferenceWithVariants) {
 
 TEST(DecodeBackends, RefusesWhatACacheCannotTake) {
   const DecodeSpec s{.name = "refuse", .batch = 1, .q_len = 1, .capacity = 8, .lengths = {8}};
-  const DecodeCase<float> dc(s);
+  const test::DecodeCase<float> dc(s);
   Tensor<float, 4> out({1, 1, 1, 64});
   Tensor<float, 3> lse({1, 1, 1});
   test::fill(out, 3.0f);
