@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention_cases.hpp"
+#include "core/problem.hpp"  // detail::MaskRule, the library's own mask rule
 
 namespace qkv::test {
 

@@ -24,9 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "cpu/cpu_backend.hpp"
-#include "hwy/targets.h"
 #include "cpu_check.hpp"
+#include "simd_targets.hpp"
 
 namespace qkv {
 namespace {
@@ -467,23 +466,18 @@ TEST(AttentionStats, NonFiniteBehindMaskStaysThere) {
 }
 
 TEST(AttentionStats, EveryCompiledSimdTarget) {
-  const std::vector<int64_t> targets = cpu::compiled_simd_targets();
-  ASSERT_FALSE(targets.empty());
   const std::vector<CaseSpec> specs{
       {.name = "t_causal", .batch = 2, .q_len = 70, .k_len = 70, .q_heads = 2, .kv_heads = 1,
        .head_dim = 64, .v_dim = 64, .causal = Causal::top_left},
       {.name = "t_odd", .q_len = 33, .k_len = 47, .head_dim = 59, .v_dim = 13, .bias_mask = true,
        .key_padding = true},
   };
-  for (int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  test::for_each_simd_target([&](int64_t) {
     for (const CaseSpec& spec : specs) {
       const Case<float> c(spec, 28);
       expect_cpu_matches_reference(c, run_cpu(c, 2), run_reference(c), kThreshold);
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);  // back to the real CPU
+  });
 }
 
 // Only the views given are written; the others may be absent.

@@ -9,6 +9,7 @@
 // index, a missing derivative) is off by O(0.1).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -17,11 +18,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "hwy/targets.h"
 #include "core/tile_plan.hpp"
-#include "cpu/cpu_backend.hpp"
 #include "cpu_check.hpp"
+#include "finite_difference.hpp"
 #include "half_check.hpp"
+#include "simd_targets.hpp"
 
 namespace qkv {
 namespace {
@@ -39,24 +40,17 @@ bool same_results(const test::Results& a, const test::Results& b) {
          same_bits(a.dk, b.dk) && same_bits(a.dv, b.dv);
 }
 
-double bound(const Tensor<double, 4>& ref, double relative) {
-  return relative * std::max(1.0, test::max_abs(ref));
-}
-double bound(const Tensor<double, 3>& ref, double relative) {
-  return relative * std::max(1.0, test::max_abs(ref));
-}
-
 // cpu (fp32, `threads`) against the reference (fp64) on the case's options.
 void expect_near_reference(const Case<float>& c, int threads = 2) {
   const CaseSpec& s = c.spec;
   const auto dout = test::random_tensor<float, 4>({s.batch, s.q_len, s.q_heads, s.v_dim}, 4);
   const test::Results cpu = test::run_cpu(c, {s, false, false, threads}, &dout);
   const test::Reference ref = test::run_reference(c, &dout);
-  EXPECT_LE(test::error(cpu.out, ref.out), bound(ref.out, 4e-6)) << "out";
-  EXPECT_LE(test::error(cpu.lse, ref.lse), bound(ref.lse, 4e-6)) << "lse";
-  EXPECT_LE(test::error(cpu.dq, ref.dq), bound(ref.dq, 2e-5)) << "dq";
-  EXPECT_LE(test::error(cpu.dk, ref.dk), bound(ref.dk, 2e-5)) << "dk";
-  EXPECT_LE(test::error(cpu.dv, ref.dv), bound(ref.dv, 2e-5)) << "dv";
+  EXPECT_LE(test::error(cpu.out, ref.out), test::relative_tolerance(4e-6, ref.out)) << "out";
+  EXPECT_LE(test::error(cpu.lse, ref.lse), test::relative_tolerance(4e-6, ref.lse)) << "lse";
+  EXPECT_LE(test::error(cpu.dq, ref.dq), test::relative_tolerance(2e-5, ref.dq)) << "dq";
+  EXPECT_LE(test::error(cpu.dk, ref.dk), test::relative_tolerance(2e-5, ref.dk)) << "dk";
+  EXPECT_LE(test::error(cpu.dv, ref.dv), test::relative_tolerance(2e-5, ref.dv)) << "dv";
 }
 
 test::Results run(const Case<float>& c, int threads = 2) {
@@ -368,8 +362,6 @@ TEST(Modifiers, VarlenPerSequenceMaskMatchesReference) {
 // On every SIMD target this build compiled (the hooks are plain calls; the chain rule
 // and masking around them are per-target code): cpu against the reference.
 TEST(Modifiers, EveryCompiledTargetMatchesReference) {
-  const std::vector<int64_t> targets = cpu::compiled_simd_targets();
-  ASSERT_FALSE(targets.empty());
   const auto relative = score_mod(
       [](auto s, int64_t, int64_t h, int64_t i, int64_t j) {
         return 0.8f * s - 0.03f * static_cast<float>(h + 1) * static_cast<float>(i > j ? i - j : j - i);
@@ -381,12 +373,7 @@ TEST(Modifiers, EveryCompiledTargetMatchesReference) {
   spec.causal = Causal::top_left;
   Case<float> c(spec, 27);
   c.options.modifiers = {.score = relative, .mask = documents};
-  for (int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    expect_near_reference(c);
-  }
-  hwy::SetSupportedTargetsForTest(0);  // back to the real CPU
+  test::for_each_simd_target([&](int64_t) { expect_near_reference(c); });
 }
 
 // Few queries against many keys (the decode kernel's shapes, which it cannot modify):
@@ -512,24 +499,11 @@ TEST(ModifierGradients, ReferenceBackwardMatchesFiniteDifferences) {
     for (std::size_t i = 0; i < o.size(); ++i) sum += o[i] * dout[i];
     return sum;
   };
-  const double h = 1e-6;
-  double largest = 0.0;
-  auto check = [&](Tensor<double, 4>& x, const Tensor<double, 4>& grad, const char* name) {
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      const double saved = x[i];
-      x[i] = saved + h;
-      const double up = loss();
-      x[i] = saved - h;
-      const double down = loss();
-      x[i] = saved;
-      EXPECT_NEAR(grad[i], (up - down) / (2 * h), 1e-7) << name << "[" << i << "]";
-      largest = std::max(largest, std::abs(grad[i]));
-    }
-  };
-  check(c.q, dq, "dq");
-  check(c.k, dk, "dk");
-  check(c.v, dv, "dv");
-  EXPECT_GT(largest, 1e-2);  // the check has something to check
+  test::expect_gradient_matches(c.q, dq, 1e-6, 1e-7, loss, "dq");
+  test::expect_gradient_matches(c.k, dk, 1e-6, 1e-7, loss, "dk");
+  test::expect_gradient_matches(c.v, dv, 1e-6, 1e-7, loss, "dv");
+  // The check has something to check.
+  EXPECT_GT(std::max({test::max_abs(dq), test::max_abs(dk), test::max_abs(dv)}), 1e-2);
 }
 
 // A generic (`auto`) score_mod runs in double on the reference: adding 1e-10 to every

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "attention_cases.hpp"
+#include "finite_difference.hpp"
 
 namespace qkv {
 namespace {
@@ -32,15 +33,7 @@ constexpr double kTolerance = 1e-8;
 void expect_gradient_matches(Case<double>& c, Tensor<double, 4>& input,
                              const Tensor<double, 4>& analytic, const Tensor<double, 4>& g,
                              const char* name) {
-  for (std::size_t i = 0; i < input.size(); ++i) {
-    const double saved = input[i];
-    input[i] = saved + kStep;
-    const double plus = loss(c, g);
-    input[i] = saved - kStep;
-    const double minus = loss(c, g);
-    input[i] = saved;
-    EXPECT_NEAR(analytic[i], (plus - minus) / (2 * kStep), kTolerance) << name << "[" << i << "]";
-  }
+  test::expect_gradient_matches(input, analytic, kStep, kTolerance, [&] { return loss(c, g); }, name);
 }
 
 class ReferenceBackward : public ::testing::TestWithParam<CaseSpec> {};
