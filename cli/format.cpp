@@ -16,16 +16,6 @@ std::string format(const char* spec, double value) {
   return std::string(buffer, static_cast<std::size_t>(std::clamp(n, 0, 63)));
 }
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string text = "(";
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (i > 0) text += ", ";
-    text += std::to_string(shape[i]);
-  }
-  if (shape.size() == 1) text += ",";
-  return text + ")";
-}
-
 // ---- Table ---------------------------------------------------------------------------
 
 void Table::add_group(std::string title, int columns) {

@@ -11,8 +11,6 @@ namespace qkv::cli {
 
 // printf-style formatting of one double ("%.4g", "%.3f", ...).
 std::string format(const char* spec, double value);
-// A shape as "(2, 8, 4, 64)".
-std::string shape_string(const std::vector<int64_t>& shape);
 
 // Columns of right-aligned cells under left-aligned headers; widths fit the content.
 // A header may span several columns (add_group) to label scaled/unscaled pairs.
