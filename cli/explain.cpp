@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "format.hpp"
+#include "json.hpp"
 #include "qkv/qkv.hpp"
 #include "random.hpp"
 
@@ -487,86 +488,65 @@ void print_text(const ExplainResults& results, std::ostream& out) {
 
 void print_json(const ExplainResults& results, std::ostream& out) {
   const ExplainConfig& c = results.config;
-  Json json(out);
-  json.begin_object();
-  json.field("seed", static_cast<int64_t>(c.seed));
-  json.field("samples", c.samples);
-  json.field("keys", c.keys);
-  json.key("dims").begin_array();
-  for (int64_t d : c.dims) json.value(d);
-  json.end_array();
-  json.field("dead_jacobian_threshold", kDeadJacobian);
-  json.field("saturation_threshold", kSaturated);
-  json.field("softcap", c.softcap);
-  json.field("softcap_weight_bound", softcap_weight_bound(c.softcap, c.keys));
-  json.key("backends").begin_object();
-  json.field("weights", results.weights_backend);
-  json.field("backward", results.backward_backend);
-  json.end_object();
+  Json json;
+  json["seed"] = static_cast<int64_t>(c.seed);
+  json["samples"] = c.samples;
+  json["keys"] = c.keys;
+  json["dims"] = c.dims;
+  json["dead_jacobian_threshold"] = json_number(kDeadJacobian);
+  json["saturation_threshold"] = json_number(kSaturated);
+  json["softcap"] = json_number(c.softcap);
+  json["softcap_weight_bound"] = json_number(softcap_weight_bound(c.softcap, c.keys));
+  json["backends"] = {{"weights", results.weights_backend}, {"backward", results.backward_backend}};
 
-  json.key("variance").begin_array();
+  Json& variance = json["variance"] = Json::array();
   for (const DimResult& r : results.dims) {
-    json.begin_object();
-    json.field("d", r.d);
-    json.field("unscaled", r.var_unscaled);
-    json.field("unscaled_theory", static_cast<double>(r.d));
-    json.field("scaled", r.var_scaled);
-    json.field("scaled_theory", 1.0);
-    json.field("relative_std_error", r.var_relative_std_error);
-    json.end_object();
+    variance.push_back({{"d", r.d},
+                        {"unscaled", json_number(r.var_unscaled)},
+                        {"unscaled_theory", r.d},
+                        {"scaled", json_number(r.var_scaled)},
+                        {"scaled_theory", 1},
+                        {"relative_std_error", json_number(r.var_relative_std_error)}});
   }
-  json.end_array();
 
-  const auto write_estimate = [&](const char* name, const Estimate& e) {
-    json.key(name).begin_object();
-    json.field("mean", e.mean);
-    json.field("std_error", e.std_error);
-    json.field("median", e.median);
-    json.end_object();
+  const auto estimate = [](const Estimate& e) {
+    return Json{{"mean", json_number(e.mean)}, {"std_error", json_number(e.std_error)},
+                {"median", json_number(e.median)}};
   };
-  const auto write_stats = [&](const char* name, const RowStats& s) {
-    json.key(name).begin_object();
-    write_estimate("max_weight", s.max_weight);
-    write_estimate("entropy", s.entropy);
-    write_estimate("jacobian_norm", s.jacobian_norm);
-    write_estimate("grad_norm", s.grad_norm);
-    write_estimate("query_grad_norm", s.query_grad_norm);
-    write_estimate("dead", s.dead);
-    write_estimate("saturated", s.saturated);
-    json.end_object();
+  const auto stats = [&](const RowStats& s) {
+    return Json{{"max_weight", estimate(s.max_weight)},
+                {"entropy", estimate(s.entropy)},
+                {"jacobian_norm", estimate(s.jacobian_norm)},
+                {"grad_norm", estimate(s.grad_norm)},
+                {"query_grad_norm", estimate(s.query_grad_norm)},
+                {"dead", estimate(s.dead)},
+                {"saturated", estimate(s.saturated)}};
   };
-  json.key("rows").begin_array();
+  Json& rows = json["rows"] = Json::array();
   for (const DimResult& r : results.dims) {
-    json.begin_object();
-    json.field("d", r.d);
-    write_stats("unscaled", r.unscaled);
-    write_stats("scaled", r.scaled);
-    write_stats("capped_unscaled", r.capped_unscaled);
-    write_stats("capped_scaled", r.capped_scaled);
-    json.end_object();
+    rows.push_back({{"d", r.d},
+                    {"unscaled", stats(r.unscaled)},
+                    {"scaled", stats(r.scaled)},
+                    {"capped_unscaled", stats(r.capped_unscaled)},
+                    {"capped_scaled", stats(r.capped_scaled)}});
   }
-  json.end_array();
 
-  json.key("softmax").begin_array();
+  Json& softmax = json["softmax"] = Json::array();
   for (const SoftmaxExample* e : {&results.huge, &results.moderate}) {
-    json.begin_object();
-    json.field("x", e->x);
-    json.field("s", e->s);
-    json.key("jacobian").begin_array();
+    Json jacobian = Json::array();
     const std::size_t n = e->x.size();
     for (std::size_t i = 0; i < n; ++i) {
-      json.begin_array();
-      for (std::size_t j = 0; j < n; ++j) json.value(e->jacobian[i * n + j] == 0.0 ? 0.0 : e->jacobian[i * n + j]);
-      json.end_array();
+      Json row = Json::array();
+      for (std::size_t j = 0; j < n; ++j) row.push_back(json_number(e->jacobian[i * n + j]));
+      jacobian.push_back(std::move(row));
     }
-    json.end_array();
-    json.field("attention_weights", e->attention_weights);
-    json.field("attention_lse", e->attention_lse);
-    json.end_object();
+    softmax.push_back({{"x", json_numbers(e->x)},
+                       {"s", json_numbers(e->s)},
+                       {"jacobian", std::move(jacobian)},
+                       {"attention_weights", json_numbers(e->attention_weights)},
+                       {"attention_lse", json_number(e->attention_lse)}});
   }
-  json.end_array();
-  json.end_object();
-  json.finish();
+  write_json(json, out);
 }
 
 std::string gnuplot_script(const ExplainResults& results) {
