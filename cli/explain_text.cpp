@@ -1,6 +1,7 @@
 // `qkv explain`'s report as text: the tables and the sentences around them.
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -11,6 +12,19 @@
 
 namespace qkv::cli {
 namespace {
+
+// A table of d and, under each title, one column per label (unscaled and scaled, ...).
+Table grouped_table(std::initializer_list<const char*> titles, std::initializer_list<const char*> labels) {
+  Table table;
+  table.add_column("d");
+  for (const char* title : titles) {
+    table.add_group(title, static_cast<int>(labels.size()));
+    for (const char* label : labels) table.add_column(label);
+  }
+  return table;
+}
+
+std::string percent(double share) { return format("%.1f", 100.0 * share) + " %"; }
 
 std::string pm(double value, double error) {
   return format("%.4g", value) + " ± " + format("%.2g", error);
@@ -75,21 +89,8 @@ void print_softcap_section(const ExplainResults& results, std::ostream& out) {
       << format("%.3g", tail / (1.0 + tail)) << " (L = " << c.keys << ").\n"
       << "    tanh also squeezes the largest logits together, and the gradient reaching q carries\n"
       << "    its slope 1 − tanh²(S/c). The same rows as (b)–(c), with and without the cap:\n\n";
-  Table table;
-  table.add_column("d");
-  table.add_group("largest weight", 3);
-  table.add_column("unscaled");
-  table.add_column("capped");
-  table.add_column("scaled+cap");
-  table.add_group("dead rows", 3);
-  table.add_column("unscaled");
-  table.add_column("capped");
-  table.add_column("scaled+cap");
-  table.add_group("median ‖∂L/∂q‖", 3);
-  table.add_column("unscaled");
-  table.add_column("capped");
-  table.add_column("scaled+cap");
-  const auto percent = [](double share) { return format("%.1f", 100.0 * share) + " %"; };
+  Table table = grouped_table({"largest weight", "dead rows", "median ‖∂L/∂q‖"},
+                              {"unscaled", "capped", "scaled+cap"});
   for (const DimResult& r : results.dims) {
     table.add_row({std::to_string(r.d), format("%.4f", r.unscaled.max_weight.mean),
                    format("%.4f", r.capped_unscaled.max_weight.mean),
@@ -149,18 +150,7 @@ void print_text(const ExplainResults& results, std::ostream& out) {
       << "    (largest weight > " << format("%g", kSaturated)
       << "), from attention_forward's softmax statistics (return_stats).\n\n";
   {
-    Table table;
-    table.add_column("d");
-    table.add_group("largest weight", 2);
-    table.add_column("unscaled");
-    table.add_column("scaled");
-    table.add_group("entropy", 2);
-    table.add_column("unscaled");
-    table.add_column("scaled");
-    table.add_group("saturated rows", 2);
-    table.add_column("unscaled");
-    table.add_column("scaled");
-    const auto percent = [](double share) { return format("%.1f", 100.0 * share) + " %"; };
+    Table table = grouped_table({"largest weight", "entropy", "saturated rows"}, {"unscaled", "scaled"});
     for (const DimResult& r : results.dims) {
       table.add_row({std::to_string(r.d), format("%.4f", r.unscaled.max_weight.mean),
                      format("%.4f", r.scaled.max_weight.mean), format("%.4f", r.unscaled.entropy.mean),
@@ -176,21 +166,8 @@ void print_text(const ExplainResults& results, std::ostream& out) {
       << ": it passes back under 0.1 % of any g.\n"
       << "    ∂L/∂q is the query gradient attention_backward returns (V = I, dout = g).\n\n";
   {
-    Table table;
-    table.add_column("d");
-    table.add_group("mean ‖J‖_F", 2);
-    table.add_column("unscaled");
-    table.add_column("scaled");
-    table.add_group("median ‖∂L/∂S‖", 2);
-    table.add_column("unscaled");
-    table.add_column("scaled");
-    table.add_group("dead rows", 2);
-    table.add_column("unscaled");
-    table.add_column("scaled");
-    table.add_group("median ‖∂L/∂q‖", 2);
-    table.add_column("unscaled");
-    table.add_column("scaled");
-    const auto percent = [](double share) { return format("%.1f", 100.0 * share) + " %"; };
+    Table table = grouped_table({"mean ‖J‖_F", "median ‖∂L/∂S‖", "dead rows", "median ‖∂L/∂q‖"},
+                                {"unscaled", "scaled"});
     for (const DimResult& r : results.dims) {
       table.add_row({std::to_string(r.d), format("%.4f", r.unscaled.jacobian_norm.mean),
                      format("%.4f", r.scaled.jacobian_norm.mean),

@@ -7,7 +7,20 @@
 #include <cstddef>
 #include <type_traits>
 
+#include "attention_cases.hpp"
+
 namespace qkv::test {
+
+// L = Σ out ⊙ g for the forward on c's inputs and options, so ∂L/∂out = g: the
+// gradients the backward returns for dout = g are ∂L/∂q, ∂L/∂k, ∂L/∂v.
+inline double weighted_output(const Case<double>& c, const Tensor<double, 4>& g) {
+  Tensor<double, 4> out(g.shape());
+  attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.view()},
+                    c.options);
+  double sum = 0.0;
+  for (std::size_t i = 0; i < out.size(); ++i) sum += out[i] * g[i];
+  return sum;
+}
 
 // The central difference of loss() in x, which is restored afterwards. x + h and 2h are
 // computed in x's own type (a float sink or slope steps in float).

@@ -131,41 +131,18 @@ struct PlainRows {
 
 inline PlainRows plain_fp32_rows(const Case<float>& c) {
   const CaseSpec& s = c.spec;
-  const float scale =
-      static_cast<float>(s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+  const float scale = test::plain_scale(s);
   PlainRows r{Tensor<float, 3>({s.batch, s.q_heads, s.q_len}),
               Tensor<float, 3>({s.batch, s.q_heads, s.q_len})};
-  detail::MaskRule rule;
-  rule.causal = s.causal;
-  rule.sequences = {.count = s.batch, .dense_q_len = s.q_len, .dense_k_len = s.k_len};
-  rule.key_lengths = c.key_lengths;
+  const detail::MaskRule rule = test::plain_rule(c);
   std::vector<float> p(static_cast<std::size_t>(s.k_len));
-  std::vector<bool> seen(static_cast<std::size_t>(s.k_len));
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t h = 0; h < s.q_heads; ++h)
       for (int64_t i = 0; i < s.q_len; ++i) {
-        const int64_t kh = h / (s.q_heads / s.kv_heads);
-        float max = -INFINITY;
-        std::fill(seen.begin(), seen.end(), false);
-        for (int64_t j = 0; j < rule.key_end(b, i); ++j) {
-          const auto& mask = c.options.mask;
-          if (!mask.keep.empty() && test::broadcast_at(mask.keep, b, h, i, j) == 0) continue;
-          const float bias = mask.bias.empty() ? 0.0f : test::broadcast_at(mask.bias, b, h, i, j);
-          if (bias == -INFINITY) continue;
-          float dot = 0.0f;
-          for (int64_t x = 0; x < s.head_dim; ++x) dot += c.q(b, i, h, x) * c.k(b, j, kh, x);
-          p[j] = dot * scale + bias;
-          seen[j] = true;
-          max = std::max(max, p[j]);
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < s.k_len; ++j) {
-          p[j] = seen[j] ? std::exp(p[j] - max) : 0.0f;
-          sum += p[j];
-        }
+        test::plain_fp32_row(c, rule, scale, b, h, i, p);
         float largest = 0.0f, entropy = 0.0f;
         for (int64_t j = 0; j < s.k_len; ++j) {
-          const float pj = sum > 0.0f ? p[j] / sum : 0.0f;
+          const float pj = p[j];
           largest = std::max(largest, pj);
           if (pj > 0.0f) entropy -= pj * std::log(pj);
         }

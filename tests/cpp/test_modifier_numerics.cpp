@@ -49,13 +49,7 @@ TEST(ModifierGradients, ReferenceBackwardMatchesFiniteDifferences) {
   attention_backward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.cview(),
                       .lse = lse.cview(), .dout = dout.cview(), .dq = dq.view(), .dk = dk.view(),
                       .dv = dv.view()}, c.options);
-  auto loss = [&]() {
-    Tensor<double, 4> o({2, 4, 2, 2});
-    attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = o.view()}, c.options);
-    double sum = 0.0;
-    for (std::size_t i = 0; i < o.size(); ++i) sum += o[i] * dout[i];
-    return sum;
-  };
+  auto loss = [&] { return test::weighted_output(c, dout); };
   test::expect_gradient_matches(c.q, dq, 1e-6, 1e-7, loss, "dq");
   test::expect_gradient_matches(c.k, dk, 1e-6, 1e-7, loss, "dk");
   test::expect_gradient_matches(c.v, dv, 1e-6, 1e-7, loss, "dv");
