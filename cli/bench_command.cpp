@@ -19,6 +19,7 @@
 #include "command.hpp"
 #include "fma_probe.hpp"
 #include "format.hpp"
+#include "json.hpp"
 #include "qkv/qkv.hpp"
 #include "random.hpp"
 
@@ -226,33 +227,27 @@ int bench(BenchFlags flags, Streams streams) {
                    "machine is busy, so these shares are not meaningful\n";
   }
   if (flags.json) {
-    Json json(streams.out);
-    json.begin_object();
-    json.field("backend", backend_name(backend));
-    json.field("threads", static_cast<int64_t>(threads));
-    json.field("seed", static_cast<int64_t>(c.seed));
-    json.field("fma_peak_gflops", peak.gflops);
-    json.field("simd_target", peak.target);
-    json.key("rows").begin_array();
+    Json json{{"backend", backend_name(backend)},
+              {"threads", threads},
+              {"seed", static_cast<int64_t>(c.seed)},
+              {"fma_peak_gflops", json_number(peak.gflops)},
+              {"simd_target", peak.target},
+              {"rows", Json::array()}};
     for (const BenchRow& r : rows) {
-      json.begin_object();
-      json.field("batch", r.shape.batch);
-      json.field("heads", r.shape.heads);
-      json.field("seq", r.shape.seq);
-      json.field("dim", r.shape.dim);
-      json.field("causal", causal_name(r.shape.causal));
-      json.field("pass", r.backward ? "backward" : "forward");
-      json.field("runs", static_cast<int64_t>(r.reps));
-      json.field("median_s", r.median_s);
-      json.field("min_s", r.min_s);
-      json.field("flops", r.flops);
-      json.field("gflops", r.gflops);
-      json.field("peak_share", r.gflops / peak.gflops);
-      json.end_object();
+      json["rows"].push_back({{"batch", r.shape.batch},
+                              {"heads", r.shape.heads},
+                              {"seq", r.shape.seq},
+                              {"dim", r.shape.dim},
+                              {"causal", causal_name(r.shape.causal)},
+                              {"pass", r.backward ? "backward" : "forward"},
+                              {"runs", r.reps},
+                              {"median_s", json_number(r.median_s)},
+                              {"min_s", json_number(r.min_s)},
+                              {"flops", json_number(r.flops)},
+                              {"gflops", json_number(r.gflops)},
+                              {"peak_share", json_number(r.gflops / peak.gflops)}});
     }
-    json.end_array();
-    json.end_object();
-    json.finish();
+    write_json(json, streams.out);
   }
   return kExitOk;
 }

@@ -3,7 +3,6 @@
 #include "qkv/names.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <ostream>
 #include <stdexcept>
@@ -14,16 +13,6 @@ std::string format(const char* spec, double value) {
   char buffer[64];
   const int n = std::snprintf(buffer, sizeof buffer, spec, value);
   return std::string(buffer, static_cast<std::size_t>(std::clamp(n, 0, 63)));
-}
-
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string text = "(";
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (i > 0) text += ", ";
-    text += std::to_string(shape[i]);
-  }
-  if (shape.size() == 1) text += ",";
-  return text + ")";
 }
 
 // ---- Table ---------------------------------------------------------------------------
@@ -87,134 +76,6 @@ void Table::print(std::ostream& out, std::string_view indent) const {
   };
   print_cells(headers_);
   for (const auto& row : rows_) print_cells(row);
-}
-
-// ---- Json ------------------------------------------------------------------------------
-
-void Json::newline() {
-  out_ << '\n';
-  for (std::size_t i = 0; i < stack_.size(); ++i) out_ << "  ";
-}
-
-void Json::before_value() {
-  if (after_key_) {
-    after_key_ = false;
-    return;
-  }
-  if (stack_.empty()) return;
-  Level& level = stack_.back();
-  if (level.is_object) throw std::logic_error("Json: value in an object without a key");
-  if (!level.empty) out_ << (level.inline_items ? ", " : ",");
-  if (!level.inline_items) newline();
-  level.empty = false;
-}
-
-Json& Json::begin_object() {
-  if (!stack_.empty() && !stack_.back().is_object && !after_key_) stack_.back().inline_items = false;
-  before_value();
-  out_ << '{';
-  stack_.push_back({true, true, false});
-  return *this;
-}
-
-Json& Json::end_object() {
-  if (stack_.empty() || !stack_.back().is_object) throw std::logic_error("Json: unbalanced }");
-  const bool empty = stack_.back().empty;
-  stack_.pop_back();
-  if (!empty) newline();
-  out_ << '}';
-  return *this;
-}
-
-Json& Json::begin_array() {
-  if (!stack_.empty() && !stack_.back().is_object && !after_key_) stack_.back().inline_items = false;
-  before_value();
-  out_ << '[';
-  stack_.push_back({false, true, true});
-  return *this;
-}
-
-Json& Json::end_array() {
-  if (stack_.empty() || stack_.back().is_object) throw std::logic_error("Json: unbalanced ]");
-  const Level level = stack_.back();
-  stack_.pop_back();
-  if (!level.empty && !level.inline_items) newline();
-  out_ << ']';
-  return *this;
-}
-
-Json& Json::key(std::string_view name) {
-  if (stack_.empty() || !stack_.back().is_object || after_key_) throw std::logic_error("Json: misplaced key");
-  Level& level = stack_.back();
-  if (!level.empty) out_ << ',';
-  level.empty = false;
-  newline();
-  write_string(name);
-  out_ << ": ";
-  after_key_ = true;
-  return *this;
-}
-
-Json& Json::value(double number) {
-  before_value();
-  if (!std::isfinite(number)) {
-    out_ << "null";
-  } else {
-    char buffer[32];
-    std::snprintf(buffer, sizeof buffer, "%.17g", number);
-    out_ << buffer;
-  }
-  return *this;
-}
-
-Json& Json::value(int64_t number) {
-  before_value();
-  out_ << number;
-  return *this;
-}
-
-Json& Json::value(std::string_view text) {
-  before_value();
-  write_string(text);
-  return *this;
-}
-
-void Json::write_string(std::string_view text) {
-  out_ << '"';
-  for (char c : text) {
-    switch (c) {
-      case '"': out_ << "\\\""; break;
-      case '\\': out_ << "\\\\"; break;
-      case '\n': out_ << "\\n"; break;
-      case '\t': out_ << "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buffer[8];
-          std::snprintf(buffer, sizeof buffer, "\\u%04x", static_cast<unsigned>(c));
-          out_ << buffer;
-        } else {
-          out_ << c;
-        }
-    }
-  }
-  out_ << '"';
-}
-
-Json& Json::value(bool flag) {
-  before_value();
-  out_ << (flag ? "true" : "false");
-  return *this;
-}
-
-Json& Json::field(std::string_view name, const std::vector<double>& numbers) {
-  key(name).begin_array();
-  for (double number : numbers) value(number);
-  return end_array();
-}
-
-void Json::finish() {
-  if (!stack_.empty() || after_key_) throw std::logic_error("Json: unclosed object or array");
-  out_ << '\n';
 }
 
 }  // namespace qkv::cli

@@ -1,7 +1,6 @@
-// Text output helpers: number formatting, aligned tables, and a small JSON writer.
+// Text output helpers: number formatting and aligned tables.
 #pragma once
 
-#include <cstdint>
 #include <iosfwd>
 #include <string>
 #include <string_view>
@@ -11,8 +10,6 @@ namespace qkv::cli {
 
 // printf-style formatting of one double ("%.4g", "%.3f", ...).
 std::string format(const char* spec, double value);
-// A shape as "(2, 8, 4, 64)".
-std::string shape_string(const std::vector<int64_t>& shape);
 
 // Columns of right-aligned cells under left-aligned headers; widths fit the content.
 // A header may span several columns (add_group) to label scaled/unscaled pairs.
@@ -31,42 +28,6 @@ class Table {
   std::vector<Group> groups_;
   std::vector<std::string> headers_;
   std::vector<std::vector<std::string>> rows_;
-};
-
-// Streaming JSON writer: objects, arrays, numbers (non-finite ones become null),
-// strings, booleans; two-space indentation, arrays of numbers on one line.
-class Json {
- public:
-  explicit Json(std::ostream& out) : out_(out) {}
-  Json& begin_object();
-  Json& end_object();
-  Json& begin_array();
-  Json& end_array();
-  Json& key(std::string_view name);
-  Json& value(double number);
-  Json& value(int64_t number);
-  Json& value(int number) { return value(static_cast<int64_t>(number)); }
-  Json& value(std::string_view text);
-  Json& value(const char* text) { return value(std::string_view(text)); }
-  Json& value(bool flag);
-  Json& field(std::string_view name, double number) { return key(name).value(number); }
-  Json& field(std::string_view name, int64_t number) { return key(name).value(number); }
-  Json& field(std::string_view name, std::string_view text) { return key(name).value(text); }
-  Json& field(std::string_view name, const std::vector<double>& numbers);
-  void finish();  // a final newline; checks that every bracket was closed
-
- private:
-  struct Level {
-    bool is_object = false;
-    bool empty = true;
-    bool inline_items = true;  // arrays stay on one line while they hold only scalars
-  };
-  void before_value();
-  void newline();
-  void write_string(std::string_view text);
-  std::ostream& out_;
-  std::vector<Level> stack_;
-  bool after_key_ = false;
 };
 
 }  // namespace qkv::cli

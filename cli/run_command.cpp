@@ -20,11 +20,13 @@
 
 #include "command.hpp"
 #include "format.hpp"
-#include "qkv/npy.hpp"
+#include "npy.hpp"
 #include "qkv/qkv.hpp"
 
 namespace qkv::cli {
 namespace {
+
+using npy::shape_string;  // messages name shapes the way the .npy header does
 
 enum class Layout { bshd, bhsd };
 

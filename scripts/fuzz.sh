@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fuzzes qkv's file readers with libFuzzer under ASan + UBSan, each for a bounded time:
-# the .npy reader (src/io/npy.cpp, seeds: the NumPy-written files in tests/cli/data) and
+# the .npy reader (cli/npy.cpp, seeds: the NumPy-written files in tests/cli/data) and
 # the safetensors reader (src/nn/checkpoint/safetensors.cpp and nlohmann/json, seeds:
 # small files written below).
 #
@@ -30,7 +30,7 @@ if ((${#missing[@]})); then
 fi
 
 flags=(-std=c++20 -O1 -g -fno-omit-frame-pointer
-       -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Iinclude)
+       -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Iinclude -Icli)
 
 # A safetensors seed: the 8-byte little-endian header length, the header, the data.
 write_seed() {  # file header data-bytes-as-printf-escapes
@@ -63,6 +63,6 @@ write_seed "$seeds/metadata" \
   '\x00\x00\x00\x00\x00\x00\xf0\x3f\x07\x00\x00\x00\x00\x00\x00\x00'
 write_seed "$seeds/empty" '{}' ''
 
-fuzz npy src/io/npy.cpp tests/fuzz/npy_fuzzer.cpp -- -dict=tests/fuzz/npy.dict -max_len=4096
+fuzz npy cli/npy.cpp tests/fuzz/npy_fuzzer.cpp -- -dict=tests/fuzz/npy.dict -max_len=4096
 fuzz safetensors src/nn/checkpoint/safetensors.cpp tests/fuzz/safetensors_fuzzer.cpp -- \
   -dict=tests/fuzz/safetensors.dict -max_len=4096

@@ -396,20 +396,6 @@ inline void AccumulateSkippingZeros(const float* wt, size_t width, size_t count,
     }
 }
 
-// acc[r] = acc[r]·factor[r] + partial[r] for r < rows (rows of `ld` floats, all used).
-HWY_INLINE void RescaleAdd(float* HWY_RESTRICT acc, size_t rows, size_t ld,
-                           const float* HWY_RESTRICT factor, const float* HWY_RESTRICT partial) {
-  const FloatTag d;
-  const size_t lanes = hn::Lanes(d);
-  for (size_t r = 0; r < rows; ++r) {
-    const auto f = hn::Set(d, factor[r]);
-    for (size_t c = 0; c < ld; c += lanes) {
-      float* out = acc + r * ld + c;
-      hn::StoreU(hn::MulAdd(hn::LoadU(d, out), f, hn::LoadU(d, partial + r * ld + c)), d, out);
-    }
-  }
-}
-
 // rows of acc (ld floats each, `width` used) multiplied by factor[row].
 HWY_INLINE void ScaleRows(float* HWY_RESTRICT acc, size_t rows, size_t width, size_t ld,
                           const float* HWY_RESTRICT factor) {

@@ -5,10 +5,9 @@
 #pragma once
 
 #include <cstddef>
-#include <cstdint>
-#include <vector>
 
 #include "core/problem.hpp"
+#include "cpu/simd_target.hpp"  // the entry points apply QKV_SIMD_TARGET themselves
 
 namespace qkv::cpu {
 
@@ -23,20 +22,5 @@ void backward(const detail::BackwardProblem<float16>& problem);
 // out[i] = e^x[i] through the kernels' own vector exp (ExpKeepNaN), on the SIMD target
 // the next call will use: for tests of its accuracy and special values.
 void softmax_exp(const float* x, float* out, std::size_t count);
-
-// Environment variable QKV_SIMD_TARGET (e.g. AVX2, case-insensitive): run the kernels on
-// that compiled target instead of the best one the CPU has — for measuring a lower
-// target on a newer machine, like PyTorch's ATEN_CPU_CAPABILITY. Read once, at the first
-// kernel call; a name this build or CPU lacks makes every call throw qkv::Error. The
-// kernel entry points call it themselves.
-void apply_simd_target_override();
-
-// Name of the SIMD target the next call will use (e.g. "AVX3", "AVX2"), for benchmarks
-// and tests.
-const char* simd_target_name();
-
-// The Highway targets compiled into qkv that this CPU supports, best first; tests run
-// every one of them through hwy::SetSupportedTargetsForTest.
-std::vector<int64_t> compiled_simd_targets();
 
 }  // namespace qkv::cpu

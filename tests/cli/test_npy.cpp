@@ -8,8 +8,8 @@
 #include <limits>
 
 #include "cli_test_support.hpp"
+#include "npy.hpp"
 #include "qkv/error.hpp"
-#include "qkv/npy.hpp"
 
 namespace qkv::npy {
 namespace {

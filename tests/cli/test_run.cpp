@@ -6,7 +6,7 @@
 #include <random>
 
 #include "cli_test_support.hpp"
-#include "qkv/npy.hpp"
+#include "npy.hpp"
 #include "qkv/qkv.hpp"
 
 namespace qkv::cli {

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -127,6 +128,13 @@ inline double max_abs(const Tensor<double, R>& t) {
   for (std::size_t i = 0; i < t.size(); ++i)
     if (std::isfinite(t[i])) m = std::max(m, std::abs(t[i]));
   return m;
+}
+
+// relative·max(1, max |ref|): relative to the reference's size, but never tighter than
+// `relative` itself (absolute for values below 1).
+template <int R>
+inline double relative_tolerance(double relative, const Tensor<double, R>& ref) {
+  return relative * std::max(1.0, max_abs(ref));
 }
 
 // max |x − ref| treating equal infinities (−inf LSE of masked rows) as exact.

@@ -11,10 +11,10 @@
 #include <string>
 #include <thread>
 
-#include "cpu/cpu_backend.hpp"
 #include "cpu/work_order.hpp"
 #include "hwy/targets.h"
 #include "cpu_check.hpp"
+#include "simd_targets.hpp"
 
 namespace qkv {
 namespace {
@@ -91,21 +91,16 @@ TEST(CpuSchedules, BothBackwardSchedulesAreCovered) {
 }
 
 TEST(CpuSimdTargets, EveryCompiledTargetMatchesTheReference) {
-  const std::vector<int64_t> targets = cpu::compiled_simd_targets();
-  ASSERT_FALSE(targets.empty());
   const std::vector<CpuCase> cases{
       {{.name = "t_causal", .batch = 2, .q_len = 70, .k_len = 70, .q_heads = 2, .kv_heads = 1,
         .head_dim = 64, .v_dim = 64, .causal = Causal::top_left}},
       {{.name = "t_odd", .q_len = 33, .k_len = 47, .head_dim = 59, .v_dim = 13, .bias_mask = true,
         .key_padding = true}},
   };
-  for (int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  test::for_each_simd_target([&](int64_t target) {
     EXPECT_STREQ(cpu::simd_target_name(), hwy::TargetName(target));
     for (const CpuCase& how : cases) check_case(how);
-  }
-  hwy::SetSupportedTargetsForTest(0);  // back to the real CPU
+  });
 }
 
 // Outputs and gradients are bitwise identical for any thread count, run to run, with

@@ -16,10 +16,9 @@
 #include <random>
 #include <string>
 
-#include "cpu/cpu_backend.hpp"
-#include "hwy/targets.h"
 #include "decode_case.hpp"
 #include "plain_fp32.hpp"
+#include "simd_targets.hpp"
 
 namespace qkv {
 namespace {
@@ -106,8 +105,6 @@ TEST(Decode, MatchesTheReferenceOnEveryLayoutAndStorage) {
 }
 
 TEST(Decode, EveryCompiledSimdTargetMatchesTheReference) {
-  const std::vector<int64_t> targets = cpu::compiled_simd_targets();
-  ASSERT_FALSE(targets.empty());
   const std::vector<DecodeSpec> specs{
       {.name = "t_gqa", .batch = 2, .q_len = 2, .capacity = 300, .q_heads = 4, .kv_heads = 2,
        .lengths = {300, 17}, .type = StorageType::bfloat16, .block_size = 16},
@@ -124,12 +121,9 @@ TEST(Decode, EveryCompiledSimdTargetMatchesTheReference) {
       {.name = "t_int8_odd", .batch = 1, .q_len = 1, .capacity = 90, .q_heads = 2, .kv_heads = 1, .head_dim = 37,
        .v_dim = 19, .type = StorageType::int8},
   };
-  for (int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  test::for_each_simd_target([&](int64_t) {
     for (const DecodeSpec& s : specs) check_any(s);
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 template <class T>

@@ -12,9 +12,9 @@
 #include <thread>
 #include <vector>
 
-#include "cpu/cpu_backend.hpp"
 #include "half_check.hpp"
 #include "hwy/targets.h"
+#include "simd_targets.hpp"
 
 namespace qkv {
 namespace {
@@ -118,24 +118,19 @@ TEST(HalfContract, CatchesAccumulationInTheStorageType) {
 }
 
 TEST(HalfSimdTargets, EveryCompiledTargetWithinTheContract) {
-  const std::vector<int64_t> targets = cpu::compiled_simd_targets();
-  ASSERT_FALSE(targets.empty());
   const std::vector<CaseSpec> cases{
       {.name = "t_causal", .batch = 2, .q_len = 70, .k_len = 70, .q_heads = 2, .kv_heads = 1,
        .head_dim = 64, .v_dim = 64, .causal = Causal::top_left},
       {.name = "t_odd", .q_len = 33, .k_len = 47, .head_dim = 59, .v_dim = 13, .bias_mask = true,
        .key_padding = true},
   };
-  for (int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  test::for_each_simd_target([&](int64_t target) {
     EXPECT_STREQ(cpu::simd_target_name(), hwy::TargetName(target));
     for (const CaseSpec& spec : cases) {
       test::check_half_case<bfloat16>(spec);
       test::check_half_case<float16>(spec);
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);  // back to the real CPU
+  });
 }
 
 // Outputs and gradients in T are bitwise identical for any thread count, with either
@@ -201,12 +196,7 @@ void expect_non_finite_stays_behind_mask() {
 // float16 conversion would not; storage-inl.h).
 template <class T>
 void expect_non_finite_stays_behind_mask_on_every_target() {
-  for (int64_t target : cpu::compiled_simd_targets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    expect_non_finite_stays_behind_mask<T>();
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  test::for_each_simd_target([](int64_t) { expect_non_finite_stays_behind_mask<T>(); });
 }
 
 TEST(HalfNumerics, Bfloat16NonFiniteBehindMaskStaysThere) {

@@ -1,74 +1,27 @@
 // Programmable modifiers (qkv/modifiers.hpp): score_mod and mask_mod on the cpu kernels
 // against the fp64 reference, forward and backward; mods that restate a built-in against
-// the built-in; the tile plan built from mask_mod (empty tiles never scored); the
-// reference's backward against finite differences; determinism; every error path.
-//
-// Tolerance, cpu vs reference (as test_variants.cpp): 4e-6·max(1, max|ref|) for out and
-// LSE, 2e-5·max(1, max|ref|) for gradients: the fp32 kernels sum ≤ 200 terms blockwise
-// (observed 1e-7 to 2e-6 on these O(1) values), while a modifier applied wrongly (a wrong
-// index, a missing derivative) is off by O(0.1).
+// the built-in; determinism; every compiled SIMD target. The tile plan built from
+// mask_mod: test_modifier_plan.cpp; the reference's gradients and non-finite mods:
+// test_modifier_numerics.cpp; errors: test_modifier_errors.cpp; tolerance:
+// modifier_check.hpp.
 #include <gtest/gtest.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <string>
-#include <type_traits>
 #include <vector>
 
-#include "hwy/targets.h"
-#include "core/tile_plan.hpp"
-#include "cpu/cpu_backend.hpp"
-#include "cpu_check.hpp"
 #include "half_check.hpp"
+#include "modifier_check.hpp"
+#include "simd_targets.hpp"
 
 namespace qkv {
 namespace {
 
 using test::Case;
 using test::CaseSpec;
-
-template <class T, int R>
-bool same_bits(const Tensor<T, R>& a, const Tensor<T, R>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-bool same_results(const test::Results& a, const test::Results& b) {
-  return same_bits(a.out, b.out) && same_bits(a.lse, b.lse) && same_bits(a.dq, b.dq) &&
-         same_bits(a.dk, b.dk) && same_bits(a.dv, b.dv);
-}
-
-double bound(const Tensor<double, 4>& ref, double relative) {
-  return relative * std::max(1.0, test::max_abs(ref));
-}
-double bound(const Tensor<double, 3>& ref, double relative) {
-  return relative * std::max(1.0, test::max_abs(ref));
-}
-
-// cpu (fp32, `threads`) against the reference (fp64) on the case's options.
-void expect_near_reference(const Case<float>& c, int threads = 2) {
-  const CaseSpec& s = c.spec;
-  const auto dout = test::random_tensor<float, 4>({s.batch, s.q_len, s.q_heads, s.v_dim}, 4);
-  const test::Results cpu = test::run_cpu(c, {s, false, false, threads}, &dout);
-  const test::Reference ref = test::run_reference(c, &dout);
-  EXPECT_LE(test::error(cpu.out, ref.out), bound(ref.out, 4e-6)) << "out";
-  EXPECT_LE(test::error(cpu.lse, ref.lse), bound(ref.lse, 4e-6)) << "lse";
-  EXPECT_LE(test::error(cpu.dq, ref.dq), bound(ref.dq, 2e-5)) << "dq";
-  EXPECT_LE(test::error(cpu.dk, ref.dk), bound(ref.dk, 2e-5)) << "dk";
-  EXPECT_LE(test::error(cpu.dv, ref.dv), bound(ref.dv, 2e-5)) << "dv";
-}
-
-test::Results run(const Case<float>& c, int threads = 2) {
-  const CaseSpec& s = c.spec;
-  const auto dout = test::random_tensor<float, 4>({s.batch, s.q_len, s.q_heads, s.v_dim}, 4);
-  return test::run_cpu(c, {s, false, false, threads}, &dout);
-}
-
-// A shape past the decode kernel's query count (which takes no modifiers) and not a
-// multiple of the 64-wide tiles.
-const CaseSpec kShape{.name = "mods", .batch = 2, .q_len = 150, .k_len = 170, .q_heads = 4,
-                      .kv_heads = 2, .head_dim = 32, .v_dim = 24};
+using namespace test::modifiers;
 
 // ---------------------------------------------------------------------------------------
 // Mods that restate a built-in.
@@ -164,99 +117,6 @@ TEST(MaskMod, CausalAndWindowMatchTheBuiltInBits) {
     programmable.options.modifiers.mask = window;
     EXPECT_TRUE(same_results(run(builtin), run(programmable))) << "window (40, 10)";
   }
-}
-
-// ---------------------------------------------------------------------------------------
-// The plan.
-
-detail::MaskRule dense_rule(int64_t batch, int64_t q_len, int64_t k_len) {
-  detail::MaskRule rule;
-  rule.sequences = {.count = batch, .dense_q_len = q_len, .dense_k_len = k_len};
-  return rule;
-}
-
-// A block-diagonal mask_mod: only the 64×64 tiles on the diagonal are non-empty, and full.
-TEST(MaskModPlan, BlockDiagonalTilesAreFullAndTheRestEmpty) {
-  const auto blocks = mask_mod(
-      [](int64_t, int64_t, int64_t i, int64_t j) { return i / 64 == j / 64; });
-  detail::MaskRule rule = dense_rule(1, 200, 200);
-  rule.mask_mod = blocks;
-  const detail::Extents e{.batch = 1, .q_len = 200, .k_len = 200, .q_heads = 2, .kv_heads = 1,
-                          .head_dim = 8, .v_dim = 8};
-  const detail::TilePlan plan(rule, e, 64, 64, 2);
-  EXPECT_TRUE(plan.per_head());
-  for (int64_t h = 0; h < 2; ++h)
-    for (int64_t qb = 0; qb < 4; ++qb) {
-      EXPECT_EQ(plan.busy_key_blocks(0, h, qb), 1);
-      for (int64_t kb = 0; kb < 4; ++kb)
-        EXPECT_EQ(plan.at(0, h, qb, kb), qb == kb ? detail::Tile::full : detail::Tile::empty)
-            << qb << ", " << kb;
-    }
-}
-
-// Per-head masks give per-head classes; the plan evaluates only pairs the other masks
-// leave (causality here), so a mask_mod that is false above the diagonal never matters.
-TEST(MaskModPlan, PerHeadClassesAndOnlyVisiblePairsEvaluated) {
-  std::atomic<int64_t> above_diagonal{0};
-  const auto shifted = mask_mod([&above_diagonal](int64_t, int64_t h, int64_t i, int64_t j) {
-    if (j > i) above_diagonal.fetch_add(1, std::memory_order_relaxed);
-    return j <= i - 64 * h;  // head h sees keys at least 64·h behind
-  });
-  detail::MaskRule rule = dense_rule(1, 256, 256);
-  rule.causal = Causal::top_left;
-  rule.mask_mod = shifted;
-  const detail::Extents e{.batch = 1, .q_len = 256, .k_len = 256, .q_heads = 2, .kv_heads = 2,
-                          .head_dim = 8, .v_dim = 8};
-  const detail::TilePlan plan(rule, e, 64, 64, 1);
-  EXPECT_EQ(above_diagonal.load(), 0);
-  for (int64_t qb = 0; qb < 4; ++qb) {
-    EXPECT_EQ(plan.at(0, 0, qb, qb), detail::Tile::partial);  // head 0: plain causal
-    if (qb > 0) {
-      EXPECT_EQ(plan.at(0, 0, qb, qb - 1), detail::Tile::full);
-      EXPECT_EQ(plan.at(0, 1, qb, qb), detail::Tile::empty);  // head 1: one block further back
-      EXPECT_EQ(plan.at(0, 1, qb, qb - 1), detail::Tile::partial);
-    }
-  }
-  EXPECT_EQ(plan.busy_key_blocks(0, 1, 0), 0);
-}
-
-// Every score_mod call of a block-diagonal mask lies in a diagonal tile: empty tiles are
-// never scored. The forward scores each diagonal tile exactly once per (entry, head).
-TEST(MaskModPlan, ScoreModNeverRunsOnAnEmptyTile) {
-  std::atomic<int64_t> calls{0}, off_diagonal{0};
-  const auto counting = score_mod(
-      [&](float s, int64_t, int64_t, int64_t i, int64_t j) {
-        calls.fetch_add(1, std::memory_order_relaxed);
-        if (i / 64 != j / 64) off_diagonal.fetch_add(1, std::memory_order_relaxed);
-        return s;
-      },
-      [](float, int64_t, int64_t, int64_t, int64_t) { return 1.0f; });
-  const auto blocks = mask_mod([](int64_t, int64_t, int64_t i, int64_t j) { return i / 64 == j / 64; },
-                               {.varies_with_head = false});
-  const CaseSpec spec{.name = "blocks", .batch = 2, .q_len = 200, .k_len = 200, .q_heads = 3,
-                      .kv_heads = 1, .head_dim = 16, .v_dim = 16};
-  Case<float> c(spec, 15);
-  c.options.modifiers = {.score = counting, .mask = blocks};
-  Tensor<float, 4> out({2, 200, 3, 16});
-  Tensor<float, 3> lse({2, 3, 200});
-  AttentionOptions options = c.options;
-  options.execution.backend = Backend::cpu;
-  attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.view(),
-                     .lse = lse.view()}, options);
-  const int64_t per_head = 3 * 64 * 64 + 8 * 8;  // the diagonal tiles of 200 = 3·64 + 8
-  EXPECT_EQ(calls.load(), 2 * 3 * per_head);
-  EXPECT_EQ(off_diagonal.load(), 0);
-  // The backward too (its schedule may score a tile twice, but never an empty one).
-  calls = 0;
-  const auto dout = test::random_tensor<float, 4>({2, 200, 3, 16}, 4);
-  Tensor<float, 4> dq(c.q.shape()), dk(c.k.shape()), dv(c.v.shape());
-  attention_backward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.cview(),
-                      .lse = lse.cview(), .dout = dout.cview(), .dq = dq.view(), .dk = dk.view(),
-                      .dv = dv.view()}, options);
-  EXPECT_GE(calls.load(), 2 * 3 * per_head);
-  EXPECT_EQ(off_diagonal.load(), 0);
-  // And the result is block-diagonal attention: the reference agrees.
-  expect_near_reference(c);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -368,8 +228,6 @@ TEST(Modifiers, VarlenPerSequenceMaskMatchesReference) {
 // On every SIMD target this build compiled (the hooks are plain calls; the chain rule
 // and masking around them are per-target code): cpu against the reference.
 TEST(Modifiers, EveryCompiledTargetMatchesReference) {
-  const std::vector<int64_t> targets = cpu::compiled_simd_targets();
-  ASSERT_FALSE(targets.empty());
   const auto relative = score_mod(
       [](auto s, int64_t, int64_t h, int64_t i, int64_t j) {
         return 0.8f * s - 0.03f * static_cast<float>(h + 1) * static_cast<float>(i > j ? i - j : j - i);
@@ -381,12 +239,7 @@ TEST(Modifiers, EveryCompiledTargetMatchesReference) {
   spec.causal = Causal::top_left;
   Case<float> c(spec, 27);
   c.options.modifiers = {.score = relative, .mask = documents};
-  for (int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    expect_near_reference(c);
-  }
-  hwy::SetSupportedTargetsForTest(0);  // back to the real CPU
+  test::for_each_simd_target([&](int64_t) { expect_near_reference(c); });
 }
 
 // Few queries against many keys (the decode kernel's shapes, which it cannot modify):
@@ -472,225 +325,6 @@ TEST(Modifiers, Bfloat16StorageRunsTheSameMods) {
   expect_one_rounding(dk16, dk32, "dk");
   expect_one_rounding(dv16, dv32, "dv");
   EXPECT_LE(test::max_abs_diff(lse16, lse32), 1e-6);
-}
-
-// ---------------------------------------------------------------------------------------
-// The reference as the oracle: its explicit-Jacobian backward (through the mod's
-// derivative) against central differences of its own fp64 forward, the mods evaluated
-// in double (`auto` score).
-TEST(ModifierGradients, ReferenceBackwardMatchesFiniteDifferences) {
-  const CaseSpec spec{.name = "fd", .batch = 2, .q_len = 4, .k_len = 6, .q_heads = 2,
-                      .kv_heads = 1, .head_dim = 3, .v_dim = 2, .causal = Causal::bottom_right};
-  Case<double> c(spec, 5);
-  const std::vector<double> table{0.3, -0.2, 0.5, 0.1, -0.7, 0.4, 0.2, 0.0, -0.1, 0.6, 0.25};
-  const double* bias = table.data();
-  const auto mod = score_mod(
-      [bias](auto s, int64_t b, int64_t h, int64_t i, int64_t j) {
-        const double gain = 1.0 + 0.5 * static_cast<double>(h) - 0.25 * static_cast<double>(b);
-        return 2.0 * std::tanh(gain * s / 2.0) + bias[i - j + 6];
-      },
-      [](auto s, int64_t b, int64_t h, int64_t, int64_t) {
-        const double gain = 1.0 + 0.5 * static_cast<double>(h) - 0.25 * static_cast<double>(b);
-        const double t = std::tanh(gain * s / 2.0);
-        return gain * (1.0 - t * t);
-      });
-  const auto mask = mask_mod([](int64_t b, int64_t h, int64_t i, int64_t j) { return (i + j + b + h) % 3 != 1 || j == 0; });
-  c.options.modifiers = {.score = mod, .mask = mask};
-  c.options.execution.backend = Backend::reference;
-  const auto dout = test::random_tensor<double, 4>({2, 4, 2, 2}, 6);
-  Tensor<double, 4> out({2, 4, 2, 2}), dq(c.q.shape()), dk(c.k.shape()), dv(c.v.shape());
-  Tensor<double, 3> lse({2, 2, 4});
-  attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.view(),
-                     .lse = lse.view()}, c.options);
-  attention_backward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.cview(),
-                      .lse = lse.cview(), .dout = dout.cview(), .dq = dq.view(), .dk = dk.view(),
-                      .dv = dv.view()}, c.options);
-  auto loss = [&]() {
-    Tensor<double, 4> o({2, 4, 2, 2});
-    attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = o.view()}, c.options);
-    double sum = 0.0;
-    for (std::size_t i = 0; i < o.size(); ++i) sum += o[i] * dout[i];
-    return sum;
-  };
-  const double h = 1e-6;
-  double largest = 0.0;
-  auto check = [&](Tensor<double, 4>& x, const Tensor<double, 4>& grad, const char* name) {
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      const double saved = x[i];
-      x[i] = saved + h;
-      const double up = loss();
-      x[i] = saved - h;
-      const double down = loss();
-      x[i] = saved;
-      EXPECT_NEAR(grad[i], (up - down) / (2 * h), 1e-7) << name << "[" << i << "]";
-      largest = std::max(largest, std::abs(grad[i]));
-    }
-  };
-  check(c.q, dq, "dq");
-  check(c.k, dk, "dk");
-  check(c.v, dv, "dv");
-  EXPECT_GT(largest, 1e-2);  // the check has something to check
-}
-
-// A generic (`auto`) score_mod runs in double on the reference: adding 1e-10 to every
-// logit moves the LSE by exactly that (a float evaluation would lose it).
-TEST(ModifierGradients, ReferenceEvaluatesGenericModsInDouble) {
-  const CaseSpec spec{.name = "fp64", .q_len = 3, .k_len = 5};
-  Case<double> c(spec, 7);
-  c.options.execution.backend = Backend::reference;
-  Tensor<double, 4> out({1, 3, 1, 4});
-  Tensor<double, 3> plain({1, 1, 3}), shifted({1, 1, 3});
-  attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.view(),
-                     .lse = plain.view()}, c.options);
-  const auto shift = score_mod([](auto s, int64_t, int64_t, int64_t, int64_t) { return s + 1e-10; });
-  c.options.modifiers.score = shift;
-  attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.view(),
-                     .lse = shifted.view()}, c.options);
-  for (int64_t i = 0; i < 3; ++i) EXPECT_NEAR(shifted(0, 0, i) - plain(0, 0, i), 1e-10, 1e-14);
-}
-
-// ---------------------------------------------------------------------------------------
-// Non-finite mod results.
-
-// A NaN from score_mod poisons its query row only, on both backends; mask_mod's removed
-// pairs never reach the row even when score_mod gives NaN there.
-TEST(ModifierNumerics, NaNFromScoreModPoisonsOnlyItsRow) {
-  const auto poison = score_mod([](float s, int64_t, int64_t h, int64_t i, int64_t j) {
-    if (h == 1 && i == 70 && j == 3) return std::numeric_limits<float>::quiet_NaN();
-    if (j == 100) return std::numeric_limits<float>::quiet_NaN();  // removed by the mask
-    return s;
-  });
-  const auto no_key_100 = mask_mod([](int64_t, int64_t, int64_t, int64_t j) { return j != 100; },
-                                   {.varies_with_head = false});
-  Case<float> c(kShape, 19);
-  c.options.modifiers = {.score = poison, .mask = no_key_100};
-  const test::Results cpu = test::run_cpu(c, {kShape}, nullptr);
-  const test::Reference ref = test::run_reference(c, nullptr);
-  for (int64_t b = 0; b < kShape.batch; ++b)
-    for (int64_t i = 0; i < kShape.q_len; ++i)
-      for (int64_t h = 0; h < kShape.q_heads; ++h) {
-        const bool poisoned = h == 1 && i == 70;
-        EXPECT_EQ(std::isnan(cpu.lse(b, h, i)), poisoned) << b << " " << h << " " << i;
-        EXPECT_EQ(std::isnan(ref.lse(b, h, i)), poisoned);
-        for (int64_t x = 0; x < kShape.v_dim; ++x) {
-          EXPECT_EQ(std::isnan(cpu.out(b, i, h, x)), poisoned);
-          if (!poisoned) {
-            EXPECT_NEAR(cpu.out(b, i, h, x), ref.out(b, i, h, x), 4e-6);
-          }
-        }
-      }
-}
-
-// A row that mask_mod empties entirely: out 0, lse −inf, zero gradients, never NaN.
-TEST(ModifierNumerics, RowsEmptiedByMaskModAreZero) {
-  const auto odd_rows_see_nothing = mask_mod([](int64_t, int64_t, int64_t i, int64_t) { return i % 2 == 0; });
-  Case<float> c(kShape, 20);
-  c.options.modifiers.mask = odd_rows_see_nothing;
-  const test::Results cpu = run(c);
-  for (int64_t b = 0; b < kShape.batch; ++b)
-    for (int64_t i = 1; i < kShape.q_len; i += 2)
-      for (int64_t h = 0; h < kShape.q_heads; ++h) {
-        EXPECT_EQ(cpu.lse(b, h, i), -std::numeric_limits<float>::infinity());
-        for (int64_t x = 0; x < kShape.v_dim; ++x) EXPECT_EQ(cpu.out(b, i, h, x), 0.0f);
-        for (int64_t x = 0; x < kShape.head_dim; ++x) EXPECT_EQ(cpu.dq(b, i, h, x), 0.0f);
-      }
-  EXPECT_TRUE(test::all_finite(cpu.dk) && test::all_finite(cpu.dv));
-  expect_near_reference(c);
-}
-
-// ---------------------------------------------------------------------------------------
-// Errors: named, and nothing written.
-
-// A temporary ScoreMod / MaskMod cannot be bound (it would dangle).
-using Identity = decltype([](float s, int64_t, int64_t, int64_t, int64_t) { return s; });
-using Everything = decltype([](int64_t, int64_t, int64_t, int64_t) { return true; });
-static_assert(std::is_convertible_v<const ScoreMod<Identity>&, ScoreModHook>);
-static_assert(!std::is_convertible_v<ScoreMod<Identity>&&, ScoreModHook>);
-static_assert(std::is_convertible_v<const MaskMod<Everything>&, MaskModHook>);
-static_assert(!std::is_convertible_v<MaskMod<Everything>&&, MaskModHook>);
-
-void expect_error(const std::function<void(AttentionOptions&)>& spoil, const char* what,
-                  bool backward, Backend backend) {
-  const CaseSpec spec{.name = "err", .q_len = 20, .k_len = 20, .q_heads = 2, .kv_heads = 2};
-  Case<float> c(spec, 1);
-  c.options.execution.backend = backend;
-  Tensor<float, 4> out({1, 20, 2, 4}), dq(c.q.shape()), dk(c.k.shape()), dv(c.v.shape());
-  Tensor<float, 3> lse({1, 2, 20});
-  if (backward) attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(),
-                                   .out = out.view(), .lse = lse.view()}, c.options);
-  spoil(c.options);
-  for (auto* t : {&dq, &dk, &dv}) test::fill(*t, 5.0f);
-  if (!backward) test::fill(out, 5.0f);
-  try {
-    if (backward) {
-      attention_backward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.cview(),
-                          .lse = lse.cview(), .dout = out.cview(), .dq = dq.view(), .dk = dk.view(),
-                          .dv = dv.view()}, c.options);
-    } else {
-      attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.view()},
-                        c.options);
-    }
-    ADD_FAILURE() << "no error for " << what;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-  }
-  if (backward) {
-    for (auto* t : {&dq, &dk, &dv})
-      for (std::size_t i = 0; i < t->size(); ++i) ASSERT_EQ((*t)[i], 5.0f);
-  } else {
-    for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], 5.0f);
-  }
-}
-
-TEST(ModifierErrors, BadModifiersAreNamedAndNothingIsWritten) {
-  static const auto forward_only = score_mod([](float s, int64_t, int64_t, int64_t, int64_t) { return s; });
-  static const auto keep_all = mask_mod([](int64_t, int64_t, int64_t, int64_t) { return true; });
-  static const Tensor<float, 4> bias({1, 1, 20, 20});
-  for (Backend backend : {Backend::cpu, Backend::reference}) {
-    expect_error([](AttentionOptions& o) { o.modifiers.score = forward_only; },
-                 "options.modifiers.score: the backward needs d score_mod / d score", true, backend);
-    for (bool backward : {false, true})
-      expect_error(
-          [](AttentionOptions& o) {
-            o.modifiers.mask = keep_all;
-            o.mask.bias = bias.cview();
-          },
-          "options.modifiers.mask: not supported together with options.mask.bias", backward, backend);
-    expect_error(
-        [](AttentionOptions& o) {
-          o.modifiers.score = forward_only;
-          o.modifiers.score.tile = nullptr;  // a hand-made, incomplete hook
-        },
-        "options.modifiers.score: expected a hook made by qkv::score_mod", false, backend);
-    expect_error(
-        [](AttentionOptions& o) {
-          o.modifiers.mask = keep_all;
-          o.modifiers.mask.count = nullptr;
-        },
-        "options.modifiers.mask: expected a hook made by qkv::mask_mod", false, backend);
-  }
-}
-
-TEST(ModifierErrors, VarlenBackwardNeedsTheDerivative) {
-  static const auto forward_only = score_mod([](float s, int64_t, int64_t, int64_t, int64_t) { return s; });
-  const std::vector<int64_t> cu{0, 3, 7};
-  const auto q = test::random_tensor<float, 3>({7, 1, 4}, 1);
-  Tensor<float, 3> out({7, 1, 4}), dq({7, 1, 4}), dk({7, 1, 4}), dv({7, 1, 4});
-  Tensor<float, 2> lse({1, 7});
-  AttentionOptions options;
-  options.modifiers.score = forward_only;
-  const std::span<const int64_t> offsets(cu);
-  varlen_attention_forward({.q = q.cview(), .k = q.cview(), .v = q.cview(), .out = out.view(),
-                            .lse = lse.view(), .cu_seqlens_q = offsets, .cu_seqlens_k = offsets},
-                           options);
-  test::fill(dq, 5.0f);
-  EXPECT_THROW(varlen_attention_backward({.q = q.cview(), .k = q.cview(), .v = q.cview(),
-                                          .out = out.cview(), .lse = lse.cview(), .dout = out.cview(),
-                                          .dq = dq.view(), .dk = dk.view(), .dv = dv.view(),
-                                          .cu_seqlens_q = offsets, .cu_seqlens_k = offsets},
-                                         options),
-               Error);
-  for (std::size_t i = 0; i < dq.size(); ++i) ASSERT_EQ(dq[i], 5.0f);
 }
 
 }  // namespace

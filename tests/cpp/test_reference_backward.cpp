@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "attention_cases.hpp"
+#include "finite_difference.hpp"
 
 namespace qkv {
 namespace {
@@ -13,34 +14,18 @@ namespace {
 using test::Case;
 using test::CaseSpec;
 
-// L(q, k, v) = Σ out ⊙ G for a fixed random G, so ∂L/∂out = G.
-double loss(Case<double>& c, const Tensor<double, 4>& g) {
-  Tensor<double, 4> out(g.shape());
-  attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.view()},
-                    c.options);
-  double sum = 0.0;
-  for (std::size_t i = 0; i < out.size(); ++i) sum += out[i] * g[i];
-  return sum;
-}
-
 // Central differences: error h²/6·|L'''| + ε·|L|/h. With h = 1e-5, |L| ≲ 10 and smooth
 // L (third derivatives ≲ 10): ≈ 2e-10 + 2e-10. The tolerance, 1e-8, leaves 25× margin and is
 // still ~1e6 times smaller than a wrong-term error (gradients are O(0.1–1)).
 constexpr double kStep = 1e-5;
 constexpr double kTolerance = 1e-8;
 
+// L = Σ out ⊙ g (test::weighted_output) for a fixed random g.
 void expect_gradient_matches(Case<double>& c, Tensor<double, 4>& input,
                              const Tensor<double, 4>& analytic, const Tensor<double, 4>& g,
                              const char* name) {
-  for (std::size_t i = 0; i < input.size(); ++i) {
-    const double saved = input[i];
-    input[i] = saved + kStep;
-    const double plus = loss(c, g);
-    input[i] = saved - kStep;
-    const double minus = loss(c, g);
-    input[i] = saved;
-    EXPECT_NEAR(analytic[i], (plus - minus) / (2 * kStep), kTolerance) << name << "[" << i << "]";
-  }
+  const auto loss = [&] { return test::weighted_output(c, g); };
+  test::expect_gradient_matches(input, analytic, kStep, kTolerance, loss, name);
 }
 
 class ReferenceBackward : public ::testing::TestWithParam<CaseSpec> {};

@@ -17,6 +17,7 @@
 #include "core/dropout.hpp"
 #include "core/tile_plan.hpp"
 #include "cpu_check.hpp"
+#include "finite_difference.hpp"
 
 namespace qkv {
 namespace {
@@ -52,14 +53,6 @@ struct VariantCase {
   }
 };
 
-template <int R>
-double max_abs(const Tensor<double, R>& t) {
-  double m = 1.0;
-  for (std::size_t i = 0; i < t.size(); ++i)
-    if (std::isfinite(t[i])) m = std::max(m, std::abs(t[i]));
-  return m;
-}
-
 void expect_near_reference(const Variant& v, int threads) {
   VariantCase vc(v);
   const CaseSpec& s = v.spec;
@@ -69,11 +62,11 @@ void expect_near_reference(const Variant& v, int threads) {
                                           v.sinks ? std::span<float>(dsinks) : std::span<float>());
   const test::Reference ref =
       test::run_reference(vc.c, &dout, v.sinks ? std::span<float>(dsinks_ref) : std::span<float>());
-  EXPECT_LE(test::error(cpu.out, ref.out), 4e-6 * max_abs(ref.out)) << "out";
-  EXPECT_LE(test::error(cpu.lse, ref.lse), 4e-6 * max_abs(ref.lse)) << "lse";
-  EXPECT_LE(test::error(cpu.dq, ref.dq), 2e-5 * max_abs(ref.dq)) << "dq";
-  EXPECT_LE(test::error(cpu.dk, ref.dk), 2e-5 * max_abs(ref.dk)) << "dk";
-  EXPECT_LE(test::error(cpu.dv, ref.dv), 2e-5 * max_abs(ref.dv)) << "dv";
+  EXPECT_LE(test::error(cpu.out, ref.out), test::relative_tolerance(4e-6, ref.out)) << "out";
+  EXPECT_LE(test::error(cpu.lse, ref.lse), test::relative_tolerance(4e-6, ref.lse)) << "lse";
+  EXPECT_LE(test::error(cpu.dq, ref.dq), test::relative_tolerance(2e-5, ref.dq)) << "dq";
+  EXPECT_LE(test::error(cpu.dk, ref.dk), test::relative_tolerance(2e-5, ref.dk)) << "dk";
+  EXPECT_LE(test::error(cpu.dv, ref.dv), test::relative_tolerance(2e-5, ref.dv)) << "dv";
   for (std::size_t h = 0; h < dsinks.size(); ++h)
     EXPECT_NEAR(dsinks[h], dsinks_ref[h], 2e-5 * std::max(1.0f, std::abs(dsinks_ref[h]))) << "dsinks " << h;
 }
@@ -149,51 +142,16 @@ TEST(VariantGradients, ReferenceBackwardMatchesFiniteDifferences) {
   attention_backward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = out.cview(),
                       .lse = lse.cview(), .dout = dout.cview(), .dq = dq.view(), .dk = dk.view(),
                       .dv = dv.view(), .dsinks = dsinks, .dalibi_slopes = dslopes}, c.options);
-  auto loss = [&]() {
-    Tensor<double, 4> o({1, 4, 2, 2});
-    attention_forward({.q = c.q.cview(), .k = c.k.cview(), .v = c.v.cview(), .out = o.view()}, c.options);
-    double sum = 0.0;
-    for (std::size_t i = 0; i < o.size(); ++i) sum += o[i] * dout[i];
-    return sum;
-  };
-  const double h = 1e-6;
-  auto check = [&](Tensor<double, 4>& x, const Tensor<double, 4>& grad, const char* name) {
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      const double saved = x[i];
-      x[i] = saved + h;
-      const double up = loss();
-      x[i] = saved - h;
-      const double down = loss();
-      x[i] = saved;
-      EXPECT_NEAR(grad[i], (up - down) / (2 * h), 1e-7) << name << "[" << i << "]";
-    }
-  };
-  check(c.q, dq, "dq");
-  check(c.k, dk, "dk");
-  check(c.v, dv, "dv");
-  for (std::size_t s = 0; s < sinks.size(); ++s) {
-    const float saved = sinks[s];
-    const float step = 1e-3f;  // sinks are float: a larger step, a looser bound
-    sinks[s] = saved + step;
-    const double up = loss();
-    sinks[s] = saved - step;
-    const double down = loss();
-    sinks[s] = saved;
-    EXPECT_NEAR(dsinks[s], (up - down) / (2 * step), 1e-5) << "dsinks[" << s << "]";
-  }
+  auto loss = [&] { return test::weighted_output(c, dout); };
+  test::expect_gradient_matches(c.q, dq, 1e-6, 1e-7, loss, "dq");
+  test::expect_gradient_matches(c.k, dk, 1e-6, 1e-7, loss, "dk");
+  test::expect_gradient_matches(c.v, dv, 1e-6, 1e-7, loss, "dv");
+  // Sinks are float: a larger step, a looser bound.
+  test::expect_gradient_matches(sinks, dsinks, 1e-3f, 1e-5, loss, "dsinks");
   // Slopes are float: a step of 2⁻¹² is exact on these slopes (0.25, 0.5), and the
   // central difference's truncation error, step²·f'''/6 with f''' ~ distance³ ≲ 10², stays
   // near 10⁻⁶.
-  for (std::size_t s = 0; s < slopes.size(); ++s) {
-    const float saved = slopes[s];
-    const float step = 1.0f / 4096.0f;
-    slopes[s] = saved + step;
-    const double up = loss();
-    slopes[s] = saved - step;
-    const double down = loss();
-    slopes[s] = saved;
-    EXPECT_NEAR(dslopes[s], (up - down) / (2 * step), 1e-5) << "dalibi_slopes[" << s << "]";
-  }
+  test::expect_gradient_matches(slopes, dslopes, 1.0f / 4096.0f, 1e-5, loss, "dalibi_slopes");
   EXPECT_GT(std::abs(dslopes[0]) + std::abs(dslopes[1]), 1e-3);  // not trivially zero
 }
 

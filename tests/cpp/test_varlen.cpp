@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "finite_difference.hpp"
 #include "test_support.hpp"
 
 namespace qkv {
@@ -188,21 +189,9 @@ TEST(VarlenGradients, ReferenceBackwardMatchesFiniteDifferences) {
     for (std::size_t i = 0; i < probe.out.size(); ++i) sum += probe.out[i] * p.dout[i];
     return sum;
   };
-  const double h = 1e-6;
-  auto check = [&](Tensor<double, 3>& x, const Tensor<double, 3>& grad, const char* name) {
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      const double saved = x[i];
-      x[i] = saved + h;
-      const double up = loss();
-      x[i] = saved - h;
-      const double down = loss();
-      x[i] = saved;
-      EXPECT_NEAR(grad[i], (up - down) / (2 * h), 1e-7) << name << "[" << i << "]";
-    }
-  };
-  check(p.q, p.dq, "dq");
-  check(p.k, p.dk, "dk");
-  check(p.v, p.dv, "dv");
+  test::expect_gradient_matches(p.q, p.dq, 1e-6, 1e-7, loss, "dq");
+  test::expect_gradient_matches(p.k, p.dk, 1e-6, 1e-7, loss, "dk");
+  test::expect_gradient_matches(p.v, p.dv, 1e-6, 1e-7, loss, "dv");
 }
 
 // ---- errors: named, and nothing written -------------------------------------------

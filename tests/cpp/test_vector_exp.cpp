@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "cpu/cpu_backend.hpp"
-#include "hwy/targets.h"
+#include "simd_targets.hpp"
 
 namespace qkv {
 namespace {
@@ -22,22 +22,7 @@ double ulps(float got, double exact) {
   return std::abs(static_cast<double>(got) - exact) / spacing;
 }
 
-class VectorExp : public ::testing::Test {
- protected:
-  template <class Check>
-  void for_each_target(Check&& check) {
-    const std::vector<int64_t> targets = cpu::compiled_simd_targets();
-    ASSERT_FALSE(targets.empty());
-    for (int64_t target : targets) {
-      hwy::SetSupportedTargetsForTest(target);
-      SCOPED_TRACE(hwy::TargetName(target));
-      check();
-    }
-    hwy::SetSupportedTargetsForTest(0);
-  }
-};
-
-TEST_F(VectorExp, WithinTwoUlpsOverTheSoftmaxRange) {
+TEST(VectorExp, WithinTwoUlpsOverTheSoftmaxRange) {
   // Every argument the kernels pass is ≤ 0 up to rounding: a dense sweep of [−87, 0.5]
   // (normal results) plus random points, odd count so the tail path runs too.
   std::vector<float> x;
@@ -48,7 +33,7 @@ TEST_F(VectorExp, WithinTwoUlpsOverTheSoftmaxRange) {
   for (float tiny : {1e-30f, -1e-30f, 1e-7f, -1e-7f, 0.34657f, -0.34657f, 0.34658f, -0.34658f})
     x.push_back(tiny);
   std::vector<float> out(x.size());
-  for_each_target([&] {
+  test::for_each_simd_target([&](int64_t) {
     cpu::softmax_exp(x.data(), out.data(), x.size());
     double worst = 0.0;
     float worst_at = 0.0f;
@@ -62,12 +47,12 @@ TEST_F(VectorExp, WithinTwoUlpsOverTheSoftmaxRange) {
   });
 }
 
-TEST_F(VectorExp, SpecialValues) {
+TEST(VectorExp, SpecialValues) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
   const std::vector<float> x{0.0f, -0.0f, -inf, nan, -88.0f, -100.0f, -1e30f, inf, 89.0f, 1e30f, -nan};
   std::vector<float> out(x.size());
-  for_each_target([&] {
+  test::for_each_simd_target([&](int64_t) {
     cpu::softmax_exp(x.data(), out.data(), x.size());
     EXPECT_EQ(out[0], 1.0f);
     EXPECT_EQ(out[1], 1.0f);
@@ -83,13 +68,13 @@ TEST_F(VectorExp, SpecialValues) {
   });
 }
 
-TEST_F(VectorExp, SubnormalResultsAreTinyAndNeverNegative) {
+TEST(VectorExp, SubnormalResultsAreTinyAndNeverNegative) {
   // Between e^−88 and e^−87.3 the result may be flushed or subnormal: never more than
   // the smallest normal float away, never negative.
   std::vector<float> x;
   for (int i = 0; i <= 1000; ++i) x.push_back(-88.0f + 0.8f * static_cast<float>(i) / 1000.0f);
   std::vector<float> out(x.size());
-  for_each_target([&] {
+  test::for_each_simd_target([&](int64_t) {
     cpu::softmax_exp(x.data(), out.data(), x.size());
     for (size_t i = 0; i < x.size(); ++i) {
       EXPECT_GE(out[i], 0.0f);

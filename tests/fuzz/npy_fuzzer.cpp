@@ -15,8 +15,8 @@
 #include <optional>
 #include <string>
 
+#include "npy.hpp"
 #include "qkv/error.hpp"
-#include "qkv/npy.hpp"
 
 namespace {
 

@@ -10,7 +10,7 @@
 // The header is parsed by a small strict parser of exactly that literal (never by an
 // evaluator): three known keys, each once; strings in either quote; True/False; a tuple
 // of non-negative decimal integers.
-#include "qkv/npy.hpp"
+#include "npy.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -32,16 +32,6 @@
 #include "qkv/error.hpp"
 
 namespace qkv::npy {
-namespace {
-
-constexpr std::array<unsigned char, 6> kMagic{0x93, 'N', 'U', 'M', 'P', 'Y'};
-constexpr std::size_t kPreambleV1 = 10;  // magic, version, uint16 length
-constexpr std::size_t kPreambleV2 = 12;  // magic, version, uint32 length
-constexpr std::size_t kHeaderAlignment = 64;  // NumPy pads header + preamble to this
-
-[[noreturn]] void fail(const std::string& name, const std::string& what) {
-  throw Error("qkv::npy: " + name + ": " + what);
-}
 
 std::string shape_string(std::span<const int64_t> shape) {
   std::string text = "(";
@@ -51,6 +41,17 @@ std::string shape_string(std::span<const int64_t> shape) {
   }
   if (shape.size() == 1) text += ",";
   return text + ")";
+}
+
+namespace {
+
+constexpr std::array<unsigned char, 6> kMagic{0x93, 'N', 'U', 'M', 'P', 'Y'};
+constexpr std::size_t kPreambleV1 = 10;  // magic, version, uint16 length
+constexpr std::size_t kPreambleV2 = 12;  // magic, version, uint32 length
+constexpr std::size_t kHeaderAlignment = 64;  // NumPy pads header + preamble to this
+
+[[noreturn]] void fail(const std::string& name, const std::string& what) {
+  throw Error("qkv::npy: " + name + ": " + what);
 }
 
 // ---- the preamble -----------------------------------------------------------------

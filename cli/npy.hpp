@@ -1,4 +1,5 @@
-// Reading and writing NumPy .npy files (format versions 1.0, 2.0 and 3.0).
+// Reading and writing NumPy .npy files (format versions 1.0, 2.0 and 3.0), for `qkv run`
+// (a CLI library, qkv_npy: not part of qkv::qkv or its installed headers).
 //
 // qkv reads exactly what its attention functions take: little-endian float32 ('<f4')
 // arrays, and uint8 ('|u1') or bool ('|b1') arrays for boolean masks, in C order. Reading
@@ -48,6 +49,10 @@ struct Header {
 
 // Bytes per element: 4 for float32, 1 for uint8 and bool.
 std::size_t item_size(DType dtype);
+
+// A shape as NumPy writes it in a header (and `qkv run` in its messages): "(2, 3)",
+// "(5,)", "()".
+std::string shape_string(std::span<const int64_t> shape);
 
 // A whole array in C order. T is float for '<f4' and std::uint8_t for '|u1' and '|b1'.
 template <class T>
