@@ -17,6 +17,7 @@
 #include <string>
 
 #include "decode_case.hpp"
+#include "simd_targets.hpp"
 #include "test_support.hpp"
 
 namespace qkv {
@@ -73,12 +74,14 @@ void check_any(const DecodeSpec& s) {
 }
 
 TEST(DecodeBackends, ReferenceReadsEveryCacheLayout) {
+  test::for_each_simd_target([](int64_t) {
   for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16, StorageType::int8})
     for (int64_t block : {0, 16, 5}) {
       DecodeSpec s{.name = "gqa", .batch = 3, .q_len = 2, .capacity = 70, .q_heads = 8, .kv_heads = 2,
                    .head_dim = 32, .v_dim = 24, .lengths = {70, 1, 33}, .type = type, .block_size = block};
       check_any(s);
     }
+  });
 }
 
 TEST(DecodeBackends, ReferenceWithVariants) {
