@@ -33,6 +33,7 @@
 #include "cpu/gemm-inl.h"
 #include "cpu/finite_scan-inl.h"
 #include "cpu/modifier_tiles-inl.h"
+#include "cpu/backward_pack-inl.h"
 #include "cpu/decode_tiles-inl.h"
 #include "cpu/score_pipeline-inl.h"
 
@@ -42,13 +43,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string>
-#include <strings.h>
 #include <utility>
 #include <vector>
-
-#include "qkv/error.hpp"
 
 #include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
@@ -64,77 +60,6 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
 
 namespace {
-
-// Whole-problem packed operands: per (entry, head) a panel of nq_ld(b) query columns
-// (the entry's queries rounded up to whole 64-query blocks). Extra memory ≈ Hq·Σ_b
-// Nq_b·(d + dv + 3) floats (+ padded Q / dO rows for head dims that are not whole
-// vectors): linear in N.
-//
-// Qᵀ and dOᵀ are stored block by block: the d × 64 panel of each query block is
-// contiguous (rows 64 floats apart). As one d × Nq matrix, a block's rows would be Nq
-// floats apart — 16 KiB at N = 4096, a multiple of 4 KiB — so all d of them would fall
-// into the same few L1 sets.
-struct Packed {
-  size_t lanes = 0;
-  size_t d_ld = 0, dv_ld = 0;
-  bool pad_q_rows = false, pad_dout_rows = false;
-  std::vector<size_t> column_offset;  // per entry: first column of its head 0 panel
-  hwy::AlignedFreeUniquePtr<float[]> qt;      // per panel, per query block d × 64: scale·Qᵀ
-  hwy::AlignedFreeUniquePtr<float[]> dot;     // per panel, per query block dv × 64: dOᵀ
-  hwy::AlignedFreeUniquePtr<float[]> lse;     // nq_ld per panel: −inf and padding → +inf
-  hwy::AlignedFreeUniquePtr<float[]> delta;   // nq_ld per panel: D_i
-  hwy::AlignedFreeUniquePtr<float[]> sink_terms;  // nq_ld per panel: −exp(sink − lse_i)·D_i
-  hwy::AlignedFreeUniquePtr<float[]> q_rows;  // nq_ld × d_ld per panel, if d % lanes ≠ 0
-  hwy::AlignedFreeUniquePtr<float[]> dout_rows;  // nq_ld × dv_ld, if dv % lanes ≠ 0
-  const detail::Extents* e = nullptr;
-  const detail::Sequences* sequences = nullptr;
-
-  // widen: the storage type is not float, so Q and dO rows need float copies anyway.
-  Packed(const detail::Extents& extents, const detail::Sequences& seqs, size_t vector_lanes,
-         bool widen)
-      : lanes(vector_lanes),
-        d_ld(round_up(static_cast<size_t>(extents.head_dim), vector_lanes)),
-        dv_ld(round_up(static_cast<size_t>(extents.v_dim), vector_lanes)),
-        pad_q_rows(widen || static_cast<size_t>(extents.head_dim) % vector_lanes != 0),
-        pad_dout_rows(widen || static_cast<size_t>(extents.v_dim) % vector_lanes != 0),
-        e(&extents),
-        sequences(&seqs) {
-    size_t columns = 0;
-    for (int64_t b = 0; b < seqs.count; ++b) {
-      column_offset.push_back(columns);
-      columns += static_cast<size_t>(extents.q_heads) * nq_ld(b);
-    }
-    qt = AllocateFloats(columns * static_cast<size_t>(extents.head_dim));
-    dot = AllocateFloats(columns * static_cast<size_t>(extents.v_dim));
-    lse = AllocateFloats(columns);
-    delta = AllocateFloats(columns);
-    sink_terms = AllocateFloats(columns);
-    q_rows = AllocateFloats(pad_q_rows ? columns * d_ld : 0);
-    dout_rows = AllocateFloats(pad_dout_rows ? columns * dv_ld : 0);
-  }
-
-  size_t nq_ld(int64_t b) const {
-    return round_up(static_cast<size_t>(sequences->q_len(b)), kBlockQueries);
-  }
-  size_t panel(int64_t b, int64_t h) const {  // first column of the (b, h) panel
-    return column_offset[static_cast<size_t>(b)] + static_cast<size_t>(h) * nq_ld(b);
-  }
-  // The d × kBlockQueries block of Qᵀ (dv × kBlockQueries of dOᵀ) whose first query is
-  // `first` (a multiple of kBlockQueries); its rows are kBlockQueries floats apart.
-  float* qt_block(int64_t b, int64_t h, int64_t first) const {
-    return qt.get() + (panel(b, h) + static_cast<size_t>(first)) * static_cast<size_t>(e->head_dim);
-  }
-  float* dot_block(int64_t b, int64_t h, int64_t first) const {
-    return dot.get() + (panel(b, h) + static_cast<size_t>(first)) * static_cast<size_t>(e->v_dim);
-  }
-  float* lse_of(int64_t b, int64_t h) const { return lse.get() + panel(b, h); }
-  float* delta_of(int64_t b, int64_t h) const { return delta.get() + panel(b, h); }
-  float* sink_terms_of(int64_t b, int64_t h) const { return sink_terms.get() + panel(b, h); }
-  float* q_rows_of(int64_t b, int64_t h) const { return q_rows.get() + panel(b, h) * d_ld; }
-  float* dout_rows_of(int64_t b, int64_t h) const {
-    return dout_rows.get() + panel(b, h) * dv_ld;
-  }
-};
 
 // A B-operand: row-major rows `ld` floats apart, each padded to whole vectors.
 struct Rows {
@@ -227,61 +152,6 @@ KeyValueRows LoadKeyValues(const Context<T>& c, int64_t b, int64_t kv_head, int6
   }
 }
 
-template <class T>
-void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan& plan,
-                    const ForwardTask& task, Packed& packed) {
-  const auto rows = p.rows();
-  const detail::Extents& e = p.extents;
-  const int64_t b = task.batch, h = task.head, first = task.first_query;
-  const size_t count = static_cast<size_t>(std::min(kBlockQueries, p.mask.q_len(b) - first));
-  // The block's columns, up to whole vectors (the last block also zeroes the padding).
-  const size_t cols = std::min(round_up(count, packed.lanes),
-                               packed.nq_ld(b) - static_cast<size_t>(first));
-  const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
-
-  // The block's transposed panels (rows kBlockQueries floats apart).
-  PackTransposed(rows.q(b, first, h), p.args.q.strides[1], count, d, static_cast<float>(p.scale),
-                 packed.qt_block(b, h, first), kBlockQueries, cols);
-  PackTransposed(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, 1.0f,
-                 packed.dot_block(b, h, first), kBlockQueries, cols);
-
-  float* lse = packed.lse_of(b, h) + first;
-  float* delta = packed.delta_of(b, h) + first;
-  float* sink_terms = packed.sink_terms_of(b, h) + first;
-  const detail::ScoreModifiers& mods = p.modifiers;
-  for (size_t i = 0; i < cols; ++i) {
-    sink_terms[i] = 0.0f;
-    if (i >= count) {
-      lse[i] = kPlusInf;
-      delta[i] = 0.0f;
-      continue;
-    }
-    const int64_t query = first + static_cast<int64_t>(i);
-    const float value = rows.lse(b, h, query);
-    lse[i] = value == kMinusInf ? kPlusInf : value;
-    const float* shifts = plan.degenerate_rows(b, h, first);
-    if (shifts != nullptr && shifts[i] != 0.0f && value != kMinusInf)  // see block_mask.hpp
-      lse[i] = degenerate_row_lse(p.mask, b, h, query, shifts[i]);
-    // D_i = ⟨dO_i, O_i⟩ in double: it is subtracted from every dP_ij of the row.
-    const T* dout = rows.dout(b, query, h);
-    const T* out = rows.out(b, query, h);
-    const double dot_product = DotWidened(dout, out, dv);
-    delta[i] = static_cast<float>(dot_product);
-    // The sink is a softmax entry without a value: dP_sink = 0, so
-    // dS_sink = P_sink·(0 − D_i) with P_sink = exp(sink − lse_i).
-    if (mods.has_sinks() && value != kMinusInf)
-      sink_terms[i] = static_cast<float>(-std::exp(static_cast<double>(mods.sinks[h]) - value) *
-                                         dot_product);
-  }
-  if (packed.pad_q_rows)
-    WidenRows(rows.q(b, first, h), p.args.q.strides[1], count, d,
-              packed.q_rows_of(b, h) + static_cast<size_t>(first) * packed.d_ld, packed.d_ld);
-  if (packed.pad_dout_rows)
-    WidenRows(rows.dout(b, first, h), p.args.dout.strides[1], count, dv,
-              packed.dout_rows_of(b, h) + static_cast<size_t>(first) * packed.dv_ld,
-              packed.dv_ld);
-}
-
 // The query rows of block (b, h, first) with their key_end and degenerate flags.
 template <class T>
 QueryRows DescribeQueryBlock(const Context<T>& c, int64_t b, int64_t h, int64_t first,
@@ -351,7 +221,8 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
   detail::chain_score_pipeline(mods, ChainStages{.rows = rows, .alibi_offset = detail::ScoreModifiers::alibi_offset(p.mask, rows.batch),
                                                  .first_key = first_key, .keys = kn, .width = width,
                                                  .dst = s.dst.get(), .cap_slope = s.cap.get(),
-                                                 .mod_slope = s.mod_slope.get(), .alibi_sum = alibi_sum});
+                                                 .mod_slope = s.mod_slope.get(), .alibi_sum = alibi_sum,
+                                                 .mods = &mods});
   if (dropout)
     DropoutTile(s.pt.get(), kn, width, first_key, s.dropout_keys.data(), threshold, dropout_scale);
   return width;

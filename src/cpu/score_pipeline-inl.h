@@ -142,6 +142,7 @@ struct ChainStages {
   const float* cap_slope = nullptr;
   const float* mod_slope = nullptr;
   double* alibi_sum = nullptr;  // null: no slope gradient wanted
+  const detail::ScoreModifiers* mods = nullptr;  // the call's, for per-head stages
 
   void alibi() {
     if (alibi_sum != nullptr)
