@@ -181,7 +181,9 @@ HWY_INLINE void MaskTile(float* HWY_RESTRICT st, size_t keys, size_t width, int6
       auto x = hn::LoadU(d, row + i);
       if (add != nullptr) {
         const auto a = hn::LoadU(d, add + j * add_ld + i);
-        visible = hn::And(visible, hn::Ne(a, minus_inf));
+        // Not(Eq), not Ne: Highway's Ne is ordered (false for NaN), which would remove a
+        // key whose bias is NaN; PyTorch (and the reference) make that row NaN instead.
+        visible = hn::AndNot(hn::Eq(a, minus_inf), visible);
         x = hn::Add(x, a);
       }
       hn::StoreU(hn::IfThenElse(visible, x, minus_inf), d, row + i);
