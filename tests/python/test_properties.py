@@ -33,11 +33,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, seed, settings
-from hypothesis import strategies as st
 
-import qkv
-from property_math import largest, max_error, plain_attention
+pytest.importorskip("hypothesis", reason="pip install hypothesis (scripts/test_python.sh does)")
+from hypothesis import HealthCheck, event, given, seed, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import qkv  # noqa: E402
+from property_math import largest, max_error, plain_attention  # noqa: E402
 
 pytestmark = pytest.mark.skipif("cpu" not in qkv.available_backends(), reason="cpu backend not built")
 
