@@ -6,15 +6,15 @@
 #   bash scripts/property_soak.sh              # 30 minutes
 #   SOAK_MINUTES=5 bash scripts/property_soak.sh -k cache
 #
-# Runs rounds of QKV_HYPOTHESIS_EXAMPLES examples per test (default 2000), each round with
-# a new seed, until the time is up; prints each round's seed and test counts, and stops at
+# Runs rounds of QKV_HYPOTHESIS_EXAMPLES examples per test (default 500), each round with
+# a new seed, until the time is up (a round started is finished); prints each round's seed and test counts, and stops at
 # the first failure (replay: QKV_HYPOTHESIS_SEED=<seed> QKV_HYPOTHESIS_EXAMPLES=<n> pytest
 # tests/python/test_properties.py). Uses the installed qkv (scripts/test_python.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
 minutes="${SOAK_MINUTES:-30}"
-export QKV_HYPOTHESIS_EXAMPLES="${QKV_HYPOTHESIS_EXAMPLES:-2000}"
+export QKV_HYPOTHESIS_EXAMPLES="${QKV_HYPOTHESIS_EXAMPLES:-500}"
 deadline=$(( $(date +%s) + minutes * 60 ))
 round=0
 while (( $(date +%s) < deadline )); do
@@ -22,14 +22,11 @@ while (( $(date +%s) < deadline )); do
   seed="${SOAK_SEED:-$(( $(date +%s) % 1000000 + round ))}"
   remaining=$(( deadline - $(date +%s) ))
   echo "property_soak: round $round, seed $seed, $QKV_HYPOTHESIS_EXAMPLES examples per test, ${remaining}s left"
-  # A round past the deadline is cut short (timeout); that is not a failure.
+  # A round always runs to its end (a failure needs its shrinking and report), so the
+  # last one may end past the deadline: size rounds with QKV_HYPOTHESIS_EXAMPLES.
   status=0
-  QKV_HYPOTHESIS_SEED="$seed" timeout "$remaining" "$python" -m pytest tests/python/test_properties.py -q \
+  QKV_HYPOTHESIS_SEED="$seed" "$python" -m pytest tests/python/test_properties.py -q \
     -p no:cacheprovider --hypothesis-show-statistics "$@" || status=$?
-  if (( status == 124 )); then
-    echo "property_soak: time is up during round $round (seed $seed)"
-    break
-  fi
   if (( status != 0 )); then
     echo "property_soak: FAILED in round $round; replay with QKV_HYPOTHESIS_SEED=$seed"
     exit "$status"
