@@ -9,8 +9,8 @@ the README's numerics contract:
   2 × that of plain_attention in float32 on the same inputs, plus a floor of 8 float32
   ulps of max(1, the largest exact value) — the rule of tests/cpp/cpu_check.hpp
   (expect_within_rule). For dq and dk the floor is 8 ulps of the terms their dP − D is a
-  difference of (scale·|dO|·|V|·|K|), as D comes from the forward's out
-  (check_attention_case says why); dv keeps the documented floor.
+  difference of (dv·|dO|·|V|, times scale·|K|, or scale·|Q|·Nq), as D comes from the
+  forward's out (check_attention_case says why); dv keeps the documented floor.
 * float16 / bfloat16: at most u · max|exact| (u = 2⁻¹¹ / 2⁻⁸, the one rounding of the
   float32 result to the storage type) plus the float32 bound above.
 * decode and caches: the float32 bound against the values as the cache stores them
@@ -221,11 +221,13 @@ def check_attention_case(case):
         # dq and dk are scale·Σ dS·k (·q) with dS = P·(dP − D): like FlashAttention, qkv
         # takes D_i = ⟨dO_i, out_i⟩ from the forward's out, which the plain loop does not
         # (its D is Σ_j P·dP, the same sum as dP), so where dP − D cancels (one key: exactly
-        # 0) their floor is ulps of the terms, scale·|dO|·|V|·|K| (or |Q|). dv = Pᵀ·dO has
-        # no such difference and keeps the documented floor.
+        # 0) their floor is ulps of the terms: D and dP are sums of dv products |dO|·|V|,
+        # times scale·|K| for dq_i (Σ_j P_ij = 1), and summed over the Nq rows times
+        # scale·|Q| for dk_j. dv = Pᵀ·dO has no such difference: the documented floor.
         step = case["scale"] or 1.0 / math.sqrt(case["head_dim"])
-        upstream_size = largest(upstream(case, exact.shape)) * largest(v)
-        terms = {"dq": step * upstream_size * largest(k), "dk": step * upstream_size * largest(q), "dv": 0.0}
+        products = largest(upstream(case, exact.shape)) * largest(v) * case["v_dim"]
+        terms = {"dq": step * products * largest(k), "dk": step * products * largest(q) * case["q_len"],
+                 "dv": 0.0}
         for name, a, b, c in zip(("dq", "dk", "dv"), our_grads, plain_grads, exact_grads):
             check_bound(a, b, c, f"{name} ({schedule(case)})", terms=terms[name])
 
