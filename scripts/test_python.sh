@@ -26,6 +26,8 @@ pip_install=("$python" -m pip install --quiet --disable-pip-version-check --root
 # NumPy's bfloat16 (qkv reads ml_dtypes.bfloat16 arrays in place; the test is skipped
 # without it).
 "${pip_install[@]}" "ml_dtypes>=0.4"
+# Property-based tests (tests/python/test_properties.py).
+"${pip_install[@]}" "hypothesis>=6"
 # The build backend and its tools, installed here so that the build below can run
 # without an isolated environment (which would move nanobind and force a full rebuild).
 "${pip_install[@]}" "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja

@@ -20,12 +20,25 @@
 // attend() aligns the queries with the newest keys (Causal::bottom_right): query i of
 // sequence b sees keys 0 .. length(b) − T + i. decode() (qkv/decode.hpp) is the same
 // computation over caches the caller owns; views() hands this cache's memory to it.
+//
+// Threads: append, attend, reset and free_blocks may be called on one cache from several
+// threads at once (the Python binding releases the GIL in append and attend). append and
+// reset are serialized (each holds the cache exclusively, so every append sees and
+// leaves consistent books: blocks in use + free == num_blocks, no block held twice);
+// attends run concurrently with each other but never beside an append or reset, so an
+// attend sees each sequence either before or after another thread's append, never half
+// of it. Two threads appending to the same sequence are serialized too; their order is
+// whichever takes the cache first, which is the caller's to arrange. NOT synchronized:
+// lengths(), block_table(), k_scales(), v_scales(), k_data(), v_data() and views()
+// return the cache's own memory, valid to read only while no other thread appends or
+// resets; and the constructor, destructor and moves, like any object's.
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <shared_mutex>
 #include <span>
 #include <vector>
 
@@ -55,7 +68,7 @@ class KVCache {
   // Keys held per sequence.
   std::span<const int64_t> lengths() const { return lengths_; }
   // Paged: blocks not assigned to any sequence.
-  int64_t free_blocks() const { return static_cast<int64_t>(free_.size()); }
+  int64_t free_blocks() const;
 
   // Appends T new tokens to each sequence of `seqs` (default: every sequence, in order):
   // k [n, T, Hkv, d], v [n, T, Hkv, dv] with n = seqs.size() (or batch). Throws
@@ -99,7 +112,11 @@ class KVCache {
   struct FreeBytes {
     void operator()(std::byte* p) const;
   };
+  void reset_locked(int64_t seq);  // reset(seq) with the lock held
   KVCacheConfig config_;
+  // Held exclusively by append and reset, shared by attend and free_blocks. Behind a
+  // pointer so that a cache stays movable (std::vector<KVCache>, Transformer::make_caches).
+  std::unique_ptr<std::shared_mutex> mutex_;
   int64_t blocks_per_sequence_ = 0;
   std::unique_ptr<std::byte, FreeBytes> k_, v_;
   std::vector<int64_t> lengths_;

@@ -6,10 +6,14 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <new>
+#include <shared_mutex>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
+#include "core/checked_size.hpp"
 #include "core/checker.hpp"
 #include "qkv/error.hpp"
 
@@ -75,12 +79,44 @@ void store_row(StorageType type, const float* src, int64_t count, void* dst, flo
   }
 }
 
+constexpr const char kName[] = "qkv::KVCache";
+
+// The bytes of a cache's buffers. Every size is a product of the caller's numbers, so each
+// is checked: an absurd config is refused here instead of wrapping to a tiny buffer that
+// append() then overruns. The factors are named as the caller gave them.
+struct CacheBytes {
+  std::size_t keys = 0, values = 0, scales = 0, table = 0, lengths = 0;
+};
+
+CacheBytes cache_bytes(const KVCacheConfig& c, int64_t blocks_per_sequence) {
+  using detail::SizeFactor;
+  // Storage rows: [batch, capacity] or the pool's [num_blocks, block_size].
+  const SizeFactor outer = c.paged ? SizeFactor{"config.num_blocks", c.num_blocks} : SizeFactor{"config.batch", c.batch};
+  const SizeFactor inner =
+      c.paged ? SizeFactor{"config.block_size", c.block_size} : SizeFactor{"config.capacity", c.capacity};
+  const SizeFactor heads{"config.kv_heads", c.kv_heads};
+  const auto element = static_cast<std::size_t>(storage_bytes(c.dtype));
+  CacheBytes bytes;
+  bytes.keys = detail::checked_bytes(kName, "the key storage", {outer, inner, heads, {"config.head_dim", c.head_dim}},
+                                     element);
+  bytes.values = detail::checked_bytes(kName, "the value storage", {outer, inner, heads, {"config.v_dim", c.v_dim}},
+                                       element);
+  if (c.dtype == StorageType::int8)
+    bytes.scales = detail::checked_bytes(kName, "the int8 scales", {outer, inner, heads}, sizeof(float));
+  if (c.paged)
+    bytes.table = detail::checked_bytes(kName, "the block table",
+                                        {{"config.batch", c.batch}, {"blocks per sequence", blocks_per_sequence}},
+                                        sizeof(int32_t));
+  bytes.lengths = detail::checked_bytes(kName, "the lengths", {{"config.batch", c.batch}}, sizeof(int64_t));
+  return bytes;
+}
+
 }  // namespace
 
 void KVCache::FreeBytes::operator()(std::byte* p) const { std::free(p); }
 
 KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
-  const detail::Checker check("qkv::KVCache");
+  const detail::Checker check(kName);
   auto positive = [&](const char* name, int64_t value) {
     if (value < 1) check.fail(std::string("config.") + name + ": expected >= 1, got " + std::to_string(value));
   };
@@ -94,30 +130,37 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
       config.dtype != StorageType::float16 && config.dtype != StorageType::int8)
     check.fail("config.dtype: expected float32, bfloat16, float16 or int8, got value " +
                std::to_string(static_cast<int>(config.dtype)));
-  int64_t rows = config.batch * config.capacity;  // key rows of storage
   if (config.paged) {
     if (config.block_size < 1 || config.block_size > 4096)
       check.fail("config.block_size: expected 1..4096 keys per block, got " + std::to_string(config.block_size));
-    blocks_per_sequence_ = (config.capacity + config.block_size - 1) / config.block_size;
+    blocks_per_sequence_ = detail::ceil_div(config.capacity, config.block_size);
     if (config.num_blocks < 0) check.fail("config.num_blocks: expected >= 0 (0 = enough for every sequence), got " + std::to_string(config.num_blocks));
-    if (config_.num_blocks == 0) config_.num_blocks = config.batch * blocks_per_sequence_;
+    if (config_.num_blocks == 0)
+      config_.num_blocks = detail::checked_product(
+          kName, "config.num_blocks", {{"config.batch", config.batch}, {"blocks per sequence", blocks_per_sequence_}});
     if (config_.num_blocks > std::numeric_limits<int32_t>::max())
       check.fail("config.num_blocks: at most 2^31 - 1 blocks (the block table is int32), got " + std::to_string(config_.num_blocks));
-    rows = config_.num_blocks * config.block_size;
-    table_.assign(static_cast<std::size_t>(config.batch * blocks_per_sequence_), -1);
-    free_.resize(static_cast<std::size_t>(config_.num_blocks));
+  }
+  const CacheBytes bytes = cache_bytes(config_, blocks_per_sequence_);
+  if (config.paged) {
+    detail::allocate_or_throw(kName, "the block table", bytes.table, [&] {
+      table_.assign(bytes.table / sizeof(int32_t), -1);
+      free_.resize(static_cast<std::size_t>(config_.num_blocks));
+    });
     // Taken from the back: block 0 first, so a fresh cache fills the pool in order.
     for (std::size_t i = 0; i < free_.size(); ++i) free_[i] = static_cast<int32_t>(free_.size() - 1 - i);
   }
-  const auto bytes = static_cast<std::size_t>(storage_bytes(config.dtype));
-  const auto heads = static_cast<std::size_t>(config.kv_heads);
-  k_.reset(allocate_bytes(static_cast<std::size_t>(rows) * heads * static_cast<std::size_t>(config_.head_dim) * bytes));
-  v_.reset(allocate_bytes(static_cast<std::size_t>(rows) * heads * static_cast<std::size_t>(config_.v_dim) * bytes));
+  detail::allocate_or_throw(kName, "the key storage", bytes.keys, [&] { k_.reset(allocate_bytes(bytes.keys)); });
+  detail::allocate_or_throw(kName, "the value storage", bytes.values, [&] { v_.reset(allocate_bytes(bytes.values)); });
   if (config.dtype == StorageType::int8) {  // one scale per stored row
-    k_scale_.assign(static_cast<std::size_t>(rows) * heads, 0.0f);
-    v_scale_.assign(static_cast<std::size_t>(rows) * heads, 0.0f);
+    detail::allocate_or_throw(kName, "the int8 scales", 2 * bytes.scales, [&] {
+      k_scale_.assign(bytes.scales / sizeof(float), 0.0f);
+      v_scale_.assign(bytes.scales / sizeof(float), 0.0f);
+    });
   }
-  lengths_.assign(static_cast<std::size_t>(config.batch), 0);
+  detail::allocate_or_throw(kName, "the lengths", bytes.lengths,
+                            [&] { lengths_.assign(bytes.lengths / sizeof(int64_t), 0); });
+  mutex_ = std::make_unique<std::shared_mutex>();
 }
 
 std::array<int64_t, 4> KVCache::k_shape() const {
@@ -133,6 +176,9 @@ std::array<int64_t, 4> KVCache::v_shape() const {
 
 void KVCache::append(View4<const float> k, View4<const float> v, std::span<const int64_t> seqs) {
   const detail::Checker check("qkv::KVCache::append");
+  // Exclusive: the checks below read the lengths and the free list that the writes then
+  // change, and another thread's append must not take the same free block in between.
+  const std::unique_lock lock(*mutex_);
   const detail::Described kf = detail::describe("k", k), vf = detail::describe("v", v);
   check.expect_well_formed(kf);
   check.expect_well_formed(vf);
@@ -157,16 +203,17 @@ void KVCache::append(View4<const float> k, View4<const float> v, std::span<const
       check.fail("seqs[" + std::to_string(n) + "]: sequence " + std::to_string(seq) + " appears twice");
     seen[static_cast<std::size_t>(seq)] = true;
     const int64_t length = lengths_[static_cast<std::size_t>(seq)];
-    if (length + tokens > config_.capacity)
+    if (tokens > config_.capacity - length)
       check.fail("k.shape[1] (tokens): sequence " + std::to_string(seq) + " holds " + std::to_string(length) +
                  " of " + std::to_string(config_.capacity) + " keys; " + std::to_string(tokens) + " more do not fit");
     if (config_.paged) {
       const int64_t bs = config_.block_size;
-      blocks_needed += (length + tokens + bs - 1) / bs - (length + bs - 1) / bs;
+      blocks_needed += detail::ceil_div(length + tokens, bs) - detail::ceil_div(length, bs);
     }
   }
-  if (config_.paged && blocks_needed > free_blocks())
-    check.fail("k.shape[1] (tokens): the pool has " + std::to_string(free_blocks()) + " free blocks, " +
+  const auto free_now = static_cast<int64_t>(free_.size());  // not free_blocks(): the lock is held
+  if (config_.paged && blocks_needed > free_now)
+    check.fail("k.shape[1] (tokens): the pool has " + std::to_string(free_now) + " free blocks, " +
                std::to_string(blocks_needed) + " are needed (config.num_blocks)");
 
   // Everything checked: from here on nothing throws.
@@ -198,13 +245,24 @@ void KVCache::append(View4<const float> k, View4<const float> v, std::span<const
   }
 }
 
+int64_t KVCache::free_blocks() const {
+  const std::shared_lock lock(*mutex_);
+  return static_cast<int64_t>(free_.size());
+}
+
 void KVCache::reset() {
-  for (int64_t seq = 0; seq < config_.batch; ++seq) reset(seq);
+  const std::unique_lock lock(*mutex_);
+  for (int64_t seq = 0; seq < config_.batch; ++seq) reset_locked(seq);
 }
 
 void KVCache::reset(int64_t seq) {
   if (seq < 0 || seq >= config_.batch)
     detail::Checker("qkv::KVCache::reset").fail("seq: expected 0.." + std::to_string(config_.batch - 1) + ", got " + std::to_string(seq));
+  const std::unique_lock lock(*mutex_);
+  reset_locked(seq);
+}
+
+void KVCache::reset_locked(int64_t seq) {
   lengths_[static_cast<std::size_t>(seq)] = 0;
   if (!config_.paged) return;
   for (int64_t j = 0; j < blocks_per_sequence_; ++j) {
@@ -251,6 +309,9 @@ void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
     args.lse = lse;
     decode(args, options);
   };
+  // Shared: attends run together, but never beside an append or reset, whose lengths,
+  // block table and rows they read.
+  const std::shared_lock lock(*mutex_);
   switch (config_.dtype) {
     case StorageType::float32: return run(views<float>());
     case StorageType::bfloat16: return run(views<bfloat16>());

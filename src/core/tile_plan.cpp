@@ -3,8 +3,13 @@
 #include <algorithm>
 #include <limits>
 
+#include "core/checked_size.hpp"
+
 namespace qkv::detail {
 namespace {
+
+// Errors of the plan name what it was built for; its extents are the call's.
+constexpr const char kPlanName[] = "qkv (the tile plan of an attention call)";
 
 // What one key block of one mask row holds, as bits (summaries of the elementwise masks
 // only; causality and key padding are applied on top).
@@ -94,13 +99,25 @@ TilePlan::TilePlan(const MaskRule& mask, const Extents& e, int64_t block_queries
       batch_(e.batch),
       q_heads_(e.q_heads),
       kv_heads_(e.kv_heads) {
-  const std::size_t row_blocks = static_cast<std::size_t>(batch_) * plan_heads_ *
-                                 static_cast<std::size_t>(q_blocks_);
-  classes_.assign(row_blocks * static_cast<std::size_t>(k_blocks_), Tile::empty);
-  busy_.assign(row_blocks, 0);
-  first_.assign(row_blocks, 0);
-  last_.assign(row_blocks, -1);
-  partial_columns_.assign(static_cast<std::size_t>(batch_ * kv_heads_ * k_blocks_), 0);
+  // The plan's sizes are products of the call's extents (a view may repeat one row over
+  // 2^31 queries with stride 0): checked, and an allocation that fails is a qkv::Error.
+  const auto heads = static_cast<int64_t>(plan_heads_);
+  const std::size_t row_blocks = static_cast<std::size_t>(checked_product(
+      kPlanName, "the tile plan's query blocks",
+      {{"batch", batch_}, {"query heads", heads}, {"query blocks of 64", q_blocks_}}));
+  const std::size_t tile_count = checked_bytes(
+      kPlanName, "the tile plan",
+      {{"batch", batch_}, {"query heads", heads}, {"query blocks of 64", q_blocks_}, {"key blocks of 64", k_blocks_}},
+      sizeof(Tile));
+  const std::size_t columns = checked_bytes(
+      kPlanName, "the tile plan's key blocks", {{"batch", batch_}, {"kv heads", kv_heads_}, {"key blocks", k_blocks_}}, 1);
+  allocate_or_throw(kPlanName, "the tile plan", tile_count + 3 * 4 * row_blocks + columns, [&] {
+    classes_.assign(tile_count, Tile::empty);
+    busy_.assign(row_blocks, 0);
+    first_.assign(row_blocks, 0);
+    last_.assign(row_blocks, -1);
+    partial_columns_.assign(columns, 0);
+  });
   const double tiles = static_cast<double>(classes_.size());
 
   if (mask.has_elementwise()) {
@@ -122,9 +139,11 @@ void TilePlan::classify_with_elementwise(const Extents& e, int threads) {
   const bool per_query = varies(mask.keep, mask.bias, 2);
   const int64_t mask_queries = per_query ? q_rows_ : 1;
   const std::size_t stride = static_cast<std::size_t>(k_blocks_);
-  std::vector<std::uint8_t> summaries(
-      static_cast<std::size_t>(mask_batches * mask_heads * mask_queries) * stride);
-  const int64_t mask_rows = mask_batches * mask_heads * mask_queries;
+  const int64_t mask_rows = mask_batches * mask_heads * mask_queries;  // ≤ the plan's rows
+  const std::size_t summary_bytes = checked_bytes(
+      kPlanName, "the mask summaries", {{"mask rows", mask_rows}, {"key blocks", k_blocks_}}, 1);
+  std::vector<std::uint8_t> summaries;
+  allocate_or_throw(kPlanName, "the mask summaries", summary_bytes, [&] { summaries.resize(summary_bytes); });
   const double mask_bytes = static_cast<double>(mask_rows) * static_cast<double>(e.k_len);
 #pragma omp parallel for num_threads(mask_bytes > kParallelPlanWork ? threads : 1) schedule(static)
   for (int64_t row = 0; row < mask_rows; ++row) {
@@ -142,8 +161,11 @@ void TilePlan::classify_with_elementwise(const Extents& e, int threads) {
   };
 
   if (!mask.bias.empty() && !mask.has_sinks) {
-    degenerate_.assign(static_cast<std::size_t>(batch_) * plan_heads_ *
-                           static_cast<std::size_t>(q_rows_), 0.0f);
+    const std::size_t shift_bytes = checked_bytes(
+        kPlanName, "the degenerate-row shifts",
+        {{"batch", batch_}, {"query heads", static_cast<int64_t>(plan_heads_)}, {"queries", q_rows_}}, sizeof(float));
+    allocate_or_throw(kPlanName, "the degenerate-row shifts", shift_bytes,
+                      [&] { degenerate_.assign(shift_bytes / sizeof(float), 0.0f); });
 #pragma omp parallel for num_threads(mask_bytes > kParallelPlanWork ? threads : 1) schedule(static)
     for (int64_t bh = 0; bh < batch_ * static_cast<int64_t>(plan_heads_); ++bh) {
       const int64_t b = bh / static_cast<int64_t>(plan_heads_),

@@ -18,12 +18,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "hwy/aligned_allocator.h"
 #include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "core/dropout.hpp"
+#include "qkv/error.hpp"
 #include "cpu/storage-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -39,8 +41,13 @@ inline constexpr float kPlusInf = std::numeric_limits<float>::infinity();
 HWY_INLINE size_t VectorLanes() { return hn::Lanes(FloatTag()); }
 
 // Aligned scratch; Highway refuses zero-sized allocations, so ask for at least one.
+// Highway returns null when the memory is not there: a qkv::Error then (the entry points
+// allocate their per-call workspaces before any output is written), not a null write.
 inline hwy::AlignedFreeUniquePtr<float[]> AllocateFloats(size_t count) {
-  return hwy::AllocateAligned<float>(count == 0 ? 1 : count);
+  auto memory = hwy::AllocateAligned<float>(count == 0 ? 1 : count);
+  if (memory == nullptr)
+    throw Error("qkv: a workspace of " + std::to_string(count) + " floats could not be allocated (out of memory)");
+  return memory;
 }
 
 // Whether Min/Max return their second operand when either is NaN (x86's MINPS/MAXPS
@@ -181,7 +188,9 @@ HWY_INLINE void MaskTile(float* HWY_RESTRICT st, size_t keys, size_t width, int6
       auto x = hn::LoadU(d, row + i);
       if (add != nullptr) {
         const auto a = hn::LoadU(d, add + j * add_ld + i);
-        visible = hn::And(visible, hn::Ne(a, minus_inf));
+        // Not(Eq), not Ne: Highway's Ne is ordered (false for NaN), which would remove a
+        // key whose bias is NaN; PyTorch (and the reference) make that row NaN instead.
+        visible = hn::AndNot(hn::Eq(a, minus_inf), visible);
         x = hn::Add(x, a);
       }
       hn::StoreU(hn::IfThenElse(visible, x, minus_inf), d, row + i);

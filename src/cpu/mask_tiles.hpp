@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/checked_size.hpp"
 #include "core/problem.hpp"
 #include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
@@ -43,7 +44,10 @@ class SharedMaskTiles {
     }
     q_blocks_ = (e.q_len + kBlockQueries - 1) / kBlockQueries;
     k_blocks_ = (e.k_len + kBlockKeys - 1) / kBlockKeys;
-    index_.assign(static_cast<std::size_t>(e.batch * q_blocks_ * k_blocks_), -1);
+    // As many entries as the plan has tiles per head (whose size it checked); 4 bytes each.
+    const auto entries = static_cast<std::size_t>(e.batch * q_blocks_ * k_blocks_);
+    detail::allocate_or_throw("qkv (the shared mask tiles of an attention call)", "the tile index",
+                              entries * sizeof(int32_t), [&] { index_.assign(entries, -1); });
     for (std::size_t s = 0; s < slots_.size(); ++s)
       index_[position(slots_[s].batch, slots_[s].q_block, slots_[s].k_block)] = static_cast<int32_t>(s);
     tiles_ = hwy::AllocateAligned<float>(std::max<std::size_t>(1, slots_.size() * kBlockKeys * kLd));

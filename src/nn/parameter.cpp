@@ -4,6 +4,7 @@
 #include <string>
 
 #include "check.hpp"
+#include "../core/checked_size.hpp"
 
 namespace qkv::nn {
 
@@ -12,13 +13,18 @@ Parameter<T>::Parameter(std::vector<int64_t> shape_, bool decay_)
     : shape(std::move(shape_)), decay(decay_) {
   detail::expect(shape.size() == 1 || shape.size() == 2, "Parameter",
                  "shape: expected rank 1 or 2, got rank " + std::to_string(shape.size()));
-  int64_t count = 1;
-  for (int64_t extent : shape) {
+  for (int64_t extent : shape)
     detail::expect(extent >= 0, "Parameter", "shape: negative extent " + std::to_string(extent));
-    count *= extent;
-  }
-  value = Tensor<T, 1>({count});
-  grad = Tensor<T, 1>({count});
+  // A layer's sizes come from its config (Linear(in, out), Embedding(n, dim)): a product
+  // that wraps would allocate a tiny tensor that init() then overruns.
+  const int64_t count = shape.size() == 1 ? shape[0]
+                                          : qkv::detail::checked_product("Parameter", "the parameter's elements",
+                                                                    {{"shape[0]", shape[0]}, {"shape[1]", shape[1]}});
+  const std::size_t bytes = qkv::detail::checked_bytes("Parameter", "the parameter", {{"elements", count}}, 2 * sizeof(T));
+  qkv::detail::allocate_or_throw("Parameter", "the value and gradient", bytes, [&] {
+    value = Tensor<T, 1>({count});
+    grad = Tensor<T, 1>({count});
+  });
 }
 
 template <class T>

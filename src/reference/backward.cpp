@@ -14,6 +14,7 @@
 // the query heads that share a key/value head.
 #include <vector>
 
+#include "core/checked_size.hpp"
 #include "qkv/softmax.hpp"
 #include "reference/key_values.hpp"
 #include "reference/reference.hpp"
@@ -41,7 +42,12 @@ void backward_impl(const detail::BackwardProblem<T>& problem) {
     d_weights.assign(entries, 0.0);
     d_scores.assign(entries, 0.0);
     factors.assign(nk, 1.0);
-    jacobian.assign(entries * entries, 0.0);
+    // The row's Jacobian is entries² doubles: 2^62 of them for 2^31 keys. Checked, so such
+    // a call is a qkv::Error rather than a std::length_error / bad_alloc from the vector.
+    const std::size_t jacobian_bytes = detail::checked_bytes(
+        "qkv (reference backward)", "the softmax Jacobian", {{"keys", entries}, {"keys", entries}}, sizeof(double));
+    detail::allocate_or_throw("qkv (reference backward)", "the softmax Jacobian", jacobian_bytes,
+                              [&] { jacobian.assign(jacobian_bytes / sizeof(double), 0.0); });
     for (int64_t kv_head = 0; kv_head < e.kv_heads; ++kv_head) {
       dk_acc.assign(nk * e.head_dim, 0.0);
       dv_acc.assign(nk * e.v_dim, 0.0);
