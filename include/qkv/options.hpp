@@ -27,7 +27,8 @@ enum class Causal { none, top_left, bottom_right };
 struct Mask {
   // Boolean: nonzero = the key takes part (PyTorch's bool attn_mask convention).
   TensorView<const std::uint8_t, 4> keep;
-  // Additive: added to the scaled logits; -inf removes the key.
+  // Additive: added to the scaled logits; -inf (or <= -1e30) removes the key; a NaN makes
+  // its query row NaN (output, lse, gradients), as in PyTorch.
   TensorView<const float, 4> bias;
 
   bool empty() const { return keep.empty() && bias.empty(); }

@@ -1,9 +1,12 @@
 // Public entry points: validate once, pick a backend, run it into the caller's outputs.
 #include "qkv/attention.hpp"
 
+#include <new>
+#include <string>
 #include <type_traits>
 
 #include "core/dispatch.hpp"
+#include "qkv/error.hpp"
 #include "core/validate.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "reference/reference.hpp"
@@ -19,25 +22,38 @@ Backend resolve_backend(const AttentionOptions& options, bool is_double, bool wa
 
 namespace {
 
-// Validation has already refused cpu for double and for weights. The cpu kernels take
-// float and the 16-bit storage types (widened to float inside).
+// A workspace the system cannot give (the per-call plan, a backend's scratch) is a
+// qkv::Error like any other refused call, not a std::bad_alloc.
+template <class Run>
+void out_of_memory_as_error(const char* pass, Run&& run) {
+  try {
+    run();
+  } catch (const std::bad_alloc&) {
+    throw Error(std::string("qkv: out of memory for the ") + pass + "'s workspace");
+  }
+}
+
 // Validation has already refused cpu for double and for weights. The cpu backend takes
 // float and the 16-bit storage types (widened to float inside) and chooses its schedule
 // itself (cpu/forward_schedule.cpp).
 template <class T>
 void run_forward(const detail::ForwardProblem<T>& problem, Backend backend) {
-  if constexpr (!std::is_same_v<T, double>) {
-    if (backend == Backend::cpu) return cpu::forward(problem);
-  }
-  reference::forward(problem);
+  out_of_memory_as_error("forward", [&] {
+    if constexpr (!std::is_same_v<T, double>) {
+      if (backend == Backend::cpu) return cpu::forward(problem);
+    }
+    reference::forward(problem);
+  });
 }
 
 template <class T>
 void run_backward(const detail::BackwardProblem<T>& problem, Backend backend) {
-  if constexpr (!std::is_same_v<T, double>) {
-    if (backend == Backend::cpu) return cpu::backward(problem);
-  }
-  reference::backward(problem);
+  out_of_memory_as_error("backward", [&] {
+    if constexpr (!std::is_same_v<T, double>) {
+      if (backend == Backend::cpu) return cpu::backward(problem);
+    }
+    reference::backward(problem);
+  });
 }
 
 template <class T>
