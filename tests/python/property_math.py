@@ -25,13 +25,13 @@ def sequential_matmul(a, b):
 
 
 def plain_attention(q, k, v, *, causal=None, keep=None, bias=None, key_lengths=None, scale=None,
-                    window=None, softcap=None, alibi=None, sinks=None):
+                    window=None, softcap=None, alibi=None, sinks=None, return_weights=False):
     """out [B, Hq, Nq, dv] for q [B, Hq, Nq, d], k [B, Hkv, Nk, d], v [B, Hkv, Nk, dv], every
     rule as qkv documents it (qkv.attention's docstring): causal "top_left" / "bottom_right"
     (bottom-right against each entry's valid length), key_lengths, keep (bool, broadcast)
     and bias (float, added after softcap and ALiBi), window (left, right) with -1 unbounded,
     ALiBi slopes per query head, sinks per query head. A row with no key and no sink gives
-    0 with zero gradients."""
+    0 with zero gradients. return_weights: (out, the weights P [B, Hq, Nq, Nk])."""
     batch, q_heads, q_len, head_dim = q.shape
     k_len = k.shape[2]
     group = q_heads // k.shape[1]
@@ -76,7 +76,8 @@ def plain_attention(q, k, v, *, causal=None, keep=None, bias=None, key_lengths=N
     p = torch.softmax(torch.where(live, s, torch.zeros_like(s)), dim=-1) * live
     if sinks is not None:
         p = p[..., :-1]
-    return matmul(p, v)
+    out = matmul(p, v)
+    return (out, p) if return_weights else out
 
 
 def max_error(a, b) -> float:
