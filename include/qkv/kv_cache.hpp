@@ -42,11 +42,15 @@
 #include <span>
 #include <vector>
 
+#include "qkv/attention.hpp"  // SeqOffsets
 #include "qkv/decode.hpp"
 #include "qkv/half.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
+namespace detail {
+class Checker;
+}
 
 struct KVCacheConfig {
   int64_t batch = 1;      // sequences, ≥ 1
@@ -75,6 +79,12 @@ class KVCache {
   // qkv::Error, changing nothing, on a bad shape, a repeated or unknown sequence, a
   // sequence that would pass capacity, or a pool with too few free blocks.
   void append(View4<const float> k, View4<const float> v, std::span<const int64_t> seqs = {});
+  // The same for a serving step's packed new tokens (a varlen batch, as qkv::BatchPlan
+  // takes them): entry n of `seqs` (default: sequence n) gets rows [cu_seqlens[n],
+  // cu_seqlens[n+1]) of k [total, Hkv, d] and v [total, Hkv, dv] — any number each, 0
+  // included. Checked in full before anything is written, as append is.
+  void append_varlen(View3<const float> k, View3<const float> v, SeqOffsets cu_seqlens,
+                     std::span<const int64_t> seqs = {});
 
   // out [B, T, Hq, dv] (and lse [B, Hq, T]) = attention of q [B, T, Hq, d] against every
   // sequence's cached keys, bottom-right aligned unless options say otherwise.
@@ -113,6 +123,8 @@ class KVCache {
     void operator()(std::byte* p) const;
   };
   void reset_locked(int64_t seq);  // reset(seq) with the lock held
+  struct NewRows;                  // kv_cache.cpp
+  void append_rows(const detail::Checker& check, const NewRows& rows);
   KVCacheConfig config_;
   // Held exclusively by append and reset, shared by attend and free_blocks. Behind a
   // pointer so that a cache stays movable (std::vector<KVCache>, Transformer::make_caches).

@@ -47,6 +47,15 @@ struct Execution {
   // (tensor and index). Off by default: NaN/Inf otherwise propagate only to the output
   // rows they touch.
   bool check_finite = false;
+  // Opt-in, for generations that must reproduce exactly (RL rollouts matched by a trainer,
+  // evals): the split-K schedule (qkv::decode, KVCache::attend, qkv::BatchPlan, and
+  // attention calls of ≤ 16 queries per sequence without elementwise masks) splits each
+  // row's keys into chunks and blocks on a grid fixed by the key index alone (chunks of
+  // 1024 keys from key 0), so a row's bits depend only on that row and the keys it sees —
+  // a token computed in a decode step gets the same bits as the same row computed inside a
+  // prefill chunk. Costs a little speed for sequences of few queries (bench/RESULTS.md).
+  // The default is already batch invariant (see qkv/batch_plan.hpp) but not this.
+  bool fixed_key_split = false;
 };
 
 // Sliding window, FlashAttention's `window_size`: query i sees key j only when

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "qkv/attention.hpp"
+#include "qkv/batch_plan.hpp"
 #include "qkv/decode.hpp"
 #include "qkv/dropout.hpp"
 #include "qkv/error.hpp"

@@ -40,6 +40,7 @@ finally:
 del _passive
 from ._attention import attention, attention_backward, attention_weights, available_backends
 from ._decode import KVCache, decode
+from ._batch_plan import BatchPlan
 from ._softmax import log_softmax, softmax, softmax_backward, softmax_jacobian
 from ._varlen import varlen_attention, varlen_attention_backward
 from ._dropout import dropout_mask
@@ -47,6 +48,7 @@ from ._dropout import dropout_mask
 Error.__module__ = "qkv"  # raised as qkv.Error (a ValueError), however deep it came from
 
 __all__ = [
+    "BatchPlan",
     "Error",
     "KVCache",
     "__version__",

@@ -69,6 +69,23 @@ def _float32_logical(x, layout: str, name: str, function: str):
     return x.swapaxes(1, 2) if layout == "bhsd" else x
 
 
+def _float32_packed(x, name: str, function: str):
+    """x as a float32 [total, heads, dim] array (a view when x is float32 already)."""
+    if getattr(x, "ndim", None) != 3:
+        raise Error(f"{function}: {name}: expected [total, heads, dim], got shape {tuple(getattr(x, 'shape', ()))}")
+    if _is_torch(x):
+        import torch
+
+        if x.device.type != "cpu":
+            raise TypeError(f"{function}: {name}: expected a CPU tensor, got device {x.device}")
+        x = x.detach()
+        x = x if x.dtype == torch.float32 else x.to(torch.float32)
+        return (x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()).numpy()
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{function}: {name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+    return x if x.dtype == np.float32 else x.astype(np.float32)
+
+
 def _empty_out(like, batch: int, seq: int, heads: int, dim: int, layout: str):
     """(out in the caller's type, dtype and layout; its float32 [B, S, H, D] view or a
     float32 scratch when the caller's dtype is not float32)."""
@@ -247,6 +264,16 @@ class KVCache:
         seqs = None if seq is None else ([int(seq)] if np.ndim(seq) == 0 else [int(s) for s in seq])
         self._cache.append(_float32_logical(k, self.layout, "k", fn), _float32_logical(v, self.layout, "v", fn),
                            seqs)
+
+    def append_varlen(self, k, v, cu_seqlens, seq=None):
+        """Appends a serving step's packed new tokens: k ``[total, Hkv, d]``, v ``[total,
+        Hkv, dv]`` (any layout argument aside: packed rows, as qkv.BatchPlan takes q), rows
+        ``cu_seqlens[n]:cu_seqlens[n+1]`` to sequence n (or to ``seq[n]``); 0 rows allowed."""
+        fn = "qkv.KVCache.append_varlen"
+        seqs = None if seq is None else ([int(seq)] if np.ndim(seq) == 0 else [int(s) for s in seq])
+        offsets = [int(x) for x in np.asarray(_int_array(cu_seqlens, None, "cu_seqlens", fn)).reshape(-1)]
+        k_lib, v_lib = (_float32_packed(x, name, fn) for x, name in ((k, "k"), (v, "v")))
+        self._cache.append_varlen(k_lib, v_lib, offsets, seqs)
 
     def attend(self, q, *, scale=None, causal="bottom_right", return_lse=False, threads=None, window=None,
                softcap=None, alibi_slopes=None, sinks=None):

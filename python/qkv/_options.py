@@ -93,6 +93,7 @@ def make_options(
     sinks=None,
     dropout_p=0.0,
     seed=None,
+    fixed_key_split=False,
 ) -> Options:
     """The bound Options of one call; `function` names the caller in messages. Python
     only converts what needs the array framework (masks, key lengths, per-head vectors)
@@ -105,10 +106,12 @@ def make_options(
     if (window is None and alibi_slopes is None and softcap is None and sinks is None
             and seed is None and (dropout_p is None or (type(dropout_p) in (int, float)
                                                         and dropout_p == 0))):
-        return Options(function, causal, scale, backend, threads, check_finite, keep, bias,
-                       key_lengths)
-    if seed is None and dropout_p:
-        seed = fw.random_seed()
-    return Options(function, causal, scale, backend, threads, check_finite, keep, bias,
-                   key_lengths, window, per_head_vector(function, fw, "alibi_slopes", alibi_slopes),
-                   softcap, per_head_vector(function, fw, "sinks", sinks), dropout_p, seed)
+        options = Options(function, causal, scale, backend, threads, check_finite, keep, bias,
+                          key_lengths)
+    else:
+        if seed is None and dropout_p:
+            seed = fw.random_seed()
+        options = Options(function, causal, scale, backend, threads, check_finite, keep, bias,
+                          key_lengths, window, per_head_vector(function, fw, "alibi_slopes", alibi_slopes),
+                          softcap, per_head_vector(function, fw, "sinks", sinks), dropout_p, seed)
+    return options.replace(fixed_key_split=fixed_key_split) if fixed_key_split else options

@@ -20,7 +20,6 @@
 #include "qkv/kv_cache.hpp"
 
 namespace qkv::python {
-namespace {
 
 namespace nb = nanobind;
 
@@ -70,7 +69,8 @@ std::optional<int64_t> entry_of(const ArrayRef& table, std::size_t index) {
 // integer array (int64 from torch or NumPy) copied into `storage` with every entry
 // checked to fit int32 first, so that no block id is silently wrapped (2**32 + 1 is not
 // block 1). Whether each id names a block of the pool is the library's check.
-TensorView<const int32_t, 2> block_table_view(const ArrayRef& table, std::vector<int32_t>& storage) {
+TensorView<const int32_t, 2> block_table_view(const ArrayRef& table, std::vector<int32_t>& storage,
+                                              const char* function) {
   if (table.dtype() == nb::dtype<int32_t>()) return view_of<const int32_t, 2>("block_table", table, "block ids are int32");
   expect_cpu("block_table", table.device_type());
   expect_rank("block_table", table.ndim(), 2);
@@ -98,7 +98,7 @@ TensorView<const int32_t, 2> block_table_view(const ArrayRef& table, std::vector
     if (!id || *id < INT32_MIN || *id > INT32_MAX) {
       const int64_t row = columns > 0 ? static_cast<int64_t>(i) / columns : 0;
       const int64_t column = columns > 0 ? static_cast<int64_t>(i) % columns : 0;
-      throw Error("qkv::decode: block_table[" + std::to_string(row) + ", " + std::to_string(column) +
+      throw Error(std::string(function) + ": block_table[" + std::to_string(row) + ", " + std::to_string(column) +
                   "]: expected a block id that fits int32, got " +
                   (id ? std::to_string(*id) : std::string("a value past 2**63")));
     }
@@ -111,6 +111,8 @@ std::optional<ArrayRef> optional_in(const char* name, nb::handle array) {
   if (array.is_none()) return std::nullopt;
   return ArrayRef::from(array, false, name);
 }
+
+namespace {
 
 template <class T>
 void decode_typed(const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_cache,
@@ -125,7 +127,7 @@ void decode_typed(const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_
   args.v_cache = raw_view<const T, 4>("v_cache", v_cache);
   args.cache_lengths = lengths;
   std::vector<int32_t> table_storage;
-  if (block_table) args.block_table = block_table_view(*block_table, table_storage);
+  if (block_table) args.block_table = block_table_view(*block_table, table_storage, "qkv::decode");
   args.out = view_of<float, 4>("out", out, "the output is float32");
   if (lse) args.lse = view_of<float, 3>("lse", *lse, "the log-sum-exp is float32");
   nb::gil_scoped_release release;
@@ -206,6 +208,18 @@ void bind_decode(nb::module_& m) {
             self.append(kv, vv, chosen);
           },
           nb::arg("k"), nb::arg("v"), nb::arg("seqs").none() = nb::none())
+      .def(
+          "append_varlen",
+          [](KVCache& self, const InArray& k, const InArray& v, const std::vector<int64_t>& cu_seqlens,
+             std::optional<std::vector<int64_t>> seqs) {
+            const auto kv = view_of<const float, 3>("k", k, "appended keys are float32");
+            const auto vv = view_of<const float, 3>("v", v, "appended values are float32");
+            const std::vector<int64_t> chosen = seqs.value_or(std::vector<int64_t>{});
+            if (seqs && chosen.empty()) throw Error("qkv::KVCache::append_varlen: seqs: expected at least one sequence");
+            nb::gil_scoped_release release;
+            self.append_varlen(kv, vv, std::span<const int64_t>(cu_seqlens), chosen);
+          },
+          nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens"), nb::arg("seqs").none() = nb::none())
       .def(
           "attend",
           [](const KVCache& self, nb::handle q, nb::handle out, nb::handle lse, const BoundOptions& bound) {

@@ -14,6 +14,7 @@
 namespace qkv::python {
 void bind_varlen(nanobind::module_& m);   // varlen.cpp
 void bind_dropout(nanobind::module_& m);  // dropout.cpp
+void bind_batch_plan(nanobind::module_& m);  // batch_plan.cpp
 }
 
 NB_MODULE(_qkv, m) {
@@ -29,4 +30,5 @@ NB_MODULE(_qkv, m) {
   qkv::python::bind_debug(m);
   qkv::python::bind_dist(m);
   qkv::python::bind_decode(m);
+  qkv::python::bind_batch_plan(m);
 }

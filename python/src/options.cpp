@@ -220,6 +220,8 @@ constexpr Field kFields[] = {
     {"dropout_p", [](BoundOptions& o, const char* f, nb::handle v) { o.options.dropout.p = float_of(f, "dropout_p", v); }},
     {"seed", [](BoundOptions& o, const char* f, nb::handle v) { o.options.dropout.seed = uint64_of(f, "seed", v); }},
     {"offset", [](BoundOptions& o, const char* f, nb::handle v) { o.options.dropout.offset = uint64_of(f, "offset", v); }},
+    // Keyword only in practice (qkv.BatchPlan, qkv.decode): after the positional fields.
+    {"fixed_key_split", [](BoundOptions& o, const char*, nb::handle v) { o.options.execution.fixed_key_split = truthy(v); }},
 };
 
 void set_field(BoundOptions& o, const char* function, std::string_view key, nb::handle value) {
@@ -246,6 +248,7 @@ nb::dict fields_of(const BoundOptions& o) {
   d["backend"] = nb::str(name_of(a.execution.backend).data(), name_of(a.execution.backend).size());
   d["threads"] = a.execution.threads;
   d["check_finite"] = a.execution.check_finite;
+  d["fixed_key_split"] = a.execution.fixed_key_split;
   d["keep"] = optional_array(o.keep);
   d["bias"] = optional_array(o.bias);
   d["key_lengths"] = optional_array(o.key_lengths);
@@ -336,7 +339,7 @@ void bind_options(nb::module_& m) {
           "int), check_finite, keep (bool/uint8 4-D), bias (float32 4-D), key_lengths "
           "(int64), window ((left, right), None = -1 on either side), alibi_slopes "
           "(float32, per query head), softcap, sinks (float32, per query head), dropout_p, "
-          "seed, offset. Arrays are NumPy arrays or torch tensors, held as given.")
+          "seed, offset, fixed_key_split. Arrays are NumPy arrays or torch tensors, held as given.")
       .def(
           "replace",
           [](const BoundOptions& self, const nb::kwargs& changes) {
@@ -356,6 +359,7 @@ void bind_options(nb::module_& m) {
       .def_prop_ro("scale", [](const BoundOptions& o) { return o.options.scale; })
       .def_prop_ro("threads", [](const BoundOptions& o) { return o.options.execution.threads; })
       .def_prop_ro("check_finite", [](const BoundOptions& o) { return o.options.execution.check_finite; })
+      .def_prop_ro("fixed_key_split", [](const BoundOptions& o) { return o.options.execution.fixed_key_split; })
       .def_prop_ro("keep", [](const BoundOptions& o) { return optional_array(o.keep); })
       .def_prop_ro("bias", [](const BoundOptions& o) { return optional_array(o.bias); })
       .def_prop_ro("key_lengths", [](const BoundOptions& o) { return optional_array(o.key_lengths); })

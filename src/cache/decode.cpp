@@ -19,21 +19,6 @@ using detail::Checker;
 using detail::Described;
 using detail::describe;
 
-// What qkv::decode cannot take from AttentionOptions: a cache has its own lengths, and
-// the split-K schedule no elementwise mask, dropout or programmable modifier.
-void refuse_unsupported(const Checker& check, const AttentionOptions& options) {
-  const auto refuse = [&](bool present, const char* name, const char* why) {
-    if (present) check.fail(std::string(name) + ": not supported for caches (" + why + ")");
-  };
-  refuse(!options.mask.empty(), "options.mask", "a cache's keys are cut by cache_lengths, causal and window");
-  refuse(!options.key_lengths.empty(), "options.key_lengths", "use cache_lengths");
-  refuse(options.dropout.p != 0.0f, "options.dropout", "a training feature; use attention_forward");
-  refuse(options.modifiers.active(), "options.modifiers",
-         "use attention_forward");
-  refuse(options.execution.check_finite, "options.execution.check_finite",
-         "a cache's unused rows may hold anything");
-}
-
 template <class T>
 detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOptions& options) {
   const Checker check("qkv::decode");
@@ -131,7 +116,7 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
   }
   check.expect_outputs_apart(outputs, inputs);
 
-  refuse_unsupported(check, options);
+  detail::refuse_for_caches(check, options);
 
   // The call as a dense problem: B sequences of Nq queries against a capacity of keys,
   // each cut to its cache length (the mask rule's key lengths).
@@ -200,6 +185,22 @@ AttentionOptions DecodeOptions::attention() const {
   options.execution.threads = threads;
   return options;
 }
+
+namespace detail {
+void refuse_for_caches(const Checker& check, const AttentionOptions& options) {
+  const auto refuse = [&](bool present, const char* name, const char* why) {
+    if (present) check.fail(std::string(name) + ": not supported for caches (" + why + ")");
+  };
+  refuse(!options.mask.empty(), "options.mask", "a cache's keys are cut by cache_lengths, causal and window");
+  refuse(!options.key_lengths.empty(), "options.key_lengths", "use cache_lengths");
+  refuse(options.dropout.p != 0.0f, "options.dropout", "a training feature; use attention_forward");
+  refuse(options.modifiers.active(), "options.modifiers",
+         "use attention_forward");
+  refuse(options.execution.check_finite, "options.execution.check_finite",
+         "a cache's unused rows may hold anything");
+}
+
+}  // namespace detail
 
 #define QKV_DEFINE_DECODE(T)                                                              \
   void decode(const DecodeArgs<T>& args, const AttentionOptions& options) { run(args, options); } \

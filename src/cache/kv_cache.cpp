@@ -2,6 +2,7 @@
 // and attends through qkv::decode.
 #include "qkv/kv_cache.hpp"
 
+#include <functional>
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -174,11 +175,18 @@ std::array<int64_t, 4> KVCache::v_shape() const {
   return shape;
 }
 
+// The new rows of one append: `count` entries, entry n going to sequence seqs[n] (or n),
+// tokens(n) of them, row (n, t, h) of K at k_row(n, t, h) (V alike).
+struct KVCache::NewRows {
+  int64_t count = 0;
+  std::span<const int64_t> seqs;
+  std::function<int64_t(int64_t)> tokens;
+  std::function<const float*(int64_t, int64_t, int64_t)> k_row, v_row;
+  const char* tokens_name = "";  // the argument a sequence's token count comes from
+};
+
 void KVCache::append(View4<const float> k, View4<const float> v, std::span<const int64_t> seqs) {
   const detail::Checker check("qkv::KVCache::append");
-  // Exclusive: the checks below read the lengths and the free list that the writes then
-  // change, and another thread's append must not take the same free block in between.
-  const std::unique_lock lock(*mutex_);
   const detail::Described kf = detail::describe("k", k), vf = detail::describe("v", v);
   check.expect_well_formed(kf);
   check.expect_well_formed(vf);
@@ -192,19 +200,65 @@ void KVCache::append(View4<const float> k, View4<const float> v, std::span<const
   check.expect_extent(vf, 2, "kv heads", config_.kv_heads, "the cache's kv_heads");
   check.expect_extent(vf, 3, "head_dim", config_.v_dim, "the cache's v_dim");
   const int64_t tokens = k.shape[1];
+  append_rows(check, NewRows{.count = count, .seqs = seqs, .tokens = [tokens](int64_t) { return tokens; },
+                             .k_row = [&k](int64_t n, int64_t t, int64_t h) { return &k(n, t, h, 0); },
+                             .v_row = [&v](int64_t n, int64_t t, int64_t h) { return &v(n, t, h, 0); },
+                             .tokens_name = "k.shape[1] (tokens)"});
+}
 
+void KVCache::append_varlen(View3<const float> k, View3<const float> v, SeqOffsets cu_seqlens,
+                            std::span<const int64_t> seqs) {
+  const detail::Checker check("qkv::KVCache::append_varlen");
+  const detail::Described kf = detail::describe("k", k), vf = detail::describe("v", v);
+  check.expect_well_formed(kf);
+  check.expect_well_formed(vf);
+  const int64_t count = seqs.empty() ? config_.batch : static_cast<int64_t>(seqs.size());
+  if (static_cast<int64_t>(cu_seqlens.size()) != count + 1) {
+    check.fail("cu_seqlens: expected " + std::to_string(count + 1) + " entries (" +
+               (seqs.empty() ? "the cache's batch" : "one per entry of seqs") + " + 1), got " +
+               std::to_string(cu_seqlens.size()));
+  }
+  for (int64_t n = 0; n <= count; ++n) {
+    const int64_t at = cu_seqlens[static_cast<std::size_t>(n)];
+    const int64_t before = n == 0 ? 0 : cu_seqlens[static_cast<std::size_t>(n - 1)];
+    if ((n == 0 && at != 0) || at < before || at > k.shape[0]) {
+      check.fail("cu_seqlens[" + std::to_string(n) + "]: expected " +
+                 (n == 0 ? std::string("0") : std::to_string(before) + ".." + std::to_string(k.shape[0]) +
+                                                  " (prefix sums, within k.shape[0])") +
+                 ", got " + std::to_string(at));
+    }
+  }
+  check.expect_extent(kf, 0, "total", cu_seqlens[static_cast<std::size_t>(count)], "as cu_seqlens[-1]");
+  check.expect_extent(kf, 1, "kv heads", config_.kv_heads, "the cache's kv_heads");
+  check.expect_extent(kf, 2, "head_dim", config_.head_dim, "the cache's head_dim");
+  check.expect_extent(vf, 0, "total", k.shape[0], "as k.shape[0]");
+  check.expect_extent(vf, 1, "kv heads", config_.kv_heads, "the cache's kv_heads");
+  check.expect_extent(vf, 2, "head_dim", config_.v_dim, "the cache's v_dim");
+  const auto first = [&cu_seqlens](int64_t n) { return cu_seqlens[static_cast<std::size_t>(n)]; };
+  append_rows(check, NewRows{.count = count, .seqs = seqs,
+                             .tokens = [&first](int64_t n) { return first(n + 1) - first(n); },
+                             .k_row = [&](int64_t n, int64_t t, int64_t h) { return &k(first(n) + t, h, 0); },
+                             .v_row = [&](int64_t n, int64_t t, int64_t h) { return &v(first(n) + t, h, 0); },
+                             .tokens_name = "cu_seqlens"});
+}
+
+void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
+  // Exclusive: the checks below read the lengths and the free list that the writes then
+  // change, and another thread's append must not take the same free block in between.
+  const std::unique_lock lock(*mutex_);
   std::vector<bool> seen(static_cast<std::size_t>(config_.batch), false);
   int64_t blocks_needed = 0;
-  for (int64_t n = 0; n < count; ++n) {
-    const int64_t seq = seqs.empty() ? n : seqs[static_cast<std::size_t>(n)];
+  const auto seq_of = [&](int64_t n) { return rows.seqs.empty() ? n : rows.seqs[static_cast<std::size_t>(n)]; };
+  for (int64_t n = 0; n < rows.count; ++n) {
+    const int64_t seq = seq_of(n);
     if (seq < 0 || seq >= config_.batch)
       check.fail("seqs[" + std::to_string(n) + "]: expected a sequence 0.." + std::to_string(config_.batch - 1) + ", got " + std::to_string(seq));
     if (seen[static_cast<std::size_t>(seq)])
       check.fail("seqs[" + std::to_string(n) + "]: sequence " + std::to_string(seq) + " appears twice");
     seen[static_cast<std::size_t>(seq)] = true;
-    const int64_t length = lengths_[static_cast<std::size_t>(seq)];
+    const int64_t length = lengths_[static_cast<std::size_t>(seq)], tokens = rows.tokens(n);
     if (tokens > config_.capacity - length)
-      check.fail("k.shape[1] (tokens): sequence " + std::to_string(seq) + " holds " + std::to_string(length) +
+      check.fail(std::string(rows.tokens_name) + ": sequence " + std::to_string(seq) + " holds " + std::to_string(length) +
                  " of " + std::to_string(config_.capacity) + " keys; " + std::to_string(tokens) + " more do not fit");
     if (config_.paged) {
       const int64_t bs = config_.block_size;
@@ -213,7 +267,7 @@ void KVCache::append(View4<const float> k, View4<const float> v, std::span<const
   }
   const auto free_now = static_cast<int64_t>(free_.size());  // not free_blocks(): the lock is held
   if (config_.paged && blocks_needed > free_now)
-    check.fail("k.shape[1] (tokens): the pool has " + std::to_string(free_now) + " free blocks, " +
+    check.fail(std::string(rows.tokens_name) + ": the pool has " + std::to_string(free_now) + " free blocks, " +
                std::to_string(blocks_needed) + " are needed (config.num_blocks)");
 
   // Everything checked: from here on nothing throws.
@@ -221,8 +275,8 @@ void KVCache::append(View4<const float> k, View4<const float> v, std::span<const
   const int64_t hkv = config_.kv_heads, d = config_.head_dim, dv = config_.v_dim;
   auto* kb = reinterpret_cast<std::byte*>(k_.get());
   auto* vb = reinterpret_cast<std::byte*>(v_.get());
-  for (int64_t n = 0; n < count; ++n) {
-    const int64_t seq = seqs.empty() ? n : seqs[static_cast<std::size_t>(n)];
+  for (int64_t n = 0; n < rows.count; ++n) {
+    const int64_t seq = seq_of(n), tokens = rows.tokens(n);
     int64_t& length = lengths_[static_cast<std::size_t>(seq)];
     for (int64_t t = 0; t < tokens; ++t, ++length) {
       int64_t row = seq * config_.capacity + length;  // storage row of (seq, key)
@@ -236,9 +290,9 @@ void KVCache::append(View4<const float> k, View4<const float> v, std::span<const
       }
       for (int64_t h = 0; h < hkv; ++h) {
         const auto scale_at = static_cast<std::size_t>(row * hkv + h);
-        store_row(config_.dtype, &k(n, t, h, 0), d, kb + static_cast<std::size_t>((row * hkv + h) * d) * bytes,
+        store_row(config_.dtype, rows.k_row(n, t, h), d, kb + static_cast<std::size_t>((row * hkv + h) * d) * bytes,
                   k_scale_.empty() ? nullptr : &k_scale_[scale_at]);
-        store_row(config_.dtype, &v(n, t, h, 0), dv, vb + static_cast<std::size_t>((row * hkv + h) * dv) * bytes,
+        store_row(config_.dtype, rows.v_row(n, t, h), dv, vb + static_cast<std::size_t>((row * hkv + h) * dv) * bytes,
                   v_scale_.empty() ? nullptr : &v_scale_[scale_at]);
       }
     }

@@ -9,6 +9,7 @@
 #include "qkv/error.hpp"
 #include "core/validate.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cpu/decode.hpp"
 #include "reference/reference.hpp"
 
 namespace qkv {
@@ -82,6 +83,14 @@ void varlen_backward_entry(const VarlenBackwardArgs<T>& args, const AttentionOpt
 }
 
 }  // namespace
+
+void detail::run_planned_forward(const ForwardProblem<float>& problem, Backend backend,
+                                 const cpu::DecodePlan* planned) {
+  out_of_memory_as_error("forward", [&] {
+    if (backend == Backend::cpu) return cpu::decode(problem, planned);
+    reference::forward(problem);
+  });
+}
 
 void detail::run_forward(const ForwardProblem<float>& problem, Backend backend) {
   qkv::run_forward(problem, backend);

@@ -119,6 +119,7 @@ void resolve_execution(const Checker& check, const AttentionOptions& options, bo
   check_backend(check, options, std::is_same_v<T, double>, wants_weights);
   problem.scale = resolve_scale(check, options, problem.extents.head_dim);
   problem.threads = resolve_threads(check, options);
+  if constexpr (requires { problem.fixed_key_split; }) problem.fixed_key_split = options.execution.fixed_key_split;
 }
 
 }  // namespace qkv::detail

@@ -207,6 +207,9 @@ struct ForwardProblem {
   // the one description either way.
   KvSource kv;
   int threads = 1;  // resolved: ≥ 1
+  // options.execution.fixed_key_split: the split-K schedule splits keys on a fixed grid
+  // (cpu/decode_plan.hpp), so a row's bits do not depend on the rows computed with it.
+  bool fixed_key_split = false;
   // Softmax statistics (qkv/attention_stats.hpp, core/head_stats.hpp), normalized like
   // the other views: per-row views [B, Hq, Nq] (varlen: batch stride 0, rows addressed
   // through the sequence offsets), in float for the 16-bit storage types. `collect_stats`

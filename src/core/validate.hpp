@@ -42,4 +42,22 @@ ForwardProblem<T> validate(const VarlenForwardArgs<T>& args, const AttentionOpti
 template <class T>
 BackwardProblem<T> validate(const VarlenBackwardArgs<T>& args, const AttentionOptions& options);
 
+// The packed [total, heads, dim] view seen as [sequences, total, heads, dim] with batch
+// stride 0: entry b addresses rows through the Sequences offsets.
+template <class T>
+View4<T> as_batched(const View3<T>& view, int64_t sequences) {
+  return View4<T>(view.data, {sequences, view.shape[0], view.shape[1], view.shape[2]},
+                  {0, view.strides[0], view.strides[1], view.strides[2]});
+}
+template <class T>
+View3<T> lse_as_batched(const TensorView<T, 2>& view, int64_t sequences) {
+  return View3<T>(view.data, {sequences, view.shape[0], view.shape[1]},
+                  {0, view.strides[0], view.strides[1]});
+}
+
+// What a call over a key/value cache (qkv::decode, KVCache::attend, qkv::BatchPlan)
+// cannot take from AttentionOptions: a cache has its own lengths, and the split-K
+// schedule no elementwise mask, dropout or programmable modifier (cache/decode.cpp).
+void refuse_for_caches(const Checker& check, const AttentionOptions& options);
+
 }  // namespace qkv::detail

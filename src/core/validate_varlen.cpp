@@ -54,19 +54,6 @@ std::vector<int64_t> checked_offsets(const Checker& check, const SeqOffsets& off
   return cu;
 }
 
-// The packed [total, heads, dim] view seen as [sequences, total, heads, dim] with batch
-// stride 0: entry b addresses rows through the Sequences offsets.
-template <class T>
-View4<T> as_batched(const View3<T>& view, int64_t sequences) {
-  return View4<T>(view.data, {sequences, view.shape[0], view.shape[1], view.shape[2]},
-                  {0, view.strides[0], view.strides[1], view.strides[2]});
-}
-template <class T>
-View3<T> lse_as_batched(const TensorView<T, 2>& view, int64_t sequences) {
-  return View3<T>(view.data, {sequences, view.shape[0], view.shape[1]},
-                  {0, view.strides[0], view.strides[1]});
-}
-
 // Checks shared by forward and backward: q, k, v, the options, cu_seqlens; fills the
 // problem's extents, mask rule (causal, variants and the sequences) and score modifiers.
 template <class T, class Args, class Problem>

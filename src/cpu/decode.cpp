@@ -52,6 +52,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -179,10 +180,10 @@ HWY_INLINE void SoftmaxRows(size_t rows, size_t padded, float* HWY_RESTRICT scor
 // after head, so that each head is one stream through the cache, prefetched a block
 // ahead. Per block: scores of every row of the group (lanes over keys), hidden keys set
 // to -inf, the online-softmax step, then acc = acc·alpha + P·V. Writes the chunk's
-// (m, l, acc) of every row of the tile into `state`.
+// (m, l, acc) of every row of the tile into its state in `states`.
 template <class T>
 void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, const DecodeTask& task,
-                 DecodeScratch<T>& s, float* state) {
+                 DecodeScratch<T>& s, float* states) {
   const FloatTag df;
   const size_t lanes = hn::Lanes(df);
   const detail::Extents& e = p.extents;
@@ -193,7 +194,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
   const size_t tile = static_cast<size_t>(task.queries);  // queries in this tile
   const size_t group_rows = static_cast<size_t>(e.group()) * tile;
   const size_t all_rows = static_cast<size_t>(e.q_heads) * tile;
-  const ChunkState chunk = plan.chunk_state(state, tile);
+  const ChunkState chunk = plan.chunk_state(states, task);
 
   // Row (h, i) of the tile: scale·q(b, first_query + i, h, ·), zero-padded to d_pad.
   // Query i sees keys [key_begin[i], key_end[i]); both bounds grow with i.
@@ -204,9 +205,10 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
   }
   const int64_t max_begin = key_begin[tile - 1], min_end = key_end[0];
   const float scale = static_cast<float>(p.scale);
+  const auto rows = p.rows();  // varlen queries: through the sequence offsets
   for (int64_t h = 0; h < e.q_heads; ++h)
     for (size_t i = 0; i < tile; ++i) {
-      const float* q = &p.args.q(task.batch, task.first_query + static_cast<int64_t>(i), h, 0);
+      const float* q = rows.q(task.batch, task.first_query + static_cast<int64_t>(i), h);
       float* row = s.queries.get() + (static_cast<size_t>(h) * tile + i) * d_pad;
       for (size_t c = 0; c < d; ++c) row[c] = scale * q[c];
       std::fill(row + d, row + d_pad, 0.0f);
@@ -215,8 +217,9 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
   std::fill(chunk.l, chunk.l + all_rows, 0.0f);
   std::fill(chunk.acc, chunk.acc + all_rows * dv_pad, 0.0f);
 
-  const size_t block = plan.block_keys;
+  const size_t block = task.block_keys;  // the sequence's block (≤ plan.block_keys)
   const size_t ld = block;  // row length of the score tile
+  const size_t slot_rows = plan.block_keys;  // rows of a ring slot
   const int64_t end = task.end_key;
   // Units of work in memory order: (block, head), heads inner, so that a block's rows
   // of every head (one contiguous region in a [keys, heads, d] cache or a page) are read
@@ -235,7 +238,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
   };
   size_t slot_keys[kUnitsAhead + 1] = {};
   const auto scales_of = [&](const hwy::AlignedFreeUniquePtr<float[]>& scales, size_t slot) {
-    return kScaledStorage<T> ? scales.get() + slot * block : nullptr;
+    return kScaledStorage<T> ? scales.get() + slot * slot_rows : nullptr;
   };
   // Fill the ring: units 0 .. kUnitsAhead.
   int64_t ahead_first = task.first_key, ahead_g = 0;
@@ -243,7 +246,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
     slot_keys[u] = unit_keys(ahead_first);
     if (slot_keys[u] > 0)
       RowPointers<T>(kv, task.batch, ahead_g, ahead_first, slot_keys[u], round_up(slot_keys[u], lanes),
-                     s.k_ring.data() + u * block, s.v_ring.data() + u * block, scales_of(s.k_scales, u),
+                     s.k_ring.data() + u * slot_rows, s.v_ring.data() + u * slot_rows, scales_of(s.k_scales, u),
                      scales_of(s.v_scales, u));
     if (u + 1 < slots) following(ahead_first, ahead_g);
   }
@@ -258,8 +261,8 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
       // The ring holds units unit .. unit + kUnitsAhead: the farthest takes the slot the
       // previous unit left, and its rows are prefetched while this unit computes.
       const size_t slot = unit % slots, far_slot = (unit + kUnitsAhead) % slots;
-      const T** k_far = s.k_ring.data() + far_slot * block;
-      const T** v_far = s.v_ring.data() + far_slot * block;
+      const T** k_far = s.k_ring.data() + far_slot * slot_rows;
+      const T** v_far = s.v_ring.data() + far_slot * slot_rows;
       if (unit > 0) {
         following(ahead_first, ahead_g);
         slot_keys[far_slot] = unit_keys(ahead_first);
@@ -268,8 +271,8 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
                          k_far, v_far, scales_of(s.k_scales, far_slot), scales_of(s.v_scales, far_slot));
       }
       const size_t far_keys = slot_keys[far_slot];
-      const T** k_rows = s.k_ring.data() + slot * block;
-      const T** v_rows = s.v_ring.data() + slot * block;
+      const T** k_rows = s.k_ring.data() + slot * slot_rows;
+      const T** v_rows = s.v_ring.data() + slot * slot_rows;
       const size_t keys = slot_keys[slot];
       const size_t padded = round_up(keys, lanes);
 
@@ -366,6 +369,8 @@ void MergeChunks(const Problem& p, const DecodePlan& plan, const DecodeUnit& uni
   const size_t dv = static_cast<size_t>(p.extents.v_dim), dv_pad = plan.dv_pad;
   const size_t tile = static_cast<size_t>(unit.queries);
   const detail::ScoreModifiers& mods = p.modifiers;
+  const auto rows = p.rows();  // varlen queries: through the sequence offsets
+  const auto state_of = [&](int64_t c) { return plan.chunk_state(states, plan.tasks[unit.first_task + static_cast<size_t>(c)]); };
   for (int64_t h = 0; h < p.extents.q_heads; ++h)
     for (size_t i = 0; i < tile; ++i) {
       const size_t r = static_cast<size_t>(h) * tile + i;
@@ -373,15 +378,15 @@ void MergeChunks(const Problem& p, const DecodePlan& plan, const DecodeUnit& uni
       const float sink = mods.has_sinks() ? mods.sinks[h] : kMinusInf;
       float m = sink;
       for (int64_t c = 0; c < unit.chunks; ++c)
-        m = std::max(m, plan.chunk_state(states + (unit.first_task + c) * plan.state_floats, tile).m[r]);
+        m = std::max(m, state_of(c).m[r]);
       const int64_t query = unit.first_query + static_cast<int64_t>(i);
-      float* out = &p.args.out(unit.batch, query, h, 0);
+      float* out = rows.out(unit.batch, query, h);
       // A chunk that saw no key of this row has m = -inf and l = 0 and is skipped. A
       // NaN score leaves m at -inf but l NaN: weight 1 then, so the NaN reaches the row.
       float l = mods.has_sinks() ? std::exp(sink - m) : 0.0f;
       std::fill(sum, sum + dv_pad, 0.0f);
       for (int64_t c = 0; c < unit.chunks; ++c) {
-        const ChunkState chunk = plan.chunk_state(states + (unit.first_task + c) * plan.state_floats, tile);
+        const ChunkState chunk = state_of(c);
         if (chunk.m[r] == kMinusInf && chunk.l[r] == 0.0f) continue;
         const float weight = chunk.m[r] == m ? 1.0f : std::exp(chunk.m[r] - m);
         l += chunk.l[r] * weight;
@@ -395,21 +400,18 @@ void MergeChunks(const Problem& p, const DecodePlan& plan, const DecodeUnit& uni
       } else {
         for (size_t x = 0; x < dv; ++x) out[x] = sum[x] / l;  // one rounding
       }
-      if (!p.args.lse.empty()) p.args.lse(unit.batch, h, query) = l == 0.0f ? kMinusInf : m + std::log(l);
+      if (!p.args.lse.empty()) rows.lse(unit.batch, h, query) = l == 0.0f ? kMinusInf : m + std::log(l);
     }
 }
 
 template <class T>
-void RunDecode(const Problem& p, const KvSource& kv) {
-  const DecodePlan plan(p, kv.type, VectorLanes());
+void RunDecode(const Problem& p, const KvSource& kv, const DecodePlan& plan) {
   if (plan.units.empty()) return;
-  hwy::AlignedFreeUniquePtr<float[]> states =
-      AllocateFloats(plan.tasks.size() * plan.state_floats);
+  hwy::AlignedFreeUniquePtr<float[]> states = AllocateFloats(plan.state_floats);
   const int threads = plan.threads(p.threads);
   if (threads <= 1) {  // no parallel region for work one thread does best
     DecodeScratch<T> scratch(plan);
-    for (const DecodeTask& task : plan.tasks)
-      DecodeChunk<T>(p, kv, plan, task, scratch, states.get() + task.index * plan.state_floats);
+    for (const DecodeTask& task : plan.tasks) DecodeChunk<T>(p, kv, plan, task, scratch, states.get());
     for (const DecodeUnit& unit : plan.units) MergeChunks(p, plan, unit, states.get(), scratch.merged.get());
     return;
   }
@@ -417,10 +419,8 @@ void RunDecode(const Problem& p, const KvSource& kv) {
   {
     DecodeScratch<T> scratch(plan);
 #pragma omp for schedule(dynamic, 1)
-    for (size_t t = 0; t < plan.order.size(); ++t) {
-      const DecodeTask& task = plan.tasks[plan.order[t]];
-      DecodeChunk<T>(p, kv, plan, task, scratch, states.get() + task.index * plan.state_floats);
-    }
+    for (size_t t = 0; t < plan.order.size(); ++t)
+      DecodeChunk<T>(p, kv, plan, plan.tasks[plan.order[t]], scratch, states.get());
 #pragma omp for schedule(static)
     for (size_t u = 0; u < plan.units.size(); ++u)
       MergeChunks(p, plan, plan.units[u], states.get(), scratch.merged.get());
@@ -429,13 +429,19 @@ void RunDecode(const Problem& p, const KvSource& kv) {
 
 }  // namespace
 
-void DecodeImpl(const Problem& p) {
+size_t DecodeLanes() { return VectorLanes(); }
+
+// `planned`: the problem's plan made earlier (qkv::BatchPlan), used when it was made for
+// this target's vector length; else (or null) planned here.
+void DecodeImpl(const Problem& p, const DecodePlan* planned) {
   const KvSource kv = p.key_values();
+  std::optional<DecodePlan> local;
+  if (planned == nullptr || planned->lanes != VectorLanes()) planned = &local.emplace(p, kv.type, VectorLanes());
   switch (kv.type) {
-    case StorageType::float32: return RunDecode<float>(p, kv);
-    case StorageType::bfloat16: return RunDecode<bfloat16>(p, kv);
-    case StorageType::float16: return RunDecode<float16>(p, kv);
-    case StorageType::int8: return RunDecode<std::int8_t>(p, kv);
+    case StorageType::float32: return RunDecode<float>(p, kv, *planned);
+    case StorageType::bfloat16: return RunDecode<bfloat16>(p, kv, *planned);
+    case StorageType::float16: return RunDecode<float16>(p, kv, *planned);
+    case StorageType::int8: return RunDecode<std::int8_t>(p, kv, *planned);
   }
 }
 
@@ -445,10 +451,16 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace qkv::cpu {
 HWY_EXPORT(DecodeImpl);
+HWY_EXPORT(DecodeLanes);
 
-void decode(const detail::ForwardProblem<float>& problem) {
+void decode(const detail::ForwardProblem<float>& problem, const DecodePlan* planned) {
   apply_simd_target_override();  // QKV_SIMD_TARGET (cpu_backend.hpp)
-  HWY_DYNAMIC_DISPATCH(DecodeImpl)(problem);
+  HWY_DYNAMIC_DISPATCH(DecodeImpl)(problem, planned);
+}
+
+std::size_t decode_vector_lanes() {
+  apply_simd_target_override();
+  return HWY_DYNAMIC_DISPATCH(DecodeLanes)();
 }
 }  // namespace qkv::cpu
 #endif

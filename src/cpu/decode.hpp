@@ -6,6 +6,8 @@
 // done to the logits (core/problem.hpp).
 #pragma once
 
+#include <cstddef>
+
 #include "core/problem.hpp"
 
 namespace qkv::cpu {
@@ -29,8 +31,13 @@ bool runs_split_k(const detail::ForwardProblem<float>& problem);
 // backward of a split_k_shape call recomputes its LSE with it (backward.cpp).
 void tiled_forward(const detail::ForwardProblem<float>& problem);
 
+struct DecodePlan;  // cpu/decode_plan.hpp
+
 // Runs the split-K schedule (fused, fp32 arithmetic, SIMD target chosen at runtime).
-// Results are bitwise identical for every thread count.
-void decode(const detail::ForwardProblem<float>& problem);
+// Results are bitwise identical for every thread count. `planned`: the problem's
+// DecodePlan made ahead (qkv::BatchPlan) for decode_vector_lanes(), or null.
+void decode(const detail::ForwardProblem<float>& problem, const DecodePlan* planned = nullptr);
+// The vector length (floats) of the SIMD target decode() runs on now.
+std::size_t decode_vector_lanes();
 
 }  // namespace qkv::cpu

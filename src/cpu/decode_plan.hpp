@@ -42,6 +42,12 @@ inline constexpr std::size_t kDecodeMaxBlockKeys = 64;
 inline constexpr double kDecodeMinFlopsPerThread = 4e6;
 inline constexpr double kDecodeMinBytesPerThread = 1 << 20;  // ~40 µs of DRAM streaming
 
+// execution.fixed_key_split (qkv/options.hpp): keys are split on a grid fixed by the key
+// index alone — chunks of kFixedChunkKeys from key 0, blocks as for a full 16-query tile
+// — so a row's bits depend on the row and the keys it sees, never on the other rows of
+// its tile or call (a decode step reproduces the same row of a prefill chunk).
+inline constexpr int64_t kFixedChunkKeys = 1024;
+
 // One chunk of keys of one (sequence, query tile): the unit a thread runs.
 struct DecodeTask {
   int64_t batch = 0;
@@ -49,7 +55,9 @@ struct DecodeTask {
   int64_t queries = 0;
   int64_t first_key = 0;
   int64_t end_key = 0;
-  std::size_t index = 0;  // position in DecodePlan::tasks, and of its partial state
+  std::size_t block_keys = 0;    // keys per block of this sequence
+  std::size_t index = 0;         // position in DecodePlan::tasks
+  std::size_t state_offset = 0;  // where its partial state starts (floats)
 };
 
 // One (sequence, query tile) and its chunks, tasks [first_task, first_task + chunks).
@@ -70,77 +78,97 @@ struct ChunkState {
 };
 
 struct DecodePlan {
+  std::size_t lanes = 0;       // the vector length it was planned for
   std::size_t d_pad = 0;       // head_dim rounded up to whole vectors
   std::size_t dv_pad = 0;      // v_dim rounded up to whole vectors
-  std::size_t block_keys = 0;  // keys per block (a multiple of the vector length)
+  std::size_t block_keys = 0;  // the most keys per block of any sequence (a multiple of lanes)
   // Head sizes that are not whole vectors: K/V rows are widened into zero-padded float
   // rows per block; otherwise the kernels read the cache in place.
   bool packed = false;
   std::size_t q_heads = 0;
   std::size_t group = 0;       // query heads per kv head
   std::size_t max_tile = 0;    // queries in the largest tile
-  std::size_t state_floats = 0;  // per task
+  std::size_t state_floats = 0;  // of every task together
   std::vector<DecodeTask> tasks;
   std::vector<DecodeUnit> units;
-  std::vector<std::size_t> order;  // task indices, longest chunk first
+  std::vector<std::size_t> order;  // task indices, costliest first
+  std::vector<double> cost;        // per task: max(flops, 8 · bytes)
   double flops = 0.0;
   double bytes = 0.0;
 
-  // `p` is a dense problem (batch entries of p.extents.q_len queries); `storage` is its
-  // key/value source's element type.
-  DecodePlan(const detail::ForwardProblem<float>& problem, StorageType storage, std::size_t lanes)
-      : DecodePlan(problem.extents, problem.mask, storage, lanes) {}
+  // `p`'s batch entries are its sequences (dense, or varlen queries: mask.q_len(b) each);
+  // `storage` is its key/value source's element type.
+  DecodePlan(const detail::ForwardProblem<float>& problem, StorageType storage, std::size_t vector_lanes)
+      : DecodePlan(problem.extents, problem.mask, storage, vector_lanes, problem.fixed_key_split) {}
 
   DecodePlan(const detail::Extents& p, const detail::MaskRule& mask, StorageType storage,
-             std::size_t lanes)
-      : d_pad(round_up(static_cast<std::size_t>(p.head_dim), lanes)),
+             std::size_t vector_lanes, bool fixed_key_split = false)
+      : lanes(vector_lanes),
+        d_pad(round_up(static_cast<std::size_t>(p.head_dim), lanes)),
         dv_pad(round_up(static_cast<std::size_t>(p.v_dim), lanes)),
-        block_keys(std::clamp<std::size_t>(
-            kDecodeScoreFloats /
-                (static_cast<std::size_t>(p.group()) * static_cast<std::size_t>(std::min(p.q_len, kDecodeQueries))) /
-                lanes * lanes,
-            lanes, round_up(kDecodeMaxBlockKeys, lanes))),
         packed(d_pad != static_cast<std::size_t>(p.head_dim) || dv_pad != static_cast<std::size_t>(p.v_dim)),
         q_heads(static_cast<std::size_t>(p.q_heads)),
-        group(static_cast<std::size_t>(p.group())),
-        max_tile(static_cast<std::size_t>(std::min(p.q_len, kDecodeQueries))),
-        state_floats(q_heads * max_tile * (dv_pad + 2)) {
+        group(static_cast<std::size_t>(p.group())) {
     const double element_bytes = storage_bytes(storage);
-    const auto block = static_cast<int64_t>(block_keys);
-    for (int64_t b = 0; b < p.batch; ++b)
-      for (int64_t first = 0; first < p.q_len; first += kDecodeQueries) {
-        DecodeUnit unit{b, first, std::min(kDecodeQueries, p.q_len - first), tasks.size(), 0};
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int64_t q_len = mask.q_len(b);
+      if (q_len == 0) continue;
+      // Each sequence's blocks follow from its own tile size (or, fixed, a full tile's),
+      // never from the other sequences: a sequence's bits do not depend on its batch.
+      const auto tile_queries = static_cast<std::size_t>(fixed_key_split ? kDecodeQueries : std::min(q_len, kDecodeQueries));
+      const std::size_t block = keys_per_block(tile_queries);
+      block_keys = std::max(block_keys, block);
+      for (int64_t first = 0; first < q_len; first += kDecodeQueries) {
+        DecodeUnit unit{b, first, std::min(kDecodeQueries, q_len - first), tasks.size(), 0};
+        max_tile = std::max(max_tile, static_cast<std::size_t>(unit.queries));
         // Key ranges only move right with the query index: the tile's first query starts
         // earliest, its last one ends latest. Keys before `begin` (a sliding window's
         // past) are never read.
-        const int64_t begin = mask.key_begin(b, first);
+        int64_t begin = mask.key_begin(b, first);
         const int64_t end = mask.key_end(b, first + unit.queries - 1);
-        const int64_t chunk =
-            static_cast<int64_t>(round_up(static_cast<std::size_t>(std::max(
-                                              kMinChunkKeys, (end - begin + kMaxChunks - 1) / kMaxChunks)),
-                                          static_cast<std::size_t>(block)));
+        int64_t chunk = kFixedChunkKeys;
+        if (fixed_key_split) {
+          begin = begin / kFixedChunkKeys * kFixedChunkKeys;  // chunks on the fixed grid
+        } else {
+          chunk = static_cast<int64_t>(round_up(
+              static_cast<std::size_t>(std::max(kMinChunkKeys, (end - begin + kMaxChunks - 1) / kMaxChunks)), block));
+        }
         for (int64_t key = begin; key < end; key += chunk) {
-          tasks.push_back({b, first, unit.queries, key, std::min(key + chunk, end), tasks.size()});
+          const int64_t chunk_end = std::min(key + chunk, end);
+          tasks.push_back({b, first, unit.queries, key, chunk_end, block, tasks.size(), state_floats});
+          state_floats += q_heads * static_cast<std::size_t>(unit.queries) * (dv_pad + 2);
           ++unit.chunks;
-          const auto keys = static_cast<double>(tasks.back().end_key - key);
-          flops += 2.0 * keys * static_cast<double>(p.q_heads * unit.queries) *
-                   static_cast<double>(p.head_dim + p.v_dim);
-          bytes += keys * static_cast<double>(p.kv_heads * (p.head_dim + p.v_dim)) * element_bytes;
+          const auto keys = static_cast<double>(chunk_end - key);
+          const double task_flops = 2.0 * keys * static_cast<double>(p.q_heads * unit.queries) *
+                                    static_cast<double>(p.head_dim + p.v_dim);
+          const double task_bytes = keys * static_cast<double>(p.kv_heads * (p.head_dim + p.v_dim)) * element_bytes;
+          flops += task_flops;
+          bytes += task_bytes;
+          // Time of a task, roughly: its streaming or its arithmetic, whichever binds
+          // (~8 flops per byte is where the two meet on one core).
+          cost.push_back(std::max(task_flops, 8.0 * task_bytes));
         }
         units.push_back(unit);
       }
+    }
     order.resize(tasks.size());
     std::iota(order.begin(), order.end(), std::size_t{0});
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
-      return tasks[x].end_key - tasks[x].first_key > tasks[y].end_key - tasks[y].first_key;
-    });
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return cost[x] > cost[y]; });
+  }
+
+  // Keys per block for tiles of `tile_queries`: the score tile (group rows × block) within
+  // kDecodeScoreFloats, at most kDecodeMaxBlockKeys, whole vectors.
+  std::size_t keys_per_block(std::size_t tile_queries) const {
+    return std::clamp<std::size_t>(kDecodeScoreFloats / (group * tile_queries) / lanes * lanes, lanes,
+                                   round_up(kDecodeMaxBlockKeys, lanes));
   }
 
   std::size_t tile_rows() const { return q_heads * max_tile; }
   std::size_t group_rows() const { return group * max_tile; }
 
-  ChunkState chunk_state(float* state, std::size_t tile) const {
-    const std::size_t rows = q_heads * tile;
+  ChunkState chunk_state(float* states, const DecodeTask& task) const {
+    const std::size_t rows = q_heads * static_cast<std::size_t>(task.queries);
+    float* state = states + task.state_offset;
     return {state, state + rows * dv_pad, state + rows * dv_pad + rows};
   }
 

@@ -1,0 +1,119 @@
+// qkv::BatchPlan — one attention call per layer for a whole continuous-batching step.
+//
+// An inference server's step mixes prefill chunks (many new queries of one sequence,
+// which with prefix caching also attend to keys already cached) and decode tokens (one
+// query per sequence), all against key/value caches. A BatchPlan takes that step's
+// layout once — how many new queries each sequence has, how many keys its cache holds
+// (the new tokens' own keys included), where its keys live — validates it, and splits the
+// work into tasks balanced across threads by cost; `run` then computes one layer from
+// the packed queries and the caches, read in place. Plan once per step, run per layer
+// (FlashInfer's plan/run split): the layout is not re-checked or re-planned 30 times.
+//
+//   layout (BatchLayout, copied into the plan):
+//     cu_seqlens_q [B + 1]  prefix sums of the new queries per sequence (int32 or int64)
+//     cache_lengths [B]     keys each sequence's cache holds, its new tokens' included;
+//                           cu_seqlens_q[b+1] − cu_seqlens_q[b] ≤ cache_lengths[b]
+//     block_table [B, max_blocks] (int32) + block_size: a paged pool, key j of sequence b
+//                           in pool block block_table[b, j / block_size], row j % block_size;
+//                           empty table (block_size 0): contiguous caches
+//     num_heads (Hq), num_kv_heads (Hkv, divides Hq), head_dim (d), v_dim (dv; 0: d),
+//     storage: the caches' element type
+//   run (BatchArgs<T>, T the storage type):
+//     q        [total_q, Hq, d]   float32, packed: sequence b's rows cu_seqlens_q[b]..
+//     k_cache  contiguous [B, capacity, Hkv, d] (any strides, last axis contiguous), or the
+//              pool [num_blocks, block_size, Hkv, d] (vLLM's and FlashAttention's layout);
+//              v_cache alike with dv
+//     out      [total_q, Hq, dv]  float32;  lse [Hq, total_q] optional
+//     k_scale, v_scale: int8 caches only, one float per cached row ([B, capacity, Hkv] or
+//              [num_blocks, block_size, Hkv]); the row's values are int8 · scale
+//
+// Options: the same AttentionOptions as every entry point, read at plan time — scale,
+// causal (Causal::bottom_right for a serving step: each sequence's new queries are its
+// newest tokens, query i of sequence b seeing keys j ≤ i + cache_lengths[b] − n_b;
+// AttentionOptions' default, none, lets every query see every cached key), window,
+// softcap, alibi_slopes and sinks (copied into the plan), execution (threads, backend,
+// fixed_key_split). As for qkv::decode, options.mask, key_lengths, dropout, modifiers and
+// execution.check_finite are refused. Forward only.
+//
+// Every sequence runs on the cpu backend's split-K schedule (cpu/decode.cpp), tiles of up
+// to 16 queries each, so a sequence of 0 queries costs nothing and a chunk of 512 is 32
+// tiles over its keys; the tasks of the whole step are handed to threads costliest first.
+//
+// Invariance (what a sequence's output rows depend on):
+//   - batch invariant, always: a sequence's rows are bitwise identical whether it runs
+//     alone or in any batch, with any thread count, contiguous or paged, whatever the
+//     other sequences' lengths — its blocks and chunks follow from its own query count
+//     and keys only;
+//   - with options.execution.fixed_key_split, also across calls: a row's bits depend only
+//     on the row and the keys it sees, so a token decoded alone gets the bits it had as a
+//     row of a prefill chunk (what RL rollouts matched against a trainer need); the cost
+//     is in bench/RESULTS.md.
+//   Not invariant: across SIMD targets (QKV_SIMD_TARGET), and a row whose tile holds
+//   a key with non-finite values that the row does not see takes a scalar path.
+//
+// Errors (qkv::Error naming the argument and index, nothing written): non-monotone
+// cu_seqlens_q, a cache length below its query count or above capacity, a block table too
+// short or pointing outside the pool, mismatched heads or dims, a cache of another storage
+// type than planned. A plan is immutable after construction: `run` may be called from
+// several threads at once (each with its own outputs).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "qkv/attention.hpp"
+#include "qkv/half.hpp"
+#include "qkv/options.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv {
+
+struct BatchLayout {
+  SeqOffsets cu_seqlens_q;
+  SeqOffsets cache_lengths;
+  TensorView<const int32_t, 2> block_table;  // empty: contiguous caches
+  int64_t block_size = 0;                   // paged only
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t v_dim = 0;  // 0: head_dim
+  StorageType storage = StorageType::float32;
+};
+
+template <class T>  // the caches' storage type: float, bfloat16, float16 or int8_t
+struct BatchArgs {
+  View3<const float> q;
+  View4<const T> k_cache, v_cache;
+  View3<float> out;
+  TensorView<float, 2> lse;           // optional
+  View3<const float> k_scale, v_scale;  // int8 only
+};
+
+class BatchPlan {
+ public:
+  BatchPlan(const BatchLayout& layout, const AttentionOptions& options);
+  ~BatchPlan();
+  BatchPlan(const BatchPlan&);
+  BatchPlan& operator=(const BatchPlan&);
+  BatchPlan(BatchPlan&&) noexcept;
+  BatchPlan& operator=(BatchPlan&&) noexcept;
+
+  void run(const BatchArgs<float>& args) const;
+  void run(const BatchArgs<bfloat16>& args) const;
+  void run(const BatchArgs<float16>& args) const;
+  void run(const BatchArgs<std::int8_t>& args) const;
+
+  int64_t sequences() const;      // B
+  int64_t total_queries() const;  // cu_seqlens_q[B]
+  int64_t tasks() const;          // units of parallel work of one run
+  // The plan's cost estimate of each task (flop-equivalents: max(flops, 8 · bytes), the
+  // streaming or the arithmetic, whichever binds), in the order threads take them: for
+  // modelling how a step spreads over more cores than a machine has (bench/).
+  std::vector<double> task_costs() const;
+
+  struct State;  // opaque (src/serve/batch_plan.cpp)
+
+ private:
+  std::shared_ptr<const State> state_;
+};
+
+}  // namespace qkv

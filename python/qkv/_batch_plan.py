@@ -1,0 +1,104 @@
+"""qkv.BatchPlan: one attention call per layer for a whole continuous-batching step —
+prefill chunks and decode tokens of many sequences against their caches (contiguous, or
+the paged pool vLLM and FlashAttention use), planned once per step.
+
+    plan = qkv.BatchPlan(cu_seqlens_q, cache_lengths, num_heads=32, num_kv_heads=8,
+                         head_dim=128, block_table=table, block_size=16)
+    for layer in layers:
+        out = plan.run(q, k_pool[layer], v_pool[layer])   # q [total_q, Hq, d]
+
+See qkv/batch_plan.hpp for the contract (what a sequence's bits depend on, the errors).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _qkv
+from ._decode import _cache_array, _float32_packed, _int_array, _is_torch, _storage_name
+from ._options import make_options
+from ._arrays import Error, NumPy, Torch
+
+
+def _scales(x):
+    if x is None:
+        return None
+    return x.detach().numpy() if _is_torch(x) else np.asarray(x)
+
+
+class BatchPlan:
+    """A serving step planned once: ``cu_seqlens_q [B+1]`` (prefix sums of each sequence's
+    new queries; int32 or int64), ``cache_lengths [B]`` (keys each cache holds, the new
+    tokens' own included), the heads and head sizes, and for a paged pool its
+    ``block_table [B, max_blocks]`` and ``block_size``. The options are qkv.attention's
+    (the same checks, the same errors); causal defaults to "bottom_right" (each sequence's
+    new queries are its newest tokens). fixed_key_split=True makes a row's bits depend only
+    on that row and the keys it sees (a token decoded alone reproduces its prefill row).
+    dtype: the caches' dtype the plan's cost model assumes (default float32); runs over
+    caches of another dtype are planned again once for that dtype.
+    """
+
+    def __init__(self, cu_seqlens_q, cache_lengths, *, num_heads, num_kv_heads, head_dim, v_dim=None,
+                 block_table=None, block_size=None, causal="bottom_right", window=None, softcap=None,
+                 alibi_slopes=None, sinks=None, scale=None, threads=None, fixed_key_split=False, dtype=None):
+        fn = "qkv.BatchPlan"
+        framework = Torch if any(_is_torch(x) for x in (cu_seqlens_q, alibi_slopes, sinks)) else NumPy
+        self._options = make_options(fn, framework, scale=scale, causal=causal, threads=threads, window=window,
+                                     softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                     fixed_key_split=fixed_key_split)
+        self._layout = dict(
+            cu_seqlens_q=_int_array(cu_seqlens_q, None, "cu_seqlens_q", fn),
+            cache_lengths=_int_array(cache_lengths, None, "cache_lengths", fn),
+            num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
+            v_dim=int(v_dim or 0),
+            block_table=None if block_table is None else _int_array(block_table, None, "block_table", fn),
+            block_size=0 if block_size is None else int(block_size))
+        if block_table is not None and block_size is None:
+            raise Error(f"{fn}: block_size: expected the pool's rows per block with a block_table")
+        self._v_dim = int(v_dim or head_dim)
+        first = "float32" if dtype is None else _storage_name(dtype)
+        self._plans = {first: self._plan(first)}  # validates the layout now
+
+    def _plan(self, storage: str):
+        return _qkv.BatchPlan(storage=storage, options=self._options, **self._layout)
+
+    sequences = property(lambda self: next(iter(self._plans.values())).sequences)
+    total_queries = property(lambda self: next(iter(self._plans.values())).total_queries)
+
+    def task_costs(self):
+        """The plan's cost estimate per task (flop-equivalents), costliest first."""
+        return next(iter(self._plans.values())).task_costs()
+
+    def run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False):
+        """One layer: q ``[total_q, Hq, d]`` against ``k_cache``/``v_cache`` — contiguous
+        ``[B, capacity, Hkv, d]`` or the pool ``[num_blocks, block_size, Hkv, d]``, float32,
+        bfloat16, float16 or int8 (with ``k_scale``/``v_scale``, one float32 per row),
+        read in place. Returns out ``[total_q, Hq, dv]`` (q's dtype when floating) or
+        ``(out, lse [Hq, total_q])``."""
+        fn = "qkv.BatchPlan.run"
+        q_lib = _float32_packed(q, "q", fn)
+        k_lib, bits_as = _cache_array(k_cache, "k_cache", fn)
+        v_lib, v_bits = _cache_array(v_cache, "v_cache", fn)
+        if bits_as != v_bits:
+            raise TypeError(f"{fn}: v_cache: expected the dtype of k_cache")
+        storage = bits_as or ("int8" if k_lib.dtype == np.int8 else "float16" if k_lib.dtype == np.float16
+                              else "float32")
+        plan = self._plans.get(storage)
+        if plan is None:
+            plan = self._plans[storage] = self._plan(storage)
+        total, heads = q_lib.shape[0], q_lib.shape[1]
+        out_lib = np.empty((total, heads, self._v_dim), dtype=np.float32)
+        lse = np.empty((heads, total), dtype=np.float32) if return_lse else None
+        plan.run(q_lib, k_lib, v_lib, out_lib, lse=lse, bits_as=bits_as, k_scale=_scales(k_scale),
+                 v_scale=_scales(v_scale))
+        out = out_lib
+        if _is_torch(q):
+            import torch
+
+            out = torch.from_numpy(out_lib)
+            if q.is_floating_point() and q.dtype != torch.float32:
+                out = out.to(q.dtype)
+            lse = None if lse is None else torch.from_numpy(lse)
+        elif q.dtype in (np.float64, np.float16):
+            out = out_lib.astype(q.dtype)
+        return (out, lse) if return_lse else out

@@ -1,0 +1,106 @@
+// qkv._qkv.BatchPlan: qkv::BatchPlan for Python (qkv/batch_plan.hpp). The layout's arrays
+// are read once (the plan copies them); caches are read in place with decode's
+// conventions (decode.hpp: float32, float16, bfloat16 bits as int16 with `bits_as`, int8).
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "arrays.hpp"
+#include "decode.hpp"
+#include "options.hpp"
+#include "qkv/batch_plan.hpp"
+#include "qkv/error.hpp"
+
+namespace qkv::python {
+namespace {
+
+namespace nb = nanobind;
+
+// A 1-D int32 or int64 array in place (the plan copies it before returning).
+SeqOffsets offsets_of(const char* name, const ArrayRef& array) {
+  if (array.dtype() == nb::dtype<int32_t>()) {
+    const auto view = view_of<const int32_t, 1>(name, array, "int32 or int64");
+    if (view.shape[0] > 1 && view.strides[0] != 1) throw Error(std::string("qkv::BatchPlan: ") + name + ": expected a contiguous array");
+    return std::span<const int32_t>(view.data, static_cast<std::size_t>(view.shape[0]));
+  }
+  const auto view = view_of<const int64_t, 1>(name, array, "int32 or int64");
+  if (view.shape[0] > 1 && view.strides[0] != 1) throw Error(std::string("qkv::BatchPlan: ") + name + ": expected a contiguous array");
+  return std::span<const int64_t>(view.data, static_cast<std::size_t>(view.shape[0]));
+}
+
+template <class T>
+void run_typed(const BatchPlan& plan, const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_cache,
+               const ArrayRef& out, const std::optional<ArrayRef>& lse, const std::optional<ArrayRef>& k_scale,
+               const std::optional<ArrayRef>& v_scale) {
+  BatchArgs<T> args;
+  args.q = view_of<const float, 3>("q", q, "queries are float32");
+  args.k_cache = raw_view<const T, 4>("k_cache", k_cache);
+  args.v_cache = raw_view<const T, 4>("v_cache", v_cache);
+  args.out = view_of<float, 3>("out", out, "the output is float32");
+  if (lse) args.lse = view_of<float, 2>("lse", *lse, "the log-sum-exp is float32");
+  if (k_scale) args.k_scale = view_of<const float, 3>("k_scale", *k_scale, "scales are float32");
+  if (v_scale) args.v_scale = view_of<const float, 3>("v_scale", *v_scale, "scales are float32");
+  nb::gil_scoped_release release;
+  plan.run(args);
+}
+
+void run_any(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle out,
+             nb::handle lse, const std::string& bits_as, nb::handle k_scale, nb::handle v_scale) {
+  const ArrayRef qa = ArrayRef::from(q, false, "q"), ka = ArrayRef::from(k_cache, false, "k_cache"),
+                 va = ArrayRef::from(v_cache, false, "v_cache"), oa = ArrayRef::from(out, true, "out");
+  const std::optional<ArrayRef> la = lse.is_none() ? std::nullopt : std::optional(ArrayRef::from(lse, true, "lse"));
+  const std::optional<ArrayRef> ks = optional_in("k_scale", k_scale), vs = optional_in("v_scale", v_scale);
+  const StorageType type = cache_storage("k_cache", ka, bits_as);
+  if (cache_storage("v_cache", va, bits_as) != type) throw nb::type_error("v_cache: expected the dtype of k_cache");
+  switch (type) {
+    case StorageType::float32: return run_typed<float>(plan, qa, ka, va, oa, la, ks, vs);
+    case StorageType::bfloat16: return run_typed<bfloat16>(plan, qa, ka, va, oa, la, ks, vs);
+    case StorageType::float16: return run_typed<float16>(plan, qa, ka, va, oa, la, ks, vs);
+    case StorageType::int8: return run_typed<std::int8_t>(plan, qa, ka, va, oa, la, ks, vs);
+  }
+}
+
+}  // namespace
+
+void bind_batch_plan(nb::module_& m) {
+  nb::class_<BatchPlan>(m, "BatchPlan")
+      .def(
+          "__init__",
+          [](BatchPlan* self, nb::handle cu_seqlens_q, nb::handle cache_lengths, int64_t num_heads,
+             int64_t num_kv_heads, int64_t head_dim, int64_t v_dim, nb::handle block_table, int64_t block_size,
+             const std::string& storage, const BoundOptions& bound) {
+            BatchLayout layout;
+            const ArrayRef cu = ArrayRef::from(cu_seqlens_q, false, "cu_seqlens_q");
+            const ArrayRef lengths = ArrayRef::from(cache_lengths, false, "cache_lengths");
+            layout.cu_seqlens_q = offsets_of("cu_seqlens_q", cu);
+            layout.cache_lengths = offsets_of("cache_lengths", lengths);
+            std::vector<int32_t> table_storage;
+            const std::optional<ArrayRef> table = optional_in("block_table", block_table);
+            if (table) layout.block_table = block_table_view(*table, table_storage, "qkv::BatchPlan");
+            layout.block_size = block_size;
+            layout.num_heads = num_heads;
+            layout.num_kv_heads = num_kv_heads;
+            layout.head_dim = head_dim;
+            layout.v_dim = v_dim;
+            layout.storage = parse_storage(storage);
+            new (self) BatchPlan(layout, bound.for_call());
+          },
+          nb::arg("cu_seqlens_q"), nb::arg("cache_lengths"), nb::kw_only(), nb::arg("num_heads"),
+          nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("v_dim") = 0,
+          nb::arg("block_table").none() = nb::none(), nb::arg("block_size") = 0, nb::arg("storage") = "float32",
+          nb::arg("options"))
+      .def("run", &run_any, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::kw_only(),
+           nb::arg("lse").none() = nb::none(), nb::arg("bits_as") = "", nb::arg("k_scale").none() = nb::none(),
+           nb::arg("v_scale").none() = nb::none(),
+           "One layer of the planned step: q [total_q, Hq, d] float32, caches read in place, writes out "
+           "[total_q, Hq, dv] (and lse [Hq, total_q]); the GIL is released.")
+      .def_prop_ro("sequences", &BatchPlan::sequences)
+      .def_prop_ro("total_queries", &BatchPlan::total_queries)
+      .def_prop_ro("tasks", &BatchPlan::tasks)
+      .def("task_costs", &BatchPlan::task_costs);
+}
+
+}  // namespace qkv::python

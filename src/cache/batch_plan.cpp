@@ -1,0 +1,324 @@
+// qkv::BatchPlan: a serving step's layout, validated and planned once (qkv/batch_plan.hpp);
+// each run checks only the views against the plan (O(1)) and runs the planned problem —
+// the same ForwardProblem every entry point produces, its sequences the step's packed
+// queries and its key/value source the caches — on the split-K schedule.
+#include "qkv/batch_plan.hpp"
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/checked_size.hpp"
+#include "core/checker.hpp"
+#include "core/dispatch.hpp"
+#include "core/validate.hpp"
+#include "cpu/decode.hpp"
+#include "cpu/decode_plan.hpp"
+#include "qkv/error.hpp"
+
+namespace qkv {
+
+struct BatchPlan::State {
+  // Owned copies of the layout and the per-head options: the caller's arrays may change
+  // or go away once the plan is made.
+  std::vector<int32_t> block_table;
+  int64_t max_blocks = 0, block_size = 0;
+  std::vector<float> alibi_slopes, sinks;
+  StorageType storage = StorageType::float32;
+  int64_t total_q = 0;
+  // What the run's views must hold: the longest cache (contiguous capacity) and the
+  // largest pool block the table names, with where they come from (for the error).
+  int64_t longest_cache = 0, longest_cache_sequence = 0;
+  int64_t largest_block = -1, largest_block_sequence = 0, largest_block_entry = 0;
+  Backend backend = Backend::cpu;
+  // The problem without its views, and the split-K schedule's plan of it.
+  detail::ForwardProblem<float> problem;
+  std::optional<cpu::DecodePlan> schedule;
+
+  bool paged() const { return !block_table.empty(); }
+};
+
+namespace {
+
+using detail::Checker;
+using detail::Described;
+using detail::describe;
+
+std::string at(const char* name, int64_t index) { return std::string(name) + "[" + std::to_string(index) + "]"; }
+
+void check_layout_heads(const Checker& check, const BatchLayout& layout) {
+  const auto positive = [&](int64_t value, const char* name) {
+    if (value < 1) check.fail(std::string(name) + ": expected >= 1, got " + std::to_string(value));
+  };
+  positive(layout.num_heads, "layout.num_heads");
+  positive(layout.num_kv_heads, "layout.num_kv_heads");
+  positive(layout.head_dim, "layout.head_dim");
+  if (layout.v_dim < 0) check.fail("layout.v_dim: expected >= 1 (or 0: head_dim), got " + std::to_string(layout.v_dim));
+  if (layout.num_heads % layout.num_kv_heads != 0) {
+    check.fail("layout.num_heads: expected a multiple of layout.num_kv_heads (" + std::to_string(layout.num_kv_heads) +
+               ", grouped-query attention), got " + std::to_string(layout.num_heads));
+  }
+  switch (layout.storage) {
+    case StorageType::float32: case StorageType::bfloat16: case StorageType::float16: case StorageType::int8: break;
+    default: check.fail("layout.storage: expected float32, bfloat16, float16 or int8");
+  }
+}
+
+// cu_seqlens_q: starts at 0, never decreases. Returns it as int64.
+std::vector<int64_t> checked_query_offsets(const Checker& check, const SeqOffsets& offsets) {
+  if (offsets.size() == 0)
+    check.fail("cu_seqlens_q: expected the prefix sums of the query counts (sequences + 1 entries, from 0), got none");
+  std::vector<int64_t> cu(offsets.size());
+  for (std::size_t s = 0; s < offsets.size(); ++s) {
+    cu[s] = offsets[s];
+    const auto index = static_cast<int64_t>(s);
+    if (s == 0 && cu[0] != 0) check.fail("cu_seqlens_q[0]: expected 0, got " + std::to_string(cu[0]));
+    if (s > 0 && cu[s] < cu[s - 1]) {
+      check.fail(at("cu_seqlens_q", index) + ": expected >= " + at("cu_seqlens_q", index - 1) + " = " +
+                 std::to_string(cu[s - 1]) + " (prefix sums never decrease), got " + std::to_string(cu[s]));
+    }
+  }
+  if (cu.back() > detail::kMaxRows) {
+    check.fail("cu_seqlens_q[" + std::to_string(cu.size() - 1) + "]: expected at most " +
+               std::to_string(detail::kMaxRows) + " queries in a step, got " + std::to_string(cu.back()));
+  }
+  return cu;
+}
+
+// The block table (paged layouts): [B, max_blocks], every block a sequence's keys use
+// named (≥ 0; the pool's size is checked per run against the largest).
+void copy_block_table(const Checker& check, const BatchLayout& layout, const std::vector<int64_t>& lengths,
+                      BatchPlan::State& s) {
+  const auto batch = static_cast<int64_t>(lengths.size());
+  const Described table = describe("block_table", layout.block_table);
+  check.expect_well_formed(table, /*inner_contiguous=*/false);
+  check.expect_extent(table, 0, "sequences", batch, "as cache_lengths");
+  if (layout.block_size < 1) {
+    check.fail("block_size: expected >= 1 (the pool's rows per block) with a block_table, got " +
+               std::to_string(layout.block_size));
+  }
+  s.block_size = layout.block_size;
+  s.max_blocks = layout.block_table.shape[1];
+  const int64_t capacity = detail::checked_product("qkv::BatchPlan", "block_table capacity",
+                                                   {{"block_table.shape[1]", s.max_blocks}, {"block_size", s.block_size}});
+  s.block_table.assign(static_cast<std::size_t>(std::max<int64_t>(batch * s.max_blocks, 1)), 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (lengths[b] > capacity) {
+      check.fail(at("cache_lengths", b) + ": expected at most " + std::to_string(capacity) +
+                 " (block_table.shape[1] · block_size), got " + std::to_string(lengths[b]));
+    }
+    for (int64_t j = 0; j < s.max_blocks; ++j) {
+      const int32_t block = layout.block_table(b, j);
+      s.block_table[static_cast<std::size_t>(b * s.max_blocks + j)] = block;
+      if (j * s.block_size >= lengths[b]) continue;  // past the sequence's keys: never read
+      if (block < 0) {
+        check.fail("block_table[" + std::to_string(b) + ", " + std::to_string(j) +
+                   "]: expected a pool block >= 0 for the " + std::to_string(lengths[b]) + " cached keys, got " +
+                   std::to_string(block));
+      }
+      if (block > s.largest_block) {
+        s.largest_block = block;
+        s.largest_block_sequence = b;
+        s.largest_block_entry = j;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+BatchPlan::BatchPlan(const BatchLayout& layout, const AttentionOptions& options) {
+  const Checker check("qkv::BatchPlan");
+  auto state = std::make_shared<State>();
+  State& s = *state;
+  check_layout_heads(check, layout);
+  std::vector<int64_t> cu_q = checked_query_offsets(check, layout.cu_seqlens_q);
+  const auto batch = static_cast<int64_t>(cu_q.size()) - 1;
+  if (static_cast<int64_t>(layout.cache_lengths.size()) != batch) {
+    check.fail("cache_lengths: expected one length per sequence (" + std::to_string(batch) + ", as cu_seqlens_q), got " +
+               std::to_string(layout.cache_lengths.size()));
+  }
+  std::vector<int64_t> lengths(static_cast<std::size_t>(batch));
+  std::vector<int64_t> cu_k(static_cast<std::size_t>(batch) + 1, 0);
+  int64_t longest_q = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t queries = cu_q[b + 1] - cu_q[b];
+    lengths[b] = layout.cache_lengths[static_cast<std::size_t>(b)];
+    if (lengths[b] < queries || lengths[b] > detail::kMaxRows) {
+      check.fail(at("cache_lengths", b) + ": expected " + std::to_string(queries) + ".." +
+                 std::to_string(detail::kMaxRows) + " (the sequence's " + std::to_string(queries) +
+                 " new queries' keys are in its cache), got " + std::to_string(lengths[b]));
+    }
+    cu_k[b + 1] = detail::checked_sum("qkv::BatchPlan", "the keys of a step", {"keys before", cu_k[b]},
+                                      {at("cache_lengths", b), lengths[b]});
+    longest_q = std::max(longest_q, queries);
+    if (lengths[b] > s.longest_cache) {
+      s.longest_cache = lengths[b];
+      s.longest_cache_sequence = b;
+    }
+  }
+  if (!layout.block_table.empty()) {
+    copy_block_table(check, layout, lengths, s);
+  } else if (layout.block_size != 0) {
+    check.fail("block_size: expected 0 without a block_table (contiguous caches), got " + std::to_string(layout.block_size));
+  }
+  detail::refuse_for_caches(check, options);
+
+  // The step as one problem: its sequences are the packed queries' (cu_q) against their
+  // caches (cu_k only sizes each sequence's keys: the key/value source addresses them).
+  detail::ForwardProblem<float>& p = s.problem;
+  detail::Extents& e = p.extents;
+  e.batch = batch;
+  e.q_len = longest_q;
+  e.k_len = s.longest_cache;
+  e.q_heads = layout.num_heads;
+  e.kv_heads = layout.num_kv_heads;
+  e.head_dim = layout.head_dim;
+  e.v_dim = layout.v_dim == 0 ? layout.head_dim : layout.v_dim;
+  p.mask.causal = detail::checked_causal(check, options);
+  p.mask.sequences.count = batch;
+  p.mask.sequences.cu_q = std::move(cu_q);
+  p.mask.sequences.cu_k = std::move(cu_k);
+  detail::check_variants(check, options, e, p.mask, p.modifiers);
+  detail::resolve_execution(check, options, /*wants_weights=*/false, p);
+  s.alibi_slopes.assign(p.modifiers.alibi_slopes.begin(), p.modifiers.alibi_slopes.end());
+  s.sinks.assign(p.modifiers.sinks.begin(), p.modifiers.sinks.end());
+  p.modifiers.alibi_slopes = s.alibi_slopes;
+  p.modifiers.sinks = s.sinks;
+  s.storage = layout.storage;
+  s.total_q = p.mask.sequences.cu_q.back();
+  s.backend = resolve_backend(options, false, false);
+  if (s.backend == Backend::cpu) s.schedule.emplace(p, s.storage, cpu::decode_vector_lanes());
+  state_ = std::move(state);
+}
+
+BatchPlan::~BatchPlan() = default;
+BatchPlan::BatchPlan(const BatchPlan&) = default;
+BatchPlan& BatchPlan::operator=(const BatchPlan&) = default;
+BatchPlan::BatchPlan(BatchPlan&&) noexcept = default;
+BatchPlan& BatchPlan::operator=(BatchPlan&&) noexcept = default;
+
+int64_t BatchPlan::sequences() const { return state_->problem.extents.batch; }
+int64_t BatchPlan::total_queries() const { return state_->total_q; }
+int64_t BatchPlan::tasks() const {
+  return state_->schedule ? static_cast<int64_t>(state_->schedule->tasks.size()) : 0;
+}
+std::vector<double> BatchPlan::task_costs() const {
+  std::vector<double> costs;
+  if (!state_->schedule) return costs;
+  for (const std::size_t t : state_->schedule->order) costs.push_back(state_->schedule->cost[t]);
+  return costs;
+}
+
+namespace {
+
+// The run's views against the plan: O(1) checks (the layout was checked when planned).
+template <class T>
+detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const BatchArgs<T>& a) {
+  const Checker check("qkv::BatchPlan::run");
+  if (storage_type_of<T> != s.storage) {
+    check.fail(std::string("k_cache: expected ") + storage_name(s.storage) + " elements (the plan's layout.storage), got " +
+               storage_name(storage_type_of<T>));
+  }
+  const detail::Extents& e = s.problem.extents;
+  const Described q = describe("q", a.q), k = describe("k_cache", a.k_cache), v = describe("v_cache", a.v_cache),
+                  out = describe("out", a.out);
+  for (const Described* view : {&q, &k, &v, &out}) check.expect_well_formed(*view);
+  check.expect_extent(q, 0, "total_q", s.total_q, "as cu_seqlens_q[-1]");
+  check.expect_extent(q, 1, "heads", e.q_heads, "as layout.num_heads");
+  check.expect_extent(q, 2, "head_dim", e.head_dim, "as layout.head_dim");
+  const char* first_axis = s.paged() ? "blocks" : "sequences";
+  if (s.paged()) {
+    if (a.k_cache.shape[0] <= s.largest_block) {
+      check.fail("block_table[" + std::to_string(s.largest_block_sequence) + ", " +
+                 std::to_string(s.largest_block_entry) + "]: expected a pool block 0.." +
+                 std::to_string(a.k_cache.shape[0] - 1) + " (k_cache.shape[0] - 1), got " +
+                 std::to_string(s.largest_block));
+    }
+    check.expect_extent(k, 1, "block_size", s.block_size, "as the plan's block_size");
+  } else {
+    check.expect_extent(k, 0, "sequences", e.batch, "as cache_lengths");
+    if (a.k_cache.shape[1] < s.longest_cache) {
+      check.fail("k_cache.shape[1] (capacity): expected at least cache_lengths[" +
+                 std::to_string(s.longest_cache_sequence) + "] = " + std::to_string(s.longest_cache) + ", got " +
+                 std::to_string(a.k_cache.shape[1]));
+    }
+  }
+  check.expect_extent(k, 2, "kv heads", e.kv_heads, "as layout.num_kv_heads");
+  check.expect_extent(k, 3, "head_dim", e.head_dim, "as layout.head_dim");
+  check.expect_extent(v, 0, first_axis, a.k_cache.shape[0], "as k_cache.shape[0]");
+  check.expect_extent(v, 1, s.paged() ? "block_size" : "capacity", a.k_cache.shape[1], "as k_cache.shape[1]");
+  check.expect_extent(v, 2, "kv heads", e.kv_heads, "as layout.num_kv_heads");
+  check.expect_extent(v, 3, "head_dim", e.v_dim, "as layout.v_dim");
+  check.expect_extent(out, 0, "total_q", s.total_q, "as cu_seqlens_q[-1]");
+  check.expect_extent(out, 1, "heads", e.q_heads, "as layout.num_heads");
+  check.expect_extent(out, 2, "head_dim", e.v_dim, "as layout.v_dim");
+  std::vector<Described> inputs{q, k, v};
+  std::vector<Described> outputs{out};
+  if (!a.lse.empty()) {
+    const Described lse = describe("lse", a.lse);
+    check.expect_well_formed(lse, /*inner_contiguous=*/false);
+    check.expect_extent(lse, 0, "heads", e.q_heads, "as layout.num_heads");
+    check.expect_extent(lse, 1, "total_q", s.total_q, "as cu_seqlens_q[-1]");
+    outputs.push_back(lse);
+  }
+  const bool scaled = s.storage == StorageType::int8;
+  for (const auto& [name, scale, cache, cache_name] :
+       {std::tuple{"k_scale", &a.k_scale, &a.k_cache, "k_cache"}, std::tuple{"v_scale", &a.v_scale, &a.v_cache, "v_cache"}}) {
+    if (!scaled) {
+      if (!scale->empty()) check.fail(std::string(name) + ": only int8 caches take scales");
+      continue;
+    }
+    if (scale->empty()) check.fail(std::string(name) + ": expected one float32 scale per cached row for an int8 cache, got none");
+    const Described d = describe(name, *scale);
+    check.expect_well_formed(d, /*inner_contiguous=*/false);
+    for (int axis = 0; axis < 3; ++axis) {
+      const std::string as = "as " + std::string(cache_name) + ".shape[" + std::to_string(axis) + "]";
+      check.expect_extent(d, axis, axis == 0 ? first_axis : axis == 1 ? "rows" : "kv heads", cache->shape[axis], as.c_str());
+    }
+    inputs.push_back(d);
+  }
+  check.expect_outputs_apart(outputs, inputs);
+
+  detail::ForwardProblem<float> p = s.problem;
+  p.extents.k_len = s.paged() ? s.max_blocks * s.block_size : a.k_cache.shape[1];
+  p.args.q = detail::as_batched(a.q, e.batch);
+  p.args.out = detail::as_batched(a.out, e.batch);
+  if (!a.lse.empty()) p.args.lse = detail::lse_as_batched(a.lse, e.batch);
+  detail::KvSource& kv = p.kv;
+  kv.type = s.storage;
+  kv.k = a.k_cache.data;
+  kv.v = a.v_cache.data;
+  kv.k_strides = detail::RowStrides::of(a.k_cache);
+  kv.v_strides = detail::RowStrides::of(a.v_cache);
+  if (scaled) {
+    kv.k_scale = a.k_scale.data;
+    kv.v_scale = a.v_scale.data;
+    kv.k_scale_strides = detail::RowStrides::of(a.k_scale);
+    kv.v_scale_strides = detail::RowStrides::of(a.v_scale);
+  }
+  if (s.paged()) {
+    kv.block_table = s.block_table.data();
+    kv.table_stride = s.max_blocks;
+    kv.page_size = s.block_size;
+  }
+  return p;
+}
+
+template <class T>
+void run_plan(const BatchPlan::State& s, const BatchArgs<T>& args) {
+  const detail::ForwardProblem<float> problem = planned_problem(s, args);
+  if (s.total_q == 0) return;
+  detail::run_planned_forward(problem, s.backend, s.schedule ? &*s.schedule : nullptr);
+}
+
+}  // namespace
+
+void BatchPlan::run(const BatchArgs<float>& args) const { run_plan(*state_, args); }
+void BatchPlan::run(const BatchArgs<bfloat16>& args) const { run_plan(*state_, args); }
+void BatchPlan::run(const BatchArgs<float16>& args) const { run_plan(*state_, args); }
+void BatchPlan::run(const BatchArgs<std::int8_t>& args) const { run_plan(*state_, args); }
+
+}  // namespace qkv
