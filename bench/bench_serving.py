@@ -13,10 +13,9 @@ Columns, same process and threads (median of --repeats after a warm-up):
   decode roof the decode tokens alone in one plan: K/V bytes / time against the streaming
               bandwidth measured in this run (qkv_decode_probe bandwidth T);
   fixed       plan.run with fixed_key_split=True (decode steps reproduce prefill rows).
-Then a model of the step on more cores: every task's cost from the plan's cost model,
-scaled to this machine by the 1-thread plan.run time, handed to P threads costliest-first
-(as the plan does) — idle time of the one call against separate calls (each call its own
-parallel region, waiting for its slowest task).
+Then a model of the step on more cores (idle time per thread at 2, 16 and 64 threads):
+the phases plan.run runs (the decode tokens' split-K tasks, then each chunk's tiled
+tasks) against one pool of every task of the step.
 
     python bench/bench_serving.py                  # bf16 and fp32 caches, 1 and 2 threads
     python bench/bench_serving.py --dtypes bfloat16 --threads 2 --repeats 5
@@ -164,21 +163,30 @@ def main():
             if threads == 1:
                 models[name] = (plan, t_plan, step)
     print()
-    print("Model (cost model scaled by the 1-thread plan.run time): idle share of the threads' time")
-    print("| cache | threads | one call: step ms | idle | separate calls: step ms | idle |")
+    print("Model of the step on more cores (costs: the plan's cost model for the split-K tasks, 2·64·keys·(d+dv)")
+    print("per (64-query block, head) tile task of a chunk; scaled so that their sum is the 1-thread plan.run")
+    print("time): plan.run runs the decode tasks, then each chunk, each phase waiting for its slowest task (as")
+    print("today's separate calls do); one pool would hand every task of the step to the threads at once.")
+    print("| cache | threads | phases (plan.run, separate calls): ms | idle | one pool: ms | idle |")
     print("|---|---|---|---|---|---|")
     for name, (plan, t_one, step) in models.items():
-        costs = plan.task_costs()
-        scale = t_one / sum(costs)
-        # Separate calls: the decode batch, then each chunk, each waiting for its slowest task.
-        parts = [step.plan(1, list(range(2, 50))).task_costs(), step.plan(1, [0]).task_costs(),
-                 step.plan(1, [1]).task_costs()]
+        decode_costs = plan.task_costs()
+        chunk_costs = []
+        for b in (0, 1):
+            n, length = step.queries[b], step.lengths[b]
+            tasks = []
+            for first in range(0, n, 64):
+                rows = min(64, n - first)
+                keys = length - n + first + rows  # bottom-right causal: the block's last row sees this many
+                tasks += [2.0 * rows * keys * 2 * D] * HEADS
+            chunk_costs.append(tasks)
+        scale = t_one / (sum(decode_costs) + sum(sum(c) for c in chunk_costs))
+        busy = t_one
         for threads in (2, 16, 64):
-            one = makespan(costs, threads) * scale
-            separate = sum(makespan(p, threads) for p in parts) * scale
-            busy = sum(costs) * scale
-            print(f"| {name} | {threads} | {one * 1e3:.2f} | {100 * (1 - busy / (threads * one)):.0f}% | "
-                  f"{separate * 1e3:.2f} | {100 * (1 - busy / (threads * separate)):.0f}% |")
+            phases = (makespan(decode_costs, threads) + sum(makespan(c, threads) for c in chunk_costs)) * scale
+            pool = makespan(decode_costs + [x for c in chunk_costs for x in c], threads) * scale
+            print(f"| {name} | {threads} | {phases * 1e3:.2f} | {100 * (1 - busy / (threads * phases)):.0f}% | "
+                  f"{pool * 1e3:.2f} | {100 * (1 - busy / (threads * pool)):.0f}% |")
 
 
 if __name__ == "__main__":

@@ -35,13 +35,16 @@
 // fixed_key_split). As for qkv::decode, options.mask, key_lengths, dropout, modifiers and
 // execution.check_finite are refused. Forward only.
 //
-// Every sequence runs on the cpu backend's split-K schedule (cpu/decode.cpp), tiles of up
-// to 16 queries each, so a sequence of 0 queries costs nothing and a chunk of 512 is 32
-// tiles over its keys; the tasks of the whole step are handed to threads costliest first.
+// Schedules (cpu backend): sequences of ≤ 16 queries run on the split-K schedule
+// (cpu/decode.cpp), planned together, their tasks handed to threads costliest first; a
+// prefill chunk of more queries runs on the tiled schedule over its keys gathered into
+// float32 rows per run (bitwise attention_forward of that chunk alone over them). With
+// execution.fixed_key_split every sequence runs on split-K. A sequence of 0 queries costs
+// nothing.
 //
 // Invariance (what a sequence's output rows depend on):
 //   - batch invariant, always: a sequence's rows are bitwise identical whether it runs
-//     alone or in any batch, with any thread count, contiguous or paged, whatever the
+//     alone (a one-sequence plan; qkv::decode for ≤ 16 queries) or in any batch, with any thread count, contiguous or paged, whatever the
 //     other sequences' lengths — its blocks and chunks follow from its own query count
 //     and keys only;
 //   - with options.execution.fixed_key_split, also across calls: a row's bits depend only

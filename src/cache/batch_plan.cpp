@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "core/checked_size.hpp"
@@ -36,6 +37,9 @@ struct BatchPlan::State {
   // The problem without its views, and the split-K schedule's plan of it.
   detail::ForwardProblem<float> problem;
   std::optional<cpu::DecodePlan> schedule;
+  // Prefill chunks (> 16 queries; not with fixed_key_split): each runs the tiled schedule
+  // over its keys gathered into float32 rows, and the split-K plan leaves them out.
+  std::vector<int64_t> chunks;
 
   bool paged() const { return !block_table.empty(); }
 };
@@ -190,7 +194,15 @@ BatchPlan::BatchPlan(const BatchLayout& layout, const AttentionOptions& options)
   s.storage = layout.storage;
   s.total_q = p.mask.sequences.cu_q.back();
   s.backend = resolve_backend(options, false, false);
-  if (s.backend == Backend::cpu) s.schedule.emplace(p, s.storage, cpu::decode_vector_lanes());
+  if (s.backend == Backend::cpu) {
+    std::vector<bool> tiled(static_cast<std::size_t>(batch), false);
+    for (int64_t b = 0; b < batch && !p.fixed_key_split; ++b) {
+      if (p.mask.q_len(b) <= cpu::kDecodeQueries) continue;
+      tiled[static_cast<std::size_t>(b)] = true;
+      s.chunks.push_back(b);
+    }
+    s.schedule.emplace(p.extents, p.mask, s.storage, cpu::decode_vector_lanes(), p.fixed_key_split, &tiled);
+  }
   state_ = std::move(state);
 }
 
@@ -307,11 +319,110 @@ detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const B
   return p;
 }
 
+// Row (b, j, h) of a key/value source's keys (or values), widened to float into `to`
+// (exactly; int8: value · the row's scale).
+template <class T>
+void widen_row(const T* row, int64_t dim, float scale, float* to) {
+  for (int64_t c = 0; c < dim; ++c) {
+    if constexpr (std::is_same_v<T, std::int8_t>) to[c] = static_cast<float>(row[c]) * scale;
+    else to[c] = static_cast<float>(row[c]);
+  }
+}
+
+void widen_row(const detail::KvSource& kv, bool keys, int64_t b, int64_t j, int64_t h, int64_t dim, float* to) {
+  const int64_t at = kv.offset(keys ? kv.k_strides : kv.v_strides, b, j, h);
+  const void* base = keys ? kv.k : kv.v;
+  switch (kv.type) {
+    case StorageType::float32: return widen_row(static_cast<const float*>(base) + at, dim, 1.0f, to);
+    case StorageType::bfloat16: return widen_row(static_cast<const bfloat16*>(base) + at, dim, 1.0f, to);
+    case StorageType::float16: return widen_row(static_cast<const float16*>(base) + at, dim, 1.0f, to);
+    case StorageType::int8: {
+      const float* scales = keys ? kv.k_scale : kv.v_scale;
+      const float scale = scales[kv.offset(keys ? kv.k_scale_strides : kv.v_scale_strides, b, j, h)];
+      return widen_row(static_cast<const std::int8_t*>(base) + at, dim, scale, to);
+    }
+  }
+}
+
+// A prefill chunk (sequence b of the step) as a dense problem of its own: its queries
+// and output rows in place, its keys and values gathered (widened exactly; int8 as
+// value · scale) into float32 [1, L, Hkv, d] rows — a copy of L·Hkv·(d + dv) elements
+// against the chunk's n·L·Hq·(d + dv) multiply-adds — so the tiled schedule reads them.
+struct GatheredChunk {
+  int64_t sequence = 0;
+  std::vector<float> keys, values;
+};
+
+GatheredChunk gather_chunk(const detail::ForwardProblem<float>& step, int64_t b) {
+  const detail::Extents& e = step.extents;
+  const int64_t length = step.mask.sequences.k_len(b);
+  const auto floats = [&](int64_t dim) {
+    return static_cast<std::size_t>(detail::checked_product("qkv::BatchPlan::run", "a prefill chunk's gathered keys",
+                                                            {{"cache length", length}, {"kv heads", e.kv_heads}, {"dim", dim}}));
+  };
+  GatheredChunk gathered{.sequence = b, .keys = {}, .values = {}};
+  std::vector<float>& keys = gathered.keys;
+  std::vector<float>& values = gathered.values;
+  detail::allocate_or_throw("qkv::BatchPlan::run", "a prefill chunk's gathered keys",
+                            (floats(e.head_dim) + floats(e.v_dim)) * sizeof(float), [&] {
+                              keys.resize(floats(e.head_dim));
+                              values.resize(floats(e.v_dim));
+                            });
+  for (int64_t j = 0; j < length; ++j)
+    for (int64_t h = 0; h < e.kv_heads; ++h) {
+      float* k = keys.data() + (j * e.kv_heads + h) * e.head_dim;
+      float* v = values.data() + (j * e.kv_heads + h) * e.v_dim;
+      widen_row(step.kv, true, b, j, h, e.head_dim, k);
+      widen_row(step.kv, false, b, j, h, e.v_dim, v);
+    }
+  return gathered;
+}
+
+void run_chunk(const detail::ForwardProblem<float>& step, const GatheredChunk& gathered) {
+  const detail::Extents& e = step.extents;
+  const int64_t b = gathered.sequence;
+  const int64_t n = step.mask.q_len(b), length = step.mask.sequences.k_len(b), first = step.mask.sequences.q_begin(b);
+  const std::vector<float>& keys = gathered.keys;
+  const std::vector<float>& values = gathered.values;
+  detail::ForwardProblem<float> chunk;
+  chunk.extents = e;
+  chunk.extents.batch = 1;
+  chunk.extents.q_len = n;
+  chunk.extents.k_len = length;
+  chunk.scale = step.scale;
+  chunk.mask.causal = step.mask.causal;
+  chunk.mask.window = step.mask.window;
+  chunk.mask.has_sinks = step.mask.has_sinks;
+  chunk.mask.sequences = {.count = 1, .dense_q_len = n, .dense_k_len = length, .cu_q = {}, .cu_k = {}};
+  chunk.modifiers = step.modifiers;
+  chunk.threads = step.threads;
+  const auto& q = step.args.q;
+  const auto& out = step.args.out;
+  chunk.args.q = View4<const float>(&q(0, first, 0, 0), {1, n, e.q_heads, e.head_dim},
+                                    {n * q.strides[1], q.strides[1], q.strides[2], q.strides[3]});
+  chunk.args.k = View4<const float>(keys.data(), {1, length, e.kv_heads, e.head_dim},
+                                    {length * e.kv_heads * e.head_dim, e.kv_heads * e.head_dim, e.head_dim, 1});
+  chunk.args.v = View4<const float>(values.data(), {1, length, e.kv_heads, e.v_dim},
+                                    {length * e.kv_heads * e.v_dim, e.kv_heads * e.v_dim, e.v_dim, 1});
+  chunk.args.out = View4<float>(&out(0, first, 0, 0), {1, n, e.q_heads, e.v_dim},
+                                {n * out.strides[1], out.strides[1], out.strides[2], out.strides[3]});
+  if (!step.args.lse.empty()) {
+    const auto& lse = step.args.lse;
+    chunk.args.lse = View3<float>(&lse(0, 0, first), {1, e.q_heads, n}, {0, lse.strides[1], lse.strides[2]});
+  }
+  detail::run_forward(chunk, Backend::cpu);  // > 16 queries: the tiled schedule
+}
+
 template <class T>
 void run_plan(const BatchPlan::State& s, const BatchArgs<T>& args) {
   const detail::ForwardProblem<float> problem = planned_problem(s, args);
   if (s.total_q == 0) return;
+  // Every chunk's keys gathered before anything is written (a workspace that cannot be
+  // had is a qkv::Error with the outputs untouched).
+  std::vector<GatheredChunk> chunks;
+  for (const int64_t b : s.chunks) chunks.push_back(gather_chunk(problem, b));
   detail::run_planned_forward(problem, s.backend, s.schedule ? &*s.schedule : nullptr);
+  for (const GatheredChunk& chunk : chunks) run_chunk(problem, chunk);
 }
 
 }  // namespace

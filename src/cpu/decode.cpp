@@ -436,7 +436,10 @@ size_t DecodeLanes() { return VectorLanes(); }
 void DecodeImpl(const Problem& p, const DecodePlan* planned) {
   const KvSource kv = p.key_values();
   std::optional<DecodePlan> local;
-  if (planned == nullptr || planned->lanes != VectorLanes()) planned = &local.emplace(p, kv.type, VectorLanes());
+  if (planned == nullptr || planned->lanes != VectorLanes()) {  // planned again, leaving out what it left out
+    const std::vector<bool>* skip = planned != nullptr && !planned->skipped.empty() ? &planned->skipped : nullptr;
+    planned = &local.emplace(p.extents, p.mask, kv.type, VectorLanes(), p.fixed_key_split, skip);
+  }
   switch (kv.type) {
     case StorageType::float32: return RunDecode<float>(p, kv, *planned);
     case StorageType::bfloat16: return RunDecode<bfloat16>(p, kv, *planned);

@@ -93,6 +93,7 @@ struct DecodePlan {
   std::vector<DecodeUnit> units;
   std::vector<std::size_t> order;  // task indices, costliest first
   std::vector<double> cost;        // per task: max(flops, 8 · bytes)
+  std::vector<bool> skipped;       // the constructor's `skip` (empty: none)
   double flops = 0.0;
   double bytes = 0.0;
 
@@ -101,18 +102,21 @@ struct DecodePlan {
   DecodePlan(const detail::ForwardProblem<float>& problem, StorageType storage, std::size_t vector_lanes)
       : DecodePlan(problem.extents, problem.mask, storage, vector_lanes, problem.fixed_key_split) {}
 
+  // `skip` (optional, one flag per sequence): sequences another schedule computes
+  // (qkv::BatchPlan's prefill chunks), left out of the plan.
   DecodePlan(const detail::Extents& p, const detail::MaskRule& mask, StorageType storage,
-             std::size_t vector_lanes, bool fixed_key_split = false)
+             std::size_t vector_lanes, bool fixed_key_split = false, const std::vector<bool>* skip = nullptr)
       : lanes(vector_lanes),
         d_pad(round_up(static_cast<std::size_t>(p.head_dim), lanes)),
         dv_pad(round_up(static_cast<std::size_t>(p.v_dim), lanes)),
         packed(d_pad != static_cast<std::size_t>(p.head_dim) || dv_pad != static_cast<std::size_t>(p.v_dim)),
         q_heads(static_cast<std::size_t>(p.q_heads)),
-        group(static_cast<std::size_t>(p.group())) {
+        group(static_cast<std::size_t>(p.group())),
+        skipped(skip != nullptr ? *skip : std::vector<bool>{}) {
     const double element_bytes = storage_bytes(storage);
     for (int64_t b = 0; b < p.batch; ++b) {
       const int64_t q_len = mask.q_len(b);
-      if (q_len == 0) continue;
+      if (q_len == 0 || (skip != nullptr && (*skip)[static_cast<std::size_t>(b)])) continue;
       // Each sequence's blocks follow from its own tile size (or, fixed, a full tile's),
       // never from the other sequences: a sequence's bits do not depend on its batch.
       const auto tile_queries = static_cast<std::size_t>(fixed_key_split ? kDecodeQueries : std::min(q_len, kDecodeQueries));

@@ -1,7 +1,9 @@
 // qkv::BatchPlan: a serving step (prefill chunks and decode tokens over one set of
 // caches) planned once, run per layer.
-//   - Every sequence's rows equal qkv::decode of that sequence alone, bit for bit (batch
-//     invariance; decode's accuracy against the fp64 oracle is test_decode.cpp's), for
+//   - Every sequence's rows equal that sequence computed alone, bit for bit (batch
+//     invariance): qkv::decode for ≤ 16 queries, attention_forward over the chunk's keys
+//     for prefill chunks (their accuracy against the fp64 oracle is test_decode.cpp's and
+//     test_cpu_attention.cpp's), for
 //     query counts 0, 1, 3, 17, 40, 200, GQA, every storage type, contiguous and shuffled
 //     paged caches, the variants, every compiled SIMD target; thread counts and cache
 //     layouts give the same bits.
@@ -14,6 +16,7 @@
 //   - Bad layouts and views: qkv::Error naming the argument and index, nothing written.
 #include <gtest/gtest.h>
 
+#include <qkv/attention.hpp>
 #include <qkv/batch_plan.hpp>
 #include <qkv/decode.hpp>
 #include <qkv/error.hpp>
@@ -150,6 +153,23 @@ struct Step {
     return a;
   }
 
+  // Sequence b's stored keys (or values) as float [1, L, Hkv, dim] (int8: value · scale).
+  Tensor<float, 4> stored_rows(int64_t b, bool keys) const {
+    const int64_t length = spec.lengths[static_cast<std::size_t>(b)], dim = keys ? spec.head_dim : spec.v_dim;
+    Tensor<float, 4> rows({1, length, spec.kv_heads, dim});
+    const Tensor<T, 4>& from = keys ? k : v;
+    for (int64_t j = 0; j < length; ++j)
+      for (int64_t h = 0; h < spec.kv_heads; ++h) {
+        const int64_t r0 = spec.block_size > 0 ? table(b, j / spec.block_size) : b;
+        const int64_t r1 = spec.block_size > 0 ? j % spec.block_size : j;
+        for (int64_t c = 0; c < dim; ++c) {
+          if constexpr (kInt8) rows(0, j, h, c) = static_cast<float>(from(r0, r1, h, c)) * (keys ? k_scale : v_scale)(r0, r1, h);
+          else rows(0, j, h, c) = static_cast<float>(from(r0, r1, h, c));
+        }
+      }
+    return rows;
+  }
+
   // Sequence b alone through qkv::decode: its q rows [1, n, Hq, d], its cache (one row
   // of the table, or its batch entry), its length.
   DecodeArgs<T> alone(int64_t b, Tensor<float, 4>& out, Tensor<float, 3>& lse, const std::vector<int64_t>& length) const {
@@ -196,7 +216,10 @@ Results run_plan(const Step<T>& step, const AttentionOptions& options) {
 
 bool same_bits(const float* a, const float* b, std::size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
 
-// Sequence b's rows of the plan's results equal decode of b alone, bit for bit.
+// Sequence b's rows of the plan's results equal b computed alone, bit for bit: by
+// qkv::decode (the split-K schedule) for ≤ 16 queries or with fixed_key_split, else (a
+// prefill chunk) by attention_forward over its stored keys as float rows (the tiled
+// schedule, which the plan runs chunks on).
 template <class T>
 void expect_rows_of_alone(const Step<T>& step, const Results& got, const AttentionOptions& options) {
   const StepSpec& s = step.spec;
@@ -207,7 +230,16 @@ void expect_rows_of_alone(const Step<T>& step, const Results& got, const Attenti
     Tensor<float, 4> out({1, n, s.q_heads, s.v_dim});
     Tensor<float, 3> lse({1, s.q_heads, n});
     const std::vector<int64_t> length{s.lengths[b]};
-    decode(step.alone(static_cast<int64_t>(b), out, lse, length), options);
+    const bool chunk = n > 16 && !options.execution.fixed_key_split && options.execution.backend != Backend::reference;
+    if (chunk) {
+      const Tensor<float, 4> keys = step.stored_rows(static_cast<int64_t>(b), true);
+      const Tensor<float, 4> values = step.stored_rows(static_cast<int64_t>(b), false);
+      const int64_t H = s.q_heads, d = s.head_dim;
+      const View4<const float> q(step.q.data() + step.cu[b] * H * d, {1, n, H, d}, {n * H * d, H * d, d, 1});
+      attention_forward({.q = q, .k = keys.cview(), .v = values.cview(), .out = out.view(), .lse = lse.view()}, options);
+    } else {
+      decode(step.alone(static_cast<int64_t>(b), out, lse, length), options);
+    }
     EXPECT_TRUE(same_bits(out.data(), &got.out(step.cu[b], 0, 0), out.size()));
     for (int64_t h = 0; h < s.q_heads; ++h)
       EXPECT_TRUE(same_bits(&lse(0, h, 0), &got.lse(h, step.cu[b]), static_cast<std::size_t>(n))) << "head " << h;
@@ -273,7 +305,7 @@ void check_every_storage(bool reference) {
   }
 }
 
-TEST(BatchPlan, EverySequenceIsItsDecodeAloneForEveryStorageAndLayout) {
+TEST(BatchPlan, EverySequenceIsItselfAloneForEveryStorageAndLayout) {
   test::for_each_simd_target([](int64_t) { check_every_storage(/*reference=*/false); });
   check_every_storage(/*reference=*/true);  // on this CPU's own target
 }
@@ -304,6 +336,20 @@ TEST(BatchPlan, VariantsAndOddHeadSizes) {
   };
   test::for_each_simd_target([&](int64_t) { check_all(false); });
   check_all(true);
+}
+
+// A plan made for this CPU's vector length and run on another target is planned again
+// there, still leaving the chunks to the tiled schedule: the same bits as a plan made there.
+TEST(BatchPlan, APlanMadeOnOneTargetRunsOnEvery) {
+  const Step<float> step(mixed_step(16));
+  const BatchPlan native(step.layout(), serving());
+  test::for_each_simd_target([&](int64_t) {
+    Results r{Tensor<float, 3>({step.cu.back(), 8, 64}), Tensor<float, 2>({8, step.cu.back()})};
+    native.run(step.args(r.out, r.lse));
+    const Results here = run_plan(step, serving());
+    EXPECT_TRUE(same_bits(here.out.data(), r.out.data(), r.out.size()));
+    EXPECT_TRUE(same_bits(here.lse.data(), r.lse.data(), r.lse.size()));
+  });
 }
 
 TEST(BatchPlan, ContiguousAndPagedCachesGiveTheSameBits) {

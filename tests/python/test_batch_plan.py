@@ -118,8 +118,10 @@ def test_variants_over_a_paged_cache():
     check_step(step, causal=None)
 
 
-def test_batch_invariance_against_decode_alone_and_threads():
-    """Each sequence's rows are qkv.decode of it alone, bit for bit; any thread count."""
+def test_batch_invariance_against_each_sequence_alone_and_threads():
+    """Each sequence's rows are it computed alone, bit for bit — qkv.decode for ≤ 16
+    queries, qkv.attention over its keys as float32 for a prefill chunk (the tiled
+    schedule the plan runs chunks on); any thread count."""
     step = Step(**MIXED, dtype=torch.bfloat16, seed=3)
     out, lse = step.run(threads=2)
     again, _ = step.run(threads=1)
@@ -128,8 +130,14 @@ def test_batch_invariance_against_decode_alone_and_threads():
         if n == 0:
             continue
         rows = slice(int(step.cu[b]), int(step.cu[b + 1]))
-        alone, alone_lse = qkv.decode(step.q[rows][None], step.k[b:b + 1], step.v[b:b + 1], [step.lengths[b]],
-                                      layout="bshd", return_lse=True, threads=2)
+        length = step.lengths[b]
+        if n > 16:
+            alone, alone_lse = qkv.attention(step.q[rows][None], step.k[b:b + 1, :length].float(),
+                                             step.v[b:b + 1, :length].float(), causal="bottom_right", layout="bshd",
+                                             return_lse=True, threads=2)
+        else:
+            alone, alone_lse = qkv.decode(step.q[rows][None], step.k[b:b + 1], step.v[b:b + 1], [length],
+                                          layout="bshd", return_lse=True, threads=2)
         assert torch.equal(alone[0], out[rows]), f"sequence {b}"
         assert torch.equal(alone_lse[0], lse[:, rows]), f"sequence {b}"
 
