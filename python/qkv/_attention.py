@@ -75,9 +75,12 @@ def attention(q, k, v, *, causal=None, mask=None, scale=None, key_lengths=None,
         from . import _torch_ops
 
         if _torch_ops.traced(q, k, v):
+            stats = None
+            if return_stats or return_row_stats:
+                stats = (bool(return_row_stats), _stats.check_threshold(fn, saturation_threshold))
             return _traced(fn, q, k, v, causal=causal, mask=mask, scale=scale,
-                           key_lengths=key_lengths, return_lse=return_lse,
-                           stats=return_stats or return_row_stats, layout=layout,
+                           key_lengths=key_lengths, return_lse=return_lse, stats=stats,
+                           layout=layout,
                            backend=backend, threads=threads, check_finite=check_finite,
                            variants=(window, alibi_slopes, softcap, sinks, dropout_p, seed))
     options = make_options(fn, fw, mask=mask, key_lengths=key_lengths, scale=scale,
@@ -113,7 +116,6 @@ def _traced(fn, q, k, v, *, causal, mask, scale, key_lengths, return_lse, stats,
     checks them when it runs."""
     from . import _torch_ops
 
-    _torch_ops.refuse_stats_when_traced(True if stats else None)
     window, alibi_slopes, softcap, sinks, dropout_p, seed = variants
     keep, bias = mask_arrays(fn, Torch, mask)
     lengths = None if key_lengths is None else key_lengths_array(fn, Torch, key_lengths)
@@ -121,6 +123,12 @@ def _traced(fn, q, k, v, *, causal, mask, scale, key_lengths, return_lse, stats,
                                    threads, check_finite, like=q, window=window,
                                    alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
                                    dropout_p=dropout_p, seed=seed)
+    if stats is not None:  # (row_stats, threshold): the operator with statistics outputs
+        from . import _torch_ops_stats
+
+        _torch_ops.refuse_bias_gradient(bias)
+        out, lse, values = _torch_ops_stats.traced_stats(q, k, v, args, *stats)
+        return (out, lse, values) if return_lse else (out, values)
     out, lse = _torch_ops.traced_forward(q, k, v, args)
     return (out, lse) if return_lse else out
 

@@ -159,9 +159,20 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     ``window=(left, right)``, -1 or None unbounded; a sliding window reads only the keys
     in it).
     Returns out like q (with v's last dimension), or ``(out, lse [B, Hq, Nq])``.
+    With torch tensors under torch.compile or torch.export the call is the operator
+    ``torch.ops.qkv.decode`` (the same computation).
     """
     fn = "qkv.decode"
     _check_layout(fn, layout)
+    if _is_torch(q):
+        from . import _torch_ops_cache
+
+        if _torch_ops_cache.traced(q):  # torch.compile, fake tensors: the operator
+            return _torch_ops_cache.traced_decode(
+                fn, q, k_cache, v_cache, cache_lengths, block_table=block_table, scale=scale,
+                causal=causal, layout=layout, return_lse=return_lse, threads=threads,
+                window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                k_scale=k_scale, v_scale=v_scale)
     options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
     q_lib = _float32_logical(q, layout, "q", fn)
     k_lib, bits_as = _cache_array(k_cache, "k_cache", fn)
@@ -227,6 +238,33 @@ class KVCache:
                                    bool(paged), block_size, num_blocks or 0)
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.v_dim = v_dim or head_dim
+        # For torch.compile: the handle its operators name the cache by, and the state
+        # tensor they order appends and attends by (qkv/_torch_ops_cache.py).
+        self._handle = self._state = None
+        if "torch" in sys.modules:
+            self._register_for_torch()
+
+    def _register_for_torch(self):
+        import torch
+
+        from . import _torch_ops_cache
+
+        self._handle = _torch_ops_cache.register(self)
+        self._state = torch.tensor(self.lengths, dtype=torch.int64)
+
+    @property
+    def handle(self) -> int:
+        """The int torch.ops.qkv.kv_cache_append / kv_cache_attend name this cache by."""
+        if self._handle is None:
+            self._register_for_torch()
+        return self._handle
+
+    def torch_state(self):
+        """The int64 [batch] tensor the traced operators carry (keys cached per sequence,
+        as of the last traced append)."""
+        if self._state is None:
+            self._register_for_torch()
+        return self._state
 
     # Read-only facts.
     dtype = property(lambda self: self._cache.dtype)
@@ -242,8 +280,15 @@ class KVCache:
 
     def append(self, k, v, seq=None):
         """Appends T new tokens: k ``[n, Hkv, T, d]``, v ``[n, Hkv, T, dv]`` (layout "bhsd")
-        for the sequences `seq` (an int, a list of ints, or None for all `batch`)."""
+        for the sequences `seq` (an int, a list of ints, or None for all `batch`).
+        Traced (torch.compile, torch.export): the mutating operator
+        ``torch.ops.qkv.kv_cache_append``; attend is ``kv_cache_attend``."""
         fn = "qkv.KVCache.append"
+        if _is_torch(k):
+            from . import _torch_ops_cache
+
+            if _torch_ops_cache.traced(k):
+                return _torch_ops_cache.traced_append(self, k, v, seq)
         seqs = None if seq is None else ([int(seq)] if np.ndim(seq) == 0 else [int(s) for s in seq])
         self._cache.append(_float32_logical(k, self.layout, "k", fn), _float32_logical(v, self.layout, "v", fn),
                            seqs)
@@ -254,6 +299,14 @@ class KVCache:
         aligned with each sequence's newest keys. window, softcap, alibi_slopes, sinks: as
         in ``qkv.decode``. Returns out like q, or (out, lse)."""
         fn = "qkv.KVCache.attend"
+        if _is_torch(q):
+            from . import _torch_ops_cache
+
+            if _torch_ops_cache.traced(q):
+                return _torch_ops_cache.traced_attend(
+                    self, q, scale=scale, causal=causal, return_lse=return_lse,
+                    threads=threads, window=window, softcap=softcap,
+                    alibi_slopes=alibi_slopes, sinks=sinks)
         options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
         q_lib = _float32_logical(q, self.layout, "q", fn)
         batch, q_len, q_heads, _ = q_lib.shape

@@ -234,14 +234,14 @@ def attention_backward(
     args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
                   check_finite, window_left, window_right, alibi_slopes, softcap, sinks,
                   dropout_p, seed)
-    dsinks, dslopes = _vector_grads(q, args, grad_sinks, grad_slopes)
+    dsinks, dslopes = vector_grads(q, args, grad_sinks, grad_slopes)
     dq, dk, dv = _core.backward(Torch, q, k, v, out, lse, dout, layout=layout,
                                 options=args.options(), dsinks=dsinks if grad_sinks else None,
                                 dalibi=dslopes if grad_slopes else None)
     return dq, dk, dv, dsinks, dslopes
 
 
-def _vector_grads(q, args: OpArgs, grad_sinks: bool, grad_slopes: bool):
+def vector_grads(q, args: OpArgs, grad_sinks: bool, grad_slopes: bool):
     """(dsinks, dslopes): float32 [Hq] where asked for, else empty tensors."""
     def one(wanted, vector):
         size = tuple(vector.shape) if wanted and vector is not None else (0,)
@@ -255,7 +255,7 @@ def _(q, k, v, out, lse, dout, *settings):
     grad_sinks, grad_slopes = (settings[len(OpArgs._fields):] + (False, False))[:2]
     args = OpArgs(*settings[:len(OpArgs._fields)])
     return (q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape),
-            *_vector_grads(q, args, grad_sinks, grad_slopes))
+            *vector_grads(q, args, grad_sinks, grad_slopes))
 
 
 def save_for_backward(ctx, tensors, args: OpArgs, out, lse):
@@ -327,9 +327,12 @@ def traced_forward(q, k, v, args: OpArgs, stats=None):
     """(out, lse) of a traced call: the operator, with the options as plain values (a
     bound Options is not traceable; the operator binds one when it runs)."""
     refuse_stats_when_traced(stats)
-    bias = args.bias
+    refuse_bias_gradient(args.bias)
+    return attention_forward(q, k, v, *args)
+
+
+def refuse_bias_gradient(bias) -> None:
     if bias is not None and bias.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(
             "qkv: the gradient with respect to a float attention mask is not implemented "
             "yet; pass the mask detached (mask.detach()) if it is not being trained")
-    return attention_forward(q, k, v, *args)

@@ -77,6 +77,16 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     fn = "qkv.varlen_attention"
     fw = framework_of(fn, q=q, k=k, v=v)
     _check_rank3(fn, q=q, k=k, v=v)
+    if fw is Torch:
+        from . import _torch_ops, _torch_ops_varlen
+
+        if _torch_ops.traced(q, k, v):  # torch.compile, fake tensors: the operator
+            _torch_ops.refuse_stats_when_traced(True if return_stats or return_row_stats else None)
+            out, lse = _torch_ops_varlen.traced_varlen(
+                fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                causal=causal, scale=scale, threads=threads, backend=backend,
+                variants=variants)
+            return (out, lse) if return_lse else out
     settings, sinks = _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q,
                                 max_seqlen_k, variants)
     cu_q, cu_k = _offsets(fw, "cu_seqlens_q", cu_seqlens_q), _offsets(fw, "cu_seqlens_k", cu_seqlens_k)
@@ -106,7 +116,8 @@ varlen_attention.__doc__ = """Attention over packed sequences of different lengt
     ``return_lse=True``, ``lse [Hq, total_q]`` (what varlen_attention_backward needs);
     with ``return_stats=True`` the statistics dict comes last, its per-head arrays
     ``[sequences, Hq]`` and its per-row arrays ``[Hq, total_q]``. Differentiable for
-    torch tensors (autograd runs qkv's backward).
+    torch tensors (autograd runs qkv's backward); traced by torch.compile and
+    torch.export as the operator ``torch.ops.qkv.varlen_forward`` (no statistics there).
 """ + _stats.STATS_DOC + _DOC
 
 
