@@ -52,6 +52,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from . import _torch_ops, _torch_stats
+from . import torch as _qkv_torch  # noqa: F401  (registers every torch.ops.qkv operator)
 from ._attention import attention as _qkv_attention
 
 NAME = "qkv"
