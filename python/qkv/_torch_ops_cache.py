@@ -76,9 +76,9 @@ def decode(
     window_right: int = -1, alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0,
     sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    from . import _decode
+    from . import _decode_eager
 
-    return _decode.decode(q, k_cache, v_cache, cache_lengths, block_table=block_table,
+    return _decode_eager.decode(q, k_cache, v_cache, cache_lengths, block_table=block_table,
                           scale=scale, causal=_causal(causal), layout=layout, return_lse=True,
                           k_scale=k_scale, v_scale=v_scale,
                           **_variants(window_left, window_right, softcap, alibi_slopes,
