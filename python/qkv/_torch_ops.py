@@ -89,15 +89,24 @@ class OpArgs(NamedTuple):
     sinks: Optional[Tensor] = None
     dropout_p: float = 0.0
     seed: Optional[Tensor] = None
+    # A block-sparse mask (qkv.flex_attention; qkv/block_sparse.hpp): state, slot and
+    # bytes tensors and the block sizes, or None / 0.
+    block_state: Optional[Tensor] = None
+    block_slot: Optional[Tensor] = None
+    block_bytes: Optional[Tensor] = None
+    block_q: int = 0
+    block_k: int = 0
 
     @staticmethod
     def of(options: Options, layout: str) -> "OpArgs":
         left, right = options.window
         seed = seed_tensor(options.seed) if options.dropout_p else None
+        blocks = options.fields()["block_mask"] if options.has_variants() else None
+        blocks = (None, None, None, 0, 0) if blocks is None else blocks
         return OpArgs(options.keep, options.bias, options.key_lengths, options.scale,
                       options.causal_name, layout, options.backend_name, options.threads,
                       options.check_finite, left, right, options.alibi_slopes,
-                      options.softcap, options.sinks, options.dropout_p, seed)
+                      options.softcap, options.sinks, options.dropout_p, seed, *blocks)
 
     @staticmethod
     def plain(function, keep, bias, key_lengths, scale, causal, layout, backend, threads,
@@ -123,7 +132,7 @@ class OpArgs(NamedTuple):
     def has_variants(self) -> bool:
         return bool(self.window_left != -1 or self.window_right != -1
                     or self.alibi_slopes is not None or self.softcap or self.sinks is not None
-                    or self.dropout_p)
+                    or self.dropout_p or self.block_state is not None)
 
     def options(self) -> Options:
         """The bound Options of one operator call (TORCH_THREADS resolved now)."""
@@ -133,25 +142,28 @@ class OpArgs(NamedTuple):
         if not self.has_variants():
             return options
         seed = None if self.seed is None else int(self.seed) % (1 << 64)
+        blocks = None
+        if self.block_state is not None:
+            blocks = (self.block_state, self.block_slot, self.block_bytes, self.block_q,
+                      self.block_k)
         return options.replace(window=(self.window_left, self.window_right),
                                alibi_slopes=self.alibi_slopes, softcap=self.softcap,
-                               sinks=self.sinks, dropout_p=self.dropout_p, seed=seed)
+                               sinks=self.sinks, dropout_p=self.dropout_p, seed=seed,
+                               block_mask=blocks)
 
     def without_tensors(self) -> "OpArgs":
         """For ctx: the tensors travel through save_for_backward instead."""
-        return self._replace(keep=None, bias=None, key_lengths=None, alibi_slopes=None,
-                             sinks=None, seed=None)
+        return self._replace(**dict.fromkeys(_TENSOR_FIELDS))
 
     def tensors(self) -> tuple:
-        return (self.keep, self.bias, self.key_lengths, self.alibi_slopes, self.sinks,
-                self.seed)
+        return tuple(getattr(self, name) for name in _TENSOR_FIELDS)
 
     def with_tensors(self, tensors) -> "OpArgs":
-        keep, bias, key_lengths, alibi_slopes, sinks, seed = tensors
-        return self._replace(keep=keep, bias=bias, key_lengths=key_lengths,
-                             alibi_slopes=alibi_slopes, sinks=sinks, seed=seed)
+        return self._replace(**dict(zip(_TENSOR_FIELDS, tensors)))
 
 
+_TENSOR_FIELDS = ("keep", "bias", "key_lengths", "alibi_slopes", "sinks", "seed",
+                  "block_state", "block_slot", "block_bytes")
 _NO_GRADS = (None,) * len(OpArgs._fields)
 # Where the differentiable per-head vectors sit among an operator's OpArgs.
 SLOPES_AT, SINKS_AT = OpArgs._fields.index("alibi_slopes"), OpArgs._fields.index("sinks")
@@ -178,10 +190,15 @@ def attention_forward(
     sinks: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     seed: Optional[Tensor] = None,
+    block_state: Optional[Tensor] = None,
+    block_slot: Optional[Tensor] = None,
+    block_bytes: Optional[Tensor] = None,
+    block_q: int = 0,
+    block_k: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
                   check_finite, window_left, window_right, alibi_slopes, softcap, sinks,
-                  dropout_p, seed)
+                  dropout_p, seed, block_state, block_slot, block_bytes, block_q, block_k)
     out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=args.options(),
                                 want_lse=True)
     return out, lse
@@ -226,6 +243,11 @@ def attention_backward(
     sinks: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     seed: Optional[Tensor] = None,
+    block_state: Optional[Tensor] = None,
+    block_slot: Optional[Tensor] = None,
+    block_bytes: Optional[Tensor] = None,
+    block_q: int = 0,
+    block_k: int = 0,
     grad_sinks: bool = False,
     grad_slopes: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -233,7 +255,7 @@ def attention_backward(
     (grad_sinks, grad_slopes), else empty."""
     args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
                   check_finite, window_left, window_right, alibi_slopes, softcap, sinks,
-                  dropout_p, seed)
+                  dropout_p, seed, block_state, block_slot, block_bytes, block_q, block_k)
     dsinks, dslopes = vector_grads(q, args, grad_sinks, grad_slopes)
     dq, dk, dv = _core.backward(Torch, q, k, v, out, lse, dout, layout=layout,
                                 options=args.options(), dsinks=dsinks if grad_sinks else None,

@@ -32,11 +32,13 @@ def attention_forward_stats(
     key_lengths: Optional[Tensor], scale: Optional[float], causal: str, layout: str,
     backend: str, threads: int, check_finite: bool, window_left: int, window_right: int,
     alibi_slopes: Optional[Tensor], softcap: float, sinks: Optional[Tensor], dropout_p: float,
-    seed: Optional[Tensor], saturation_threshold: float, row_stats: bool,
+    seed: Optional[Tensor], block_state: Optional[Tensor], block_slot: Optional[Tensor],
+    block_bytes: Optional[Tensor], block_q: int, block_k: int, saturation_threshold: float,
+    row_stats: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
                   check_finite, window_left, window_right, alibi_slopes, softcap, sinks,
-                  dropout_p, seed)
+                  dropout_p, seed, block_state, block_slot, block_bytes, block_q, block_k)
     stats = _allocate(q, layout, row_stats)
     wanted = {key: array for key, array in stats.items() if array.numel() or key not in _stats.ROW_KEYS}
     out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=args.options(),

@@ -34,10 +34,12 @@ def varlen_forward(
     check_finite: bool, window_left: int = -1, window_right: int = -1,
     alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0,
     sinks: Optional[Tensor] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
+    block_state: Optional[Tensor] = None, block_slot: Optional[Tensor] = None,
+    block_bytes: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
                   check_finite, window_left, window_right, alibi_slopes, softcap, sinks,
-                  dropout_p, seed)
+                  dropout_p, seed, block_state, block_slot, block_bytes, block_q, block_k)
     return _packed(cu_q, cu_k, max_q, max_k).forward(q, k, v, args.options(), None, True)
 
 
@@ -56,12 +58,14 @@ def varlen_backward(
     backend: str, threads: int, check_finite: bool, window_left: int = -1,
     window_right: int = -1, alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0,
     sinks: Optional[Tensor] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
+    block_state: Optional[Tensor] = None, block_slot: Optional[Tensor] = None,
+    block_bytes: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
     grad_sinks: bool = False, grad_slopes: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks, dslopes), the last two empty unless asked for."""
     args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
                   check_finite, window_left, window_right, alibi_slopes, softcap, sinks,
-                  dropout_p, seed)
+                  dropout_p, seed, block_state, block_slot, block_bytes, block_q, block_k)
     dsinks, dslopes = vector_grads(q, args, grad_sinks, grad_slopes)
     dq, dk, dv = _packed(cu_q, cu_k, max_q, max_k).backward(
         q, k, v, out, lse, dout, args.options(), dsinks if grad_sinks else None,

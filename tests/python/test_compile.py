@@ -67,6 +67,7 @@ def _op_cases():
     dense = (None, None, None, None, "top_left", "bhsd", "auto", 1, False)
     variants = (2, 0, slopes, 3.0, sinks, 0.25, seed)
     constant = (2, 0, slopes.detach(), 3.0, sinks.detach(), 0.25, seed)  # backward: no graph
+    grads = dict(grad_sinks=True, grad_slopes=True)
     fwd = torch.ops.qkv.attention_forward
     out, lse = fwd(q, k, v, *dense, *variants)
     detached = (q.detach(), k.detach(), v.detach(), out.detach(), lse, torch.randn_like(out))
@@ -79,13 +80,14 @@ def _op_cases():
     return {
         "attention_forward": (fwd, (q, k, v, *dense, *variants)),
         "attention_backward": (torch.ops.qkv.attention_backward,
-                               (*detached, *dense, *constant, True, True)),
+                               (*detached, *dense, *constant), grads),
         "attention_forward_stats": (torch.ops.qkv.attention_forward_stats,
-                                    (q, k, v, *dense, *variants, 0.9, True)),
+                                    (q, k, v, *dense, *variants, None, None, None, 0, 0, 0.9,
+                                     True)),
         "varlen_forward": (torch.ops.qkv.varlen_forward, (*packed, cu, cu, 0, 0, *dense, *variants)),
         "varlen_backward": (torch.ops.qkv.varlen_backward,
                             (*(x.detach() for x in packed), vout.detach(), vlse,
-                             torch.randn_like(vout), cu, cu, 3, 3, *dense, *constant, True, True)),
+                             torch.randn_like(vout), cu, cu, 3, 3, *dense, *constant), grads),
         "decode": (torch.ops.qkv.decode,
                    (torch.randn(2, HEADS, 1, DIM), *caches, torch.tensor([9, 16]), None, None,
                     None, None, "bottom_right", "bhsd", 1, 4, -1, None, 2.0, sinks.detach())),
@@ -101,8 +103,9 @@ def _op_cases():
 def test_operators_pass_opcheck(name):
     """Schema, fake implementation and autograd registration of each operator agree with
     what it computes (torch.library.opcheck), variants and gradients included."""
-    op, args, *_alive = _op_cases()[name]  # (a KVCache lives while its handle is used)
-    torch.library.opcheck(op.default, args)
+    op, args, *rest = _op_cases()[name]
+    kwargs = rest[0] if rest and isinstance(rest[0], dict) else {}
+    torch.library.opcheck(op.default, args, kwargs)  # (rest: a KVCache lives while used)
 
 
 def test_kv_cache_append_declares_its_mutation():
