@@ -76,13 +76,8 @@ class BlockSparseMask {
   bool varies_with_head() const { return v_.state.shape[1] > 1; }
 
   MaskModHook hook() const& {
-    MaskModHook h;
-    h.context = this;
-    h.count = &count;
-    h.apply = &apply;
-    h.keeps = &keeps;
-    h.varies_with_head = varies_with_head();
-    return h;
+    return {.context = this, .count = &count, .apply = &apply, .keeps = &keeps,
+            .varies_with_head = varies_with_head()};
   }
   operator MaskModHook() const& { return hook(); }  // NOLINT(google-explicit-constructor)
   operator MaskModHook() const&& = delete;          // a temporary would dangle

@@ -14,8 +14,8 @@ import sys
 import numpy as np
 
 from . import _decode_eager, _qkv
-from ._decode_eager import (_cache_array, _check_layout, _empty_out, _finish,
-                            _float32_logical, _is_torch, _options, _storage_name)
+from ._decode_eager import (_check_layout, _empty_out, _float32_logical, _is_torch, _options,
+                            _storage_name)
 
 
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
@@ -158,14 +158,7 @@ class KVCache:
         out, work, out_lib = _empty_out(q, batch, q_len, q_heads, self.v_dim, self.layout)
         lse = np.empty((batch, q_heads, q_len), dtype=np.float32) if return_lse else None
         self._cache.attend(q_lib, out_lib, lse=lse, options=options)
-        out = _finish(out, work)
-        if not return_lse:
-            return out
-        if _is_torch(q):
-            import torch
-
-            lse = torch.from_numpy(lse)
-        return out, lse
+        return _decode_eager.result(q, out, work, lse)
 
     def reset(self, seq=None):
         """Empties one sequence (or all); a paged cache gets their blocks back."""

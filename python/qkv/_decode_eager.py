@@ -96,6 +96,19 @@ def _finish(out, work):
     return out
 
 
+def result(q, out, work, lse):
+    """out (finished from its float32 work array), or (out, lse) when lse was asked for
+    (a torch tensor for torch queries)."""
+    out = _finish(out, work)
+    if lse is None:
+        return out
+    if _is_torch(q):
+        import torch
+
+        lse = torch.from_numpy(lse)
+    return out, lse
+
+
 def _cache_array(x, name: str, function: str):
     """(array the library reads in place, bits_as): torch bfloat16 goes over as int16 bits."""
     if _is_torch(x):
@@ -177,11 +190,4 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
         lse = np.empty((batch, q_heads, q_len), dtype=np.float32)
     _qkv.decode(q_lib, k_lib, v_lib, lengths, out_lib, lse=lse, block_table=table, bits_as=bits_as,
                 options=options, **scales)
-    out = _finish(out, work)
-    if not return_lse:
-        return out
-    if _is_torch(q):
-        import torch
-
-        lse = torch.from_numpy(lse)
-    return out, lse
+    return result(q, out, work, lse)

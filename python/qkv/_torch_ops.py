@@ -20,7 +20,7 @@ for it); double backward raises.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -168,37 +168,38 @@ _NO_GRADS = (None,) * len(OpArgs._fields)
 # Where the differentiable per-head vectors sit among an operator's OpArgs.
 SLOPES_AT, SINKS_AT = OpArgs._fields.index("alibi_slopes"), OpArgs._fields.index("sinks")
 
+# OpArgs in an operator's schema (torch.library's syntax), written once for every
+# operator that takes the options: `defaults=False` for one whose arguments continue
+# without defaults.
+_SCHEMA_TYPES = {"keep": "Tensor?", "bias": "Tensor?", "key_lengths": "Tensor?",
+                 "scale": "float?", "causal": "str", "layout": "str", "backend": "str",
+                 "threads": "int", "check_finite": "bool", "window_left": "int",
+                 "window_right": "int", "alibi_slopes": "Tensor?", "softcap": "float",
+                 "sinks": "Tensor?", "dropout_p": "float", "seed": "Tensor?",
+                 "block_state": "Tensor?", "block_slot": "Tensor?", "block_bytes": "Tensor?",
+                 "block_q": "int", "block_k": "int"}
 
-@torch.library.custom_op("qkv::attention_forward", mutates_args=())
-def attention_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    keep: Optional[Tensor],
-    bias: Optional[Tensor],
-    key_lengths: Optional[Tensor],
-    scale: Optional[float],
-    causal: str,
-    layout: str,
-    backend: str,
-    threads: int,
-    check_finite: bool,
-    window_left: int = -1,
-    window_right: int = -1,
-    alibi_slopes: Optional[Tensor] = None,
-    softcap: float = 0.0,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    seed: Optional[Tensor] = None,
-    block_state: Optional[Tensor] = None,
-    block_slot: Optional[Tensor] = None,
-    block_bytes: Optional[Tensor] = None,
-    block_q: int = 0,
-    block_k: int = 0,
-) -> Tuple[Tensor, Tensor]:
-    args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
-                  check_finite, window_left, window_right, alibi_slopes, softcap, sinks,
-                  dropout_p, seed, block_state, block_slot, block_bytes, block_q, block_k)
+
+def options_schema(defaults: bool = True) -> str:
+    def one(name):
+        default = OpArgs._field_defaults.get(name, ...)
+        if not defaults or default is ...:
+            return f"{_SCHEMA_TYPES[name]} {name}"
+        return f"{_SCHEMA_TYPES[name]} {name}={'None' if default is None else default}"
+
+    return ", ".join(one(name) for name in OpArgs._fields)
+
+
+GRAD_FLAGS_SCHEMA = "bool grad_sinks=False, bool grad_slopes=False"
+BACKWARD_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor)"
+
+
+@torch.library.custom_op(
+    "qkv::attention_forward", mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {options_schema()}) -> (Tensor, Tensor)")
+def attention_forward(q, k, v, *settings):
+    args = OpArgs(*settings)
+    layout = args.layout
     out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=args.options(),
                                 want_lse=True)
     return out, lse
@@ -219,43 +220,15 @@ def _(q, k, v, *settings):
     return dense_outputs(q, v, OpArgs(*settings).layout)
 
 
-@torch.library.custom_op("qkv::attention_backward", mutates_args=())
-def attention_backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    dout: Tensor,
-    keep: Optional[Tensor],
-    bias: Optional[Tensor],
-    key_lengths: Optional[Tensor],
-    scale: Optional[float],
-    causal: str,
-    layout: str,
-    backend: str,
-    threads: int,
-    check_finite: bool,
-    window_left: int = -1,
-    window_right: int = -1,
-    alibi_slopes: Optional[Tensor] = None,
-    softcap: float = 0.0,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    seed: Optional[Tensor] = None,
-    block_state: Optional[Tensor] = None,
-    block_slot: Optional[Tensor] = None,
-    block_bytes: Optional[Tensor] = None,
-    block_q: int = 0,
-    block_k: int = 0,
-    grad_sinks: bool = False,
-    grad_slopes: bool = False,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+@torch.library.custom_op(
+    "qkv::attention_backward", mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
+           f"{options_schema()}, {GRAD_FLAGS_SCHEMA}) -> {BACKWARD_RETURNS}")
+def attention_backward(q, k, v, out, lse, dout, *settings):
     """(dq, dk, dv, dsinks, dslopes); dsinks and dslopes are float32 [Hq] when asked
     (grad_sinks, grad_slopes), else empty."""
-    args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
-                  check_finite, window_left, window_right, alibi_slopes, softcap, sinks,
-                  dropout_p, seed, block_state, block_slot, block_bytes, block_q, block_k)
+    args, grad_sinks, grad_slopes = split_grad_flags(settings)
+    layout = args.layout
     dsinks, dslopes = vector_grads(q, args, grad_sinks, grad_slopes)
     dq, dk, dv = _core.backward(Torch, q, k, v, out, lse, dout, layout=layout,
                                 options=args.options(), dsinks=dsinks if grad_sinks else None,
@@ -272,10 +245,16 @@ def vector_grads(q, args: OpArgs, grad_sinks: bool, grad_slopes: bool):
     return one(grad_sinks, args.sinks), one(grad_slopes, args.alibi_slopes)
 
 
+def split_grad_flags(settings):
+    """(OpArgs, grad_sinks, grad_slopes) of a backward operator's arguments after its
+    tensors (trailing defaults may be left out)."""
+    grad_sinks, grad_slopes = (tuple(settings[len(OpArgs._fields):]) + (False, False))[:2]
+    return OpArgs(*settings[:len(OpArgs._fields)]), grad_sinks, grad_slopes
+
+
 @attention_backward.register_fake
 def _(q, k, v, out, lse, dout, *settings):
-    grad_sinks, grad_slopes = (settings[len(OpArgs._fields):] + (False, False))[:2]
-    args = OpArgs(*settings[:len(OpArgs._fields)])
+    args, grad_sinks, grad_slopes = split_grad_flags(settings)
     return (q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape),
             *vector_grads(q, args, grad_sinks, grad_slopes))
 

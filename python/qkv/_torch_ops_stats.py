@@ -7,15 +7,12 @@ statistics, like lse, are not."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
-from torch import Tensor
 
 from . import _core, _stats
 from ._arrays import Torch, dims
-from ._torch_ops import (OpArgs, attention_backward, dense_outputs, option_grads, restore,
-                         save_for_backward, vector_grads_wanted)
+from ._torch_ops import (OpArgs, attention_backward, dense_outputs, option_grads,
+                         options_schema, restore, save_for_backward, vector_grads_wanted)
 
 
 def _allocate(q, layout, row_stats):
@@ -26,19 +23,14 @@ def _allocate(q, layout, row_stats):
     return stats
 
 
-@torch.library.custom_op("qkv::attention_forward_stats", mutates_args=())
-def attention_forward_stats(
-    q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor], bias: Optional[Tensor],
-    key_lengths: Optional[Tensor], scale: Optional[float], causal: str, layout: str,
-    backend: str, threads: int, check_finite: bool, window_left: int, window_right: int,
-    alibi_slopes: Optional[Tensor], softcap: float, sinks: Optional[Tensor], dropout_p: float,
-    seed: Optional[Tensor], block_state: Optional[Tensor], block_slot: Optional[Tensor],
-    block_bytes: Optional[Tensor], block_q: int, block_k: int, saturation_threshold: float,
-    row_stats: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
-                  check_finite, window_left, window_right, alibi_slopes, softcap, sinks,
-                  dropout_p, seed, block_state, block_slot, block_bytes, block_q, block_k)
+@torch.library.custom_op(
+    "qkv::attention_forward_stats", mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {options_schema(defaults=False)}, "
+           f"float saturation_threshold, bool row_stats) -> ({', '.join(['Tensor'] * 9)})")
+def attention_forward_stats(q, k, v, *settings):
+    args = OpArgs(*settings[:len(OpArgs._fields)])
+    saturation_threshold, row_stats = settings[len(OpArgs._fields):]
+    layout = args.layout
     stats = _allocate(q, layout, row_stats)
     wanted = {key: array for key, array in stats.items() if array.numel() or key not in _stats.ROW_KEYS}
     out, lse, _ = _core.forward(Torch, q, k, v, layout=layout, options=args.options(),

@@ -7,14 +7,13 @@ given)."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 from torch import Tensor
 
 from ._arrays import Torch
-from ._torch_ops import (OpArgs, option_grads, restore, save_for_backward, vector_grads,
-                         vector_grads_wanted)
+from ._torch_ops import (BACKWARD_RETURNS, GRAD_FLAGS_SCHEMA, OpArgs, option_grads,
+                         options_schema, restore, save_for_backward, split_grad_flags,
+                         vector_grads, vector_grads_wanted)
 
 # Where OpArgs begins among varlen_forward's inputs (after q, k, v, cu_q, cu_k, max_q, max_k).
 _FIRST_OPTION = 7
@@ -26,20 +25,12 @@ def _packed(cu_q, cu_k, max_q, max_k):
     return Packed(Torch.for_library(cu_q), Torch.for_library(cu_k), max_q, max_k)
 
 
-@torch.library.custom_op("qkv::varlen_forward", mutates_args=())
-def varlen_forward(
-    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-    keep: Optional[Tensor], bias: Optional[Tensor], key_lengths: Optional[Tensor],
-    scale: Optional[float], causal: str, layout: str, backend: str, threads: int,
-    check_finite: bool, window_left: int = -1, window_right: int = -1,
-    alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0,
-    sinks: Optional[Tensor] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
-    block_state: Optional[Tensor] = None, block_slot: Optional[Tensor] = None,
-    block_bytes: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
-) -> Tuple[Tensor, Tensor]:
-    args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
-                  check_finite, window_left, window_right, alibi_slopes, softcap, sinks,
-                  dropout_p, seed, block_state, block_slot, block_bytes, block_q, block_k)
+@torch.library.custom_op(
+    "qkv::varlen_forward", mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, int max_q, int max_k, "
+           f"{options_schema()}) -> (Tensor, Tensor)")
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *settings):
+    args = OpArgs(*settings)
     return _packed(cu_q, cu_k, max_q, max_k).forward(q, k, v, args.options(), None, True)
 
 
@@ -50,22 +41,14 @@ def _(q, k, v, *rest):
             q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype))
 
 
-@torch.library.custom_op("qkv::varlen_backward", mutates_args=())
-def varlen_backward(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, cu_q: Tensor,
-    cu_k: Tensor, max_q: int, max_k: int, keep: Optional[Tensor], bias: Optional[Tensor],
-    key_lengths: Optional[Tensor], scale: Optional[float], causal: str, layout: str,
-    backend: str, threads: int, check_finite: bool, window_left: int = -1,
-    window_right: int = -1, alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0,
-    sinks: Optional[Tensor] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
-    block_state: Optional[Tensor] = None, block_slot: Optional[Tensor] = None,
-    block_bytes: Optional[Tensor] = None, block_q: int = 0, block_k: int = 0,
-    grad_sinks: bool = False, grad_slopes: bool = False,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+@torch.library.custom_op(
+    "qkv::varlen_backward", mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, Tensor cu_q, "
+           f"Tensor cu_k, int max_q, int max_k, {options_schema()}, {GRAD_FLAGS_SCHEMA}) "
+           f"-> {BACKWARD_RETURNS}")
+def varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, *settings):
     """(dq, dk, dv, dsinks, dslopes), the last two empty unless asked for."""
-    args = OpArgs(keep, bias, key_lengths, scale, causal, layout, backend, threads,
-                  check_finite, window_left, window_right, alibi_slopes, softcap, sinks,
-                  dropout_p, seed, block_state, block_slot, block_bytes, block_q, block_k)
+    args, grad_sinks, grad_slopes = split_grad_flags(settings)
     dsinks, dslopes = vector_grads(q, args, grad_sinks, grad_slopes)
     dq, dk, dv = _packed(cu_q, cu_k, max_q, max_k).backward(
         q, k, v, out, lse, dout, args.options(), dsinks if grad_sinks else None,
@@ -75,8 +58,7 @@ def varlen_backward(
 
 @varlen_backward.register_fake
 def _(q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, *settings):
-    grad_sinks, grad_slopes = (settings[len(OpArgs._fields):] + (False, False))[:2]
-    args = OpArgs(*settings[:len(OpArgs._fields)])
+    args, grad_sinks, grad_slopes = split_grad_flags(settings)
     return (q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape),
             *vector_grads(q, args, grad_sinks, grad_slopes))
 
