@@ -184,7 +184,9 @@ def test_decode_and_a_kv_cache_loop_compile_to_the_eager_result():
 
 
 def _model(family, dropout):
-    common = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    # One layer (tracing time grows with the layers), two for gpt-oss: one sliding, one full.
+    layers = 2 if family == "gpt_oss" else 1
+    common = dict(vocab_size=61, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                   max_position_embeddings=64)
     decoder = dict(common, intermediate_size=64, num_key_value_heads=2, attention_dropout=dropout,
                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
