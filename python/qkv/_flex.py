@@ -170,14 +170,17 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         work, partial blocks are masked by its mask_mod, evaluated once per BlockMask
         (cached) over the partial blocks only.
     score_mod: None, or qkv's built-ins (qkv.mods.softcap(cap), qkv.mods.alibi(slopes),
-        or a list of them); a Python function is a TypeError (qkv runs no Python in its
-        kernels; there is no slow path).
+        qkv.mods.bias(tensor), or a list of them); a Python function is a TypeError (qkv
+        runs no Python in its kernels; there is no slow path).
     Differentiable in query, key, value (and the ALiBi slopes) on the CPU, float32,
     float64, bfloat16 and float16; traceable by torch.compile (fullgraph) and
     torch.export. A row with no key gives 0 and lse -inf, as torch's.
     """
     _check(query, key, value, block_mask, enable_gqa)
     variants = mods.as_options(score_mod)
+    bias = variants.pop("mask", None)
+    if bias is not None:
+        bias = _bias(bias, query, key, block_mask, variants)
     blocks = None
     if block_mask is not None:
         block_q, block_k = (int(n) for n in block_mask.BLOCK_SIZE)
@@ -186,20 +189,57 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             block_mask.full_kv_indices, mask_mod_handle(block_mask.mask_mod), block_q,
             block_k, query.shape[2], key.shape[2]), block_q, block_k)
     q, k, v = (Torch.inner_contiguous(x) for x in (query, key, value))
-    if _torch_ops.traced(q, k, v):
-        args = _torch_ops.OpArgs.plain(_FN, None, None, None, scale, None, "bhsd", "auto",
+    if bias is not None and bias.requires_grad and torch.is_grad_enabled():
+        out, lse = _with_bias_gradient(q, k, v, bias, scale, return_lse)
+    elif _torch_ops.traced(q, k, v):
+        args = _torch_ops.OpArgs.plain(_FN, None, bias, None, scale, None, "bhsd", "auto",
                                        _torch_ops.TORCH_THREADS, False, like=q, **variants)
         if blocks is not None:
             args = args._replace(**dict(zip(("block_state", "block_slot", "block_bytes",
                                              "block_q", "block_k"), blocks)))
         out, lse = _torch_ops.traced_forward(q, k, v, args)
     else:
-        options = make_options(_FN, Torch, scale=scale, threads=_torch_ops.TORCH_THREADS,
-                               **variants)
+        options = make_options(_FN, Torch, mask=bias, scale=scale,
+                               threads=_torch_ops.TORCH_THREADS, **variants)
         if blocks is not None:
             options = options.replace(block_mask=blocks)
         out, lse = _autograd.forward_with_autograd(q, k, v, layout="bhsd", options=options)
     return (out, lse) if return_lse else out
+
+
+def _bias(bias, query, key, block_mask, variants):
+    """qkv.mods.bias's tensor as a float32 [B|1, Hq|1, L, S] mask."""
+    if not isinstance(bias, Tensor) or not bias.is_floating_point():
+        raise TypeError(f"{_FN}: qkv.mods.bias: expected a float torch.Tensor")
+    shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    if bias.ndim > 4 or torch.broadcast_shapes(bias.shape, shape) != shape:
+        raise Error(f"{_FN}: qkv.mods.bias: shape {tuple(bias.shape)} does not broadcast to "
+                    f"{shape}")
+    if block_mask is not None:
+        raise Error(f"{_FN}: qkv.mods.bias: takes no block_mask (qkv's kernels do not combine "
+                    "an additive mask with a block mask; fold the block mask into the bias)")
+    if bias.requires_grad and variants:
+        raise Error(f"{_FN}: qkv.mods.bias: a bias that requires grad takes no other "
+                    "score_mod (its gradient is computed by PyTorch)")
+    bias = bias.float()
+    bias = bias.reshape((1,) * (4 - bias.ndim) + tuple(bias.shape))
+    return bias.expand(*bias.shape[:3], shape[3])
+
+
+def _with_bias_gradient(q, k, v, bias, scale, return_lse):
+    """(out, lse) with the bias's gradient: qkv's forward (and its q, k, v gradients)
+    plus a PyTorch softmax whose value is subtracted out again, so that only its gradient
+    with respect to the bias, P ⊙ (dP − δ), remains."""
+    out, lse = _autograd.forward_with_autograd(
+        q, k, v, layout="bhsd",
+        options=make_options(_FN, Torch, mask=bias.detach(), scale=scale,
+                             threads=_torch_ops.TORCH_THREADS))
+    group = q.shape[1] // k.shape[1]
+    keys, values = (x.detach().repeat_interleave(group, dim=1) for x in (k, v))
+    logits = q.detach() @ keys.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    weights = torch.softmax(logits.float() + bias, dim=-1).nan_to_num(0.0)
+    surrogate = (weights @ values.float()).to(out.dtype)
+    return out + (surrogate - surrogate.detach()), lse
 
 
 __all__ = ["block_table", "flex_attention", "flex_block_table"]

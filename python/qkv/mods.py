@@ -7,6 +7,7 @@ gradient where it has a parameter)::
 
     qkv.flex_attention(q, k, v, score_mod=qkv.mods.softcap(30.0), block_mask=mask)
     qkv.flex_attention(q, k, v, score_mod=[qkv.mods.softcap(30.0), qkv.mods.alibi(slopes)])
+    qkv.flex_attention(q, k, v, score_mod=qkv.mods.bias(relative_position_bias))
 
 A plain Python function raises TypeError naming these (there is no slow path: run
 torch's own flex_attention for a score_mod qkv does not have).
@@ -29,6 +30,19 @@ class Alibi(NamedTuple):
     slopes: object
 
 
+class Bias(NamedTuple):
+    """score → score + bias[b, h, i, j]: a float tensor broadcasting to
+    ``[B, Hq, L, S]`` (an additive mask; -inf removes the key). One that requires grad
+    gets its gradient (``P ⊙ (dP − δ)``), computed by PyTorch from the weights P it
+    materializes — as large as the bias itself; that path takes no other score_mod.
+    No block_mask with a bias (qkv's kernels do not combine the two)."""
+    bias: object
+
+
+def bias(tensor) -> Bias:
+    return Bias(tensor)
+
+
 def softcap(cap: float) -> Softcap:
     return Softcap(cap)
 
@@ -43,17 +57,19 @@ def as_options(score_mod) -> dict:
     if score_mod is None:
         return {}
     mods = list(score_mod) if isinstance(score_mod, (list, tuple)) and not isinstance(
-        score_mod, (Softcap, Alibi)) else [score_mod]
+        score_mod, (Softcap, Alibi, Bias)) else [score_mod]
     options = {}
     for mod in mods:
         if isinstance(mod, Softcap):
             key, value = "softcap", float(mod.cap)
         elif isinstance(mod, Alibi):
             key, value = "alibi_slopes", mod.slopes
+        elif isinstance(mod, Bias):
+            key, value = "mask", mod.bias
         else:
             raise TypeError(
                 "qkv.flex_attention: score_mod: expected None, qkv.mods.softcap(cap), "
-                "qkv.mods.alibi(slopes) or a list of them, got "
+                "qkv.mods.alibi(slopes), qkv.mods.bias(tensor) or a list of them, got "
                 f"{type(mod).__module__}.{type(mod).__qualname__}: qkv runs no Python "
                 "inside its kernels (use torch.nn.attention.flex_attention for other "
                 "score_mods)")
@@ -63,4 +79,4 @@ def as_options(score_mod) -> dict:
     return options
 
 
-__all__ = ["Alibi", "Softcap", "alibi", "as_options", "softcap"]
+__all__ = ["Alibi", "Bias", "Softcap", "alibi", "as_options", "bias", "softcap"]

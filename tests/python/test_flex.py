@@ -122,3 +122,22 @@ def test_python_score_mods_and_mismatched_masks_are_clear_errors():
         qkv.flex_attention(q, q, q, block_mask=mask)
     with pytest.raises(qkv.Error, match=r"key.shape\[1\] \(heads\): expected 4 .* enable_gqa"):
         qkv.flex_attention(torch.randn(1, 4, 8, DIM), q[:, :, :8], q[:, :, :8])
+
+
+def test_a_bias_score_mod_and_its_gradient_match_sdpa_with_a_float_mask():
+    q = torch.randn(2, 4, 40, DIM, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 40, DIM, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    bias = torch.randn(1, 4, 40, 40, dtype=torch.float64).masked_fill(
+        torch.rand(40, 40) < 0.2, float("-inf")).requires_grad_()
+    out = qkv.flex_attention(q, k, v, score_mod=qkv.mods.bias(bias), enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    torch.testing.assert_close(out, ref.to(out.dtype), rtol=0, atol=1e-6)  # float32 mask
+    grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v, bias))
+    for a, b in zip(grads, torch.autograd.grad(ref.pow(2).sum(), (q, k, v, bias))):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=0, atol=1e-5)
+    with torch.no_grad():  # no gradient wanted: qkv alone, the mask read in float32
+        assert torch.equal(qkv.flex_attention(q, k, v, score_mod=qkv.mods.bias(bias), enable_gqa=True),
+                           out.detach())
+    mask = flex.create_block_mask(causal_document, None, None, 40, 40, device="cpu")
+    with pytest.raises(qkv.Error, match="takes no block_mask"):
+        qkv.flex_attention(q, k, v, score_mod=qkv.mods.bias(bias), block_mask=mask, enable_gqa=True)
