@@ -10,7 +10,8 @@
 //
 // state [B|1, H|1, QB, KB] (kEmpty, kPartial or kFull; an axis of extent 1 broadcasts),
 // slot [B|1, H|1, QB, KB] (a partial block's index into bytes, else ignored), bytes
-// [P, block_q, block_k] (nonzero keeps the pair). Pairs outside the QB·block_q × KB·block_k
+// [P, block_k, block_q] (nonzero keeps the pair; key-major, so that the kernels' tiles,
+// stored transposed, read a key's queries contiguously and the masking vectorizes). Pairs outside the QB·block_q × KB·block_k
 // plane, or of a batch entry / head past a non-broadcast extent, are removed.
 //
 // The tile plan classifies each 64×64 kernel tile through count(), which reads the
@@ -44,7 +45,7 @@ class BlockSparseMask {
 
   // Checks the view (qkv::Error naming the field): block sizes ≥ 1, state and slot of one
   // shape, every state a kind, every partial block's slot inside bytes, bytes
-  // [P, block_q, block_k]. O(blocks).
+  // [P, block_k, block_q]. O(blocks).
   explicit BlockSparseMask(const BlockSparseView& view) : v_(view) {
     const std::string where = "qkv::BlockSparseMask: ";
     if (v_.block_q < 1 || v_.block_k < 1)
@@ -55,8 +56,8 @@ class BlockSparseMask {
     for (int axis = 0; axis < 4; ++axis)
       if (v_.state.shape[axis] < 1) throw Error(where + "state: expected every extent >= 1");
     const int64_t slots = v_.bytes.empty() ? 0 : v_.bytes.shape[0];
-    if (slots > 0 && (v_.bytes.shape[1] != v_.block_q || v_.bytes.shape[2] != v_.block_k))
-      throw Error(where + "bytes: expected [P, block_q, block_k]");
+    if (slots > 0 && (v_.bytes.shape[1] != v_.block_k || v_.bytes.shape[2] != v_.block_q))
+      throw Error(where + "bytes: expected [P, block_k, block_q]");
     for (int64_t b = 0; b < v_.state.shape[0]; ++b)
       for (int64_t h = 0; h < v_.state.shape[1]; ++h)
         for (int64_t qb = 0; qb < v_.state.shape[2]; ++qb)
@@ -91,12 +92,13 @@ class BlockSparseMask {
     if (s[1] > 1 && h >= s[1]) return kEmpty;
     return v_.state(s[0] > 1 ? b : 0, s[1] > 1 ? h : 0, qb, kb);
   }
-  // The bytes of partial block (qb, kb), row r within it.
-  const std::uint8_t* row(int64_t b, int64_t h, int64_t qb, int64_t kb, int64_t r) const {
+  // The bytes of partial block (qb, kb): key c, query r at [c·key_step() + r·query_step()].
+  const std::uint8_t* block(int64_t b, int64_t h, int64_t qb, int64_t kb) const {
     const auto& s = v_.state.shape;
-    const int32_t slot = v_.slot(s[0] > 1 ? b : 0, s[1] > 1 ? h : 0, qb, kb);
-    return &v_.bytes(slot, r, 0);
+    return &v_.bytes(v_.slot(s[0] > 1 ? b : 0, s[1] > 1 ? h : 0, qb, kb), 0, 0);
   }
+  int64_t key_step() const { return v_.bytes.strides[1]; }
+  int64_t query_step() const { return v_.bytes.strides[2]; }
 
   static int64_t count(const void* context, const hooks::MaskCount& rows) {
     const BlockSparseMask& m = *static_cast<const BlockSparseMask*>(context);
@@ -109,8 +111,10 @@ class BlockSparseMask {
         if (k == kFull) {
           kept += stop - j;
         } else if (k == kPartial) {
-          const std::uint8_t* bytes = m.row(rows.batch, rows.head, qb, kb, i - qb * m.v_.block_q);
-          for (int64_t key = j; key < stop; ++key) kept += bytes[(key - kb * m.v_.block_k) * m.v_.bytes.strides[2]] != 0;
+          const std::uint8_t* bytes = m.block(rows.batch, rows.head, qb, kb) +
+                                      (i - qb * m.v_.block_q) * m.query_step();
+          for (int64_t key = j; key < stop; ++key)
+            kept += bytes[(key - kb * m.v_.block_k) * m.key_step()] != 0;
         }
         j = stop;
       }
@@ -132,14 +136,20 @@ class BlockSparseMask {
         const int64_t j1 = std::min(t.keys, (kb + 1) * bk - t.first_key);
         const std::uint8_t k = m.kind(t.batch, t.head, qb, kb);
         if (k != kFull) {
-          // Partial: bytes[(first row + i)·row stride + column]; empty: every pair removed.
-          const std::uint8_t* base = k == kPartial ? m.row(t.batch, t.head, qb, kb, 0) : nullptr;
-          const int64_t first_row = t.first_query - qb * bq, step = m.v_.bytes.strides[1];
+          const int64_t first_row = t.first_query - qb * bq;
           for (int64_t j = j0; j < j1; ++j) {
             float* scores = t.scores + static_cast<std::size_t>(j) * t.ld;
-            const int64_t column = (t.first_key + j - kb * bk) * m.v_.bytes.strides[2];
+            if (k == kEmpty) {
+              std::fill(scores + i0, scores + i1, kRemoved);
+              continue;
+            }
+            // The key's queries, contiguous when the bytes are (the layout above).
+            const std::uint8_t* keep = m.block(t.batch, t.head, qb, kb) +
+                                       (t.first_key + j - kb * bk) * m.key_step() +
+                                       first_row * m.query_step();
+            const int64_t step = m.query_step();
             for (int64_t i = i0; i < i1; ++i)
-              if (base == nullptr || base[(first_row + i) * step + column] == 0) scores[i] = kRemoved;
+              scores[i] = keep[i * step] != 0 ? scores[i] : kRemoved;
           }
         }
         j0 = j1;
@@ -153,7 +163,8 @@ class BlockSparseMask {
     const int64_t qb = i / m.v_.block_q, kb = j / m.v_.block_k;
     const std::uint8_t k = m.kind(b, h, qb, kb);
     if (k != kPartial) return k == kFull;
-    return m.row(b, h, qb, kb, i - qb * m.v_.block_q)[(j - kb * m.v_.block_k) * m.v_.bytes.strides[2]] != 0;
+    return m.block(b, h, qb, kb)[(j - kb * m.v_.block_k) * m.key_step() +
+                                 (i - qb * m.v_.block_q) * m.query_step()] != 0;
   }
 
   BlockSparseView v_;

@@ -64,9 +64,10 @@ def _kinds(num_blocks, indices, k_blocks, kind, state):
 
 
 def _partial_masks(mask_mod, where, block_q, block_k, q_len, k_len):
-    """[P, block_q, block_k] uint8: mask_mod over the pairs of each partial block
-    where[p] = (b, h, q_block, k_block); pairs past the lengths are removed."""
-    out = torch.empty((where.shape[0], block_q, block_k), dtype=torch.uint8)
+    """[P, block_k, block_q] uint8 (key-major: qkv/block_sparse.hpp): mask_mod over the
+    pairs of each partial block where[p] = (b, h, q_block, k_block); pairs past the
+    lengths are removed."""
+    out = torch.empty((where.shape[0], block_k, block_q), dtype=torch.uint8)
     rows, cols = torch.arange(block_q)[None, :, None], torch.arange(block_k)[None, None, :]
     chunk = max(1, _CHUNK_ELEMENTS // (block_q * block_k))
     for start in range(0, where.shape[0], chunk):
@@ -77,13 +78,13 @@ def _partial_masks(mask_mod, where, block_q, block_k, q_len, k_len):
         inside = (q_idx < q_len) & (kv_idx < k_len)
         kept = mask_mod(b, h, q_idx.clamp(max=q_len - 1), kv_idx.clamp(max=k_len - 1))
         kept = torch.as_tensor(kept, dtype=torch.bool).expand(inside.shape) & inside
-        out[start:start + chunk] = kept.to(torch.uint8)
+        out[start:start + chunk] = kept.transpose(1, 2).to(torch.uint8)
     return out
 
 
 def block_table(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, mask_mod,
                 block_q, block_k, q_len, k_len):
-    """(state [B|1, H|1, QB, KB] uint8, slot int32, bytes [P, block_q, block_k] uint8) of a
+    """(state [B|1, H|1, QB, KB] uint8, slot int32, bytes [P, block_k, block_q] uint8) of a
     BlockMask's tensors (qkv/block_sparse.hpp), cached."""
     tensors = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     key = (mask_mod, block_q, block_k, q_len, k_len) + tuple(
@@ -132,7 +133,7 @@ def _(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, mask_mod, 
     partial = torch.library.get_ctx().new_dynamic_size()
     return (kv_num_blocks.new_empty(shape, dtype=torch.uint8),
             kv_num_blocks.new_empty(shape, dtype=torch.int32),
-            kv_num_blocks.new_empty((partial, block_q, block_k), dtype=torch.uint8))
+            kv_num_blocks.new_empty((partial, block_k, block_q), dtype=torch.uint8))
 
 
 def _check(query, key, value, block_mask, enable_gqa):

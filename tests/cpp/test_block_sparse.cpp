@@ -39,7 +39,7 @@ struct RandomBlocks {
       state[n] = static_cast<std::uint8_t>(rng() % 3);
       slot[n] = state[n] == BlockSparseMask::kPartial ? partial++ : -1;
     }
-    bytes = Tensor<std::uint8_t, 3>({std::max<int32_t>(partial, 1), bq, bk});
+    bytes = Tensor<std::uint8_t, 3>({std::max<int32_t>(partial, 1), bk, bq});
     for (std::size_t n = 0; n < bytes.size(); ++n) bytes[n] = rng() % 3 != 0;
     dense = Tensor<std::uint8_t, 4>({batch, heads, q_len, k_len});
     for (int64_t b = 0; b < batch; ++b)
@@ -49,7 +49,7 @@ struct RandomBlocks {
             const std::uint8_t kind = state(b, h, i / bq, j / bk);
             dense(b, h, i, j) = kind == BlockSparseMask::kFull ||
                                 (kind == BlockSparseMask::kPartial &&
-                                 bytes(slot(b, h, i / bq, j / bk), i % bq, j % bk) != 0);
+                                 bytes(slot(b, h, i / bq, j / bk), j % bk, i % bq) != 0);
           }
     view = {.block_q = bq, .block_k = bk, .state = state.cview(), .slot = slot.cview(),
             .bytes = bytes.cview()};
