@@ -10,8 +10,9 @@ Masks, over N tokens, B = 1, H = 8, d = 64, float32, BLOCK_SIZE 128:
   window     causal sliding window of 256 keys
   prefix     prefix-LM: the first N/4 tokens see each other, the rest causal
 
-Peak RSS: each of `qkv flex fwd+bwd` and `sdpa dense fwd+bwd` in a process of its own
-(ru_maxrss, MiB, the import of torch included), so what grows like N² shows.
+Peak RSS: each of `qkv flex fwd+bwd` and `sdpa dense fwd+bwd` in a process of its own:
+how far the call's peak RSS rises above the RSS before it (MiB; the BlockMask or the
+dense mask already built), so what grows like N² shows.
 
     python bench/bench_flex.py --n 1024 4096 [--repeats 3]
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -95,16 +95,28 @@ def fwd_bwd(f, q, k, v, dout):
     return run
 
 
+def _status(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field)) / 1024
+
+
 def rss_child(impl, kind, n):
+    """Prints how far the call's peak RSS rises above the RSS before it (MiB): the masks
+    are built first (torch's create_block_mask itself materializes the N² mask while it
+    runs), then the peak is reset (/proc/self/clear_refs 5) and the call made."""
     q, k, v, dout = inputs(n, grad=True)
     if impl == "qkv":
         bm = create_block_mask(mask_mod(kind, n), None, None, n, n, device="cpu")
-        fwd_bwd(lambda q, k, v: qkv.flex_attention(q, k, v, block_mask=bm), q, k, v, dout)()
+        call = fwd_bwd(lambda q, k, v: qkv.flex_attention(q, k, v, block_mask=bm), q, k, v, dout)
     else:
         m = dense(kind, n)
-        fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-                q, k, v, dout)()
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        call = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                       q, k, v, dout)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = _status("VmRSS")
+    call()
+    print(_status("VmHWM") - before)
 
 
 def peak_rss(impl, kind, n):
@@ -156,7 +168,7 @@ def main():
           f"load average {os.getloadavg()[0]:.2f}")
     print("| mask | N | qkv flex fwd ms | (first call, table built) | torch flex compiled fwd ms "
           "| torch/qkv | qkv native fwd ms | qkv flex/native | qkv flex fwd+bwd ms "
-          "| sdpa dense fwd+bwd ms | sdpa/qkv | qkv peak RSS MiB | sdpa peak RSS MiB |")
+          "| sdpa dense fwd+bwd ms | sdpa/qkv | qkv fwd+bwd +RSS MiB | sdpa fwd+bwd +RSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.n:
         for kind in args.masks:
