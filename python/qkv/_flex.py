@@ -85,15 +85,18 @@ def _partial_masks(mask_mod, where, block_q, block_k, q_len, k_len):
 def block_table(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, mask_mod,
                 block_q, block_k, q_len, k_len):
     """(state [B|1, H|1, QB, KB] uint8, slot int32, bytes [P, block_k, block_q] uint8) of a
-    BlockMask's tensors (qkv/block_sparse.hpp), cached."""
+    BlockMask's tensors (qkv/block_sparse.hpp), cached for those very tensors."""
     tensors = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     key = (mask_mod, block_q, block_k, q_len, k_len) + tuple(
         None if t is None else (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()))
         for t in tensors)
     hit = _TABLES.get(key)
-    if hit is not None:
+    # The same tensors, not only the same addresses: a new BlockMask may reuse a freed
+    # one's memory (and its mask_mod may be the same function over new data).
+    if hit is not None and all((ref is None and t is None) or (ref is not None and ref() is t)
+                               for ref, t in zip(hit[1], tensors)):
         _TABLES.move_to_end(key)
-        return hit
+        return hit[0]
     q_blocks, k_blocks = kv_num_blocks.shape[-1], -(-k_len // block_k)
     state = torch.zeros((*kv_num_blocks.shape, k_blocks), dtype=torch.uint8)
     # Without full blocks listed, every listed block is partial (mask_mod decides).
@@ -110,7 +113,7 @@ def block_table(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, 
         raise Error(f"{_FN}: block_mask: its mask_mod no longer exists")
     masks = _partial_masks(function, where, block_q, block_k, q_len, k_len)
     result = (state, slot, masks)
-    _TABLES[key] = result
+    _TABLES[key] = (result, tuple(None if t is None else weakref.ref(t) for t in tensors))
     if len(_TABLES) > _TABLES_KEPT:
         _TABLES.popitem(last=False)
     return result

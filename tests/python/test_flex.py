@@ -98,6 +98,23 @@ def test_mask_mod_runs_once_per_mask_and_only_on_partial_blocks():
     assert int((state == qkv._flex.FULL).sum()) > 0 and int((state == qkv._flex.EMPTY).sum()) > 0
 
 
+def test_a_new_mask_over_new_data_is_not_taken_for_a_cached_one():
+    """Training builds a BlockMask per batch, often with one mask_mod over new data; the
+    cache must not hand back the last batch's table (a freed mask's memory is reused)."""
+    documents = {"ids": DOC}
+
+    def same_document(b, h, q, kv):
+        return documents["ids"][q] == documents["ids"][kv]
+
+    q, k, v = (torch.randn(1, 2, N, DIM) for _ in range(3))
+    for split in (50, 120, 170):
+        documents["ids"] = (torch.arange(N) >= split).long()
+        mask = flex.create_block_mask(same_document, None, None, N, N, BLOCK_SIZE=32, device="cpu")
+        out = qkv.flex_attention(q, k, v, block_mask=mask)
+        assert torch.equal(out, qkv.attention(q, k, v, mask=_dense(same_document, 1, 1)))
+        del mask
+
+
 def test_lse_no_mask_and_rows_without_keys():
     """return_lse is the natural-log LSE qkv.attention gives; no block_mask is plain
     attention; a row whose blocks are all empty gives 0 and -inf, as torch's."""
