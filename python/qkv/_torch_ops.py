@@ -12,9 +12,10 @@ cheaper per call than a Python custom op's autograd wrapper) to the same library
 
 Every tensor argument is already in its final form: masks 4-D, key_lengths int64,
 alibi_slopes and sinks float32 [Hq], the dropout seed an int64 scalar tensor (a tensor,
-not an int, so that a compiled graph draws a new one per call: draw_seed). The variants
-(window, ALiBi, soft-cap, sinks, dropout) are trailing arguments with defaults that mean
-"off". The log-sum-exp output is not differentiable (qkv's backward takes no gradient
+not an int, so that a compiled graph draws a new one per call: draw_seed), a block mask
+(qkv.flex_attention) as its state, slot and bytes tensors. The variants (window, ALiBi,
+soft-cap, sinks, dropout, block mask) are trailing arguments with defaults that mean
+"off"; one schema string (options_schema) declares them for every operator. The log-sum-exp output is not differentiable (qkv's backward takes no gradient
 for it); double backward raises.
 """
 
