@@ -19,7 +19,8 @@ Functions (NumPy arrays or torch tensors, float32 or float64, CPU, never copied)
                                        caller-owned caches (contiguous or paged), in place
 
 and ``qkv.torch.scaled_dot_product_attention``, a drop-in for
-``torch.nn.functional.scaled_dot_product_attention``. Every bad call raises TypeError
+``torch.nn.functional.scaled_dot_product_attention``; ``qkv.flex_attention``, torch's
+FlexAttention signature (BlockMask, qkv.mods score_mods) with a CPU backward. Every bad call raises TypeError
 (array type, dtype, device) or qkv.Error, a ValueError carrying the C++ library's
 message.
 
@@ -69,8 +70,12 @@ __all__ = [
 
 def __getattr__(name):
     # `import qkv; qkv.torch...` works without importing torch for NumPy-only users.
-    if name == "torch":
+    if name in ("torch", "mods"):
         import importlib
 
-        return importlib.import_module(".torch", __name__)
+        return importlib.import_module("." + name, __name__)
+    if name == "flex_attention":  # needs torch: imported on first use
+        from ._flex import flex_attention
+
+        return flex_attention
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")

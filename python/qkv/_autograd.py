@@ -2,7 +2,7 @@
 every call, dense or packed (varlen), with or without variants and statistics.
 
 The Function does not know the call's shape of arguments: it runs a *call* object (Dense
-here, _varlen.Packed) that says how to run the library's forward and backward:
+here, _varlen_call.Packed) that says how to run the library's forward and backward:
 
     call.forward(q, k, v, options, stats, want_lse) -> (out, lse)
     call.backward(q, k, v, out, lse, dout, options, dsinks, dslopes) -> (dq, dk, dv)
@@ -27,7 +27,7 @@ from . import _core
 from ._arrays import Torch
 from ._options import Options
 from ._torch_ops import (TORCH_THREADS, OpArgs, attention_backward, attention_forward,
-                         refuse_stats_when_traced, refuse_variants_when_traced, traced)
+                         refuse_stats_when_traced, traced)
 
 
 def _resolved(options: Options) -> Options:
@@ -66,7 +66,7 @@ class _Attention(torch.autograd.Function):
             args = ctx.call.backward_operator(options)
             if args is not None:
                 q, k, v, out, lse = ctx.saved_tensors
-                return (*attention_backward(q, k, v, out, lse, dout, *args),
+                return (*attention_backward(q, k, v, out, lse, dout, *args)[:3],
                         None, None, None, None, None)
         return _backward(ctx, options, dout)
 
@@ -132,12 +132,11 @@ def forward_with_autograd(q, k, v, *, layout: str, options: Options, stats=None,
 
     Eager calls with plain CPU tensors run the library directly (run above); traced
     calls (torch.compile, fake tensors) go through the operator
-    torch.ops.qkv.attention_forward, whose autograd formula is the same. `stats`: None
+    torch.ops.qkv.attention_forward, whose autograd formula is the same (variants
+    included; the seed is the one `options` holds). `stats`: None
     or the library's dict of statistics outputs (_stats.for_library), filled by the same
     forward; eager calls only (the operator has no such output)."""
     if traced(q, k, v):
-        if options.has_variants():
-            refuse_variants_when_traced()
         refuse_stats_when_traced(stats)
         refuse_bias_gradient(options)
         return attention_forward(q, k, v, *OpArgs.of(options, layout))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _qkv
-from ._decode import _cache_array, _float32_packed, _int_array, _is_torch, _storage_name
+from ._decode_eager import _cache_array, _float32_packed, _int_array, _is_torch, _storage_name
 from ._options import make_options
 from ._arrays import Error, NumPy, Torch
 

@@ -4,11 +4,10 @@ layout), with no padding and so no work spent on padding."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-from . import _qkv, _stats
+from . import _stats
 from ._arrays import Torch, framework_of
 from ._options import Error, make_options
+from ._varlen_call import Packed, _backward, _forward
 
 _DOC = """
     q ``[total_q, Hq, d]``, k ``[total_k, Hkv, d]``, v ``[total_k, Hkv, dv]``: the
@@ -51,24 +50,6 @@ def _check_rank3(fn, **arrays):
                         f"got shape {tuple(x.shape)}")
 
 
-def _forward(fw, q, k, v, cu_q, cu_k, settings, stats=None):
-    out = fw.empty((q.shape[0], q.shape[1], v.shape[2]), q)
-    lse = fw.empty_lse((q.shape[1], q.shape[0]), q)
-    bits = fw.bfloat16_bits(q)
-    arrays = fw.bits_views(q, k, v, out) if bits else (q, k, v, out)
-    _qkv.varlen_forward(*arrays, cu_q, cu_k, lse, stats, *settings, bits)
-    return out, lse
-
-
-def _backward(fw, q, k, v, out, lse, dout, cu_q, cu_k, settings, dsinks=None, dalibi=None):
-    dq, dk, dv = fw.empty(tuple(q.shape), q), fw.empty(tuple(k.shape), q), fw.empty(tuple(v.shape), q)
-    bits = fw.bfloat16_bits(q)
-    arrays = fw.bits_views(q, k, v, out) if bits else (q, k, v, out)
-    grads = fw.bits_views(dout, dq, dk, dv) if bits else (dout, dq, dk, dv)
-    _qkv.varlen_backward(*arrays, lse, *grads, cu_q, cu_k, dsinks, *settings, bits, dalibi)
-    return dq, dk, dv
-
-
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                      max_seqlen_k=None, causal=None, scale=None, return_lse=False,
                      return_stats=False, return_row_stats=False,
@@ -77,6 +58,16 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     fn = "qkv.varlen_attention"
     fw = framework_of(fn, q=q, k=k, v=v)
     _check_rank3(fn, q=q, k=k, v=v)
+    if fw is Torch:
+        from . import _torch_ops, _torch_ops_varlen
+
+        if _torch_ops.traced(q, k, v):  # torch.compile, fake tensors: the operator
+            _torch_ops.refuse_stats_when_traced(True if return_stats or return_row_stats else None)
+            out, lse = _torch_ops_varlen.traced_varlen(
+                fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                causal=causal, scale=scale, threads=threads, backend=backend,
+                variants=variants)
+            return (out, lse) if return_lse else out
     settings, sinks = _settings(fn, fw, causal, scale, threads, backend, max_seqlen_q,
                                 max_seqlen_k, variants)
     cu_q, cu_k = _offsets(fw, "cu_seqlens_q", cu_seqlens_q), _offsets(fw, "cu_seqlens_k", cu_seqlens_k)
@@ -106,7 +97,8 @@ varlen_attention.__doc__ = """Attention over packed sequences of different lengt
     ``return_lse=True``, ``lse [Hq, total_q]`` (what varlen_attention_backward needs);
     with ``return_stats=True`` the statistics dict comes last, its per-head arrays
     ``[sequences, Hq]`` and its per-row arrays ``[Hq, total_q]``. Differentiable for
-    torch tensors (autograd runs qkv's backward).
+    torch tensors (autograd runs qkv's backward); traced by torch.compile and
+    torch.export as the operator ``torch.ops.qkv.varlen_forward`` (no statistics there).
 """ + _stats.STATS_DOC + _DOC
 
 
@@ -130,26 +122,5 @@ def varlen_attention_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
 varlen_attention_backward.__doc__ = """Gradients ``(dq, dk, dv)`` of varlen_attention
     given its ``out``, ``lse`` and ``dout = ∂L/∂out``, with the same arguments.
 """ + _DOC
-
-class Packed(NamedTuple):
-    """A varlen call, for _autograd's one Function: the sequences' offsets and the
-    max_seqlen bounds (0: not given)."""
-
-    cu_q: object
-    cu_k: object
-    max_q: int
-    max_k: int
-
-    def forward(self, q, k, v, options, stats, want_lse):
-        return _forward(Torch, q, k, v, self.cu_q, self.cu_k,
-                        (options, self.max_q, self.max_k), stats)
-
-    def backward(self, q, k, v, out, lse, dout, options, dsinks, dslopes):
-        return _backward(Torch, q, k, v, out, lse, dout, self.cu_q, self.cu_k,
-                         (options, self.max_q, self.max_k), dsinks, dslopes)
-
-    def backward_operator(self, options):
-        return None  # no traceable varlen operator (yet): gradients are computed once
-
 
 __all__ = ["varlen_attention", "varlen_attention_backward"]

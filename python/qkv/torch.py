@@ -21,6 +21,9 @@ import math
 import torch
 
 from . import _autograd, _torch_ops, _torch_stats
+# The other operators (torch.ops.qkv.*), registered with torch on import so that a
+# traced or exported program that names them finds them.
+from . import _torch_ops_cache, _torch_ops_stats, _torch_ops_varlen  # noqa: F401
 from ._arrays import Torch
 from ._options import Options, make_options
 from ._qkv import Error
@@ -54,8 +57,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       generator, so ``torch.manual_seed`` reproduces a run, but the bits differ from
       PyTorch's. The backward regenerates the same mask.
     - Keyword-only extensions (qkv.attention documents them): ``window=(left, right)``,
-      ``alibi_slopes``, ``softcap``, ``sinks`` (differentiable). Calls using them or
-      dropout run eagerly (not under torch.compile yet).
+      ``alibi_slopes``, ``softcap``, ``sinks`` (differentiable). All of them, dropout
+      included, trace under torch.compile (fullgraph) and torch.export: the call is the
+      operator ``torch.ops.qkv.attention_forward``; a compiled call draws its dropout
+      seed from the same generator, in the same order, as an eager one.
     - float32, float64, bfloat16 and float16 on the CPU only (TypeError otherwise).
       bfloat16 and float16 are read in place, computed in float32 and rounded once to
       the input dtype (gradients too).
@@ -120,11 +125,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     has_variants = bool(dropout_p or window is not None or alibi_slopes is not None or softcap
                         or sinks is not None)
     if _torch_ops.traced(q, k, v):
-        if has_variants:
-            _torch_ops.refuse_variants_when_traced()
         args = _torch_ops.OpArgs.plain(_FN, keep, bias, None, scale,
                                        "top_left" if is_causal else None, "bhsd", "auto",
-                                       _torch_ops.TORCH_THREADS, False)
+                                       _torch_ops.TORCH_THREADS, False, like=q,
+                                       window=window, alibi_slopes=alibi_slopes,
+                                       softcap=softcap, sinks=sinks, dropout_p=dropout_p)
         out, _ = _torch_ops.traced_forward(q, k, v, args)
         return out if out_shape is None else out.reshape(out_shape)
     causal = "top_left" if is_causal else None

@@ -51,7 +51,8 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from . import _torch_stats
+from . import _torch_ops, _torch_stats
+from . import torch as _qkv_torch  # noqa: F401  (registers every torch.ops.qkv operator)
 from ._attention import attention as _qkv_attention
 
 NAME = "qkv"
@@ -111,11 +112,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         stats_kwargs = dict(return_stats=True, return_row_stats=row_stats,
                             saturation_threshold=threshold)
 
-    # [B, H, N, d] tensors seen as [B, N, H, d] (a view): qkv then allocates the output
+    # threads: torch.get_num_threads() when the call runs (TORCH_THREADS), which
+    # torch.compile could not trace here (it returns no tensor). [B, H, N, d] tensors
+    # seen as [B, N, H, d] (a view): qkv then allocates the output
     # as [B, Nq, Hq, dv] in C order, which is what transformers reshapes next, no copy.
     out = _qkv_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                          layout="bshd", causal=causal, mask=mask, key_lengths=key_lengths,
-                         scale=scaling, threads=torch.get_num_threads(), **variants,
+                         scale=scaling, threads=_torch_ops.TORCH_THREADS, **variants,
                          **stats_kwargs)
     if collectors:
         out, stats = out

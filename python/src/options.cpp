@@ -193,6 +193,28 @@ nb::object per_head_or_none(const char* function, const char* name, nb::handle v
   return nb::borrow(value);
 }
 
+// (state, slot, bytes, block_q, block_k): a block-sparse mask (qkv/block_sparse.hpp),
+// checked by its constructor (qkv::Error naming the field otherwise).
+void set_block_mask(BoundOptions& o, const char* function, nb::handle value) {
+  o.block_mask = nb::object();
+  o.blocks.reset();
+  if (value.is_none()) return;
+  if (!PyTuple_Check(value.ptr()) || PyTuple_Size(value.ptr()) != 5)
+    type_error(function, "block_mask: expected (state, slot, bytes, block_q, block_k)");
+  const nb::tuple parts = nb::borrow<nb::tuple>(value);
+  BlockSparseView view;
+  view.state = view_of<const std::uint8_t, 4>("block_mask.state", ArrayRef::from(parts[0], false, "block_mask.state"), "block states are uint8");
+  view.slot = view_of<const int32_t, 4>("block_mask.slot", ArrayRef::from(parts[1], false, "block_mask.slot"), "block slots are int32");
+  view.bytes = view_of<const std::uint8_t, 3>("block_mask.bytes", ArrayRef::from(parts[2], false, "block_mask.bytes"), "partial blocks' masks are uint8");
+  if (!is_integer(parts[3]) || !is_integer(parts[4]))
+    type_error(function, "block_mask: expected int block sizes");
+  const std::optional<int64_t> block_q = int64_of(parts[3]), block_k = int64_of(parts[4]);
+  view.block_q = block_q.value_or(0);
+  view.block_k = block_k.value_or(0);
+  o.blocks = std::make_shared<const BlockSparseMask>(view);
+  o.block_mask = nb::borrow(value);
+}
+
 // The one table of fields: every way Python sets an option (the constructor, by position
 // in this order or by keyword, and replace()) goes through it. Each entry converts and
 // range-checks its value before storing it in the library's type; checks of the values
@@ -220,7 +242,8 @@ constexpr Field kFields[] = {
     {"dropout_p", [](BoundOptions& o, const char* f, nb::handle v) { o.options.dropout.p = float_of(f, "dropout_p", v); }},
     {"seed", [](BoundOptions& o, const char* f, nb::handle v) { o.options.dropout.seed = uint64_of(f, "seed", v); }},
     {"offset", [](BoundOptions& o, const char* f, nb::handle v) { o.options.dropout.offset = uint64_of(f, "offset", v); }},
-    // Keyword only in practice (qkv.BatchPlan, qkv.decode): after the positional fields.
+    {"block_mask", &set_block_mask},
+    // Keyword only in practice (qkv.BatchPlan): after the positional fields.
     {"fixed_key_split", [](BoundOptions& o, const char*, nb::handle v) { o.options.execution.fixed_key_split = truthy(v); }},
 };
 
@@ -259,6 +282,7 @@ nb::dict fields_of(const BoundOptions& o) {
   d["dropout_p"] = a.dropout.p;
   d["seed"] = a.dropout.seed;
   d["offset"] = a.dropout.offset;
+  d["block_mask"] = optional_array(o.block_mask);
   return d;
 }
 
@@ -281,7 +305,7 @@ Backend parse_backend(const std::string& name) {
 
 bool BoundOptions::has_variants() const {
   return options.window.active() || alibi_slopes.is_valid() || options.softcap != 0.0f ||
-         sinks.is_valid() || options.dropout.p != 0.0f;
+         sinks.is_valid() || options.dropout.p != 0.0f || blocks != nullptr;
 }
 
 AttentionOptions BoundOptions::for_call() const {
@@ -292,6 +316,7 @@ AttentionOptions BoundOptions::for_call() const {
                                           "an additive mask is added in float32");
   }
   if (alibi_slopes.is_valid()) a.alibi_slopes = per_head("alibi_slopes", alibi_slopes);
+  if (blocks) a.modifiers.mask = blocks->hook();
   if (sinks.is_valid()) a.sinks = per_head("sinks", sinks);
   if (key_lengths.is_valid()) {
     const auto lengths = view_of<const int64_t, 1>("key_lengths", ArrayRef::from(key_lengths, false, "key_lengths"),
@@ -339,7 +364,8 @@ void bind_options(nb::module_& m) {
           "int), check_finite, keep (bool/uint8 4-D), bias (float32 4-D), key_lengths "
           "(int64), window ((left, right), None = -1 on either side), alibi_slopes "
           "(float32, per query head), softcap, sinks (float32, per query head), dropout_p, "
-          "seed, offset, fixed_key_split. Arrays are NumPy arrays or torch tensors, held as given.")
+          "seed, offset, block_mask ((state, slot, bytes, block_q, block_k): qkv/block_sparse.hpp), "
+          "fixed_key_split. Arrays are NumPy arrays or torch tensors, held as given.")
       .def(
           "replace",
           [](const BoundOptions& self, const nb::kwargs& changes) {
@@ -351,7 +377,7 @@ void bind_options(nb::module_& m) {
       .def("fields", &fields_of,
            "The fields as the constructor's keywords: Options(function, **o.fields()) is o.")
       .def("has_variants", &BoundOptions::has_variants,
-           "Whether a window, ALiBi, soft-cap, sinks or dropout is set.")
+           "Whether a window, ALiBi, soft-cap, sinks, dropout or a block mask is set.")
       .def_prop_ro("causal", [](const BoundOptions& o) { return o.options.causal; })
       .def_prop_ro("causal_name", [](const BoundOptions& o) { return std::string(name_of(o.options.causal)); })
       .def_prop_ro("backend", [](const BoundOptions& o) { return o.options.execution.backend; })

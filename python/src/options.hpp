@@ -16,9 +16,11 @@
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 
+#include "qkv/block_sparse.hpp"
 #include "qkv/options.hpp"
 
 namespace qkv::python {
@@ -26,6 +28,11 @@ namespace qkv::python {
 struct BoundOptions {
   AttentionOptions options;  // everything but the arrays below (spans and views empty)
   nanobind::object keep, bias, key_lengths, alibi_slopes, sinks;  // None when not given
+  // block_mask: (state, slot, bytes, block_q, block_k) as qkv.flex_attention builds it
+  // (qkv/block_sparse.hpp), and the checked mask over those arrays, whose hook a call
+  // gets as its mask_mod. The tuple holds the arrays; they are never resized.
+  nanobind::object block_mask;
+  std::shared_ptr<const BlockSparseMask> blocks;
 
   bool has_variants() const;
   // `options` with the arrays as views, for one call (the objects outlive it).

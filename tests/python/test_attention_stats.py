@@ -390,11 +390,14 @@ def test_collect_stats_under_torch_compile_records_nothing_and_still_runs():
         eager = f(q, k, v)
     assert torch.equal(traced, eager)
     assert len(stats) == 1  # the eager call only
-    # Asking for statistics explicitly inside traced code is refused, by name (dynamo
-    # reports the NotImplementedError as Unsupported under fullgraph).
-    with pytest.raises(Exception, match="return_stats"):
-        torch.compile(lambda q, k, v: qkv.attention(q, k, v, return_stats=True)[1]["rows"],
-                      backend="aot_eager", fullgraph=True)(q, k, v)
+    # Asking for statistics explicitly inside traced code is the operator
+    # torch.ops.qkv.attention_forward_stats: the eager call's values.
+    compiled = torch.compile(lambda q, k, v: qkv.attention(q, k, v, return_stats=True)[1],
+                             backend="aot_eager", fullgraph=True)
+    eager = qkv.attention(q, k, v, return_stats=True)[1]
+    traced = compiled(q, k, v)
+    assert list(traced) == list(eager)
+    assert all(torch.equal(traced[key], eager[key]) for key in eager)
 
 
 @pytest.mark.parametrize("variant", [dict(window=(32, 0)), dict(softcap=3.0),

@@ -1,0 +1,210 @@
+"""The eager half of qkv.KVCache and qkv.decode (qkv/_decode.py): the argument conversions
+and the library call. Attention of new tokens against a key/value cache, for a
+generation loop. Caches are read in place (torch or NumPy, float32, bfloat16 or
+float16); queries and outputs are the caller's type and dtype, computed in float32.
+
+Layouts: with ``layout="bhsd"`` (the default, PyTorch's and Hugging Face's) q, k, v and
+out are ``[batch, heads, seq, dim]``; with ``"bshd"`` ``[batch, seq, heads, dim]``. A
+paged cache is always the vLLM pool ``[num_blocks, block_size, kv_heads, dim]``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from . import _qkv
+from ._arrays import LAYOUTS, Error, NumPy, Torch
+from ._options import make_options
+
+_STORAGE = ("float32", "bfloat16", "float16")
+
+
+def _is_torch(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _storage_name(dtype) -> str:
+    """'float32', 'bfloat16', 'float16' or 'int8' from a name, a NumPy or a torch dtype."""
+    name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+    if name in ("int8", "<class 'numpy.int8'>"):
+        return "int8"
+    if name in ("float", "float32", "<class 'numpy.float32'>"):
+        return "float32"
+    if name in ("half", "float16", "<class 'numpy.float16'>"):
+        return "float16"
+    if name in ("bfloat16",):
+        return "bfloat16"
+    raise Error(f"dtype: expected float32, bfloat16, float16 or int8, got {dtype!r}")
+
+
+def _check_layout(function: str, layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise Error(f"{function}: layout: expected 'bhsd' or 'bshd', got {layout!r}")
+
+
+def _float32_logical(x, layout: str, name: str, function: str):
+    """x as the library's float32 [batch, seq, heads, dim] array (a view when x is
+    float32 already; a converted copy otherwise: queries and new tokens are small)."""
+    if getattr(x, "ndim", None) != 4:
+        raise Error(f"{function}: {name}: expected 4 dimensions, got shape {tuple(getattr(x, 'shape', ()))}")
+    if _is_torch(x):
+        import torch
+
+        if x.device.type != "cpu":
+            raise TypeError(f"{function}: {name}: expected a CPU tensor, got device {x.device}")
+        x = x.detach()
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)
+        if layout == "bhsd":
+            x = x.transpose(1, 2)
+        if x.shape[-1] > 1 and x.stride(-1) != 1:
+            x = x.contiguous()
+        return x.numpy()
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{function}: {name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        x = x.astype(np.float32)
+    return x.swapaxes(1, 2) if layout == "bhsd" else x
+
+
+def _float32_packed(x, name: str, function: str):
+    """x as a float32 [total, heads, dim] array (a view when x is float32 already)."""
+    if getattr(x, "ndim", None) != 3:
+        raise Error(f"{function}: {name}: expected [total, heads, dim], got shape {tuple(getattr(x, 'shape', ()))}")
+    if _is_torch(x):
+        import torch
+
+        if x.device.type != "cpu":
+            raise TypeError(f"{function}: {name}: expected a CPU tensor, got device {x.device}")
+        x = x.detach()
+        x = x if x.dtype == torch.float32 else x.to(torch.float32)
+        return (x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()).numpy()
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{function}: {name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+    return x if x.dtype == np.float32 else x.astype(np.float32)
+
+
+def _empty_out(like, batch: int, seq: int, heads: int, dim: int, layout: str):
+    """(out in the caller's type, dtype and layout; its float32 [B, S, H, D] view or a
+    float32 scratch when the caller's dtype is not float32)."""
+    if _is_torch(like):
+        import torch
+
+        shape = (batch, heads, seq, dim) if layout == "bhsd" else (batch, seq, heads, dim)
+        out = torch.empty(shape, dtype=like.dtype if like.is_floating_point() else torch.float32)
+        work = out if out.dtype == torch.float32 else torch.empty(shape, dtype=torch.float32)
+        logical = work.transpose(1, 2) if layout == "bhsd" else work
+        return out, work, logical.numpy()
+    shape = (batch, heads, seq, dim) if layout == "bhsd" else (batch, seq, heads, dim)
+    out = np.empty(shape, dtype=like.dtype if like.dtype in (np.float32, np.float64, np.float16) else np.float32)
+    work = out if out.dtype == np.float32 else np.empty(shape, dtype=np.float32)
+    return out, work, (work.swapaxes(1, 2) if layout == "bhsd" else work)
+
+
+def _finish(out, work):
+    if work is not out:
+        if _is_torch(out):
+            out.copy_(work)
+        else:
+            out[...] = work
+    return out
+
+
+def result(q, out, work, lse):
+    """out (finished from its float32 work array), or (out, lse) when lse was asked for
+    (a torch tensor for torch queries)."""
+    out = _finish(out, work)
+    if lse is None:
+        return out
+    if _is_torch(q):
+        import torch
+
+        lse = torch.from_numpy(lse)
+    return out, lse
+
+
+def _cache_array(x, name: str, function: str):
+    """(array the library reads in place, bits_as): torch bfloat16 goes over as int16 bits."""
+    if _is_torch(x):
+        import torch
+
+        if x.device.type != "cpu":
+            raise TypeError(f"{function}: {name}: expected a CPU tensor, got device {x.device}")
+        x = x.detach()
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).numpy(), "bfloat16"
+        if x.dtype == torch.float16:
+            return x.view(torch.int16).numpy(), "float16"
+        if x.dtype in (torch.float32, torch.int8):
+            return x.numpy(), ""
+        raise TypeError(f"{function}: {name}: expected dtype float32, bfloat16, float16 or int8, got {x.dtype}")
+    if isinstance(x, np.ndarray):
+        return x, ""
+    raise TypeError(f"{function}: {name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+
+
+def _int_array(values, dtype, name: str, function: str):
+    """A contiguous integer array of `values`: of `dtype`, or (dtype None) of its own
+    integer dtype, for the binding to check before narrowing."""
+    if _is_torch(values):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{function}: {name}: expected integers, got dtype {array.dtype}")
+    if dtype is None and array.dtype.kind not in "iu":
+        dtype = np.int64  # an empty list
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+def _options(function: str, q, scale, causal, threads, window, softcap, alibi_slopes, sinks):
+    """The call's Options, built as qkv.attention builds its own (the same keywords, the
+    same C++ checks and so the same errors)."""
+    fw = Torch if any(_is_torch(x) for x in (q, alibi_slopes, sinks)) else NumPy  # no gradient here
+    return make_options(function, fw, scale=scale, causal=causal,
+                        threads=threads, window=window, softcap=softcap,
+                        alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
+           layout="bhsd", return_lse=False, threads=None, window=None, softcap=None, alibi_slopes=None,
+           sinks=None, k_scale=None, v_scale=None):
+    """qkv.decode (qkv/_decode.py documents it) on plain arrays: the library call."""
+    fn = "qkv.decode"
+    _check_layout(fn, layout)
+    options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
+    q_lib = _float32_logical(q, layout, "q", fn)
+    k_lib, bits_as = _cache_array(k_cache, "k_cache", fn)
+    v_lib, v_bits = _cache_array(v_cache, "v_cache", fn)
+    if bits_as != v_bits:
+        raise TypeError(f"{fn}: v_cache: expected the dtype of k_cache")
+    if block_table is None:
+        if k_lib.ndim != 4 or v_lib.ndim != 4:
+            raise Error(f"{fn}: k_cache, v_cache: expected 4 dimensions")
+        if layout == "bhsd":
+            k_lib, v_lib = k_lib.swapaxes(1, 2), v_lib.swapaxes(1, 2)
+        table = None
+    else:
+        table = _int_array(block_table, None, "block_table", fn)  # int64 entries: checked in C++
+    lengths = _int_array(cache_lengths, np.int64, "cache_lengths", fn)
+    scales = {}
+    for name, row_scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if row_scales is None:
+            continue
+        if _is_torch(row_scales):
+            row_scales = row_scales.detach().numpy()
+        row_scales = np.asarray(row_scales)
+        if block_table is None and layout == "bhsd" and row_scales.ndim == 3:
+            row_scales = row_scales.swapaxes(1, 2)
+        scales[name] = row_scales
+    batch, q_len, q_heads, _ = q_lib.shape
+    v_dim = v_lib.shape[3] if v_lib.ndim == 4 else 0
+    out, work, out_lib = _empty_out(q, batch, q_len, q_heads, v_dim, layout)
+    lse = None
+    if return_lse:
+        lse = np.empty((batch, q_heads, q_len), dtype=np.float32)
+    _qkv.decode(q_lib, k_lib, v_lib, lengths, out_lib, lse=lse, block_table=table, bits_as=bits_as,
+                options=options, **scales)
+    return result(q, out, work, lse)
