@@ -12,6 +12,8 @@ See qkv/batch_plan.hpp for the contract (what a sequence's bits depend on, the e
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from . import _qkv
@@ -58,6 +60,13 @@ class BatchPlan:
         self._v_dim = int(v_dim or head_dim)
         first = "float32" if dtype is None else _storage_name(dtype)
         self._plans = {first: self._plan(first)}  # validates the layout now
+        # The traced operator's name for this plan (qkv/_torch_ops_plan.py), made here, out of
+        # any trace; a plan made before torch is imported is not traceable.
+        self._handle = None
+        if "torch" in sys.modules:
+            from . import _torch_ops_plan
+
+            self._handle = _torch_ops_plan.register(self)
 
     def _plan(self, storage: str):
         return _qkv.BatchPlan(storage=storage, options=self._options, **self._layout)
@@ -69,12 +78,28 @@ class BatchPlan:
         """The plan's cost estimate per task (flop-equivalents), costliest first."""
         return next(iter(self._plans.values())).task_costs()
 
+    v_dim = property(lambda self: self._v_dim)
+
     def run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False):
         """One layer: q ``[total_q, Hq, d]`` against ``k_cache``/``v_cache`` — contiguous
         ``[B, capacity, Hkv, d]`` or the pool ``[num_blocks, block_size, Hkv, d]``, float32,
         bfloat16, float16 or int8 (with ``k_scale``/``v_scale``, one float32 per row),
         read in place. Returns out ``[total_q, Hq, dv]`` (q's dtype when floating) or
-        ``(out, lse [Hq, total_q])``."""
+        ``(out, lse [Hq, total_q])``. Traceable (torch.compile fullgraph, torch.export):
+        torch.ops.qkv.batch_plan_run, the plan named by a handle."""
+        if _is_torch(q):
+            from . import _torch_ops_plan
+
+            if _torch_ops_plan.traced(q):  # torch.compile, fake tensors: the operator
+                if self._handle is None:
+                    raise Error("qkv.BatchPlan.run: traced (torch.compile), but the plan was made before torch "
+                                "was imported: make it after `import torch`")
+                out, lse = _torch_ops_plan.batch_plan_run(self._handle, q, k_cache, v_cache, k_scale, v_scale)
+                return (out, lse) if return_lse else out
+        return self.eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+
+    def eager_run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False):
+        """run() itself, outside any tracing (what the operator calls)."""
         fn = "qkv.BatchPlan.run"
         q_lib = _float32_packed(q, "q", fn)
         k_lib, bits_as = _cache_array(k_cache, "k_cache", fn)

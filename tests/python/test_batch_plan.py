@@ -209,3 +209,21 @@ def test_int32_offsets_and_an_empty_step():
     assert torch.equal(as_int32, step.plan().run(step.q, step.k, step.v))
     empty = qkv.BatchPlan([0, 0, 0], [0, 4], num_heads=8, num_kv_heads=2, head_dim=64)
     assert empty.run(torch.zeros(0, 8, 64), step.k[:2], step.v[:2]).shape == (0, 8, 64)
+
+
+def test_the_plan_runs_under_torch_compile_fullgraph_and_passes_opcheck():
+    """plan.run is the operator torch.ops.qkv.batch_plan_run when traced: opcheck agrees
+    with its schema and fake, and a fullgraph compile (aot_eager) gives eager's bits."""
+    import qkv.torch  # noqa: F401  (registers the operators)
+
+    step = Step(**MIXED, dtype=torch.bfloat16, block_size=16, seed=8)
+    plan = step.plan()
+    eager = plan.run(step.q, step.k, step.v)
+
+    def layer(q, k, v):
+        return plan.run(q * 1.0, k, v)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(step.q, step.k, step.v), eager)
+    torch.library.opcheck(torch.ops.qkv.batch_plan_run.default,
+                          (plan._handle, step.q, step.k, step.v, None, None))

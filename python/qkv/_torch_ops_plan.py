@@ -1,0 +1,57 @@
+"""qkv.BatchPlan.run as torch.compile, torch.export and fake tensors see it:
+
+    torch.ops.qkv.batch_plan_run(handle, q, k_cache, v_cache, k_scale, v_scale) -> (out, lse)
+
+It runs the eager plan.run (qkv/_batch_plan.py) when it executes, so a traced call is the
+eager call; not differentiable (serving is forward only). A plan is made once per step,
+outside the graph (its layout is data the engine has, not tensors of the model): the
+operator names it by a handle, an int constant in the graph, as the KVCache operators
+name their cache (qkv/_torch_ops_cache.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+_PLANS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_next_handle = [0]
+
+
+def register(plan) -> int:
+    """A new handle for `plan` (held weakly: the plan lives as long as its caller keeps it)."""
+    _next_handle[0] += 1
+    _PLANS[_next_handle[0]] = plan
+    return _next_handle[0]
+
+
+def _plan(handle: int):
+    plan = _PLANS.get(handle)
+    if plan is None:
+        raise RuntimeError(f"qkv.BatchPlan: handle {handle}: the plan no longer exists")
+    return plan
+
+
+@torch.library.custom_op("qkv::batch_plan_run", mutates_args=())
+def batch_plan_run(handle: int, q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Optional[Tensor],
+                   v_scale: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    return _plan(handle).eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+
+
+@batch_plan_run.register_fake
+def _(handle, q, k_cache, v_cache, k_scale, v_scale):
+    plan = _plan(handle)
+    total, heads = q.shape[0], q.shape[1]
+    dtype = q.dtype if q.is_floating_point() else torch.float32
+    return q.new_empty((total, heads, plan.v_dim), dtype=dtype), q.new_empty((heads, total), dtype=torch.float32)
+
+
+def traced(x) -> bool:
+    """Whether a call on torch tensors is traced (torch.compile, fake tensors)."""
+    return torch.compiler.is_compiling() or type(x) is not Tensor
+
+
+__all__ = ["batch_plan_run", "register", "traced"]
