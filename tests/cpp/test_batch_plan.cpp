@@ -36,6 +36,14 @@
 namespace qkv {
 namespace {
 
+// The sanitizer build (QKV_TEST_SMALL) checks the fp64 reference for float32 caches
+// only: its unoptimized fp64 loops dominate the run there.
+#ifdef QKV_TEST_SMALL
+constexpr bool kSmall = true;
+#else
+constexpr bool kSmall = false;
+#endif
+
 struct StepSpec {
   std::vector<int64_t> queries;  // per sequence
   std::vector<int64_t> lengths;  // keys per sequence (its queries' included)
@@ -272,7 +280,7 @@ void check_step(const StepSpec& s, const AttentionOptions& options, bool referen
   EXPECT_TRUE(same_bits(by_one.out.data(), by_many.out.data(), by_one.out.size()));
   EXPECT_TRUE(same_bits(by_one.out.data(), got.out.data(), got.out.size()));
 
-  if (!reference) return;
+  if (!reference || (kSmall && !std::is_same_v<T, float>)) return;
   exact.execution.backend = Backend::reference;
   const Results ref = run_plan(step, exact);
   expect_rows_of_alone(step, ref, exact);
