@@ -17,32 +17,17 @@ keeps every append before the attends that follow it, as written.
 
 from __future__ import annotations
 
-import weakref
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ._handles import Handles
 from ._torch_ops import TORCH_THREADS, _checked_scalars, per_head_vector
 
-# handle -> KVCache, for the operators (a weak reference: the cache lives as long as
-# the caller keeps it).
-_CACHES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_next_handle = [0]
-
-
-def register(cache) -> int:
-    """A new handle for `cache`."""
-    _next_handle[0] += 1
-    _CACHES[_next_handle[0]] = cache
-    return _next_handle[0]
-
-
-def _cache(handle: int):
-    cache = _CACHES.get(handle)
-    if cache is None:
-        raise RuntimeError(f"qkv.KVCache: handle {handle}: the cache no longer exists")
-    return cache
+_CACHES = Handles("qkv.KVCache")  # handle -> KVCache, for the operators
+register = _CACHES.register
+_cache = _CACHES.get
 
 
 def _variants(window_left, window_right, softcap, alibi_slopes, sinks, threads):

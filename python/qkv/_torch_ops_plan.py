@@ -11,28 +11,16 @@ name their cache (qkv/_torch_ops_cache.py).
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-_PLANS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_next_handle = [0]
+from ._handles import Handles
 
-
-def register(plan) -> int:
-    """A new handle for `plan` (held weakly: the plan lives as long as its caller keeps it)."""
-    _next_handle[0] += 1
-    _PLANS[_next_handle[0]] = plan
-    return _next_handle[0]
-
-
-def _plan(handle: int):
-    plan = _PLANS.get(handle)
-    if plan is None:
-        raise RuntimeError(f"qkv.BatchPlan: handle {handle}: the plan no longer exists")
-    return plan
+_PLANS = Handles("qkv.BatchPlan")  # handle -> BatchPlan, for the operator
+register = _PLANS.register
+_plan = _PLANS.get
 
 
 @torch.library.custom_op("qkv::batch_plan_run", mutates_args=())

@@ -300,17 +300,7 @@ detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const B
   p.args.out = detail::as_batched(a.out, e.batch);
   if (!a.lse.empty()) p.args.lse = detail::lse_as_batched(a.lse, e.batch);
   detail::KvSource& kv = p.kv;
-  kv.type = s.storage;
-  kv.k = a.k_cache.data;
-  kv.v = a.v_cache.data;
-  kv.k_strides = detail::RowStrides::of(a.k_cache);
-  kv.v_strides = detail::RowStrides::of(a.v_cache);
-  if (scaled) {
-    kv.k_scale = a.k_scale.data;
-    kv.v_scale = a.v_scale.data;
-    kv.k_scale_strides = detail::RowStrides::of(a.k_scale);
-    kv.v_scale_strides = detail::RowStrides::of(a.v_scale);
-  }
+  kv = detail::KvSource::of_cache(s.storage, a.k_cache, a.v_cache, a.k_scale, a.v_scale);
   if (s.paged()) {
     kv.block_table = s.block_table.data();
     kv.table_stride = s.max_blocks;

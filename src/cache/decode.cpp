@@ -142,17 +142,7 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
   p.args.lse = a.lse;
 
   detail::KvSource& kv = p.kv;
-  kv.type = storage_type_of<T>;
-  kv.k = a.k_cache.data;
-  kv.v = a.v_cache.data;
-  kv.k_strides = detail::RowStrides::of(a.k_cache);
-  kv.v_strides = detail::RowStrides::of(a.v_cache);
-  if (scaled) {
-    kv.k_scale = a.k_scale.data;
-    kv.v_scale = a.v_scale.data;
-    kv.k_scale_strides = detail::RowStrides::of(a.k_scale);
-    kv.v_scale_strides = detail::RowStrides::of(a.v_scale);
-  }
+  kv = detail::KvSource::of_cache(storage_type_of<T>, a.k_cache, a.v_cache, a.k_scale, a.v_scale);
   if (paged) {
     kv.block_table = a.block_table.data;
     kv.table_stride = a.block_table.strides[0];

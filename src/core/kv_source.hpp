@@ -68,6 +68,22 @@ struct KvSource {
     source.v_strides = RowStrides::of(v);
     return source;
   }
+
+  // The source of a cache's K/V views and, for int8 storage, their row scales (views
+  // shaped like the cache without its last axis; ignored for other types). Contiguous;
+  // a paged cache sets block_table, table_stride and page_size after.
+  template <class View, class ScaleView>
+  static KvSource of_cache(StorageType type, const View& k, const View& v, const ScaleView& k_scales,
+                           const ScaleView& v_scales) {
+    KvSource source = of_views(type, k, v);
+    if (type == StorageType::int8) {
+      source.k_scale = k_scales.data;
+      source.v_scale = v_scales.data;
+      source.k_scale_strides = RowStrides::of(k_scales);
+      source.v_scale_strides = RowStrides::of(v_scales);
+    }
+    return source;
+  }
 };
 
 }  // namespace qkv::detail
