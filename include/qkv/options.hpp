@@ -40,6 +40,17 @@ enum class Backend {
   cpu,        // fused FlashAttention-2 style kernels (fp32)
 };
 
+// The arithmetic of the fused kernels (README "Numerics contract", bench/RESULTS.md §9):
+//   fast:  the default. Where the CPU has dot-product units for the storage type
+//          (AVX512-BF16 for bfloat16), the block products use them: Q·Kᵀ from exact
+//          bf16 products summed in float32, P (and the backward's dS) rounded to bfloat16
+//          before their products — PyTorch's bf16 arithmetic, whose error against fp64
+//          is the contract's bound for 16-bit storage. Elsewhere it is `exact`.
+//   exact: every input widened exactly to float32, float32 products and sums: the same
+//          bits as before this option existed, on every machine.
+// float32 and float16 storage compute the same either way (no fp16 dot on these CPUs).
+enum class Precision { fast, exact };
+
 struct Execution {
   Backend backend = Backend::automatic;
   int threads = 0;  // 0: every hardware thread. Results never depend on this.
@@ -98,6 +109,7 @@ struct AttentionOptions {
   // Programmable score_mod / mask_mod (qkv/modifiers.hpp): non-owning, like the masks.
   Modifiers modifiers;
 
+  Precision precision = Precision::fast;
   Execution execution;
 };
 

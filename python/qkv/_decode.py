@@ -128,18 +128,19 @@ def _int_array(values, dtype, name: str, function: str):
     return np.ascontiguousarray(array, dtype=dtype)
 
 
-def _options(function: str, q, scale, causal, threads, window, softcap, alibi_slopes, sinks):
+def _options(function: str, q, scale, causal, threads, window, softcap, alibi_slopes, sinks,
+             precision=None):
     """The call's Options, built as qkv.attention builds its own (the same keywords, the
     same C++ checks and so the same errors)."""
     fw = Torch if any(_is_torch(x) for x in (q, alibi_slopes, sinks)) else NumPy  # no gradient here
     return make_options(function, fw, scale=scale, causal=causal,
                         threads=threads, window=window, softcap=softcap,
-                        alibi_slopes=alibi_slopes, sinks=sinks)
+                        alibi_slopes=alibi_slopes, sinks=sinks, precision=precision)
 
 
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
            layout="bhsd", return_lse=False, threads=None, window=None, softcap=None, alibi_slopes=None,
-           sinks=None, k_scale=None, v_scale=None):
+           sinks=None, k_scale=None, v_scale=None, precision=None):
     """Attention of q against caller-owned caches, read in place (no copy of the cache).
 
     q: ``[B, Hq, Nq, d]`` (layout "bhsd") or ``[B, Nq, Hq, d]`` ("bshd"), any float dtype
@@ -154,7 +155,7 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     int8 caches take ``k_scale`` and ``v_scale``, one float32 per cached row (the row's
     values are int8 · scale): ``[B, Hkv, capacity]`` ("bhsd"), ``[B, capacity, Hkv]``
     ("bshd"), or ``[num_blocks, block_size, Hkv]`` for a paged pool.
-    scale, causal, threads, window, softcap, alibi_slopes, sinks: as in ``qkv.attention``
+    scale, causal, threads, window, softcap, alibi_slopes, sinks, precision: as in ``qkv.attention``
     (the same Options, checked alike: a bad value gets the same error;
     ``window=(left, right)``, -1 or None unbounded; a sliding window reads only the keys
     in it).
@@ -162,7 +163,7 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     """
     fn = "qkv.decode"
     _check_layout(fn, layout)
-    options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
+    options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks, precision)
     q_lib = _float32_logical(q, layout, "q", fn)
     k_lib, bits_as = _cache_array(k_cache, "k_cache", fn)
     v_lib, v_bits = _cache_array(v_cache, "v_cache", fn)
@@ -249,12 +250,12 @@ class KVCache:
                            seqs)
 
     def attend(self, q, *, scale=None, causal="bottom_right", return_lse=False, threads=None, window=None,
-               softcap=None, alibi_slopes=None, sinks=None):
+               softcap=None, alibi_slopes=None, sinks=None, precision=None):
         """Attention of q ``[B, Hq, T, d]`` against every sequence's cache, the T queries
-        aligned with each sequence's newest keys. window, softcap, alibi_slopes, sinks: as
-        in ``qkv.decode``. Returns out like q, or (out, lse)."""
+        aligned with each sequence's newest keys. window, softcap, alibi_slopes, sinks,
+        precision: as in ``qkv.decode``. Returns out like q, or (out, lse)."""
         fn = "qkv.KVCache.attend"
-        options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
+        options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks, precision)
         q_lib = _float32_logical(q, self.layout, "q", fn)
         batch, q_len, q_heads, _ = q_lib.shape
         out, work, out_lib = _empty_out(q, batch, q_len, q_heads, self.v_dim, self.layout)

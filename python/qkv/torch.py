@@ -31,7 +31,8 @@ _FN = "qkv.torch.scaled_dot_product_attention"
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
-                                 window=None, alibi_slopes=None, softcap=None, sinks=None):
+                                 window=None, alibi_slopes=None, softcap=None, sinks=None,
+                                 precision=None):
     """softmax(scale·query·keyᵀ + attn_mask)·value, as
     ``torch.nn.functional.scaled_dot_product_attention`` computes it, by qkv.
 
@@ -54,7 +55,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       generator, so ``torch.manual_seed`` reproduces a run, but the bits differ from
       PyTorch's. The backward regenerates the same mask.
     - Keyword-only extensions (qkv.attention documents them): ``window=(left, right)``,
-      ``alibi_slopes``, ``softcap``, ``sinks`` (differentiable). Calls using them or
+      ``alibi_slopes``, ``softcap``, ``sinks`` (differentiable), ``precision`` (None /
+      ``"fast"`` or ``"exact"``, as in qkv.attention). Calls using them or
       dropout run eagerly (not under torch.compile yet).
     - float32, float64, bfloat16 and float16 on the CPU only (TypeError otherwise).
       bfloat16 and float16 are read in place, computed in float32 and rounded once to
@@ -118,7 +120,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     q, k, v = (Torch.inner_contiguous(x) for x in (q, k, v))
     has_variants = bool(dropout_p or window is not None or alibi_slopes is not None or softcap
-                        or sinks is not None)
+                        or sinks is not None or precision is not None)
     if _torch_ops.traced(q, k, v):
         if has_variants:
             _torch_ops.refuse_variants_when_traced()
@@ -132,7 +134,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         options = make_options(_FN, Torch, scale=scale, causal=causal,
                                threads=torch.get_num_threads(), window=window,
                                alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                               dropout_p=dropout_p).replace(keep=keep, bias=bias)
+                               dropout_p=dropout_p, precision=precision).replace(keep=keep, bias=bias)
     else:
         options = Options(_FN, causal, scale, "auto",
                           torch.get_num_threads(), False, keep, bias)

@@ -70,6 +70,18 @@ Backend backend_of(const char* function, nb::handle value) {
   throw Error(message);
 }
 
+// precision=: None is the default ("fast"), else a name of qkv/names.hpp's table.
+Precision precision_of(const char* function, nb::handle value) {
+  if (value.is_none()) return Precision::fast;
+  if (nb::isinstance<nb::str>(value)) {
+    if (const auto precision = precision_from_name(nb::borrow<nb::str>(value).c_str())) return *precision;
+    throw Error(std::string(function) + ": precision: expected None, " + enum_choices(kPrecisionNames, "'", " or ") +
+                ", got " + nb::repr(value).c_str());
+  }
+  type_error(function, "precision: expected None, " + enum_choices(kPrecisionNames, "'", " or ") + ", got " +
+                           type_and_repr(value));
+}
+
 std::optional<double> scale_of(const char* function, nb::handle value) {
   if (value.is_none()) return std::nullopt;
   const bool number = PyFloat_Check(value.ptr()) ||
@@ -220,6 +232,7 @@ constexpr Field kFields[] = {
     {"dropout_p", [](BoundOptions& o, const char* f, nb::handle v) { o.options.dropout.p = float_of(f, "dropout_p", v); }},
     {"seed", [](BoundOptions& o, const char* f, nb::handle v) { o.options.dropout.seed = uint64_of(f, "seed", v); }},
     {"offset", [](BoundOptions& o, const char* f, nb::handle v) { o.options.dropout.offset = uint64_of(f, "offset", v); }},
+    {"precision", [](BoundOptions& o, const char* f, nb::handle v) { o.options.precision = precision_of(f, v); }},
 };
 
 void set_field(BoundOptions& o, const char* function, std::string_view key, nb::handle value) {
@@ -256,6 +269,7 @@ nb::dict fields_of(const BoundOptions& o) {
   d["dropout_p"] = a.dropout.p;
   d["seed"] = a.dropout.seed;
   d["offset"] = a.dropout.offset;
+  d["precision"] = nb::str(name_of(a.precision).data(), name_of(a.precision).size());
   return d;
 }
 
@@ -336,7 +350,7 @@ void bind_options(nb::module_& m) {
           "int), check_finite, keep (bool/uint8 4-D), bias (float32 4-D), key_lengths "
           "(int64), window ((left, right), None = -1 on either side), alibi_slopes "
           "(float32, per query head), softcap, sinks (float32, per query head), dropout_p, "
-          "seed, offset. Arrays are NumPy arrays or torch tensors, held as given.")
+          "seed, offset, precision (None = 'fast', or 'exact'). Arrays are NumPy arrays or torch tensors, held as given.")
       .def(
           "replace",
           [](const BoundOptions& self, const nb::kwargs& changes) {
@@ -364,7 +378,8 @@ void bind_options(nb::module_& m) {
       .def_prop_ro("softcap", [](const BoundOptions& o) { return o.options.softcap; })
       .def_prop_ro("sinks", [](const BoundOptions& o) { return optional_array(o.sinks); })
       .def_prop_ro("dropout_p", [](const BoundOptions& o) { return o.options.dropout.p; })
-      .def_prop_ro("seed", [](const BoundOptions& o) { return o.options.dropout.seed; });
+      .def_prop_ro("seed", [](const BoundOptions& o) { return o.options.dropout.seed; })
+      .def_prop_ro("precision_name", [](const BoundOptions& o) { return std::string(name_of(o.options.precision)); });
 }
 
 }  // namespace qkv::python

@@ -110,6 +110,14 @@ inline void check_backend(const Checker& check, const AttentionOptions& options,
   }
 }
 
+inline Precision checked_precision(const Checker& check, const AttentionOptions& options) {
+  if (options.precision != Precision::fast && options.precision != Precision::exact) {
+    check.fail("options.precision: expected fast or exact, got value " +
+               std::to_string(static_cast<int>(options.precision)));
+  }
+  return options.precision;
+}
+
 // The execution options of a dense or varlen problem (ForwardProblem<T> or
 // BackwardProblem<T>, core/problem.hpp): the backend checked, the scale and the thread
 // count resolved into the problem. Last in every validator, after the views.
@@ -119,6 +127,7 @@ void resolve_execution(const Checker& check, const AttentionOptions& options, bo
   check_backend(check, options, std::is_same_v<T, double>, wants_weights);
   problem.scale = resolve_scale(check, options, problem.extents.head_dim);
   problem.threads = resolve_threads(check, options);
+  problem.precision = checked_precision(check, options);
 }
 
 }  // namespace qkv::detail

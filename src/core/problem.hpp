@@ -207,6 +207,8 @@ struct ForwardProblem {
   // the one description either way.
   KvSource kv;
   int threads = 1;  // resolved: ≥ 1
+  // options.precision, checked: whether the kernels may use dot-product units.
+  Precision precision = Precision::fast;
   // Softmax statistics (qkv/attention_stats.hpp, core/head_stats.hpp), normalized like
   // the other views: per-row views [B, Hq, Nq] (varlen: batch stride 0, rows addressed
   // through the sequence offsets), in float for the 16-bit storage types. `collect_stats`
@@ -248,6 +250,7 @@ struct BackwardProblem {
   ScoreModifiers modifiers;
   BackwardArgs<T> args;
   int threads = 1;
+  Precision precision = Precision::fast;
 
   const Sequences& sequences() const { return mask.sequences; }
   BackwardRowAccess<T> rows() const { return {{&mask.sequences, &args}}; }
