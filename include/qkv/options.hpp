@@ -41,8 +41,9 @@ enum class Backend {
 };
 
 // The arithmetic of the fused kernels (README "Numerics contract", bench/RESULTS.md §9):
-//   fast:  the default. Where the CPU has dot-product units for the storage type
-//          (AVX512-BF16 for bfloat16), the block products use them: Q·Kᵀ from exact
+//   fast:  the default. Where the CPU has dot-product units for the storage type that
+//          beat its float32 FMAs (AVX512-BF16 on AMD Zen 4/5 for bfloat16; not Intel's,
+//          which run them at a quarter of the FMA rate), the block products use them: Q·Kᵀ from exact
 //          bf16 products summed in float32, P (and the backward's dS) rounded to bfloat16
 //          before their products — PyTorch's bf16 arithmetic, whose error against fp64
 //          is the contract's bound for 16-bit storage. Elsewhere it is `exact`.

@@ -31,7 +31,8 @@ _COMMON_DOC = """
     threads: None = every hardware thread. Results never depend on it.
     check_finite: scan inputs first and raise naming the first NaN/Inf element.
     precision: None or ``"fast"`` (default) lets bfloat16 calls use the CPU's bf16 dot
-        products (AVX512-BF16) where it has them: exact products of q and k, the softmax
+        products (AVX512-BF16) where they beat its float32 FMAs (AMD Zen 4/5; not
+        Intel's, see the README): exact products of q and k, the softmax
         weights rounded to bfloat16 before ``P·v`` — PyTorch's bf16 arithmetic, with an
         error against fp64 no larger than PyTorch's bf16 SDPA (README, "Numerics
         contract"). ``"exact"``: inputs widened exactly, float32 products and sums, on

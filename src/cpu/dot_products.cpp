@@ -36,6 +36,22 @@ Choice current_choice() {
 
 }  // namespace
 
+bool bf16_dot_pays() {
+  // Fixed per vendor, never timed, so that a call's bits never depend on a measurement.
+  // AMD Zen 4/5 issue vdpbf16ps at the fp32 FMA's rate with twice its multiply-adds
+  // (issue 23's measurements). Intel's cores with AVX512-BF16 (Cooper Lake, Sapphire and
+  // Emerald Rapids) issue it at a quarter of the FMA rate in multiply-adds: measured on
+  // an Emerald Rapids Xeon, 86 GFLOP/s against 175 for fp32 FMAs per core, and the tiled
+  // bf16 forward 1.8× slower with it (bench/RESULTS.md §9). There AMX is the unit to use
+  // (README, "Backends"); until it is built the fp32 FMAs are the faster arithmetic.
+#if defined(__x86_64__)
+  static const bool pays = __builtin_cpu_is("amd");
+  return pays;
+#else
+  return false;
+#endif
+}
+
 bool cpu_has_bf16_dot() {
   // __builtin_cpu_supports reads CPUID (AVX512-BF16 implies AVX512F, BW and VL there);
   // "avx512f" also needs the OS to save the zmm state, which GCC's check includes.
@@ -53,7 +69,7 @@ bool bf16_dot_products(Precision precision) {
   if (choice == Choice::on && !cpu_has_bf16_dot())
     throw Error("QKV_DOT_PRODUCTS=on: this CPU has no AVX512-BF16 dot products");
   if (precision == Precision::exact || choice == Choice::off) return false;
-  return cpu_has_bf16_dot();
+  return cpu_has_bf16_dot() && (choice == Choice::on || bf16_dot_pays());
 }
 
 void set_dot_products_for_test(std::optional<bool> forced) {
