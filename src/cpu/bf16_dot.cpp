@@ -114,7 +114,7 @@ struct ScoreTiles {
 
 // acc rows (queries) × columns (value dims): the reduction runs over the pairs of keys.
 struct WeightedTiles {
-  const std::uint32_t* pp;
+  const std::uint32_t* pp;  // P's bfloat16 pairs, then (key_pairs·p_ld words on) P − bf16(P)'s
   std::size_t p_ld;
   const std::uint32_t* vp;
   std::size_t v_ld, key_pairs, dv;
@@ -132,8 +132,10 @@ struct WeightedTiles {
       for (std::size_t j = 0; j < C; ++j)
         v[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vp + c * v_ld + column + j * kLanes));
       for (std::size_t r = 0; r < R; ++r) {
-        const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pp[c * p_ld + row + r])));
-        for (std::size_t j = 0; j < C; ++j) sum[r][j] = _mm512_dpbf16_ps(sum[r][j], p, v[j]);
+        const std::size_t at = c * p_ld + row + r;
+        const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pp[at])));
+        const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pp[key_pairs * p_ld + at])));
+        for (std::size_t j = 0; j < C; ++j) sum[r][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(sum[r][j], hi, v[j]), lo, v[j]);
       }
     }
     // acc·alpha + sum, as gemm-inl.h's GemmStore::rescale_add.
@@ -173,16 +175,27 @@ void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, s
                         const bfloat16* v, std::int64_t v_row, std::size_t dv, PvScratch scratch,
                         float* acc, std::size_t acc_ld, const float* alpha) {
   const std::size_t key_pairs = (keys + 1) / 2, p_ld = pair_ld(count), v_ld = pair_ld(dv);
-  // P pairs (P_i,2c, P_i,2c+1), rounded to nearest even; an odd key count's last partner 0.
+  // P as two bfloat16 terms, hi = bf16(P) (round to nearest even) and lo = bf16(P − hi):
+  // hi + lo is P to ~2⁻¹⁶ relative, so P·V = hi·V + lo·V keeps the float32 arithmetic's
+  // accuracy (one bf16 P alone costs up to 2⁻⁹·P and measured above PyTorch's bf16 error on
+  // some rows, bench/RESULTS.md §9). Pairs (P_i,2c, P_i,2c+1); an odd key count's last
+  // partner 0.
+  std::uint32_t* lo_pairs = scratch.p_pairs + key_pairs * p_ld;
   for (std::size_t c = 0; c < key_pairs; ++c) {
     const bool has_odd = 2 * c + 1 < keys;
     for (std::size_t i = 0; i < count; i += kLanes) {
       const __mmask16 m = lanes_below(count - i);
       const __m512 even = _mm512_maskz_loadu_ps(m, pt + 2 * c * pt_ld + i);
       const __m512 odd = has_odd ? _mm512_maskz_loadu_ps(m, pt + (2 * c + 1) * pt_ld + i) : _mm512_setzero_ps();
-      _mm512_storeu_si512(scratch.p_pairs + c * p_ld + i,
-                          interleave(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even)),
-                                     reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd))));
+      const __m256i even_hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even));
+      const __m256i odd_hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd));
+      // bf16 → float is a shift into the high half (exact).
+      const __m512 even_rest = _mm512_sub_ps(even, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(even_hi), 16)));
+      const __m512 odd_rest = _mm512_sub_ps(odd, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(odd_hi), 16)));
+      _mm512_storeu_si512(scratch.p_pairs + c * p_ld + i, interleave(even_hi, odd_hi));
+      _mm512_storeu_si512(lo_pairs + c * p_ld + i,
+                          interleave(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even_rest)),
+                                     reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd_rest))));
     }
   }
   // V pairs (v_2c[n], v_2c+1[n]); columns past dv and an odd key count's partner are 0.

@@ -32,16 +32,17 @@ void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, s
                       const std::uint32_t* qp, std::size_t q_ld, std::size_t width, float scale,
                       float* st, std::size_t st_ld);
 
-// Scratch of RescaleAddWeighted: pairs of P (⌈keys/2⌉ × pair_ld(count)) and of V
-// (⌈keys/2⌉ × pair_ld(dv)).
+// Scratch of RescaleAddWeighted: pairs of P's two bfloat16 terms (2 × ⌈keys/2⌉ ×
+// pair_ld(count)) and of V (⌈keys/2⌉ × pair_ld(dv)).
 struct PvScratch {
   std::uint32_t* p_pairs;
   std::uint32_t* v_pairs;
 };
 
-// acc_i = acc_i·alpha_i + Σ_j bf16(P_ij)·v_j for i < count (columns < dv), P read from
-// Pᵀ (pt row j at pt + j·pt_ld, columns < count): the forward's online-softmax update,
-// with P rounded to bfloat16 once (round to nearest even), the block's sum from zero.
+// acc_i = acc_i·alpha_i + Σ_j P_ij·v_j for i < count (columns < dv), P read from Pᵀ (pt
+// row j at pt + j·pt_ld, columns < count): the forward's online-softmax update, the
+// block's sum from zero. P enters as hi + lo, two bfloat16 terms (hi = bf16(P), lo =
+// bf16(P − hi)), so the products lose ~2⁻¹⁶ of P instead of bf16's 2⁻⁹.
 void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
                         const bfloat16* v, std::int64_t v_row, std::size_t dv, PvScratch scratch,
                         float* acc, std::size_t acc_ld, const float* alpha);

@@ -106,7 +106,7 @@ struct ForwardScratch {
         split_k(static_cast<size_t>(p.extents.head_dim), kBlockQueries, kBlockKeys, split_k_logits),
         dots(std::is_same_v<T, bfloat16> && bf16_dot_products(p.precision)),
         q_pairs(dots ? (static_cast<size_t>(p.extents.head_dim) + 1) / 2 * bf16dot::pair_ld(kBlockQueries) : 0),
-        p_pairs(dots ? kBlockKeys / 2 * bf16dot::pair_ld(kBlockQueries) : 0),
+        p_pairs(dots ? 2 * (kBlockKeys / 2) * bf16dot::pair_ld(kBlockQueries) : 0),
         v_pairs(dots ? kBlockKeys / 2 * bf16dot::pair_ld(static_cast<size_t>(p.extents.v_dim)) : 0) {}
 };
 
@@ -274,7 +274,7 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
       continue;
     }
     if constexpr (std::is_same_v<T, bfloat16>) {
-      if (s.dots) {  // P rounded to bfloat16 once; the sums stay float32
+      if (s.dots) {  // P as two bfloat16 terms (bf16_dot.hpp); the sums stay float32
         bf16dot::RescaleAddWeighted(s.st.get(), width, count, static_cast<size_t>(keys),
                                     rows_of.v(b, first_key, kv_head), v_row, dv,
                                     {s.p_pairs.data(), s.v_pairs.data()}, s.acc.get(), s.dv_ld, alpha);
