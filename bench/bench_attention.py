@@ -120,9 +120,11 @@ def fma_peak_thread_time() -> tuple[float, str]:
     (QKV_SIMD_TARGET included), from qkv_dense_probe's header line."""
     exe = os.path.join(os.path.dirname(__file__), "..", "build", "release", "bench", "qkv_dense_probe")
     target = os.environ.get("QKV_SIMD_TARGET", "best") or "best"
-    out = subprocess.run([exe, "64", "64", "0", "1", "1", "fwd", "bhsd", target], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run([exe, "64", "64", "0", "1", "1", "fwd", "bhsd", target, "bfloat16"],
+                         check=True, capture_output=True, text=True).stdout
     header = out.splitlines()[0]
+    if "bf16 dot peak " in out:
+        BF16_PEAK[1] = float(out.split("bf16 dot peak ")[1].split()[0])
     gflops = float(header.split("FMA peak ")[1].split()[0])
     return gflops, header.rsplit("(", 1)[1].rstrip(")")
 

@@ -44,9 +44,10 @@ enum class Backend {
 //   fast:  the default. Where the CPU has dot-product units for the storage type that
 //          beat its float32 FMAs (AVX512-BF16 on AMD Zen 4/5 for bfloat16; not Intel's,
 //          which run them at a quarter of the FMA rate), the block products use them: Q·Kᵀ from exact
-//          bf16 products summed in float32, P (and the backward's dS) rounded to bfloat16
-//          before their products — PyTorch's bf16 arithmetic, whose error against fp64
-//          is the contract's bound for 16-bit storage. Elsewhere it is `exact`.
+//          bf16 products summed in float32, P as two bfloat16 terms (hi + lo) for P·V —
+//          measured, the float32 path's error (≤ PyTorch's bf16 SDPA against fp64, the
+//          contract's bound). Elsewhere, and for int8 caches (VNNI only when forced,
+//          cpu/dot_products.hpp), it is `exact`.
 //   exact: every input widened exactly to float32, float32 products and sums: the same
 //          bits as before this option existed, on every machine.
 // float32 and float16 storage compute the same either way (no fp16 dot on these CPUs).

@@ -9,10 +9,11 @@
 // once, so |T(x) − ref| ≤ u_T·|x| + |x − ref|, and |x − ref| is the fp32 kernel's error.
 // lse stays float and keeps the fp32 rule itself (2·err(plain fp32) + floor).
 //
-// Precision::fast with bfloat16 dot products (cpu/bf16_dot.hpp) rounds each weight P_ij
-// to bfloat16 before P·V (Q·Kᵀ's products stay exact): |Δout_i| ≤ u·Σ_j P_ij·|v_j|, so
-// the out bound adds u_bf16 · max_i (P·|V|)_i (fast_weight_rounding). That is also what
-// PyTorch's bf16 SDPA does to P (tests/python/test_half_precision.py compares the two).
+// Precision::fast with bfloat16 dot products (cpu/bf16_dot.hpp) gives each weight P_ij
+// to P·V as two bfloat16 terms (Q·Kᵀ's products stay exact): the out bound adds
+// u_bf16 · max_i (P·|V|)_i, what one bf16 rounding of every weight could cost — a bound
+// the two-term P stays far below (test_bf16_dot.cpp checks the stored values against the
+// exact path's too).
 //
 // For the gradients, X_ref64 is the exact backward *of the stored out*. The backward
 // takes out as an input and uses it only through D_i = ⟨dO_i, O_i⟩ (FlashAttention's,
