@@ -46,8 +46,7 @@ enum class Backend {
 //          which run them at a quarter of the FMA rate), the block products use them: Q·Kᵀ from exact
 //          bf16 products summed in float32, P as two bfloat16 terms (hi + lo) for P·V —
 //          measured, the float32 path's error (≤ PyTorch's bf16 SDPA against fp64, the
-//          contract's bound). Elsewhere, and for int8 caches (VNNI only when forced,
-//          cpu/dot_products.hpp), it is `exact`.
+//          contract's bound). Elsewhere (float16, float32, caches, the backward) it is `exact`.
 //   exact: every input widened exactly to float32, float32 products and sums: the same
 //          bits as before this option existed, on every machine.
 // float32 and float16 storage compute the same either way (no fp16 dot on these CPUs).

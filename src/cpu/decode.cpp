@@ -60,8 +60,6 @@
 #include "core/score_pipeline.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/decode_plan.hpp"
-#include "cpu/dot_products.hpp"
-#include "cpu/int8_dot.hpp"
 #endif
 
 HWY_BEFORE_NAMESPACE();
@@ -99,14 +97,8 @@ struct DecodeScratch {
   // int8 caches: the rows' scales, in the ring's layout.
   hwy::AlignedFreeUniquePtr<float[]> k_scales, v_scales;
   std::vector<const float*> k_packed, v_packed;  // rows of `keys` / `values`
-  // int8 caches on VNNI (int8_dot.hpp): the tile's query rows quantized, their scales
-  // and 128·Σ q8.
-  bool vnni;
-  std::vector<std::int8_t> q8;
-  std::vector<float> q8_scale;
-  std::vector<std::int32_t> q8_bias;
 
-  DecodeScratch(const DecodePlan& plan, size_t head_dim, Precision precision)
+  explicit DecodeScratch(const DecodePlan& plan)
       : queries(AllocateFloats(plan.tile_rows() * plan.d_pad)),
         keys(AllocateFloats(plan.packed ? plan.block_keys * plan.d_pad : 0)),
         values(AllocateFloats(plan.packed ? plan.block_keys * plan.dv_pad : 0)),
@@ -116,11 +108,7 @@ struct DecodeScratch {
         k_ring((kUnitsAhead + 1) * plan.block_keys), v_ring((kUnitsAhead + 1) * plan.block_keys),
         k_scales(AllocateFloats(kScaledStorage<T> ? (kUnitsAhead + 1) * plan.block_keys : 0)),
         v_scales(AllocateFloats(kScaledStorage<T> ? (kUnitsAhead + 1) * plan.block_keys : 0)),
-        k_packed(plan.packed ? plan.block_keys : 0), v_packed(plan.packed ? plan.block_keys : 0),
-        vnni(kScaledStorage<T> && int8_dot_products(precision)),
-        q8(vnni ? plan.tile_rows() * int8dot::query_ld(head_dim) : 0),
-        q8_scale(vnni ? plan.tile_rows() : 0),
-        q8_bias(vnni ? plan.tile_rows() : 0) {}
+        k_packed(plan.packed ? plan.block_keys : 0), v_packed(plan.packed ? plan.block_keys : 0) {}
 };
 
 // Row pointers of K and V for keys [first, first + keys) of (batch, head), in place in
@@ -223,9 +211,6 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
       for (size_t c = 0; c < d; ++c) row[c] = scale * q[c];
       std::fill(row + d, row + d_pad, 0.0f);
     }
-  if constexpr (kScaledStorage<T>) {
-    if (s.vnni) int8dot::QuantizeQueries(s.queries.get(), all_rows, d_pad, d, s.q8.data(), s.q8_scale.data(), s.q8_bias.data());
-  }
   std::fill(chunk.m, chunk.m + all_rows, kMinusInf);
   std::fill(chunk.l, chunk.l + all_rows, 0.0f);
   std::fill(chunk.acc, chunk.acc + all_rows * dv_pad, 0.0f);
@@ -290,29 +275,20 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
 
       // S[r][j] = (scale·q_r)·k_j for the block's keys, one vector of keys at a time,
       // while the next unit's rows start on their way from memory.
-      const auto widen_values = [&] {  // packed plans: V rows widened and padded
-        for (size_t j = 0; j < keys; ++j) WidenRows(v_rows[j], 0, 1, dv, s.values.get() + j * dv_pad, dv_pad);
-        for (size_t j = 0; j < padded; ++j) s.v_packed[j] = s.values.get() + std::min(j, keys - 1) * dv_pad;
-      };
-      if constexpr (kScaledStorage<T>) {
-        if (s.vnni) {  // the integers' dot products, times the query's scale (lanes: 4 | padded)
-          const size_t q8_ld = int8dot::query_ld(d);
-          int8dot::Scores(group_rows, s.q8.data() + row0 * q8_ld, q8_ld, s.q8_scale.data() + row0,
-                          s.q8_bias.data() + row0, k_rows, d, padded, s.scores.get(), ld);
-          const Ahead<T> ahead{k_far, far_keys, d * sizeof(T)};  // as ScoreKeys requests them
-          for (size_t j = 0; j < far_keys; ++j) ahead(j);
-          if (plan.packed) widen_values();
-        }
-      }
-      if (!s.vnni && !plan.packed) {
+      if (!plan.packed) {
         for (size_t j = 0; j < padded; j += lanes) {
           const Ahead<T> ahead = Ahead<T>{k_far, far_keys, d * sizeof(T)}.offset(j);
           ScoreKeys(group_rows, queries, d_pad, k_rows + j, d, ahead, s.scores.get() + j, ld);
         }
-      } else if (!s.vnni) {
-        for (size_t j = 0; j < keys; ++j) WidenRows(k_rows[j], 0, 1, d, s.keys.get() + j * d_pad, d_pad);
-        for (size_t j = 0; j < padded; ++j) s.k_packed[j] = s.keys.get() + std::min(j, keys - 1) * d_pad;
-        widen_values();
+      } else {
+        for (size_t j = 0; j < keys; ++j) {
+          WidenRows(k_rows[j], 0, 1, d, s.keys.get() + j * d_pad, d_pad);
+          WidenRows(v_rows[j], 0, 1, dv, s.values.get() + j * dv_pad, dv_pad);
+        }
+        for (size_t j = 0; j < padded; ++j) {
+          s.k_packed[j] = s.keys.get() + std::min(j, keys - 1) * d_pad;
+          s.v_packed[j] = s.values.get() + std::min(j, keys - 1) * dv_pad;
+        }
         for (size_t j = 0; j < padded; j += lanes)
           ScoreKeys(group_rows, queries, d_pad, s.k_packed.data() + j, d_pad, Ahead<float>{}, s.scores.get() + j, ld);
       }
@@ -431,7 +407,7 @@ void RunDecode(const Problem& p, const KvSource& kv) {
       AllocateFloats(plan.tasks.size() * plan.state_floats);
   const int threads = plan.threads(p.threads);
   if (threads <= 1) {  // no parallel region for work one thread does best
-    DecodeScratch<T> scratch(plan, static_cast<size_t>(p.extents.head_dim), p.precision);
+    DecodeScratch<T> scratch(plan);
     for (const DecodeTask& task : plan.tasks)
       DecodeChunk<T>(p, kv, plan, task, scratch, states.get() + task.index * plan.state_floats);
     for (const DecodeUnit& unit : plan.units) MergeChunks(p, plan, unit, states.get(), scratch.merged.get());
@@ -439,7 +415,7 @@ void RunDecode(const Problem& p, const KvSource& kv) {
   }
 #pragma omp parallel num_threads(threads)
   {
-    DecodeScratch<T> scratch(plan, static_cast<size_t>(p.extents.head_dim), p.precision);
+    DecodeScratch<T> scratch(plan);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < plan.order.size(); ++t) {
       const DecodeTask& task = plan.tasks[plan.order[t]];

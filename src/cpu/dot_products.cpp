@@ -72,29 +72,6 @@ bool bf16_dot_products(Precision precision) {
   return cpu_has_bf16_dot() && (choice == Choice::on || bf16_dot_pays());
 }
 
-bool cpu_has_int8_dot() {
-#if defined(__x86_64__)
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return has;
-#else
-  return false;
-#endif
-}
-
-bool int8_dot_products(Precision precision) {
-  const Choice choice = current_choice();
-  if (choice == Choice::on && !cpu_has_int8_dot())
-    throw Error("QKV_DOT_PRODUCTS=on: this CPU has no AVX512-VNNI dot products");
-  if (precision == Precision::exact || choice == Choice::off) return false;
-  // Not by default anywhere yet: measured on an Emerald Rapids Xeon (decode 32/8 and 64/8
-  // heads, d = 128, 32k int8 keys, one thread, CPU time) the VNNI scores gave no speed-up
-  // (9.8 vs 10.3 ms, 15.8 vs 16.2 ms: the fp32 P·V and the bytes bound the call), while
-  // quantizing q adds up to ~1% of max |out| (tests/cpp/test_int8_dot.cpp). So only
-  // QKV_DOT_PRODUCTS=on (or the test hook) takes them.
-  return choice == Choice::on && cpu_has_int8_dot();
-}
-
 void set_dot_products_for_test(std::optional<bool> forced) {
   forced_for_test.store(forced ? (*forced ? 1 : 0) : -1, std::memory_order_relaxed);
 }

@@ -30,12 +30,6 @@ bool bf16_dot_pays();
 // lacks, or QKV_DOT_PRODUCTS holds another word.
 bool bf16_dot_products(Precision precision);
 
-// Whether this CPU runs the AVX512-VNNI kernels (int8_dot.hpp), and whether a decode call
-// with this precision over an int8 cache takes them: only when forced on (the switch or
-// the test hook) — measured, they do not pay yet (dot_products.cpp).
-bool cpu_has_int8_dot();
-bool int8_dot_products(Precision precision);
-
 // Tests: nullopt restores the environment's choice; true / false force either path
 // (true on a CPU without the units makes calls throw, as QKV_DOT_PRODUCTS=on does).
 void set_dot_products_for_test(std::optional<bool> forced);

@@ -182,8 +182,7 @@ struct Outputs {
 };
 
 template <class T>
-Outputs run_decode(const DecodeCase<T>& dc, const DecodeSpec& s, int threads,
-                   Precision precision = Precision::exact) {
+Outputs run_decode(const DecodeCase<T>& dc, const DecodeSpec& s, int threads) {
   Outputs r{Tensor<float, 4>({s.batch, s.q_len, s.q_heads, s.v_dim}), Tensor<float, 3>({s.batch, s.q_heads, s.q_len})};
   DecodeOptions options;
   options.causal = s.causal;
@@ -192,8 +191,6 @@ Outputs run_decode(const DecodeCase<T>& dc, const DecodeSpec& s, int threads,
   options.softcap = s.softcap;
   options.alibi_slopes = dc.alibi_slopes;
   options.sinks = dc.sinks;
-  // The float32 contract's arithmetic; Precision::fast (int8 on VNNI): test_int8_dot.cpp.
-  options.precision = precision;
   decode(dc.args(r.out, r.lse), options);
   return r;
 }
