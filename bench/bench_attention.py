@@ -14,8 +14,10 @@ as 2.5× the forward, so fwd+bwd = 3.5× forward.
 
 --dtype bfloat16|float16: the inputs are rounded to that type and both run on them (torch
 SDPA and qkv in that dtype); the row adds qkv's own fp32 time on the same (widened)
-values and the ratio half/fp32 (the storage type should cost almost nothing: widened on
-load, fp32 inside, rounded once on store). In that mode the three (torch, qkv half, qkv
+values and the speed fp32/half (> 1: the half call is faster; with the fp32 arithmetic
+the storage type should cost almost nothing, and bf16 dot products, where they run —
+QKV_DOT_PRODUCTS, src/cpu/dot_products.hpp — can make it up to 2×), and its share of the
+fp32 FMA and bf16 dot peaks measured in the same run. In that mode the three (torch, qkv half, qkv
 fp32) are timed interleaved, call after call, so a shared machine's load swings hit all
 three alike. Errors are then against the fp64 result on
 the rounded inputs.
@@ -73,8 +75,12 @@ class Shape:
 
 
 def shapes(quick: bool, half: bool = False) -> list[Shape]:
-    if half:  # the half-precision issue's rows
-        return [Shape(1, 8, 8, 4096, d, causal) for causal in (False, True) for d in (64, 128)]
+    if half:  # the half-precision issues' rows (10: N = 4096; 23: N = 1024, GQA 32/8)
+        rows = [Shape(1, 8, 8, 1024, d, causal) for causal in (False, True) for d in (64, 128)]
+        rows += [Shape(1, 32, 8, 1024, d, causal) for causal in (False, True) for d in (64, 128)]
+        if not quick:
+            rows += [Shape(1, 8, 8, 4096, d, causal) for causal in (False, True) for d in (64, 128)]
+        return rows
     rows = []
     ns = (512, 1024, 2048, 4096) if quick else (512, 1024, 2048, 4096, 8192)
     for causal in (False, True):
@@ -87,13 +93,18 @@ def shapes(quick: bool, half: bool = False) -> list[Shape]:
     return rows
 
 
+BF16_PEAK: dict[int, float] = {}  # threads → the bf16 dot peak (GFLOP/s; 0: no unit)
+
+
 def fma_peak(threads: int) -> tuple[float, str]:
-    """(GFLOP/s, the SIMD target Highway picks: the one qkv's kernels dispatch to)."""
+    """(GFLOP/s, the SIMD target Highway picks: the one qkv's kernels dispatch to); the
+    bf16 dot peak of the same run goes to BF16_PEAK."""
     exe = os.path.join(os.path.dirname(__file__), "..", "build", "release", "bench", "qkv_fma_peak")
     out = subprocess.run([exe, str(threads)], check=True, capture_output=True, text=True).stdout
     for line in out.splitlines():
         fields = dict(f.split("=") for f in line.split())
         if int(fields["threads"]) == threads:
+            BF16_PEAK[threads] = float(fields.get("bf16_gflops", 0))
             return float(fields["gflops"]), fields.get("target", "?")
     raise RuntimeError(out)
 
@@ -109,9 +120,11 @@ def fma_peak_thread_time() -> tuple[float, str]:
     (QKV_SIMD_TARGET included), from qkv_dense_probe's header line."""
     exe = os.path.join(os.path.dirname(__file__), "..", "build", "release", "bench", "qkv_dense_probe")
     target = os.environ.get("QKV_SIMD_TARGET", "best") or "best"
-    out = subprocess.run([exe, "64", "64", "0", "1", "1", "fwd", "bhsd", target], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run([exe, "64", "64", "0", "1", "1", "fwd", "bhsd", target, "bfloat16"],
+                         check=True, capture_output=True, text=True).stdout
     header = out.splitlines()[0]
+    if "bf16 dot peak " in out:
+        BF16_PEAK[1] = float(out.split("bf16 dot peak ")[1].split()[0])
     gflops = float(header.split("FMA peak ")[1].split()[0])
     return gflops, header.rsplit("(", 1)[1].rstrip(")")
 
@@ -232,12 +245,14 @@ def main() -> int:
     print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus; "
           f"torch {torch.__version__}; qkv {qkv.__version__}; SIMD {target}; "
           f"dtype {args.dtype}; clock {args.clock}; ATEN_CPU_CAPABILITY "
-          f"{os.environ.get('ATEN_CPU_CAPABILITY', 'default')}; FMA peak "
-          + ", ".join(f"{t} thr {p:.0f} GFLOP/s" for t, p in peaks.items()))
+          f"{os.environ.get('ATEN_CPU_CAPABILITY', 'default')}; QKV_DOT_PRODUCTS "
+          f"{os.environ.get('QKV_DOT_PRODUCTS', 'auto')}; load {os.getloadavg()[0]:.1f}; FMA peak "
+          + ", ".join(f"{t} thr {p:.0f} GFLOP/s" for t, p in peaks.items())
+          + "; bf16 dot peak " + ", ".join(f"{t} thr {p:.0f} GFLOP/s" for t, p in BF16_PEAK.items()))
     if half:
-        print("| shape | pass | thr | torch ms | qkv ms | qkv fp32 ms | qkv half/fp32 | "
-              "qkv GFLOP/s | qkv/torch speed | qkv err | torch err |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| shape | pass | thr | torch ms | qkv ms | qkv fp32 ms | qkv fp32/half speed | "
+              "qkv GFLOP/s | % fp32 peak | % bf16 peak | qkv/torch speed | qkv err | torch err |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     else:
         print("| shape | pass | thr | torch ms | qkv ms | qkv GFLOP/s | % peak | qkv/torch speed | "
               "qkv err | torch err |")
@@ -268,10 +283,13 @@ def main() -> int:
                     e_qkv = max_error(run_qkv(s, q, k, v, dout, backward, threads), reference)
                     gflops = flops / t_qkv / 1e9
                     if half:
+                        bf16_peak = BF16_PEAK.get(threads, 0.0)
                         print(f"| {s.label()} | {'fwd+bwd' if backward else 'fwd'} | {threads} | "
                               f"{t_torch * 1e3:.1f} | {t_qkv * 1e3:.1f} | {t_fp32 * 1e3:.1f} | "
-                              f"{t_qkv / t_fp32:.2f}× | {gflops:.1f} | {t_torch / t_qkv:.2f}× | "
-                              f"{e_qkv:.1e} | {e_torch:.1e} |", flush=True)
+                              f"{t_fp32 / t_qkv:.2f}× | {gflops:.1f} | "
+                              f"{100 * gflops / peaks[threads]:.0f}% | "
+                              f"{f'{100 * gflops / bf16_peak:.0f}%' if bf16_peak else '—'} | "
+                              f"{t_torch / t_qkv:.2f}× | {e_qkv:.1e} | {e_torch:.1e} |", flush=True)
                         continue
                     print(f"| {s.label()} | {'fwd+bwd' if backward else 'fwd'} | {threads} | "
                           f"{t_torch * 1e3:.1f} | {t_qkv * 1e3:.1f} | {gflops:.1f} | "

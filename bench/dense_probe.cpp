@@ -11,6 +11,9 @@
 //                   [layout=bshd|bhsd]   (bhsd: PyTorch's, each head's rows contiguous)
 //                   [target=best|AVX2|AVX3|...]  a lower SIMD target than the CPU's best,
 //                   forced through Highway (hwy::SetSupportedTargetsForTest)
+//                   [dtype=float32|bfloat16]  bfloat16: the same values stored in bf16, the
+//                   default precision (dot products where the CPU has them; QKV_DOT_PRODUCTS
+//                   =off for the float32 arithmetic), the bf16 dot peak printed too
 #include <time.h>
 
 #include <algorithm>
@@ -20,7 +23,9 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <vector>
 
+#include "dot_peak.hpp"
 #include "fma_probe.hpp"
 #include "hwy/targets.h"
 #include "qkv/attention.hpp"
@@ -44,6 +49,7 @@ int main(int argc, char** argv) try {
   const std::string pass = argc > 6 ? argv[6] : "both";
   const bool bhsd = argc > 7 && std::string(argv[7]) == "bhsd";
   const std::string target = argc > 8 ? argv[8] : "best";
+  const bool bf16 = argc > 9 && std::string(argv[9]) == "bfloat16";
   if (target != "best") {
     int64_t chosen = 0;
     for (int64_t rest = hwy::SupportedTargets(); rest != 0; rest &= rest - 1)
@@ -82,10 +88,12 @@ int main(int argc, char** argv) try {
   };
   const qkv::bench::FmaPeak fma = qkv::bench::measure_fma_peak_cpu_time(100'000'000, 3);
   const double peak = fma.gflops;
+  const double bf16_peak = qkv::bench::measure_dot_peak_cpu_time(qkv::bench::DotUnit::bf16, 100'000'000, 3);
   std::printf("N=%lld d=%lld heads=%lld %s %s, 1 thread, fastest of %d by thread CPU time; "
               "FMA peak %.1f GFLOP/s (%s)\n",
               static_cast<long long>(n), static_cast<long long>(d),
               static_cast<long long>(heads), causal ? "causal" : "dense", bhsd ? "bhsd" : "bshd", repeats, peak, fma.target.c_str());
+  if (bf16) std::printf("  bfloat16 storage; bf16 dot peak %.1f GFLOP/s\n", bf16_peak);
   // The same buffers seen in either layout (the values are random either way).
   auto in = [&](const qkv::Tensor<float, 4>& t) {
     return bhsd ? qkv::View4<const float>::from_bhsd(t.data(), 1, heads, n, d) : t.cview();
@@ -93,19 +101,45 @@ int main(int argc, char** argv) try {
   auto io = [&](qkv::Tensor<float, 4>& t) {
     return bhsd ? qkv::View4<float>::from_bhsd(t.data(), 1, heads, n, d) : t.view();
   };
+  std::vector<qkv::Tensor<qkv::bfloat16, 4>> half;  // q, k, v, out, dout, dq, dk, dv
+  if (bf16) {
+    for (auto* t : {&q, &k, &v, &out, &dout, &dq, &dk, &dv}) {
+      half.emplace_back(t->shape());
+      for (size_t i = 0; i < t->size(); ++i) half.back().data()[i] = qkv::bfloat16(t->data()[i]);
+    }
+  }
+  auto in16 = [&](size_t i) {
+    return bhsd ? qkv::View4<const qkv::bfloat16>::from_bhsd(half[i].data(), 1, heads, n, d) : half[i].cview();
+  };
+  auto io16 = [&](size_t i) {
+    return bhsd ? qkv::View4<qkv::bfloat16>::from_bhsd(half[i].data(), 1, heads, n, d) : half[i].view();
+  };
   auto forward = [&] {
+    if (bf16) {
+      qkv::attention_forward(qkv::ForwardArgs<qkv::bfloat16>{in16(0), in16(1), in16(2), io16(3), lse.view()},
+                             options);
+      return;
+    }
     qkv::attention_forward(qkv::ForwardArgs<float>{in(q), in(k), in(v), io(out), lse.view()},
                            options);
   };
   if (pass != "bwd") {
     const double t = best_of(forward);
-    std::printf("  fwd  %8.2f ms  %6.1f GFLOP/s  %4.0f%% of peak\n", 1e3 * t, flops / t / 1e9,
+    std::printf("  fwd  %8.2f ms  %6.1f GFLOP/s  %4.0f%% of peak", 1e3 * t, flops / t / 1e9,
                 100 * flops / t / 1e9 / peak);
+    if (bf16 && bf16_peak > 0) std::printf("  %4.0f%% of the bf16 dot peak", 100 * flops / t / 1e9 / bf16_peak);
+    std::printf("\n");
   } else {
     forward();
   }
   if (pass != "fwd") {
     const double t = best_of([&] {
+      if (bf16) {
+        qkv::attention_backward(qkv::BackwardArgs<qkv::bfloat16>{in16(0), in16(1), in16(2), in16(3), lse.cview(),
+                                                                 in16(4), io16(5), io16(6), io16(7)},
+                                options);
+        return;
+      }
       qkv::attention_backward(
           qkv::BackwardArgs<float>{in(q), in(k), in(v), in(out), lse.cview(), in(dout),
                                    io(dq), io(dk), io(dv)},

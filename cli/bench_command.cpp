@@ -7,7 +7,9 @@
 // backward), then repeatedly until both --reps runs and --min-time seconds are done; the
 // table reports the median and the fastest run, GFLOP/s from the median, and that as a
 // share of the machine's fp32 FMA peak, measured just before with the same threads by
-// the probe bench/bench_attention.py uses (bench/fma_probe.hpp).
+// the probe bench/bench_attention.py uses (bench/fma_probe.hpp). The dot-product units'
+// peaks (bf16 vdpbf16ps, int8 vpdpbusd; bench/dot_peak.hpp) are measured and printed next
+// to it, so a bf16 or int8 kernel's share of its own unit's peak can be read off them.
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -17,6 +19,7 @@
 
 #include "bench.hpp"
 #include "command.hpp"
+#include "dot_peak.hpp"
 #include "fma_probe.hpp"
 #include "format.hpp"
 #include "json.hpp"
@@ -192,6 +195,11 @@ int bench(BenchFlags flags, Streams streams) {
   const Backend backend = resolve_backend(AttentionOptions{.execution = {.backend = c.backend}}, false, false);
   const int threads = c.threads > 0 ? c.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const bench::FmaPeak peak = bench::measure_fma_peak(threads, kPeakIterations, kPeakRepeats);
+  const double bf16_peak = bench::measure_dot_peak(bench::DotUnit::bf16, threads, kPeakIterations, kPeakRepeats);
+  const double int8_peak = bench::measure_dot_peak(bench::DotUnit::int8, threads, kPeakIterations, kPeakRepeats);
+  const auto unit_peak = [](double ops, const char* unit) {
+    return ops > 0 ? format("%.1f", ops) + unit : std::string("none on this CPU");
+  };
   if (!flags.json) {
     streams.out << "qkv bench — fp32, backend " << backend_name(backend) << ", " << threads
                 << (threads == 1 ? " thread" : " threads")
@@ -200,7 +208,9 @@ int bench(BenchFlags flags, Streams streams) {
                    "the median\n"
                 << "  % peak: of the fp32 FMA peak measured now, " << format("%.1f", peak.gflops)
                 << " GFLOP/s on " << threads << (threads == 1 ? " thread" : " threads") << " ("
-                << peak.target << ")\n\n";
+                << peak.target << ")\n"
+                << "  dot-product peaks measured now: bf16 (vdpbf16ps) " << unit_peak(bf16_peak, " GFLOP/s")
+                << ", int8 (vpdpbusd) " << unit_peak(int8_peak, " GOP/s") << "\n\n";
   }
   // Rows are printed as they finish (slow backends take a while), so the table's widths
   // are fixed here rather than fitted.
@@ -232,6 +242,8 @@ int bench(BenchFlags flags, Streams streams) {
               {"seed", static_cast<int64_t>(c.seed)},
               {"fma_peak_gflops", json_number(peak.gflops)},
               {"simd_target", peak.target},
+              {"bf16_dot_peak_gflops", json_number(bf16_peak)},
+              {"int8_dot_peak_gops", json_number(int8_peak)},
               {"rows", Json::array()}};
     for (const BenchRow& r : rows) {
       json["rows"].push_back({{"batch", r.shape.batch},

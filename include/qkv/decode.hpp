@@ -67,6 +67,7 @@ struct DecodeOptions {
   float softcap = 0.0f;
   std::span<const float> alibi_slopes;
   std::span<const float> sinks;
+  Precision precision = Precision::fast;  // AttentionOptions::precision
 
   AttentionOptions attention() const;
 };

@@ -34,6 +34,11 @@ inline constexpr std::array<EnumName<Backend>, 4> kBackendNames{{
     {"automatic", Backend::automatic, true},  // the command line's word before this table
 }};
 
+inline constexpr std::array<EnumName<Precision>, 2> kPrecisionNames{{
+    {"fast", Precision::fast},
+    {"exact", Precision::exact},
+}};
+
 // The value called `name`, or nothing.
 template <class E, std::size_t N>
 constexpr std::optional<E> enum_from_name(const std::array<EnumName<E>, N>& table,
@@ -75,6 +80,10 @@ inline std::optional<Causal> causal_from_name(std::string_view name) {
 inline std::optional<Backend> backend_from_name(std::string_view name) {
   return enum_from_name(kBackendNames, name);
 }
+inline std::optional<Precision> precision_from_name(std::string_view name) {
+  return enum_from_name(kPrecisionNames, name);
+}
+constexpr std::string_view name_of(Precision value) { return enum_name(kPrecisionNames, value); }
 constexpr std::string_view name_of(Causal value) { return enum_name(kCausalNames, value); }
 constexpr std::string_view name_of(Backend value) { return enum_name(kBackendNames, value); }
 

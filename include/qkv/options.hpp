@@ -40,6 +40,18 @@ enum class Backend {
   cpu,        // fused FlashAttention-2 style kernels (fp32)
 };
 
+// The arithmetic of the fused kernels (README "Numerics contract", bench/RESULTS.md §9):
+//   fast:  the default. Where the CPU has dot-product units for the storage type that
+//          beat its float32 FMAs (AVX512-BF16 on AMD Zen 4/5 for bfloat16; not Intel's,
+//          which run them at a quarter of the FMA rate), the block products use them: Q·Kᵀ from exact
+//          bf16 products summed in float32, P as two bfloat16 terms (hi + lo) for P·V —
+//          measured, the float32 path's error (≤ PyTorch's bf16 SDPA against fp64, the
+//          contract's bound). Elsewhere (float16, float32, caches, the backward) it is `exact`.
+//   exact: every input widened exactly to float32, float32 products and sums: the same
+//          bits as before this option existed, on every machine.
+// float32 and float16 storage compute the same either way (no fp16 dot on these CPUs).
+enum class Precision { fast, exact };
+
 struct Execution {
   Backend backend = Backend::automatic;
   int threads = 0;  // 0: every hardware thread. Results never depend on this.
@@ -107,6 +119,7 @@ struct AttentionOptions {
   // Programmable score_mod / mask_mod (qkv/modifiers.hpp): non-owning, like the masks.
   Modifiers modifiers;
 
+  Precision precision = Precision::fast;
   Execution execution;
 };
 

@@ -30,6 +30,12 @@ _COMMON_DOC = """
         ``"cpu"`` (fused float32 kernels, where built: see qkv.available_backends()).
     threads: None = every hardware thread. Results never depend on it.
     check_finite: scan inputs first and raise naming the first NaN/Inf element.
+    precision: None or ``"fast"`` (default) lets bfloat16 calls use the CPU's bf16 dot
+        products (AVX512-BF16) where they beat its float32 FMAs (AMD Zen 4/5; not
+        Intel's, see the README): exact products of q and k, the softmax
+        weights as two bfloat16 terms for ``P·v``, with an error against fp64 no larger
+        than PyTorch's bf16 SDPA (README, "Numerics contract"). ``"exact"``: inputs widened exactly, float32 products and sums, on
+        every CPU. float32, float16 and float64 compute the same either way.
 
     Variants (as FlashAttention defines them; all off by default):
     window: ``(left, right)`` sliding window: query i sees keys j with
@@ -64,7 +70,7 @@ def attention(q, k, v, *, causal=None, mask=None, scale=None, key_lengths=None,
               return_lse=False, return_stats=False, return_row_stats=False,
               saturation_threshold=_stats.DEFAULT_THRESHOLD, layout="bhsd", backend="auto",
               threads=None, check_finite=False, window=None, alibi_slopes=None, softcap=None,
-              sinks=None, dropout_p=0.0, seed=None):
+              sinks=None, dropout_p=0.0, seed=None, precision=None):
     fn = "qkv.attention"
     fw = framework_of(fn, q=q, k=k, v=v, mask=mask)
     if layout != "bhsd":
@@ -82,12 +88,13 @@ def attention(q, k, v, *, causal=None, mask=None, scale=None, key_lengths=None,
                            key_lengths=key_lengths, return_lse=return_lse, stats=stats,
                            layout=layout,
                            backend=backend, threads=threads, check_finite=check_finite,
-                           variants=(window, alibi_slopes, softcap, sinks, dropout_p, seed))
+                           variants=(window, alibi_slopes, softcap, sinks, dropout_p, seed,
+                                     precision))
     options = make_options(fn, fw, mask=mask, key_lengths=key_lengths, scale=scale,
                            causal=causal, backend=backend, threads=threads,
                            check_finite=check_finite, window=window,
                            alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                           dropout_p=dropout_p, seed=seed)
+                           dropout_p=dropout_p, seed=seed, precision=precision)
     stats = library_stats = None
     if return_stats or return_row_stats:
         threshold = _stats.check_threshold(fn, saturation_threshold)
@@ -116,7 +123,8 @@ def _traced(fn, q, k, v, *, causal, mask, scale, key_lengths, return_lse, stats,
     checks them when it runs."""
     from . import _torch_ops
 
-    window, alibi_slopes, softcap, sinks, dropout_p, seed = variants
+    window, alibi_slopes, softcap, sinks, dropout_p, seed, precision = variants
+    _torch_ops.refuse_precision_when_traced(precision)
     keep, bias = mask_arrays(fn, Torch, mask)
     lengths = None if key_lengths is None else key_lengths_array(fn, Torch, key_lengths)
     args = _torch_ops.OpArgs.plain(fn, keep, bias, lengths, scale, causal, layout, backend,
@@ -150,7 +158,7 @@ attention.__doc__ = """Scaled dot-product attention: ``softmax(scale·q·kᵀ + 
 def attention_backward(q, k, v, out, lse, dout, *, causal=None, mask=None, scale=None,
                        key_lengths=None, layout="bhsd", backend="auto", threads=None,
                        check_finite=False, window=None, alibi_slopes=None, softcap=None,
-                       sinks=None, dropout_p=0.0, seed=None):
+                       sinks=None, dropout_p=0.0, seed=None, precision=None):
     fn = "qkv.attention_backward"
     fw = framework_of(fn, q=q, k=k, v=v, out=out, lse=lse, dout=dout, mask=mask)
     check_layout(fn, layout)
@@ -162,7 +170,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=None, mask=None, scale
                            causal=causal, backend=backend, threads=threads,
                            check_finite=check_finite, window=window,
                            alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                           dropout_p=dropout_p, seed=seed)
+                           dropout_p=dropout_p, seed=seed, precision=precision)
     if options.sinks is None:
         return _core.backward(fw, q, k, v, out, lse, dout, layout=layout, options=options)
     dsinks = fw.empty(tuple(options.sinks.shape), options.sinks)

@@ -21,7 +21,7 @@ from ._decode_eager import (_check_layout, _empty_out, _float32_logical, _float3
 
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
            layout="bhsd", return_lse=False, threads=None, window=None, softcap=None, alibi_slopes=None,
-           sinks=None, k_scale=None, v_scale=None):
+           sinks=None, k_scale=None, v_scale=None, precision=None):
     """Attention of q against caller-owned caches, read in place (no copy of the cache).
 
     q: ``[B, Hq, Nq, d]`` (layout "bhsd") or ``[B, Nq, Hq, d]`` ("bshd"), any float dtype
@@ -36,7 +36,7 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     int8 caches take ``k_scale`` and ``v_scale``, one float32 per cached row (the row's
     values are int8 · scale): ``[B, Hkv, capacity]`` ("bhsd"), ``[B, capacity, Hkv]``
     ("bshd"), or ``[num_blocks, block_size, Hkv]`` for a paged pool.
-    scale, causal, threads, window, softcap, alibi_slopes, sinks: as in ``qkv.attention``
+    scale, causal, threads, window, softcap, alibi_slopes, sinks, precision: as in ``qkv.attention``
     (the same Options, checked alike: a bad value gets the same error;
     ``window=(left, right)``, -1 or None unbounded; a sliding window reads only the keys
     in it).
@@ -50,6 +50,9 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
         from . import _torch_ops_cache
 
         if _torch_ops_cache.traced(q):  # torch.compile, fake tensors: the operator
+            from ._torch_ops import refuse_precision_when_traced
+
+            refuse_precision_when_traced(precision)
             return _torch_ops_cache.traced_decode(
                 fn, q, k_cache, v_cache, cache_lengths, block_table=block_table, scale=scale,
                 causal=causal, layout=layout, return_lse=return_lse, threads=threads,
@@ -59,7 +62,7 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
                                 scale=scale, causal=causal, layout=layout,
                                 return_lse=return_lse, threads=threads, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                                k_scale=k_scale, v_scale=v_scale)
+                                k_scale=k_scale, v_scale=v_scale, precision=precision)
 
 
 class KVCache:
@@ -150,20 +153,23 @@ class KVCache:
         self._cache.append_varlen(k_lib, v_lib, offsets, seqs)
 
     def attend(self, q, *, scale=None, causal="bottom_right", return_lse=False, threads=None, window=None,
-               softcap=None, alibi_slopes=None, sinks=None):
+               softcap=None, alibi_slopes=None, sinks=None, precision=None):
         """Attention of q ``[B, Hq, T, d]`` against every sequence's cache, the T queries
-        aligned with each sequence's newest keys. window, softcap, alibi_slopes, sinks: as
-        in ``qkv.decode``. Returns out like q, or (out, lse)."""
+        aligned with each sequence's newest keys. window, softcap, alibi_slopes, sinks,
+        precision: as in ``qkv.decode``. Returns out like q, or (out, lse)."""
         fn = "qkv.KVCache.attend"
         if _is_torch(q):
             from . import _torch_ops_cache
 
             if _torch_ops_cache.traced(q):
+                from ._torch_ops import refuse_precision_when_traced
+
+                refuse_precision_when_traced(precision)
                 return _torch_ops_cache.traced_attend(
                     self, q, scale=scale, causal=causal, return_lse=return_lse,
                     threads=threads, window=window, softcap=softcap,
                     alibi_slopes=alibi_slopes, sinks=sinks)
-        options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
+        options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks, precision)
         q_lib = _float32_logical(q, self.layout, "q", fn)
         batch, q_len, q_heads, _ = q_lib.shape
         out, work, out_lib = _empty_out(q, batch, q_len, q_heads, self.v_dim, self.layout)

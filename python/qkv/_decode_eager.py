@@ -159,22 +159,23 @@ def _int_array(values, dtype, name: str, function: str):
     return np.ascontiguousarray(array, dtype=dtype)
 
 
-def _options(function: str, q, scale, causal, threads, window, softcap, alibi_slopes, sinks):
+def _options(function: str, q, scale, causal, threads, window, softcap, alibi_slopes, sinks,
+             precision=None):
     """The call's Options, built as qkv.attention builds its own (the same keywords, the
     same C++ checks and so the same errors)."""
     fw = Torch if any(_is_torch(x) for x in (q, alibi_slopes, sinks)) else NumPy  # no gradient here
     return make_options(function, fw, scale=scale, causal=causal,
                         threads=threads, window=window, softcap=softcap,
-                        alibi_slopes=alibi_slopes, sinks=sinks)
+                        alibi_slopes=alibi_slopes, sinks=sinks, precision=precision)
 
 
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
            layout="bhsd", return_lse=False, threads=None, window=None, softcap=None, alibi_slopes=None,
-           sinks=None, k_scale=None, v_scale=None):
+           sinks=None, k_scale=None, v_scale=None, precision=None):
     """qkv.decode (qkv/_decode.py documents it) on plain arrays: the library call."""
     fn = "qkv.decode"
     _check_layout(fn, layout)
-    options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
+    options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks, precision)
     q_lib = _float32_logical(q, layout, "q", fn)
     k_lib, bits_as = _cache_array(k_cache, "k_cache", fn)
     v_lib, v_bits = _cache_array(v_cache, "v_cache", fn)

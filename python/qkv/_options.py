@@ -94,6 +94,7 @@ def make_options(
     dropout_p=0.0,
     seed=None,
     fixed_key_split=False,
+    precision=None,
 ) -> Options:
     """The bound Options of one call; `function` names the caller in messages. Python
     only converts what needs the array framework (masks, key lengths, per-head vectors)
@@ -103,15 +104,17 @@ def make_options(
         keep, bias = mask_arrays(function, fw, mask)
     if key_lengths is not None:
         key_lengths = key_lengths_array(function, fw, key_lengths)
+    # precision (None: "fast") only by keyword when given: the common call stays positional.
+    extra = {} if precision is None else {"precision": precision}
     if (window is None and alibi_slopes is None and softcap is None and sinks is None
             and seed is None and (dropout_p is None or (type(dropout_p) in (int, float)
                                                         and dropout_p == 0))):
         options = Options(function, causal, scale, backend, threads, check_finite, keep, bias,
-                          key_lengths)
+                          key_lengths, **extra)
     else:
         if seed is None and dropout_p:
             seed = fw.random_seed()
         options = Options(function, causal, scale, backend, threads, check_finite, keep, bias,
                           key_lengths, window, per_head_vector(function, fw, "alibi_slopes", alibi_slopes),
-                          softcap, per_head_vector(function, fw, "sinks", sinks), dropout_p, seed)
+                          softcap, per_head_vector(function, fw, "sinks", sinks), dropout_p, seed, **extra)
     return options.replace(fixed_key_split=fixed_key_split) if fixed_key_split else options

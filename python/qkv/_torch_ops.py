@@ -318,6 +318,14 @@ def traced(q, k, v) -> bool:
             or not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor))
 
 
+def refuse_precision_when_traced(precision) -> None:
+    """The traced operators do not carry `precision` yet: a traced call with it would
+    silently compute the default, so it is refused (eager calls take it)."""
+    if precision is not None:
+        raise NotImplementedError("qkv: precision= is not traced by torch.compile or fake tensors yet; "
+                                  "call without it (the default, 'fast') or eagerly")
+
+
 def refuse_stats_when_traced(stats) -> None:
     if stats is not None:
         raise NotImplementedError(

@@ -21,7 +21,7 @@ _DOC = """
     Errors name the argument (qkv.Error), e.g. a cu_seqlens entry that decreases.
     dtypes: float32, float64, float16 or bfloat16 (one for q, k, v; lse is float32 for
     the 16-bit ones, which are computed in float32 and rounded once on output).
-    Variants as in qkv.attention: window, alibi_slopes and sinks (both differentiable for
+    precision as in qkv.attention. Variants as in qkv.attention: window, alibi_slopes and sinks (both differentiable for
     torch; varlen_attention_backward also returns dsinks), softcap, dropout_p, seed.
 """
 

@@ -34,7 +34,8 @@ _FN = "qkv.torch.scaled_dot_product_attention"
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
-                                 window=None, alibi_slopes=None, softcap=None, sinks=None):
+                                 window=None, alibi_slopes=None, softcap=None, sinks=None,
+                                 precision=None):
     """softmax(scale·query·keyᵀ + attn_mask)·value, as
     ``torch.nn.functional.scaled_dot_product_attention`` computes it, by qkv.
 
@@ -60,7 +61,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       ``alibi_slopes``, ``softcap``, ``sinks`` (differentiable). All of them, dropout
       included, trace under torch.compile (fullgraph) and torch.export: the call is the
       operator ``torch.ops.qkv.attention_forward``; a compiled call draws its dropout
-      seed from the same generator, in the same order, as an eager one.
+      seed from the same generator, in the same order, as an eager one. ``precision``
+      (None / ``"fast"`` or ``"exact"``, as in qkv.attention) runs eagerly only.
     - float32, float64, bfloat16 and float16 on the CPU only (TypeError otherwise).
       bfloat16 and float16 are read in place, computed in float32 and rounded once to
       the input dtype (gradients too).
@@ -123,8 +125,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     q, k, v = (Torch.inner_contiguous(x) for x in (q, k, v))
     has_variants = bool(dropout_p or window is not None or alibi_slopes is not None or softcap
-                        or sinks is not None)
+                        or sinks is not None or precision is not None)
     if _torch_ops.traced(q, k, v):
+        _torch_ops.refuse_precision_when_traced(precision)
         args = _torch_ops.OpArgs.plain(_FN, keep, bias, None, scale,
                                        "top_left" if is_causal else None, "bhsd", "auto",
                                        _torch_ops.TORCH_THREADS, False, like=q,
@@ -137,7 +140,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         options = make_options(_FN, Torch, scale=scale, causal=causal,
                                threads=torch.get_num_threads(), window=window,
                                alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                               dropout_p=dropout_p).replace(keep=keep, bias=bias)
+                               dropout_p=dropout_p, precision=precision).replace(keep=keep, bias=bias)
     else:
         options = Options(_FN, causal, scale, "auto",
                           torch.get_num_threads(), False, keep, bias)

@@ -70,6 +70,18 @@ Backend backend_of(const char* function, nb::handle value) {
   throw Error(message);
 }
 
+// precision=: None is the default ("fast"), else a name of qkv/names.hpp's table.
+Precision precision_of(const char* function, nb::handle value) {
+  if (value.is_none()) return Precision::fast;
+  if (nb::isinstance<nb::str>(value)) {
+    if (const auto precision = precision_from_name(nb::borrow<nb::str>(value).c_str())) return *precision;
+    throw Error(std::string(function) + ": precision: expected None, " + enum_choices(kPrecisionNames, "'", " or ") +
+                ", got " + nb::repr(value).c_str());
+  }
+  type_error(function, "precision: expected None, " + enum_choices(kPrecisionNames, "'", " or ") + ", got " +
+                           type_and_repr(value));
+}
+
 std::optional<double> scale_of(const char* function, nb::handle value) {
   if (value.is_none()) return std::nullopt;
   const bool number = PyFloat_Check(value.ptr()) ||
@@ -245,6 +257,7 @@ constexpr Field kFields[] = {
     {"block_mask", &set_block_mask},
     // Keyword only in practice (qkv.BatchPlan): after the positional fields.
     {"fixed_key_split", [](BoundOptions& o, const char*, nb::handle v) { o.options.execution.fixed_key_split = truthy(v); }},
+    {"precision", [](BoundOptions& o, const char* f, nb::handle v) { o.options.precision = precision_of(f, v); }},
 };
 
 void set_field(BoundOptions& o, const char* function, std::string_view key, nb::handle value) {
@@ -283,6 +296,7 @@ nb::dict fields_of(const BoundOptions& o) {
   d["seed"] = a.dropout.seed;
   d["offset"] = a.dropout.offset;
   d["block_mask"] = optional_array(o.block_mask);
+  d["precision"] = nb::str(name_of(a.precision).data(), name_of(a.precision).size());
   return d;
 }
 
@@ -365,7 +379,7 @@ void bind_options(nb::module_& m) {
           "(int64), window ((left, right), None = -1 on either side), alibi_slopes "
           "(float32, per query head), softcap, sinks (float32, per query head), dropout_p, "
           "seed, offset, block_mask ((state, slot, bytes, block_q, block_k): qkv/block_sparse.hpp), "
-          "fixed_key_split. Arrays are NumPy arrays or torch tensors, held as given.")
+          "fixed_key_split, precision (None = 'fast', or 'exact'). Arrays are NumPy arrays or torch tensors, held as given.")
       .def(
           "replace",
           [](const BoundOptions& self, const nb::kwargs& changes) {
@@ -394,7 +408,8 @@ void bind_options(nb::module_& m) {
       .def_prop_ro("softcap", [](const BoundOptions& o) { return o.options.softcap; })
       .def_prop_ro("sinks", [](const BoundOptions& o) { return optional_array(o.sinks); })
       .def_prop_ro("dropout_p", [](const BoundOptions& o) { return o.options.dropout.p; })
-      .def_prop_ro("seed", [](const BoundOptions& o) { return o.options.dropout.seed; });
+      .def_prop_ro("seed", [](const BoundOptions& o) { return o.options.dropout.seed; })
+      .def_prop_ro("precision_name", [](const BoundOptions& o) { return std::string(name_of(o.options.precision)); });
 }
 
 }  // namespace qkv::python

@@ -173,6 +173,7 @@ AttentionOptions DecodeOptions::attention() const {
   options.alibi_slopes = alibi_slopes;
   options.sinks = sinks;
   options.execution.threads = threads;
+  options.precision = precision;
   return options;
 }
 

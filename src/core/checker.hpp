@@ -110,6 +110,14 @@ inline void check_backend(const Checker& check, const AttentionOptions& options,
   }
 }
 
+inline Precision checked_precision(const Checker& check, const AttentionOptions& options) {
+  if (options.precision != Precision::fast && options.precision != Precision::exact) {
+    check.fail("options.precision: expected fast or exact, got value " +
+               std::to_string(static_cast<int>(options.precision)));
+  }
+  return options.precision;
+}
+
 // The execution options of a dense or varlen problem (ForwardProblem<T> or
 // BackwardProblem<T>, core/problem.hpp): the backend checked, the scale and the thread
 // count resolved into the problem. Last in every validator, after the views.
@@ -120,6 +128,7 @@ void resolve_execution(const Checker& check, const AttentionOptions& options, bo
   problem.scale = resolve_scale(check, options, problem.extents.head_dim);
   problem.threads = resolve_threads(check, options);
   if constexpr (requires { problem.fixed_key_split; }) problem.fixed_key_split = options.execution.fixed_key_split;
+  problem.precision = checked_precision(check, options);
 }
 
 }  // namespace qkv::detail

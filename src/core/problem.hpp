@@ -210,6 +210,8 @@ struct ForwardProblem {
   // options.execution.fixed_key_split: the split-K schedule splits keys on a fixed grid
   // (cpu/decode_plan.hpp), so a row's bits do not depend on the rows computed with it.
   bool fixed_key_split = false;
+  // options.precision, checked: whether the kernels may use dot-product units.
+  Precision precision = Precision::fast;
   // Softmax statistics (qkv/attention_stats.hpp, core/head_stats.hpp), normalized like
   // the other views: per-row views [B, Hq, Nq] (varlen: batch stride 0, rows addressed
   // through the sequence offsets), in float for the 16-bit storage types. `collect_stats`
@@ -251,6 +253,7 @@ struct BackwardProblem {
   ScoreModifiers modifiers;
   BackwardArgs<T> args;
   int threads = 1;
+  Precision precision = Precision::fast;
 
   const Sequences& sequences() const { return mask.sequences; }
   BackwardRowAccess<T> rows() const { return {{&mask.sequences, &args}}; }

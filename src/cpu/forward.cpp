@@ -51,8 +51,10 @@
 #include "cpu/block_mask.hpp"
 #include "cpu/finite_scan.hpp"
 #include "cpu/mask_tiles.hpp"
+#include "cpu/bf16_dot.hpp"
 #include "cpu/blocking.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cpu/dot_products.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/work_order.hpp"
 #endif
@@ -79,6 +81,9 @@ struct ForwardScratch {
   // split_k_logits_for; decode_tiles-inl.h), so that its backward sees the same logits.
   bool split_k_logits;
   SplitKLogits split_k;
+  // bfloat16 with dot products (dot_products.hpp, bf16_dot.hpp): Q, P and V as pairs.
+  bool dots;
+  std::vector<uint32_t> q_pairs, p_pairs, v_pairs;
 
   template <class T>
   ForwardScratch(const detail::ForwardProblem<T>& p, size_t lanes)
@@ -98,7 +103,11 @@ struct ForwardScratch {
         key_end(width, 0),
         dropout_keys(width, 0),
         split_k_logits(std::is_same_v<T, float> && split_k_eligible(p.mask, p.modifiers)),
-        split_k(static_cast<size_t>(p.extents.head_dim), kBlockQueries, kBlockKeys, split_k_logits) {}
+        split_k(static_cast<size_t>(p.extents.head_dim), kBlockQueries, kBlockKeys, split_k_logits),
+        dots(std::is_same_v<T, bfloat16> && bf16_dot_products(p.precision)),
+        q_pairs(dots ? (static_cast<size_t>(p.extents.head_dim) + 1) / 2 * bf16dot::pair_ld(kBlockQueries) : 0),
+        p_pairs(dots ? 2 * (kBlockKeys / 2) * bf16dot::pair_ld(kBlockQueries) : 0),
+        v_pairs(dots ? kBlockKeys / 2 * bf16dot::pair_ld(static_cast<size_t>(p.extents.v_dim)) : 0) {}
 };
 
 // Attention health of a block's rows from the online softmax's own sums (see
@@ -158,8 +167,14 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
       s.dropout_keys[i] = detail::dropout_row_key(head_key, rows.first + static_cast<int64_t>(i));
   }
 
-  PackTransposed(rows_of.q(b, rows.first, h), p.args.q.strides[1], count, d,
-                 static_cast<float>(p.scale), s.qt.get(), width, width);
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (s.dots)  // Q unscaled: the scale multiplies the float32 sums
+      bf16dot::PackQueryPairs(rows_of.q(b, rows.first, h), p.args.q.strides[1], count, d, s.q_pairs.data(),
+                              bf16dot::pair_ld(kBlockQueries));
+  }
+  if (!s.dots)
+    PackTransposed(rows_of.q(b, rows.first, h), p.args.q.strides[1], count, d,
+                   static_cast<float>(p.scale), s.qt.get(), width, width);
 
   float* m = s.stats.get();
   float* l = m + s.width;
@@ -180,15 +195,17 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
     const int64_t first_key = k_block * kBlockKeys;
     const int64_t keys = std::min(kBlockKeys, k_len - first_key);
     // K and V as float rows: in place, or widened into scratch (V then padded to dv_ld).
-    const float* k;
-    const float* v;
-    size_t k_ld, v_ld;
+    const float* k = nullptr;
+    const float* v = nullptr;
+    size_t k_ld = 0, v_ld = 0;
     if constexpr (kIsHalf<T>) {
+      if (!s.dots) {
       WidenRows(rows_of.k(b, first_key, kv_head), k_row, static_cast<size_t>(keys), d,
                 s.k_wide.get(), d);
       WidenRows(rows_of.v(b, first_key, kv_head), v_row, static_cast<size_t>(keys), dv,
                 s.v_pad.get(), s.dv_ld);
       k = s.k_wide.get(), k_ld = d, v = s.v_pad.get(), v_ld = s.dv_ld;
+      }
     } else {
       k = rows_of.k(b, first_key, kv_head), k_ld = static_cast<size_t>(k_row);
       v = rows_of.v(b, first_key, kv_head), v_ld = static_cast<size_t>(v_row);
@@ -212,7 +229,13 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
         s.split_k.Tile(rows_of.q(b, rows.first, h), p.args.q.strides[1], count, static_cast<float>(p.scale), k,
                        static_cast<int64_t>(k_ld), static_cast<size_t>(keys), s.st.get(), width);
     }
-    if (!split_k_logits)
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (s.dots)
+        bf16dot::ScoresTransposed(rows_of.k(b, first_key, kv_head), k_row, static_cast<size_t>(keys), d,
+                                  s.q_pairs.data(), bf16dot::pair_ld(kBlockQueries), width,
+                                  static_cast<float>(p.scale), s.st.get(), width);
+    }
+    if (!split_k_logits && !s.dots)
       Gemm(static_cast<size_t>(keys), width, d, StridedA{k, k_ld, 1},
            s.qt.get(), width, s.st.get(), width, /*accumulate=*/false);
     // Soft-cap, ALiBi, score_mod, then the mask on partial tiles (core/score_pipeline.hpp).
@@ -241,10 +264,22 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
     // acc = acc·alpha + P·V_blk, with P read in place from Pᵀ. A removed key's V may hold
     // NaN/Inf (scanned once per call): then only the terms with P ≠ 0 are summed.
     if (partial && !finite.values(b, kv_head, k_block)) {
+      if (s.dots) {  // this rare block takes the float32 path, which skips the zeros
+        WidenRows(rows_of.v(b, first_key, kv_head), v_row, static_cast<size_t>(keys), dv, s.v_pad.get(), s.dv_ld);
+        v = s.v_pad.get(), v_ld = s.dv_ld;
+      }
       ScaleRows(s.acc.get(), count, s.dv_ld, s.dv_ld, alpha);
       AccumulateSkippingZeros(s.st.get(), width, count, static_cast<size_t>(keys), v,
                               static_cast<int64_t>(v_ld), dv, s.acc.get(), s.dv_ld);
       continue;
+    }
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (s.dots) {  // P as two bfloat16 terms (bf16_dot.hpp); the sums stay float32
+        bf16dot::RescaleAddWeighted(s.st.get(), width, count, static_cast<size_t>(keys),
+                                    rows_of.v(b, first_key, kv_head), v_row, dv,
+                                    {s.p_pairs.data(), s.v_pairs.data()}, s.acc.get(), s.dv_ld, alpha);
+        continue;
+      }
     }
     const float* v_operand = v;
     if (!kIsHalf<T> && dv % lanes != 0) {  // odd value dims: pad rows to whole vectors

@@ -114,6 +114,10 @@ TEST(Bench, PrintsATableAndJson) {
   const double json_peak = parsed.at("fma_peak_gflops").get<double>();
   EXPECT_GT(json_peak, 0.0);
   EXPECT_FALSE(parsed.at("simd_target").get<std::string>().empty());
+  // The dot-product peaks (0 where the CPU lacks the unit), in the table's header too.
+  EXPECT_GE(parsed.at("bf16_dot_peak_gflops").get<double>(), 0.0);
+  EXPECT_GE(parsed.at("int8_dot_peak_gops").get<double>(), 0.0);
+  EXPECT_NE(table.out.find("dot-product peaks measured now: bf16 (vdpbf16ps) "), std::string::npos) << table.out;
   for (const auto& row : parsed.at("rows")) {
     EXPECT_DOUBLE_EQ(row.at("peak_share").get<double>(), row.at("gflops").get<double>() / json_peak);
   }

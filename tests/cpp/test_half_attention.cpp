@@ -15,6 +15,7 @@
 #include "half_check.hpp"
 #include "hwy/targets.h"
 #include "simd_targets.hpp"
+#include "cpu/dot_products.hpp"
 
 namespace qkv {
 namespace {
@@ -173,7 +174,7 @@ INSTANTIATE_TEST_SUITE_P(Schedules, HalfDeterminism,
 
 // A NaN/Inf behind a removed key reaches no output (the scan reads half bits).
 template <class T>
-void expect_non_finite_stays_behind_mask() {
+void expect_non_finite_stays_behind_mask(Precision precision = Precision::exact) {
   const CaseSpec spec{.name = "nan", .q_len = 80, .k_len = 80, .head_dim = 16, .v_dim = 16,
                       .causal = Causal::top_left};
   Tensor<float, 4> dout;
@@ -181,7 +182,7 @@ void expect_non_finite_stays_behind_mask() {
   const int64_t poisoned = 70;
   c.v(0, poisoned, 0, 3) = INFINITY;
   c.k(0, poisoned, 0, 5) = std::nanf("");
-  const test::Results r = test::run_cpu_half<T>(c, &dout, 2);
+  const test::Results r = test::run_cpu_half<T>(c, &dout, 2, false, precision);
   for (int64_t i = 0; i < 80; ++i) {
     bool any_nan = false;
     for (int64_t x = 0; x < 16; ++x) any_nan = any_nan || std::isnan(r.out(0, i, 0, x));
@@ -204,6 +205,13 @@ TEST(HalfNumerics, Bfloat16NonFiniteBehindMaskStaysThere) {
 }
 TEST(HalfNumerics, Float16NonFiniteBehindMaskStaysThere) {
   expect_non_finite_stays_behind_mask_on_every_target<float16>();
+}
+// The same through the bf16 dot products (a partial tile with a non-finite V takes the
+// float32 path that skips the zero weights; cpu/forward.cpp).
+TEST(HalfNumerics, Bfloat16DotProductsNonFiniteBehindMaskStaysThere) {
+  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  const test::ForcedDotProducts on(true);
+  expect_non_finite_stays_behind_mask<bfloat16>(Precision::fast);
 }
 
 // float16 overflows at 65504: an output that fits is stored, one that does not is inf
@@ -247,6 +255,7 @@ void expect_varlen_contract() {
   AttentionOptions options;
   options.causal = Causal::bottom_right;
   options.execution.threads = 2;
+  options.precision = Precision::exact;  // this bound; Precision::fast: test_bf16_dot.cpp
   const std::span<const int64_t> offsets(cu);
 
   // The storage type on the cpu backend.
@@ -435,6 +444,7 @@ void expect_half_is_fp32_rounded_once(const HalfVariant& v) {
   if (v.sinks) options.sinks = sinks;
   options.execution.backend = Backend::cpu;
   options.execution.threads = 2;
+  options.precision = Precision::exact;  // the claim of the exact arithmetic (bf16 dots round P)
 
   // Half storage.
   const Tensor<T, 4> q = test::narrow<T>(c.q), k = test::narrow<T>(c.k), vv = test::narrow<T>(c.v),

@@ -23,6 +23,7 @@ struct Setting {
   std::optional<double> scale;
   int threads = 1;
   int64_t q_heads = 4;  // with 2 key/value heads
+  Precision precision = Precision::fast;
 };
 
 constexpr int64_t kKvHeads = 2, kDim = 8, kKeys = 4;
@@ -57,6 +58,7 @@ AttentionOptions attention_options(const Setting& s) {
   options.window = s.window;
   options.scale = s.scale;
   options.execution.threads = s.threads;
+  options.precision = s.precision;
   return options;
 }
 
@@ -65,6 +67,7 @@ DecodeOptions decode_options(const Setting& s) {
   options.window = s.window;
   options.scale = s.scale;
   options.threads = s.threads;
+  options.precision = s.precision;
   return options;
 }
 
@@ -219,6 +222,13 @@ TEST(SameErrors, Threads) {
     after_field.push_back(message.substr(at));
   }
   expect_all_equal(after_field, "threads: expected >= 0 (0 = all hardware threads), got -1");
+}
+
+TEST(SameErrors, Precision) {
+  expect_all_equal(bodies({.precision = static_cast<Precision>(7)}),
+                   "options.precision: expected fast or exact, got value 7");
+  for (const EntryPoint& entry : entry_points())
+    EXPECT_EQ(entry.call({.precision = Precision::exact}), "") << entry.function;
 }
 
 TEST(SameErrors, HeadCountMismatch) {

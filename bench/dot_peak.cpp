@@ -1,0 +1,112 @@
+// The dot-product peak probes of dot_peak.hpp: 12 independent accumulator chains
+// (≥ latency × ports of either unit on the CPUs measured), intrinsics under a target
+// attribute, as the kernels use them (src/cpu/bf16_dot.cpp).
+#include "dot_peak.hpp"
+
+#include <omp.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace qkv::bench {
+namespace {
+
+constexpr int kChains = 12;
+
+#if defined(__x86_64__)
+// Operations (2 per multiply-add) of `iterations` rounds; the sum keeps the work observable.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) double bf16_rounds(long iterations, float* sink) {
+  __m512 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(c));
+  __m512i a = _mm512_set1_epi16(0x3F80), b = _mm512_set1_epi16(0x3380);  // 1.0, ~6e-8
+  for (long i = 0; i < iterations; ++i) {
+    for (int c = 0; c < kChains; ++c)
+      acc[c] = _mm512_dpbf16_ps(acc[c], reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+    __asm__ volatile("" : "+v"(a));  // a loop-carried operand the compiler cannot hoist
+  }
+  __m512 total = acc[0];
+  for (int c = 1; c < kChains; ++c) total = _mm512_add_ps(total, acc[c]);
+  float lanes[16];  // (GCC 12's _mm512_reduce_* trip -Werror=uninitialized)
+  _mm512_storeu_ps(lanes, total);
+  *sink = lanes[0] + lanes[15];
+  return 2.0 * 32 * kChains * static_cast<double>(iterations);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) double int8_rounds(long iterations, float* sink) {
+  __m512i acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_epi32(c);
+  __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(-1);
+  for (long i = 0; i < iterations; ++i) {
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
+    __asm__ volatile("" : "+v"(a));
+  }
+  __m512i total = acc[0];
+  for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, acc[c]);
+  int lanes[16];
+  _mm512_storeu_si512(lanes, total);
+  *sink = static_cast<float>(lanes[0] + lanes[15]);
+  return 2.0 * 64 * kChains * static_cast<double>(iterations);
+}
+#endif
+
+double rounds(DotUnit unit, long iterations, float* sink) {
+#if defined(__x86_64__)
+  return unit == DotUnit::bf16 ? bf16_rounds(iterations, sink) : int8_rounds(iterations, sink);
+#else
+  (void)unit, (void)iterations, (void)sink;
+  return 0.0;
+#endif
+}
+
+double thread_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+}  // namespace
+
+bool has_dot_unit(DotUnit unit) {
+#if defined(__x86_64__)
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
+  return unit == DotUnit::bf16 ? __builtin_cpu_supports("avx512bf16") : __builtin_cpu_supports("avx512vnni");
+#else
+  (void)unit;
+  return false;
+#endif
+}
+
+double measure_dot_peak(DotUnit unit, int threads, long iterations, int repeats) {
+  if (!has_dot_unit(unit)) return 0.0;
+  std::vector<float> sinks(static_cast<size_t>(threads) * 16);  // a cache line per thread
+  double best = 0.0;
+  for (int repeat = 0; repeat < repeats; ++repeat) {
+    double ops = 0.0;
+    const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : ops)
+    ops += rounds(unit, iterations, &sinks[static_cast<size_t>(omp_get_thread_num()) * 16]);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, ops / seconds / 1e9);
+  }
+  return best;
+}
+
+double measure_dot_peak_cpu_time(DotUnit unit, long iterations, int repeats) {
+  if (!has_dot_unit(unit)) return 0.0;
+  float sink = 0.0f;
+  double best = 0.0;
+  for (int repeat = 0; repeat < repeats; ++repeat) {
+    const double start = thread_seconds();
+    const double ops = rounds(unit, iterations, &sink);
+    best = std::max(best, ops / (thread_seconds() - start) / 1e9);
+  }
+  return best;
+}
+
+}  // namespace qkv::bench

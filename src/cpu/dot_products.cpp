@@ -1,0 +1,83 @@
+// The dot-product switch of dot_products.hpp.
+#include "cpu/dot_products.hpp"
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <strings.h>
+
+#include "qkv/error.hpp"
+
+namespace qkv::cpu {
+namespace {
+
+enum class Choice { automatic, off, on };
+
+Choice environment_choice() {
+  // Read once; a bad word throws on every call instead (the static stays unset).
+  static const Choice choice = [] {
+    const char* wanted = std::getenv("QKV_DOT_PRODUCTS");
+    if (wanted == nullptr || *wanted == '\0' || strcasecmp(wanted, "auto") == 0) return Choice::automatic;
+    if (strcasecmp(wanted, "off") == 0) return Choice::off;
+    if (strcasecmp(wanted, "on") == 0) return Choice::on;
+    throw Error(std::string("QKV_DOT_PRODUCTS=") + wanted + ": expected auto, on or off");
+  }();
+  return choice;
+}
+
+// The test hook: -1 the environment's choice, 0 off, 1 on.
+std::atomic<int> forced_for_test{-1};
+
+Choice current_choice() {
+  const int forced = forced_for_test.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced == 1 ? Choice::on : Choice::off;
+  return environment_choice();
+}
+
+}  // namespace
+
+bool bf16_dot_pays() {
+  // Fixed per vendor, never timed, so that a call's bits never depend on a measurement.
+  // AMD Zen 4/5 issue vdpbf16ps at the fp32 FMA's rate with twice its multiply-adds
+  // (issue 23's measurements). Intel's cores with AVX512-BF16 (Cooper Lake, Sapphire and
+  // Emerald Rapids) issue it at a quarter of the FMA rate in multiply-adds: measured on
+  // an Emerald Rapids Xeon, 86 GFLOP/s against 175 for fp32 FMAs per core, and the tiled
+  // bf16 forward 1.8× (one bf16 P) to 2.5× (the two-term P) slower with it (bench/RESULTS.md §9). There AMX is the unit to use
+  // (README, "Backends"); until it is built the fp32 FMAs are the faster arithmetic.
+#if defined(__x86_64__)
+  static const bool pays = __builtin_cpu_is("amd");
+  return pays;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_bf16_dot() {
+  // __builtin_cpu_supports reads CPUID (AVX512-BF16 implies AVX512F, BW and VL there);
+  // "avx512f" also needs the OS to save the zmm state, which GCC's check includes.
+#if defined(__x86_64__)
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;  // bf16_dot.cpp has kernels for x86-64 only (NEON BF16 would be its own file)
+#endif
+}
+
+bool bf16_dot_products(Precision precision) {
+  const Choice choice = current_choice();
+  if (choice == Choice::on && !cpu_has_bf16_dot())
+    throw Error("QKV_DOT_PRODUCTS=on: this CPU has no AVX512-BF16 dot products");
+  if (precision == Precision::exact || choice == Choice::off) return false;
+  return cpu_has_bf16_dot() && (choice == Choice::on || bf16_dot_pays());
+}
+
+void set_dot_products_for_test(std::optional<bool> forced) {
+  forced_for_test.store(forced ? (*forced ? 1 : 0) : -1, std::memory_order_relaxed);
+}
+
+const char* bf16_arithmetic_name() {
+  return bf16_dot_products(Precision::fast) ? "bf16-dot" : "fp32-fma";
+}
+
+}  // namespace qkv::cpu

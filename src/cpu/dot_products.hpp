@@ -1,0 +1,41 @@
+// Whether the fused kernels may use the CPU's dot-product units (AVX512-BF16's
+// vdpbf16ps for bfloat16 storage): detected once per process, switchable for tests.
+//
+// A call uses them when its options.precision is Precision::fast, its storage type has
+// such a unit here, the unit is faster than the float32 FMAs it replaces on this CPU
+// (bf16_dot_pays) and the switch allows it. The switch is the environment variable
+// QKV_DOT_PRODUCTS (read once, at the first kernel call; case-insensitive):
+//   auto (or unset)  use them where the CPU has them and they pay
+//   off              never: every call computes as Precision::exact does
+//   on               always: a CPU without them makes every call throw qkv::Error
+// and, for tests, set_dot_products_for_test (which wins over the environment). Like
+// QKV_SIMD_TARGET it changes arithmetic, never which calls are accepted.
+#pragma once
+
+#include <optional>
+
+#include "qkv/options.hpp"
+
+namespace qkv::cpu {
+
+// Whether this CPU (and OS) runs the AVX512-BF16 kernels (bf16_dot.hpp).
+bool cpu_has_bf16_dot();
+
+// Whether vdpbf16ps beats the fp32 FMAs here: a fixed table by vendor (AMD yes, Intel
+// no — measured, see dot_products.cpp), never a timing, so bits never depend on load.
+bool bf16_dot_pays();
+
+// Whether a call with this precision on bfloat16 storage takes the dot-product kernels.
+// Throws qkv::Error when QKV_DOT_PRODUCTS=on (or the test hook) asks for units the CPU
+// lacks, or QKV_DOT_PRODUCTS holds another word.
+bool bf16_dot_products(Precision precision);
+
+// Tests: nullopt restores the environment's choice; true / false force either path
+// (true on a CPU without the units makes calls throw, as QKV_DOT_PRODUCTS=on does).
+void set_dot_products_for_test(std::optional<bool> forced);
+
+// "bf16-dot" or "fp32-fma": what a bfloat16 call in the default precision runs, for
+// benchmarks and `qkv bench`.
+const char* bf16_arithmetic_name();
+
+}  // namespace qkv::cpu

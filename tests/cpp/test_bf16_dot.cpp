@@ -1,0 +1,223 @@
+// Precision::fast on bfloat16 storage: the AVX512-BF16 block products (cpu/bf16_dot.hpp)
+// forced on, against the fp64 reference and the contract of half_check.hpp with P's
+// rounding to bfloat16 added (u·max_i (P·|V|)_i); forced off and Precision::exact, the
+// float32 arithmetic bit for bit; thread-count determinism; odd head and value dims
+// (the pairs padded, never refused); variants and varlen against the exact path; the
+// option's validation. On a CPU without AVX512-BF16 the forced-on tests are skipped
+// (the switch then makes calls throw, which one test checks).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "half_check.hpp"
+#include "simd_targets.hpp"
+
+namespace qkv {
+namespace {
+
+using test::CaseSpec;
+using test::ForcedDotProducts;
+
+#define QKV_REQUIRE_BF16_DOT() \
+  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU"
+
+struct DotCase {
+  CaseSpec spec;
+  bool bhsd = false;
+  int threads = 2;
+};
+
+std::ostream& operator<<(std::ostream& out, const DotCase& c) { return out << c.spec.name; }
+
+std::vector<DotCase> dot_cases() {
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  return {
+      {{.name = "n1_d1", .q_len = 1, .k_len = 1, .head_dim = 1, .v_dim = 1}},
+      {{.name = "n7_d3_causal", .q_len = 7, .k_len = 7, .head_dim = 3, .v_dim = 3, .causal = Causal::top_left}},
+      {{.name = "n63_d59_bhsd", .q_len = 63, .k_len = 63, .head_dim = 59, .v_dim = 59}, true},
+      {{.name = "n64_d64_gqa_causal", .batch = 2, .q_len = 64, .k_len = 64, .q_heads = 4, .kv_heads = 2,
+        .head_dim = 64, .v_dim = 64, .causal = Causal::top_left}},
+      {{.name = "n65_d111_mask", .q_len = 65, .k_len = 65, .head_dim = 111, .v_dim = 111, .keep_mask = true}},
+      {{.name = "n65x131_d128_bottom_right", .q_len = 65, .k_len = 131, .head_dim = 128, .v_dim = 128,
+        .causal = Causal::bottom_right}, true},
+      {{.name = "n130x63_d256_bias", .q_len = 130, .k_len = 63, .q_heads = 2, .kv_heads = 1, .head_dim = 256,
+        .v_dim = 256, .bias_mask = true}},
+      {{.name = "n100_d96_dv32_padding", .batch = 3, .q_len = 100, .k_len = 100, .head_dim = 96, .v_dim = 32,
+        .causal = Causal::top_left, .key_padding = true}, false, 3},
+      {{.name = "n70_everything", .batch = 2, .q_len = 70, .k_len = 90, .q_heads = 4, .kv_heads = 2,
+        .head_dim = 33, .v_dim = 17, .causal = Causal::bottom_right, .keep_mask = true, .bias_mask = true,
+        .key_padding = true, .scale = 0.2}},
+      {{.name = "single_pass_odd_dims", .batch = 4 * cores, .q_len = 20, .k_len = 75, .head_dim = 33,
+        .v_dim = 17, .causal = Causal::bottom_right, .keep_mask = true, .key_padding = true}, true},
+      {{.name = "n3x300_d64_decode_shape", .q_len = 3, .k_len = 300, .q_heads = 8, .kv_heads = 2,
+        .head_dim = 64, .v_dim = 64, .causal = Causal::bottom_right}},
+#ifndef QKV_TEST_SMALL
+      {{.name = "n1000_d64_causal", .q_len = 1000, .k_len = 1000, .head_dim = 64, .v_dim = 64,
+        .causal = Causal::top_left}},
+#endif
+  };
+}
+
+class Bf16DotAgainstReference : public ::testing::TestWithParam<DotCase> {};
+
+TEST_P(Bf16DotAgainstReference, WithinTheFastContract) {
+  QKV_REQUIRE_BF16_DOT();
+  const ForcedDotProducts on(true);
+  const DotCase& c = GetParam();
+  test::check_half_case<bfloat16>(c.spec, c.threads, c.bhsd, 1234, Precision::fast);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Bf16DotAgainstReference, ::testing::ValuesIn(dot_cases()),
+                         [](const auto& param_info) { return param_info.param.spec.name; });
+
+// The dot-product kernels are plain AVX-512 code: the Highway target around them (which
+// runs the softmax and the masks) must not matter.
+TEST(Bf16Dot, EverySimdTargetWithinTheFastContract) {
+  QKV_REQUIRE_BF16_DOT();
+  const ForcedDotProducts on(true);
+  test::for_each_simd_target([](int64_t) {
+    test::check_half_case<bfloat16>({.name = "t_odd", .q_len = 33, .k_len = 47, .head_dim = 59, .v_dim = 13,
+                                     .bias_mask = true, .key_padding = true},
+                                    2, false, 1234, Precision::fast);
+  });
+}
+
+bool same_bits(const test::Results& a, const test::Results& b) {
+  auto same = [](const auto& x, const auto& y) {
+    return std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+  };
+  return same(a.out, b.out) && same(a.lse, b.lse) && same(a.dq, b.dq) && same(a.dk, b.dk) && same(a.dv, b.dv);
+}
+
+const CaseSpec kMixed{.name = "mixed", .batch = 2, .q_len = 150, .k_len = 170, .q_heads = 4, .kv_heads = 2,
+                      .head_dim = 63, .v_dim = 48, .causal = Causal::bottom_right, .bias_mask = true,
+                      .key_padding = true};
+
+// Precision::exact ignores the switch, and the switch off makes fast exact: the float32
+// arithmetic either way, bit for bit (bench/compare_digests.sh checks it against the
+// saved baselines too). Forced on, fast really takes the other path.
+TEST(Bf16Dot, ExactIsTheFloat32ArithmeticWhateverTheSwitch) {
+  Tensor<float, 4> dout;
+  const test::Case<float> c = test::half_case<bfloat16>(kMixed, 5, dout);
+  test::Results exact_off, fast_off;
+  {
+    const ForcedDotProducts off(false);
+    exact_off = test::run_cpu_half<bfloat16>(c, &dout, 2, false, Precision::exact);
+    fast_off = test::run_cpu_half<bfloat16>(c, &dout, 2, false, Precision::fast);
+  }
+  EXPECT_TRUE(same_bits(exact_off, fast_off));
+  if (!cpu::cpu_has_bf16_dot()) return;
+  const ForcedDotProducts on(true);
+  EXPECT_TRUE(same_bits(exact_off, test::run_cpu_half<bfloat16>(c, &dout, 2, false, Precision::exact)));
+  const test::Results fast_on = test::run_cpu_half<bfloat16>(c, &dout, 2, false, Precision::fast);
+  EXPECT_NE(std::memcmp(fast_on.out.data(), exact_off.out.data(), fast_on.out.size() * sizeof(float)), 0)
+      << "forced on, Precision::fast gave the float32 path's bits: the dot products never ran";
+  // P enters P·V as two bfloat16 terms (~2⁻¹⁶ of P lost, bf16_dot.hpp), so before the one
+  // rounding to bfloat16 out is the float32 path's to ~1e-5 relative: the stored values
+  // differ only at near-ties, one bf16 ulp. (A single bf16 P, 2⁻⁹, moves most of them.)
+  // Near zero (cancelling terms) the float32 noise, 1e-5 of max |out|, can exceed an ulp.
+  float largest = 0.0f;
+  for (std::size_t i = 0; i < exact_off.out.size(); ++i) largest = std::max(largest, std::abs(exact_off.out[i]));
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < fast_on.out.size(); ++i) {
+    const float a = fast_on.out[i], b = exact_off.out[i];
+    differ += a != b;
+    EXPECT_LE(std::abs(a - b), std::abs(b) * 0x1p-7f + 1e-5f * largest) << i;  // one ulp, or noise
+  }
+  EXPECT_LE(differ, fast_on.out.size() / 20) << differ << " of " << fast_on.out.size() << " differ";
+}
+
+// float16 and float32 storage have no dot product here: fast is exact for them.
+TEST(Bf16Dot, OtherStorageTypesIgnoreThePrecision) {
+  const ForcedDotProducts on(cpu::cpu_has_bf16_dot());
+  Tensor<float, 4> dout;
+  const test::Case<float> c = test::half_case<float16>(kMixed, 6, dout);
+  EXPECT_TRUE(same_bits(test::run_cpu_half<float16>(c, &dout, 2, false, Precision::exact),
+                        test::run_cpu_half<float16>(c, &dout, 2, false, Precision::fast)));
+}
+
+TEST(Bf16Dot, BitwiseIdenticalForAnyThreadCount) {
+  QKV_REQUIRE_BF16_DOT();
+  const ForcedDotProducts on(true);
+  for (int64_t batch : {int64_t{1}, int64_t{2} * std::max(1u, std::thread::hardware_concurrency())}) {
+    CaseSpec spec = kMixed;
+    spec.batch = batch;
+    Tensor<float, 4> dout;
+    const test::Case<float> c = test::half_case<bfloat16>(spec, 7, dout);
+    const test::Results first = test::run_cpu_half<bfloat16>(c, &dout, 1, false, Precision::fast);
+    for (int threads : {2, 3, 8})
+      EXPECT_TRUE(same_bits(first, test::run_cpu_half<bfloat16>(c, &dout, threads, false, Precision::fast)))
+          << "batch " << batch << ", " << threads << " threads";
+  }
+}
+
+// The variants (window, ALiBi, soft-cap, sinks, dropout with masks and GQA) through the dot
+// products, against the exact path on the same inputs: both round once to bfloat16 (≤ u·|out|
+// each), and fast rounds each weight (≤ u·P_ij), whose sum over a row is ≤ 1/(1 − p)
+// (sinks only lower it): |out_fast − out_exact| ≤ u·max|v|/(1 − p) + 2u·max|out| + 1e-5.
+struct Variant {
+  const char* name;
+  Window window;
+  bool alibi = false, sinks = false;
+  float softcap = 0.0f, dropout = 0.0f;
+};
+
+TEST(Bf16Dot, VariantsWithinTheWeightRoundingOfTheExactPath) {
+  QKV_REQUIRE_BF16_DOT();
+  const ForcedDotProducts on(true);
+  const CaseSpec spec{.name = "variants", .batch = 2, .q_len = 90, .k_len = 130, .q_heads = 4, .kv_heads = 2,
+                      .head_dim = 33, .v_dim = 24, .causal = Causal::bottom_right, .keep_mask = true,
+                      .bias_mask = true, .key_padding = true};
+  const Variant variants[] = {{"window", {40, 20}},
+                              {"alibi", {}, true},
+                              {"softcap", {}, false, false, 2.5f},
+                              {"sinks", {16, 16}, false, true},
+                              {"dropout", {}, false, false, 0.0f, 0.2f},
+                              {"everything", {50, 10}, true, true, 3.0f, 0.2f}};
+  Tensor<float, 4> dout;
+  test::Case<float> c = test::half_case<bfloat16>(spec, 31, dout);
+  std::vector<float> slopes, sinks;
+  for (int64_t h = 0; h < spec.q_heads; ++h) {
+    slopes.push_back(std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(spec.q_heads)));
+    sinks.push_back(0.5f * static_cast<float>(h) - 0.3f);
+  }
+  double max_v = 0.0;
+  for (std::size_t i = 0; i < c.v.size(); ++i) max_v = std::max(max_v, std::abs(double{c.v[i]}));
+  const double u = test::unit_roundoff<bfloat16>();
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    test::Case<float> with = c;
+    with.options.window = v.window;
+    with.options.softcap = v.softcap;
+    with.options.dropout = {.p = v.dropout, .seed = 77, .offset = 3};
+    if (v.alibi) with.options.alibi_slopes = slopes;
+    if (v.sinks) with.options.sinks = sinks;
+    const test::Results exact = test::run_cpu_half<bfloat16>(with, &dout, 2, false, Precision::exact);
+    const test::Results fast = test::run_cpu_half<bfloat16>(with, &dout, 2, false, Precision::fast);
+    double max_out = 0.0, worst = 0.0, worst_lse = 0.0;
+    for (std::size_t i = 0; i < exact.out.size(); ++i) {
+      max_out = std::max(max_out, std::abs(double{exact.out[i]}));
+      worst = std::max(worst, std::abs(double{fast.out[i]} - double{exact.out[i]}));
+    }
+    for (std::size_t i = 0; i < exact.lse.size(); ++i)  // −inf rows alike: their difference is NaN, not > 1e-5
+      if (exact.lse[i] != fast.lse[i]) worst_lse = std::max(worst_lse, std::abs(double{fast.lse[i]} - double{exact.lse[i]}));
+    EXPECT_LE(worst, u * max_v / (1.0 - v.dropout) + 2.0 * u * max_out + 1e-5 * std::max(1.0, max_out));
+    EXPECT_LE(worst_lse, 1e-5) << "lse (the logits differ only by fp32 sums; Q·Kᵀ's products are exact)";
+  }
+}
+
+// Forced on where the CPU lacks the unit: every bfloat16 call says so (as QKV_DOT_PRODUCTS=on).
+TEST(Bf16Dot, ForcedOnWithoutTheUnitThrows) {
+  if (cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "this CPU has AVX512-BF16";
+  const ForcedDotProducts on(true);
+  Tensor<float, 4> dout;
+  const test::Case<float> c = test::half_case<bfloat16>(kMixed, 5, dout);
+  EXPECT_THROW(test::run_cpu_half<bfloat16>(c, nullptr, 2, false, Precision::fast), Error);
+}
+
+}  // namespace
+}  // namespace qkv

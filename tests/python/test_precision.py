@@ -1,0 +1,102 @@
+"""precision= on every entry point (qkv/options.hpp's Precision; README, "Numerics
+contract"): one option through the one options table, the same error for a bad value
+everywhere; "exact" is the float32 arithmetic bit for bit on every machine. Where the
+CPU runs bf16 dot products (QKV_DOT_PRODUCTS=on forces them; a subprocess here), the
+default "fast" forward on bfloat16 stays within PyTorch's bf16 error against fp64."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qkv
+from qkv._options import Options
+import qkv.torch as qt
+
+
+def bf16_case(seed=0, shape=(1, 4, 130, 40), kv_heads=2):
+    g = torch.Generator().manual_seed(seed)
+    b, h, n, d = shape
+    q = torch.randn(b, h, n, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, kv_heads, n, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, kv_heads, n, d, generator=g).to(torch.bfloat16)
+    return q, k, v
+
+
+def entry_points(precision):
+    """Every way to run attention, each with precision=."""
+    q, k, v = bf16_case()
+    cu = torch.tensor([0, 50, 130], dtype=torch.int32)
+    packed = [x[0].transpose(0, 1).contiguous() for x in (q, k, v)]
+    cache = qkv.KVCache(1, 200, 2, 40, dtype="bfloat16")
+    cache.append(k.float(), v.float())
+    out, lse = qkv.attention(q, k, v, return_lse=True)
+    return {
+        "attention": lambda: qkv.attention(q, k, v, precision=precision),
+        "attention_backward": lambda: qkv.attention_backward(q, k, v, out, lse, torch.ones_like(out),
+                                                             precision=precision),
+        "varlen_attention": lambda: qkv.varlen_attention(*packed, cu, cu, precision=precision),
+        "decode": lambda: qkv.decode(q[:, :, -1:].float(), k.float(), v.float(), [130], precision=precision),
+        "KVCache.attend": lambda: cache.attend(q[:, :, -1:].float(), precision=precision),
+        "qkv.torch": lambda: qt.scaled_dot_product_attention(q, k, v, enable_gqa=True, precision=precision),
+    }
+
+
+@pytest.mark.parametrize("precision", [None, "fast", "exact"])
+def test_every_entry_point_takes_precision(precision):
+    for name, call in entry_points(precision).items():
+        assert call() is not None, name
+
+
+def test_bad_precision_names_the_option_everywhere():
+    for name, call in entry_points("fastest").items():
+        with pytest.raises(qkv.Error, match=r"precision: expected None, 'fast' or 'exact', got 'fastest'"):
+            call()
+    with pytest.raises(TypeError, match="precision: expected None, 'fast' or 'exact', got int 1"):
+        qkv.attention(*bf16_case(), precision=1)
+
+
+def test_options_keep_precision():
+    o = Options("qkv", precision="exact")
+    assert o.precision_name == "exact" and o.fields()["precision"] == "exact"
+    assert Options("qkv").precision_name == "fast"
+    assert Options("qkv", **o.fields()).precision_name == "exact"
+
+
+def test_exact_is_the_float32_kernels_rounded_once():
+    q, k, v = bf16_case(1)
+    out = qkv.attention(q, k, v, causal="top_left", precision="exact")
+    out32 = qkv.attention(q.float(), k.float(), v.float(), causal="top_left")
+    assert torch.equal(out, out32.to(torch.bfloat16))
+
+
+FORCED = """
+import torch, torch.nn.functional as F, qkv
+torch.manual_seed(0)
+rows = []
+for h, hkv, n, d, causal in ((8, 8, 300, 64, False), (8, 2, 257, 127, True), (4, 4, 200, 128, False)):
+    q = torch.randn(1, h, n, d).to(torch.bfloat16)
+    k, v = (torch.randn(1, hkv, n, d).to(torch.bfloat16) for _ in range(2))
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal, enable_gqa=True)
+    err = lambda x: (x.double() - exact).abs().max().item()
+    fast = qkv.attention(q, k, v, causal="top_left" if causal else None)
+    ours_exact = qkv.attention(q, k, v, causal="top_left" if causal else None, precision="exact")
+    torch_err = err(F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+    assert not torch.equal(fast, ours_exact), "the dot products never ran"
+    assert err(fast) <= torch_err + 8 * 2**-23 * exact.abs().max().item(), (err(fast), torch_err)
+print("ok")
+"""
+
+
+def test_forced_bf16_dot_products_within_torch_error():
+    with open("/proc/cpuinfo") as cpuinfo:
+        if "avx512_bf16" not in cpuinfo.read():
+            pytest.skip("no AVX512-BF16 on this CPU")
+    env = dict(os.environ, QKV_DOT_PRODUCTS="on")
+    run = subprocess.run([sys.executable, "-c", FORCED], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
