@@ -178,7 +178,7 @@ void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, s
   // P as two bfloat16 terms, hi = bf16(P) (round to nearest even) and lo = bf16(P − hi):
   // hi + lo is P to ~2⁻¹⁶ relative, so P·V = hi·V + lo·V keeps the float32 arithmetic's
   // accuracy (one bf16 P alone costs up to 2⁻⁹·P and measured above PyTorch's bf16 error on
-  // some rows, bench/RESULTS.md §9). Pairs (P_i,2c, P_i,2c+1); an odd key count's last
+  // some rows, bench/RESULTS.md §10). Pairs (P_i,2c, P_i,2c+1); an odd key count's last
   // partner 0.
   std::uint32_t* lo_pairs = scratch.p_pairs + key_pairs * p_ld;
   for (std::size_t c = 0; c < key_pairs; ++c) {
