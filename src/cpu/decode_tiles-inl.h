@@ -72,7 +72,7 @@ HWY_INLINE FloatVec Combine(FloatVec lo, FloatVec hi) {
 #endif
 }
 
-constexpr size_t kLanes = HWY_LANES(float);  // upper bound; equal on fixed-width targets
+constexpr size_t kLanes = HWY_LANES(float);  // upper bound; equal on fixed-width targets (not SVE)
 
 // Keys per leaf for R rows: 8 accumulator chains, no more keys than lanes.
 template <size_t R>
@@ -122,7 +122,19 @@ HWY_INLINE void ScoreRows(const float* HWY_RESTRICT q, size_t q_ld, const S* con
                           Ahead<S> ahead, float* HWY_RESTRICT scores, size_t ld) {
   const FloatTag df;
   VecArray<FloatTag, R> s;
-  ScoreTree<kLanes, R>(q, q_ld, k, dim, ahead, s);
+  if constexpr (kSizelessVectors) {
+    // SVE: the tree needs the number of lanes, which is the CPU's vector length (for
+    // Highway a power of two, 4 to 64 floats), known only at run time.
+    switch (hn::Lanes(df)) {
+      case 4: ScoreTree<4, R>(q, q_ld, k, dim, ahead, s); break;
+      case 8: ScoreTree<8, R>(q, q_ld, k, dim, ahead, s); break;
+      case 16: ScoreTree<16, R>(q, q_ld, k, dim, ahead, s); break;
+      case 32: ScoreTree<32, R>(q, q_ld, k, dim, ahead, s); break;
+      default: ScoreTree<kLanes, R>(q, q_ld, k, dim, ahead, s); break;
+    }
+  } else {
+    ScoreTree<kLanes, R>(q, q_ld, k, dim, ahead, s);
+  }
   for (size_t r = 0; r < R; ++r) hn::StoreU(s[r], df, scores + r * ld);
 }
 
