@@ -5,7 +5,12 @@ include(CMakePackageConfigHelpers)
 
 # qkv::dist is installed only when it was built (MPI found); the package then asks its
 # users' CMake for MPI too (qkvConfig.cmake).
-set(qkv_installed_targets qkv qkv_nn qkv_ring_plan)
+# qkv::nn is left out of a QKV_BUILD_NN=OFF build.
+set(qkv_installed_targets qkv)
+if(TARGET qkv_nn)
+  list(APPEND qkv_installed_targets qkv_nn)
+endif()
+list(APPEND qkv_installed_targets qkv_ring_plan)
 set(QKV_HAS_DIST OFF)
 if(TARGET qkv_dist)
   list(APPEND qkv_installed_targets qkv_dist)

@@ -27,6 +27,7 @@
 #include "core/dropout.hpp"
 #include "qkv/error.hpp"
 #include "cpu/storage-inl.h"
+#include "cpu/vec_array-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
@@ -286,8 +287,8 @@ HWY_INLINE void OnlineSoftmaxColumns(float* HWY_RESTRICT st, size_t keys, size_t
   const FloatTag d;
   const size_t lanes = hn::Lanes(d);
   const auto minus_inf = hn::Set(d, kMinusInf);
-  FloatVec shift[C], sum[C];
-  [[maybe_unused]] FloatVec centred[C];  // Σ_j P·(S − m') of this tile
+  VecArray<FloatTag, C> shift, sum;  // FloatVec[C] (vec_array-inl.h: not on SVE)
+  [[maybe_unused]] VecArray<FloatTag, C> centred;  // Σ_j P·(S − m') of this tile
   for (size_t c = 0; c < C; ++c) shift[c] = minus_inf;
   for (size_t j = 0; j < keys; ++j)
     for (size_t c = 0; c < C; ++c)

@@ -72,14 +72,14 @@ HWY_INLINE FloatVec Combine(FloatVec lo, FloatVec hi) {
 #endif
 }
 
-constexpr size_t kLanes = HWY_LANES(float);  // upper bound; equal on fixed-width targets
+constexpr size_t kLanes = HWY_LANES(float);  // upper bound; equal on fixed-width targets (not SVE)
 
 // Keys per leaf for R rows: 8 accumulator chains, no more keys than lanes.
 template <size_t R>
 constexpr size_t kLeafKeys = std::min<size_t>(kLanes, R >= 4 ? 2 : R >= 2 ? 4 : 8);
 
-template <size_t N>
-HWY_INLINE FloatVec CombineKeys(const FloatVec* v) {
+template <size_t N, class Vectors>  // const FloatVec* (a VecSpan on SVE: vec_array-inl.h)
+HWY_INLINE FloatVec CombineKeys(Vectors v) {
   if constexpr (N == 1) {
     return v[0];
   } else {
@@ -90,17 +90,17 @@ HWY_INLINE FloatVec CombineKeys(const FloatVec* v) {
 // out[r] (N keys' partial sums, as the tree above) for keys k[0, N), rows q + r·q_ld.
 template <size_t N, size_t R, class S>
 HWY_INLINE void ScoreTree(const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
-                          Ahead<S> ahead, FloatVec (&out)[R]) {
+                          Ahead<S> ahead, VecArray<FloatTag, R>& out) {
   const FloatTag df;
   constexpr size_t kLeaf = kLeafKeys<R>;
   if constexpr (N <= kLeaf) {
     const size_t lanes = hn::Lanes(df);
     for (size_t j = 0; j < N; ++j) ahead(j);
-    FloatVec acc[R][N];
+    VecArray2<FloatTag, R, N> acc;
     for (size_t r = 0; r < R; ++r)
       for (size_t j = 0; j < N; ++j) acc[r][j] = hn::Zero(df);
     for (size_t c = 0; c < dim; c += lanes) {
-      FloatVec kv[N];
+      VecArray<FloatTag, N> kv;
       for (size_t j = 0; j < N; ++j) kv[j] = LoadWidened(df, k[j] + c);
       for (size_t r = 0; r < R; ++r) {
         const FloatVec qv = hn::LoadU(df, q + r * q_ld + c);
@@ -109,7 +109,7 @@ HWY_INLINE void ScoreTree(const float* HWY_RESTRICT q, size_t q_ld, const S* con
     }
     for (size_t r = 0; r < R; ++r) out[r] = CombineKeys<N>(acc[r]);
   } else {
-    FloatVec lo[R], hi[R];
+    VecArray<FloatTag, R> lo, hi;
     ScoreTree<N / 2, R>(q, q_ld, k, dim, ahead, lo);
     ScoreTree<N / 2, R>(q, q_ld, k + N / 2, dim, ahead.offset(N / 2), hi);
     for (size_t r = 0; r < R; ++r) out[r] = Combine(lo[r], hi[r]);
@@ -121,8 +121,20 @@ template <size_t R, class S>
 HWY_INLINE void ScoreRows(const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
                           Ahead<S> ahead, float* HWY_RESTRICT scores, size_t ld) {
   const FloatTag df;
-  FloatVec s[R];
-  ScoreTree<kLanes, R>(q, q_ld, k, dim, ahead, s);
+  VecArray<FloatTag, R> s;
+  if constexpr (kSizelessVectors) {
+    // SVE: the tree needs the number of lanes, which is the CPU's vector length (for
+    // Highway a power of two, 4 to 64 floats), known only at run time.
+    switch (hn::Lanes(df)) {
+      case 4: ScoreTree<4, R>(q, q_ld, k, dim, ahead, s); break;
+      case 8: ScoreTree<8, R>(q, q_ld, k, dim, ahead, s); break;
+      case 16: ScoreTree<16, R>(q, q_ld, k, dim, ahead, s); break;
+      case 32: ScoreTree<32, R>(q, q_ld, k, dim, ahead, s); break;
+      default: ScoreTree<kLanes, R>(q, q_ld, k, dim, ahead, s); break;
+    }
+  } else {
+    ScoreTree<kLanes, R>(q, q_ld, k, dim, ahead, s);
+  }
   for (size_t r = 0; r < R; ++r) hn::StoreU(s[r], df, scores + r * ld);
 }
 
@@ -162,12 +174,12 @@ HWY_INLINE void ValueTile(const float* HWY_RESTRICT p, size_t p_ld, size_t keys,
                           float* HWY_RESTRICT acc, size_t acc_ld) {
   const FloatTag df;
   const size_t lanes = hn::Lanes(df);
-  FloatVec sum[R][C];
+  VecArray2<FloatTag, R, C> sum;
   for (size_t r = 0; r < R; ++r)
     for (size_t c = 0; c < C; ++c) sum[r][c] = hn::Zero(df);
   for (size_t j = 0; j < keys; ++j) {
     ahead(j);
-    FloatVec vv[C];
+    VecArray<FloatTag, C> vv;
     for (size_t c = 0; c < C; ++c) vv[c] = LoadWidened(df, v[j] + col + c * lanes);
     for (size_t r = 0; r < R; ++r) {
       const FloatVec w = hn::Set(df, p[r * p_ld + j]);

@@ -24,6 +24,7 @@
 #include <cstddef>
 
 #include "hwy/highway.h"
+#include "cpu/vec_array-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
@@ -66,12 +67,12 @@ HWY_INLINE void GemmTile(size_t K, StridedA a,
   const hn::ScalableTag<float> d;
   const size_t lanes = hn::Lanes(d);
   using V = hn::Vec<decltype(d)>;
-  V acc[R][C];
+  VecArray2<decltype(d), R, C> acc;  // V[R][C] (vec_array-inl.h: not on SVE)
   for (size_t r = 0; r < R; ++r)
     for (size_t j = 0; j < C; ++j)
       acc[r][j] = store == GemmStore::accumulate ? hn::LoadU(d, c + r * ldc + j * lanes) : hn::Zero(d);
   for (size_t k = 0; k < K; ++k) {
-    V row[C];
+    VecArray<decltype(d), C> row;
     for (size_t j = 0; j < C; ++j) row[j] = hn::LoadU(d, b + k * ldb + j * lanes);
     for (size_t r = 0; r < R; ++r) {
       const V broadcast = hn::Set(d, a.data[r * a.row + k * a.step]);

@@ -7,7 +7,8 @@
 //                         one value, one vector (read in place by the split-K schedule),
 //                         or rows packed into float scratch. The vectors use Highway's
 //                         PromoteTo: a shift for bfloat16; for float16 the F16C / AVX-512
-//                         instruction, on the targets that have it (see kHardwareFloat16).
+//                         / aarch64 instruction, on the targets that have it (see
+//                         kHardwareFloat16).
 //                         int8 (caches) is widened before its row's scale is applied.
 //   StoreAs               float → T, round to nearest even, once per output element.
 //   AllFinite             the non-finite scan of a K/V block (finite_scan.hpp): the
@@ -40,11 +41,16 @@ template <class T>
 inline constexpr bool kIsHalf = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
 
 // Whether Highway widens float16 with the hardware instruction on this target. Its
-// software fallback (Highway 1.0.3: EMU128, SSE4, and other architectures) turns ±inf
-// and NaN into finite numbers near 65536, which would hide a bad input; there qkv widens
-// float16 one value at a time with qkv/half.hpp (exact; only fallback targets pay).
+// software fallback (Highway 1.0.3: EMU128, SSE4, 32-bit Arm without half-precision
+// FP, and other architectures) turns ±inf and NaN into finite numbers near 65536, which
+// would hide a bad input; there qkv widens float16 one value at a time with
+// qkv/half.hpp (exact; only fallback targets pay). aarch64 always converts in hardware:
+// FCVTL on NEON, FCVT on SVE.
 #if (HWY_TARGET == HWY_AVX2 && !defined(HWY_DISABLE_F16C)) || HWY_TARGET == HWY_AVX3 || \
-    HWY_TARGET == HWY_AVX3_DL
+    HWY_TARGET == HWY_AVX3_DL ||                                                     \
+    (HWY_ARCH_ARM_A64 && (HWY_TARGET == HWY_NEON || HWY_TARGET == HWY_SVE ||           \
+                          HWY_TARGET == HWY_SVE2 || HWY_TARGET == HWY_SVE_256 ||       \
+                          HWY_TARGET == HWY_SVE2_128))
 inline constexpr bool kHardwareFloat16 = true;
 #else
 inline constexpr bool kHardwareFloat16 = false;
