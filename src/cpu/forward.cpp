@@ -86,7 +86,9 @@ struct ForwardScratch {
   std::vector<uint32_t> q_pairs, p_pairs, v_pairs;
 
   template <class T>
-  ForwardScratch(const detail::ForwardProblem<T>& p, size_t lanes)
+  // `use_dots`: bf16_dot_products, decided once before the parallel region (it may throw,
+  // and an exception must not leave an OpenMP region).
+  ForwardScratch(const detail::ForwardProblem<T>& p, size_t lanes, bool use_dots)
       : width(round_up(kBlockQueries, lanes)),
         dv_ld(round_up(static_cast<size_t>(p.extents.v_dim), lanes)),
         qt(AllocateFloats(static_cast<size_t>(p.extents.head_dim) * width)),
@@ -104,7 +106,7 @@ struct ForwardScratch {
         dropout_keys(width, 0),
         split_k_logits(std::is_same_v<T, float> && split_k_eligible(p.mask, p.modifiers)),
         split_k(static_cast<size_t>(p.extents.head_dim), kBlockQueries, kBlockKeys, split_k_logits),
-        dots(std::is_same_v<T, bfloat16> && bf16_dot_products(p.precision)),
+        dots(use_dots),
         q_pairs(dots ? (static_cast<size_t>(p.extents.head_dim) + 1) / 2 * bf16dot::pair_ld(kBlockQueries) : 0),
         p_pairs(dots ? 2 * (kBlockKeys / 2) * bf16dot::pair_ld(kBlockQueries) : 0),
         v_pairs(dots ? kBlockKeys / 2 * bf16dot::pair_ld(static_cast<size_t>(p.extents.v_dim)) : 0) {}
@@ -343,6 +345,7 @@ void ForwardImpl(const detail::ForwardProblem<T>& p) {
   const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
   const SharedMaskTiles shared(p.mask, p.extents, plan);
   const int threads = threads_for(p.threads, tasks.size(), forward_flops(tasks, p.extents));
+  const bool use_dots = std::is_same_v<T, bfloat16> && bf16_dot_products(p.precision);  // may throw: here
 #pragma omp parallel num_threads(threads) if (threads > 1)  // one thread: no region at all
   {
     // Non-finite K/V scan of the key blocks that partial tiles read, once per call.
@@ -351,7 +354,7 @@ void ForwardImpl(const detail::ForwardProblem<T>& p) {
     // The mask tiles shared by every head, once per call.
 #pragma omp for schedule(dynamic, 4)
     for (size_t t = 0; t < shared.size(); ++t) shared.build(p.mask, plan, t);
-    ForwardScratch scratch(p, VectorLanes());
+    ForwardScratch scratch(p, VectorLanes(), use_dots);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < tasks.size(); ++t)
       ForwardBlock(p, plan, finite, shared, tasks[t], scratch,
