@@ -151,9 +151,8 @@ struct OutRoundingEffect {
   Tensor<double, 4> dq, dk;
 };
 
-inline OutRoundingEffect out_rounding_effect(const Case<float>& c, const Tensor<float, 4>& dout,
-                                             const Tensor<float, 4>& out_stored,
-                                             const Reference& ref) {
+// The case's attention weights P [B, Hq, Nq, Nk] from the fp64 reference.
+inline Tensor<double, 4> reference_weights(const Case<float>& c) {
   const CaseSpec& s = c.spec;
   const auto q = widen<double>(c.q), k = widen<double>(c.k), v = widen<double>(c.v);
   Tensor<double, 4> out({s.batch, s.q_len, s.q_heads, s.v_dim});
@@ -163,6 +162,15 @@ inline OutRoundingEffect out_rounding_effect(const Case<float>& c, const Tensor<
   attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = out.view(),
                      .weights = weights.view()},
                     options);
+  return weights;
+}
+
+inline OutRoundingEffect out_rounding_effect(const Case<float>& c, const Tensor<float, 4>& dout,
+                                             const Tensor<float, 4>& out_stored,
+                                             const Reference& ref) {
+  const CaseSpec& s = c.spec;
+  const auto q = widen<double>(c.q), k = widen<double>(c.k);
+  const Tensor<double, 4> weights = reference_weights(c);
   const double scale = s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
   const int64_t group = s.q_heads / s.kv_heads;
   OutRoundingEffect effect{Tensor<double, 4>(c.q.shape()), Tensor<double, 4>(c.k.shape())};
@@ -188,14 +196,8 @@ inline OutRoundingEffect out_rounding_effect(const Case<float>& c, const Tensor<
 // every weight to bfloat16 can move out by, in units of u.
 inline double max_weighted_abs_value(const Case<float>& c) {
   const CaseSpec& s = c.spec;
-  const auto q = widen<double>(c.q), k = widen<double>(c.k), v = widen<double>(c.v);
-  Tensor<double, 4> out({s.batch, s.q_len, s.q_heads, s.v_dim});
-  Tensor<double, 4> weights({s.batch, s.q_heads, s.q_len, s.k_len});
-  AttentionOptions options = c.options;
-  options.execution.backend = Backend::reference;
-  attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = out.view(),
-                     .weights = weights.view()},
-                    options);
+  const auto v = widen<double>(c.v);
+  const Tensor<double, 4> weights = reference_weights(c);
   const int64_t group = s.q_heads / s.kv_heads;
   double worst = 0.0;
   for (int64_t b = 0; b < s.batch; ++b)
