@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -110,14 +111,26 @@ def _check_errors(world, rank):
 def _worker(rank, world, port):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    timeout = datetime.timedelta(seconds=120)
+    # The store is made here, not by init_method, so that the ranks can still meet after
+    # destroying their groups. Rank 0's process hosts it; once, in CI, rank 1 died with
+    # SIGABRT ("terminate called without an active exception", from torch's C++ side) —
+    # most likely tearing its group down after rank 0 had exited and taken the store with
+    # it. Now no rank leaves before every rank has destroyed its group.
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         for case in CASES:
             _check_case(case)
         _check_errors(world, rank)
+        dist.barrier()  # no rank tears down while another still sends
     finally:
         dist.destroy_process_group()
+        store.add("left", 1)
+        if rank == 0:  # the store's host waits for every other rank's last use of it
+            deadline = time.monotonic() + timeout.total_seconds()
+            while store.add("left", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 def _free_port():
