@@ -89,6 +89,9 @@ struct BatchArgs {
   View3<float> out;
   TensorView<float, 2> lse;           // optional
   View3<const float> k_scale, v_scale;  // int8 only
+  // int8 keys scaled per channel too (as qkv::DecodeArgs; empty: per row only).
+  View4<const float> k_channel_scale;
+  int64_t key_group = 0;
 };
 
 class BatchPlan {

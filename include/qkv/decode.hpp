@@ -12,7 +12,9 @@
 // K/V elements are float32, bfloat16 or float16 (widened exactly; arithmetic in float32),
 // or int8 with a float scale per row (k_scale, v_scale; qkv::KVCache quantizes so): the
 // kernel multiplies each key's dot product by its scale and each weight by its value
-// row's scale, so the result is attention over the values int8 · scale.
+// row's scale, so the result is attention over the values int8 · scale. int8 keys may
+// carry channel scales too (k_channel_scale): the kernel multiplies the query by its
+// keys' group's channel scales before the dot product — nothing is dequantized to memory.
 // With the default Causal::bottom_right, the Nq queries are the last Nq tokens of their
 // sequence: query i of sequence b sees keys j ≤ i + cache_lengths[b] − Nq. A query that
 // sees no key (a sequence shorter than Nq, or empty) gets out 0 and lse −inf.
@@ -43,6 +45,14 @@ struct DecodeArgs {
   // int8 caches only (empty otherwise): one float scale per cached row, the row's values
   // being int8 · scale — [B, capacity, Hkv] or, paged, [num_blocks, block_size, Hkv].
   View3<const float> k_scale, v_scale;
+  // int8 keys scaled per channel as well (qkv::KVCache with KeyScales::channel; empty:
+  // per row only): key (b, j, h, c) = k_cache · k_scale(b, j, h) · k_channel_scale(b,
+  // j / key_group, h, c), one float per channel for each group of key_group consecutive
+  // keys — [B, ⌈capacity / key_group⌉, Hkv, d]; paged [num_blocks, block_size / key_group,
+  // Hkv, d], block_size a multiple of key_group (row j % block_size of its block is in
+  // the block's group (j % block_size) / key_group).
+  View4<const float> k_channel_scale;
+  int64_t key_group = 0;
 };
 
 // The options are the same AttentionOptions as every other entry point's. qkv::decode

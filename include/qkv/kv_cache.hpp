@@ -10,7 +10,15 @@
 // even); attention widens them exactly and computes in float32. Or int8, quantized per
 // row (one token's d values of one kv head) with its own float scale = max|x| / 127:
 // each value within scale/2 of its stored int8 · scale, a quarter of float32's bytes
-// plus 4 bytes a row.
+// plus 4 bytes a row. Keys may instead be scaled per channel (KeyScales::channel, for
+// int8): post-RoPE keys have a few channels many times larger than the rest, on which
+// one scale per row spends most of the int8 range. Each group of group_size consecutive
+// tokens of a sequence (per kv head) gets one scale per channel, c = the group's max|k|
+// in that channel, and each row then a scale r = max_c |k_c / c_c| / 127: the stored key
+// is int8 · r · c, every value within r·c_c/2 (half a step) of the original. The newest,
+// partial group is quantized from its rows so far and quantized again from their float32
+// copy (kept per sequence, group_size rows) as tokens arrive, so the stored cache does not
+// depend on how the tokens were split into appends once their group is full.
 //
 //   KVCache cache({.batch = 1, .capacity = 4096, .kv_heads = 8, .head_dim = 128,
 //                  .dtype = StorageType::bfloat16});
@@ -29,7 +37,8 @@
 // attend sees each sequence either before or after another thread's append, never half
 // of it. Two threads appending to the same sequence are serialized too; their order is
 // whichever takes the cache first, which is the caller's to arrange. NOT synchronized:
-// lengths(), block_table(), k_scales(), v_scales(), k_data(), v_data() and views()
+// lengths(), block_table(), k_scales(), v_scales(), k_channel_scales(), k_data(), v_data()
+// and views()
 // return the cache's own memory, valid to read only while no other thread appends or
 // resets; and the constructor, destructor and moves, like any object's.
 #pragma once
@@ -52,6 +61,10 @@ namespace detail {
 class Checker;
 }
 
+// How int8 keys are scaled: one scale per stored row, or per channel over groups of
+// tokens and then per row (see above). Values are always scaled per row.
+enum class KeyScales { row, channel };
+
 struct KVCacheConfig {
   int64_t batch = 1;      // sequences, ≥ 1
   int64_t capacity = 0;   // keys per sequence at most, ≥ 1
@@ -62,6 +75,8 @@ struct KVCacheConfig {
   bool paged = false;
   int64_t block_size = 16;  // paged: keys per block, 1..4096 (16..256 typical)
   int64_t num_blocks = 0;   // paged: pool size; 0: enough for every sequence at capacity
+  KeyScales key_scales = KeyScales::row;  // int8 only
+  int64_t group_size = 32;  // KeyScales::channel: tokens per group, 1..capacity (paged: divides block_size)
 };
 
 class KVCache {
@@ -105,6 +120,10 @@ class KVCache {
   // int8: the rows' scales, shaped k_shape()[0..2] (empty for other storage types).
   std::span<const float> k_scales() const { return k_scale_; }
   std::span<const float> v_scales() const { return v_scale_; }
+  // KeyScales::channel: the keys' channel scales, [B, ⌈capacity / group_size⌉, Hkv, d] or
+  // paged [num_blocks, block_size / group_size, Hkv, d] (empty otherwise).
+  std::span<const float> k_channel_scales() const { return k_channel_scale_; }
+  std::array<int64_t, 4> k_channel_shape() const;
 
   // Raw storage, for bindings that hand it out without copying.
   const void* k_data() const { return k_.get(); }
@@ -135,6 +154,11 @@ class KVCache {
   std::vector<int32_t> table_;  // paged: [batch, blocks_per_sequence_], -1 = none
   std::vector<int32_t> free_;   // paged: unassigned pool blocks, taken from the back
   std::vector<float> k_scale_, v_scale_;  // int8: one scale per stored row (k_shape()[0..2])
+  // KeyScales::channel: the channel scales (k_channel_shape()), and each sequence's newest
+  // group's keys as float32, [batch, group_size, Hkv, d], to quantize it again as it grows.
+  std::vector<float> k_channel_scale_, k_partial_;
+  int64_t storage_row(int64_t seq, int64_t key) const;  // the row of (seq, key) in k_/v_
+  void quantize_key_group(int64_t seq, int64_t group, int64_t rows);
 };
 
 }  // namespace qkv

@@ -77,14 +77,20 @@ class KVCache:
     `block_size` keys (default: enough for every sequence at capacity) and a block table
     per sequence, the layout vLLM uses; blocks are taken as sequences grow and returned
     by reset(seq).
+
+    dtype="int8" quantizes each stored row with its own scale (max|x| / 127). With
+    key_scales="channel" the keys are scaled per channel over groups of `group_size`
+    tokens first (post-RoPE keys have outlier channels that one scale per row spends most
+    of the int8 range on), then per row; the newest, partial group is quantized again as
+    it fills. paged: group_size must divide block_size.
     """
 
     def __init__(self, batch, capacity, kv_heads, head_dim, *, v_dim=None, dtype="float32", paged=False,
-                 block_size=16, num_blocks=None, layout="bhsd"):
+                 block_size=16, num_blocks=None, layout="bhsd", key_scales="row", group_size=32):
         _check_layout("qkv.KVCache", layout)
         self.layout = layout
         self._cache = _qkv.KVCache(batch, capacity, kv_heads, head_dim, v_dim or 0, _storage_name(dtype),
-                                   bool(paged), block_size, num_blocks or 0)
+                                   bool(paged), block_size, num_blocks or 0, key_scales, group_size)
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.v_dim = v_dim or head_dim
         # For torch.compile: the handle its operators name the cache by, and the state
@@ -121,6 +127,8 @@ class KVCache:
     block_size = property(lambda self: self._cache.block_size)
     capacity = property(lambda self: self._cache.capacity)
     free_blocks = property(lambda self: self._cache.free_blocks)
+    key_scales = property(lambda self: self._cache.key_scales)
+    group_size = property(lambda self: self._cache.group_size)
 
     @property
     def lengths(self):
@@ -195,6 +203,12 @@ class KVCache:
         ``[num_blocks, block_size, Hkv]``) NumPy views, one float32 per stored row; None
         for other dtypes. The stored values are ``storage() · scales()`` (broadcast)."""
         return self._cache.scales()
+
+    def channel_scales(self):
+        """key_scales="channel": the keys' channel scales, ``[B, groups, Hkv, d]`` (paged:
+        ``[num_blocks, block_size / group_size, Hkv, d]``) NumPy view — key j of a sequence
+        is ``storage · scales() · channel_scales()[group of j]``; None otherwise."""
+        return self._cache.channel_scales()
 
     def torch_storage(self):
         """(keys, values) as torch tensors of the cache's dtype over its memory (no copy)."""

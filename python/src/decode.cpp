@@ -189,14 +189,19 @@ void bind_decode(nb::module_& m) {
       .def(
           "__init__",
           [](KVCache* self, int64_t batch, int64_t capacity, int64_t kv_heads, int64_t head_dim, int64_t v_dim,
-             const std::string& dtype, bool paged, int64_t block_size, int64_t num_blocks) {
+             const std::string& dtype, bool paged, int64_t block_size, int64_t num_blocks,
+             const std::string& key_scales, int64_t group_size) {
+            if (key_scales != "row" && key_scales != "channel")
+              throw Error("qkv::KVCache: config.key_scales: expected 'row' or 'channel', got '" + key_scales + "'");
             new (self) KVCache({.batch = batch, .capacity = capacity, .kv_heads = kv_heads, .head_dim = head_dim,
                                 .v_dim = v_dim, .dtype = parse_storage(dtype), .paged = paged,
-                                .block_size = block_size, .num_blocks = num_blocks});
+                                .block_size = block_size, .num_blocks = num_blocks,
+                                .key_scales = key_scales == "channel" ? KeyScales::channel : KeyScales::row,
+                                .group_size = group_size});
           },
           nb::arg("batch"), nb::arg("capacity"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("v_dim") = 0,
           nb::arg("dtype") = "float32", nb::arg("paged") = false, nb::arg("block_size") = 16,
-          nb::arg("num_blocks") = 0)
+          nb::arg("num_blocks") = 0, nb::arg("key_scales") = "row", nb::arg("group_size") = 32)
       .def(
           "append",
           [](KVCache& self, const InArray& k, const InArray& v, std::optional<std::vector<int64_t>> seqs) {
@@ -254,6 +259,20 @@ void bind_decode(nb::module_& m) {
                                       static_cast<std::size_t>(shape4[2])};
         return nb::make_tuple(nb::ndarray<nb::numpy, const float>(cache.k_scales().data(), 3, shape, self),
                               nb::ndarray<nb::numpy, const float>(cache.v_scales().data(), 3, shape, self));
+      })
+      .def_prop_ro("key_scales", [](const KVCache& self) {
+        return std::string(self.config().key_scales == KeyScales::channel ? "channel" : "row");
+      })
+      .def_prop_ro("group_size", [](const KVCache& self) { return self.config().group_size; })
+      .def("channel_scales", [](nb::handle self) -> nb::object {
+        // key_scales="channel": the keys' channel scales, [B | blocks, groups, Hkv, d], a
+        // NumPy view of the cache's memory; None otherwise.
+        KVCache& cache = nb::cast<KVCache&>(self);
+        if (cache.k_channel_scales().empty()) return nb::none();
+        const auto shape4 = cache.k_channel_shape();
+        const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
+                                      static_cast<std::size_t>(shape4[2]), static_cast<std::size_t>(shape4[3])};
+        return nb::ndarray<nb::numpy, const float>(cache.k_channel_scales().data(), 4, shape, self);
       })
       .def("block_table", [](nb::handle self) {
         KVCache& cache = nb::cast<KVCache&>(self);

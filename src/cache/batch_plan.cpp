@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache/cache_scales.hpp"
 #include "core/checked_size.hpp"
 #include "core/checker.hpp"
 #include "core/dispatch.hpp"
@@ -276,22 +277,8 @@ detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const B
     check.expect_extent(lse, 1, "total_q", s.total_q, "as cu_seqlens_q[-1]");
     outputs.push_back(lse);
   }
-  const bool scaled = s.storage == StorageType::int8;
-  for (const auto& [name, scale, cache, cache_name] :
-       {std::tuple{"k_scale", &a.k_scale, &a.k_cache, "k_cache"}, std::tuple{"v_scale", &a.v_scale, &a.v_cache, "v_cache"}}) {
-    if (!scaled) {
-      if (!scale->empty()) check.fail(std::string(name) + ": only int8 caches take scales");
-      continue;
-    }
-    if (scale->empty()) check.fail(std::string(name) + ": expected one float32 scale per cached row for an int8 cache, got none");
-    const Described d = describe(name, *scale);
-    check.expect_well_formed(d, /*inner_contiguous=*/false);
-    for (int axis = 0; axis < 3; ++axis) {
-      const std::string as = "as " + std::string(cache_name) + ".shape[" + std::to_string(axis) + "]";
-      check.expect_extent(d, axis, axis == 0 ? first_axis : axis == 1 ? "rows" : "kv heads", cache->shape[axis], as.c_str());
-    }
-    inputs.push_back(d);
-  }
+  const detail::CacheScales scales{a.k_scale, a.v_scale, a.k_channel_scale, a.key_group};
+  detail::check_cache_scales(check, s.storage, scales, a.k_cache.shape, a.v_cache.shape, s.paged(), first_axis, inputs);
   check.expect_outputs_apart(outputs, inputs);
 
   detail::ForwardProblem<float> p = s.problem;
@@ -300,7 +287,7 @@ detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const B
   p.args.out = detail::as_batched(a.out, e.batch);
   if (!a.lse.empty()) p.args.lse = detail::lse_as_batched(a.lse, e.batch);
   detail::KvSource& kv = p.kv;
-  kv = detail::KvSource::of_cache(s.storage, a.k_cache, a.v_cache, a.k_scale, a.v_scale);
+  kv = detail::KvSource::of_cache(s.storage, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.k_channel_scale, a.key_group);
   if (s.paged()) {
     kv.block_table = s.block_table.data();
     kv.table_stride = s.max_blocks;
@@ -329,7 +316,12 @@ void widen_row(const detail::KvSource& kv, bool keys, int64_t b, int64_t j, int6
     case StorageType::int8: {
       const float* scales = keys ? kv.k_scale : kv.v_scale;
       const float scale = scales[kv.offset(keys ? kv.k_scale_strides : kv.v_scale_strides, b, j, h)];
-      return widen_row(static_cast<const std::int8_t*>(base) + at, dim, scale, to);
+      widen_row(static_cast<const std::int8_t*>(base) + at, dim, scale, to);
+      if (keys && kv.channel_scaled()) {  // times the key's group's channel scales
+        const float* channel = kv.channel_scales(b, j, h);
+        for (int64_t c = 0; c < dim; ++c) to[c] *= channel[c];
+      }
+      return;
     }
   }
 }

@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cache/cache_scales.hpp"
 #include "core/checker.hpp"
 #include "core/dispatch.hpp"
 #include "core/validate.hpp"
@@ -93,27 +94,9 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
     check.expect_extent(lse, 2, "seq", q_len, "as q.shape[1]");
     outputs.push_back(lse);
   }
-  // int8 caches: a scale per cached row, shaped like the cache without its last axis.
-  const bool scaled = storage_type_of<T> == StorageType::int8;
-  for (const auto& [name, scale, cache, cache_name] :
-       {std::tuple{"k_scale", &a.k_scale, &a.k_cache, "k_cache"}, std::tuple{"v_scale", &a.v_scale, &a.v_cache, "v_cache"}}) {
-    if (!scaled) {
-      if (!scale->empty())
-        check.fail(std::string(name) + ": only int8 caches take scales (this cache is " +
-                   storage_name(storage_type_of<T>) + ")");
-      continue;
-    }
-    if (scale->empty())
-      check.fail(std::string(name) + ": expected one float32 scale per cached row for an int8 cache, got none");
-    const Described d = describe(name, *scale);
-    check.expect_well_formed(d, /*inner_contiguous=*/false);  // read one scale per row, any strides
-    const char* axis_names[3] = {paged ? "blocks" : "batch", paged ? "block_size" : "capacity", "kv heads"};
-    for (int axis = 0; axis < 3; ++axis) {
-      const std::string as = "as " + std::string(cache_name) + ".shape[" + std::to_string(axis) + "]";
-      check.expect_extent(d, axis, axis_names[axis], cache->shape[axis], as.c_str());
-    }
-    inputs.push_back(d);
-  }
+  const detail::CacheScales scales{a.k_scale, a.v_scale, a.k_channel_scale, a.key_group};
+  detail::check_cache_scales(check, storage_type_of<T>, scales, a.k_cache.shape, a.v_cache.shape, paged,
+                             paged ? "blocks" : "batch", inputs);
   check.expect_outputs_apart(outputs, inputs);
 
   detail::refuse_for_caches(check, options);
@@ -142,7 +125,8 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
   p.args.lse = a.lse;
 
   detail::KvSource& kv = p.kv;
-  kv = detail::KvSource::of_cache(storage_type_of<T>, a.k_cache, a.v_cache, a.k_scale, a.v_scale);
+  kv = detail::KvSource::of_cache(storage_type_of<T>, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.k_channel_scale,
+                                  a.key_group);
   if (paged) {
     kv.block_table = a.block_table.data;
     kv.table_stride = a.block_table.strides[0];

@@ -71,6 +71,33 @@ void store_int8_row(const float* src, int64_t count, void* dst, float* scale) {
   }
 }
 
+// int8 keys scaled per channel: `channel` holds the row's group's channel scales (each
+// > 0). The row is scaled again by r = max_c |x_c / channel_c| / 127 and stored as
+// q_c = x_c / (r·channel_c) rounded to nearest (ties to even): within half a step, r·channel_c,
+// of x_c; the step is formed in double so that a tiny r·channel_c cannot round to 0. A
+// non-finite row is stored as zeros with r = NaN (whatever attends to it sees NaN); an
+// all-zero row (or one whose r would round to 0) as zeros with r = 0.
+void store_int8_channel_row(const float* src, const float* channel, int64_t count, std::int8_t* out, float* scale) {
+  float largest = 0.0f;
+  bool finite = true;
+  for (int64_t c = 0; c < count; ++c) {
+    finite = finite && std::isfinite(src[c]);
+    largest = std::max(largest, std::abs(src[c]) / channel[c]);
+  }
+  const float row_scale = largest / 127.0f;
+  if (!finite || row_scale == 0.0f) {
+    *scale = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+    std::fill(out, out + count, std::int8_t{0});
+    return;
+  }
+  *scale = row_scale;
+  for (int64_t c = 0; c < count; ++c) {
+    const double step = static_cast<double>(row_scale) * static_cast<double>(channel[c]);
+    const double q = std::nearbyint(static_cast<double>(src[c]) / step);
+    out[c] = static_cast<std::int8_t>(std::clamp(q, -127.0, 127.0));
+  }
+}
+
 void store_row(StorageType type, const float* src, int64_t count, void* dst, float* scale) {
   switch (type) {
     case StorageType::float32: return store_row<float>(src, count, dst);
@@ -86,8 +113,10 @@ constexpr const char kName[] = "qkv::KVCache";
 // is checked: an absurd config is refused here instead of wrapping to a tiny buffer that
 // append() then overruns. The factors are named as the caller gave them.
 struct CacheBytes {
-  std::size_t keys = 0, values = 0, scales = 0, table = 0, lengths = 0;
+  std::size_t keys = 0, values = 0, scales = 0, channel_scales = 0, partial = 0, table = 0, lengths = 0;
 };
+
+bool channel_scaled(const KVCacheConfig& c) { return c.key_scales == KeyScales::channel; }
 
 CacheBytes cache_bytes(const KVCacheConfig& c, int64_t blocks_per_sequence) {
   using detail::SizeFactor;
@@ -104,6 +133,14 @@ CacheBytes cache_bytes(const KVCacheConfig& c, int64_t blocks_per_sequence) {
                                        element);
   if (c.dtype == StorageType::int8)
     bytes.scales = detail::checked_bytes(kName, "the int8 scales", {outer, inner, heads}, sizeof(float));
+  if (channel_scaled(c)) {
+    const SizeFactor groups{"the groups per row of blocks", detail::ceil_div(inner.value, c.group_size)};
+    const SizeFactor dim{"config.head_dim", c.head_dim};
+    bytes.channel_scales = detail::checked_bytes(kName, "the keys' channel scales", {outer, groups, heads, dim}, sizeof(float));
+    bytes.partial = detail::checked_bytes(kName, "the newest groups' keys",
+                                          {{"config.batch", c.batch}, {"config.group_size", c.group_size}, heads, dim},
+                                          sizeof(float));
+  }
   if (c.paged)
     bytes.table = detail::checked_bytes(kName, "the block table",
                                         {{"config.batch", c.batch}, {"blocks per sequence", blocks_per_sequence}},
@@ -131,6 +168,18 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
       config.dtype != StorageType::float16 && config.dtype != StorageType::int8)
     check.fail("config.dtype: expected float32, bfloat16, float16 or int8, got value " +
                std::to_string(static_cast<int>(config.dtype)));
+  if (config.key_scales != KeyScales::row && config.key_scales != KeyScales::channel)
+    check.fail("config.key_scales: expected row or channel, got value " + std::to_string(static_cast<int>(config.key_scales)));
+  if (channel_scaled(config)) {
+    if (config.dtype != StorageType::int8)
+      check.fail(std::string("config.key_scales: channel scales are for int8 caches, got dtype ") + storage_name(config.dtype));
+    if (config.group_size < 1 || config.group_size > config.capacity)
+      check.fail("config.group_size: expected 1.." + std::to_string(config.capacity) +
+                 " tokens per channel-scale group (config.capacity), got " + std::to_string(config.group_size));
+    if (config.paged && config.block_size % config.group_size != 0)
+      check.fail("config.group_size: must divide config.block_size (" + std::to_string(config.block_size) +
+                 ") so that a group never spans blocks, got " + std::to_string(config.group_size));
+  }
   if (config.paged) {
     if (config.block_size < 1 || config.block_size > 4096)
       check.fail("config.block_size: expected 1..4096 keys per block, got " + std::to_string(config.block_size));
@@ -159,6 +208,12 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
       v_scale_.assign(bytes.scales / sizeof(float), 0.0f);
     });
   }
+  if (channel_scaled(config_)) {
+    detail::allocate_or_throw(kName, "the keys' channel scales", bytes.channel_scales + bytes.partial, [&] {
+      k_channel_scale_.assign(bytes.channel_scales / sizeof(float), 1.0f);
+      k_partial_.assign(bytes.partial / sizeof(float), 0.0f);
+    });
+  }
   detail::allocate_or_throw(kName, "the lengths", bytes.lengths,
                             [&] { lengths_.assign(bytes.lengths / sizeof(int64_t), 0); });
   mutex_ = std::make_unique<std::shared_mutex>();
@@ -167,6 +222,48 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
 std::array<int64_t, 4> KVCache::k_shape() const {
   if (config_.paged) return {config_.num_blocks, config_.block_size, config_.kv_heads, config_.head_dim};
   return {config_.batch, config_.capacity, config_.kv_heads, config_.head_dim};
+}
+
+std::array<int64_t, 4> KVCache::k_channel_shape() const {
+  if (!channel_scaled(config_)) return {0, 0, 0, 0};
+  const auto shape = k_shape();
+  return {shape[0], detail::ceil_div(shape[1], config_.group_size), shape[2], shape[3]};
+}
+
+int64_t KVCache::storage_row(int64_t seq, int64_t key) const {
+  if (!config_.paged) return seq * config_.capacity + key;
+  const int32_t block = table_[static_cast<std::size_t>(seq * blocks_per_sequence_ + key / config_.block_size)];
+  return static_cast<int64_t>(block) * config_.block_size + key % config_.block_size;
+}
+
+// Group `group` of sequence seq's keys, whose first `rows` keys are in k_partial_: per kv
+// head, the channel scales (each channel's max|k| over the group's finite rows; 1 for a
+// channel that is 0 in all of them), then every row against them.
+void KVCache::quantize_key_group(int64_t seq, int64_t group, int64_t rows) {
+  const int64_t hkv = config_.kv_heads, d = config_.head_dim, g = config_.group_size;
+  const int64_t first = group * g;
+  // The group's channel scales: [outer, groups, Hkv, d] at (sequence | block, group in it).
+  const int64_t groups_per_outer = k_channel_shape()[1];
+  const int64_t outer = config_.paged ? table_[static_cast<std::size_t>(seq * blocks_per_sequence_ + first / config_.block_size)] : seq;
+  const int64_t group_in_outer = config_.paged ? (first % config_.block_size) / g : group;
+  auto* keys = reinterpret_cast<std::int8_t*>(k_.get());
+  for (int64_t h = 0; h < hkv; ++h) {
+    float* channel = &k_channel_scale_[static_cast<std::size_t>(((outer * groups_per_outer + group_in_outer) * hkv + h) * d)];
+    std::fill(channel, channel + d, 0.0f);
+    const auto partial_row = [&](int64_t i) { return &k_partial_[static_cast<std::size_t>(((seq * g + i) * hkv + h) * d)]; };
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* x = partial_row(i);
+      if (!std::all_of(x, x + d, [](float v) { return std::isfinite(v); })) continue;
+      for (int64_t c = 0; c < d; ++c) channel[c] = std::max(channel[c], std::abs(x[c]));
+    }
+    for (int64_t c = 0; c < d; ++c)
+      if (channel[c] == 0.0f) channel[c] = 1.0f;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t row = storage_row(seq, first + i);
+      store_int8_channel_row(partial_row(i), channel, d, keys + (row * hkv + h) * d,
+                             &k_scale_[static_cast<std::size_t>(row * hkv + h)]);
+    }
+  }
 }
 
 std::array<int64_t, 4> KVCache::v_shape() const {
@@ -288,13 +385,22 @@ void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
         }
         row = static_cast<int64_t>(block) * config_.block_size + length % config_.block_size;
       }
+      const int64_t g = config_.group_size;
       for (int64_t h = 0; h < hkv; ++h) {
         const auto scale_at = static_cast<std::size_t>(row * hkv + h);
-        store_row(config_.dtype, rows.k_row(n, t, h), d, kb + static_cast<std::size_t>((row * hkv + h) * d) * bytes,
-                  k_scale_.empty() ? nullptr : &k_scale_[scale_at]);
+        if (channel_scaled(config_)) {  // kept as float32 until its group is quantized, below
+          const float* key = rows.k_row(n, t, h);
+          std::copy(key, key + d, &k_partial_[static_cast<std::size_t>(((seq * g + length % g) * hkv + h) * d)]);
+        } else {
+          store_row(config_.dtype, rows.k_row(n, t, h), d, kb + static_cast<std::size_t>((row * hkv + h) * d) * bytes,
+                    k_scale_.empty() ? nullptr : &k_scale_[scale_at]);
+        }
         store_row(config_.dtype, rows.v_row(n, t, h), dv, vb + static_cast<std::size_t>((row * hkv + h) * dv) * bytes,
                   v_scale_.empty() ? nullptr : &v_scale_[scale_at]);
       }
+      // A group is quantized when it is full, and the newest one again at each append.
+      if (channel_scaled(config_) && ((length + 1) % g == 0 || t + 1 == tokens))
+        quantize_key_group(seq, length / g, length % g + 1);
     }
   }
 }
@@ -341,6 +447,10 @@ DecodeArgs<T> KVCache::views() const {
     const auto shape = k_shape();
     args.k_scale = View3<const float>::contiguous(k_scale_.data(), {shape[0], shape[1], shape[2]});
     args.v_scale = View3<const float>::contiguous(v_scale_.data(), {shape[0], shape[1], shape[2]});
+    if (channel_scaled(config_)) {
+      args.k_channel_scale = View4<const float>::contiguous(k_channel_scale_.data(), k_channel_shape());
+      args.key_group = config_.group_size;
+    }
   }
   return args;
 }

@@ -98,6 +98,9 @@ struct DecodeScratch {
   // int8 caches: the rows' scales, in the ring's layout.
   hwy::AlignedFreeUniquePtr<float[]> k_scales, v_scales;
   std::vector<const float*> k_packed, v_packed;  // rows of `keys` / `values`
+  // int8 keys scaled per channel: the group's rows of `queries` times its channel scales,
+  // and one vector of keys' scores when the vector's keys span two groups.
+  hwy::AlignedFreeUniquePtr<float[]> channel_queries, split_scores;
 
   explicit DecodeScratch(const DecodePlan& plan)
       : queries(AllocateFloats(plan.tile_rows() * plan.d_pad)),
@@ -109,7 +112,9 @@ struct DecodeScratch {
         k_ring((kUnitsAhead + 1) * plan.block_keys), v_ring((kUnitsAhead + 1) * plan.block_keys),
         k_scales(AllocateFloats(kScaledStorage<T> ? (kUnitsAhead + 1) * plan.block_keys : 0)),
         v_scales(AllocateFloats(kScaledStorage<T> ? (kUnitsAhead + 1) * plan.block_keys : 0)),
-        k_packed(plan.packed ? plan.block_keys : 0), v_packed(plan.packed ? plan.block_keys : 0) {}
+        k_packed(plan.packed ? plan.block_keys : 0), v_packed(plan.packed ? plan.block_keys : 0),
+        channel_queries(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * plan.d_pad : 0)),
+        split_scores(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * VectorLanes() : 0)) {}
 };
 
 // Row pointers of K and V for keys [first, first + keys) of (batch, head), in place in
@@ -173,6 +178,55 @@ HWY_INLINE void SoftmaxRows(size_t rows, size_t padded, float* HWY_RESTRICT scor
     }
     l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(df, sum));
     m[r] = m_new;
+  }
+}
+
+// Scores of `rows` query rows (scale·q, d_pad apart) against int8 keys scaled per
+// channel (qkv::KVCache's KeyScales::channel) read in place: key j of group γ holds
+// int8_j · c_γ (channel-wise; its row scale is applied after, as for every int8 row), so
+// (scale·q)·k_j = ((scale·q) ⊙ c_γ)·int8_j — the rows are scaled once per group and the
+// integers widened in the loads. A vector of keys that spans two groups (a group that is
+// not whole vectors, or a block that does not start on one) is scored once per group,
+// each lane taken from its own group's pass.
+template <class T>
+void ChannelScaledScores(const KvSource& kv, const DecodePlan& plan, int64_t batch, int64_t head, int64_t first,
+                         size_t keys, size_t rows, const float* queries, const T* const* k_rows, size_t d,
+                         Ahead<T> ahead, float* scores, size_t ld, DecodeScratch<T>& s) {
+  const size_t lanes = VectorLanes(), d_pad = plan.d_pad;
+  const int64_t group = kv.key_group;
+  float* scaled = s.channel_queries.get();
+  int64_t scaled_group = -1;  // the group whose channel scales `scaled` holds
+  const auto scale_rows = [&](int64_t g) {
+    if (g == scaled_group) return;
+    scaled_group = g;
+    const float* channel = kv.channel_scales(batch, g * group, head);
+    for (size_t r = 0; r < rows; ++r) {
+      const float* q = queries + r * d_pad;
+      float* to = scaled + r * d_pad;
+      for (size_t c = 0; c < d; ++c) to[c] = q[c] * channel[c];
+      std::fill(to + d, to + d_pad, 0.0f);
+    }
+  };
+  const size_t padded = round_up(keys, lanes);
+  for (size_t j = 0; j < padded; j += lanes) {
+    const int64_t key = first + static_cast<int64_t>(j);
+    const int64_t last = first + static_cast<int64_t>(std::min(j + lanes, keys)) - 1;  // the vector's last key
+    const Ahead<T> prefetch = ahead.offset(j);
+    if (key / group == last / group) {
+      scale_rows(key / group);
+      ScoreKeys(rows, scaled, d_pad, k_rows + j, d, prefetch, scores + j, ld);
+      continue;
+    }
+    for (int64_t g = key / group; g <= last / group; ++g) {
+      scale_rows(g);
+      ScoreKeys(rows, scaled, d_pad, k_rows + j, d, g == key / group ? prefetch : Ahead<T>{}, s.split_scores.get(),
+                lanes);
+      const auto from = static_cast<size_t>(std::max<int64_t>(g * group - key, 0));
+      const auto to = static_cast<size_t>(std::min<int64_t>((g + 1) * group - key, static_cast<int64_t>(lanes)));
+      for (size_t r = 0; r < rows; ++r)
+        std::copy(s.split_scores.get() + r * lanes + from, s.split_scores.get() + r * lanes + to,
+                  scores + r * ld + j + from);
+    }
   }
 }
 
@@ -278,7 +332,10 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
 
       // S[r][j] = (scale·q_r)·k_j for the block's keys, one vector of keys at a time,
       // while the next unit's rows start on their way from memory.
-      if (!plan.packed) {
+      if (kScaledStorage<T> && kv.channel_scaled() && !plan.packed) {
+        ChannelScaledScores<T>(kv, plan, task.batch, g, first, keys, group_rows, queries, k_rows, d,
+                               Ahead<T>{k_far, far_keys, d * sizeof(T)}, s.scores.get(), ld, s);
+      } else if (!plan.packed) {
         for (size_t j = 0; j < padded; j += lanes) {
           const Ahead<T> ahead = Ahead<T>{k_far, far_keys, d * sizeof(T)}.offset(j);
           ScoreKeys(group_rows, queries, d_pad, k_rows + j, d, ahead, s.scores.get() + j, ld);
@@ -287,6 +344,11 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
         for (size_t j = 0; j < keys; ++j) {
           WidenRows(k_rows[j], 0, 1, d, s.keys.get() + j * d_pad, d_pad);
           WidenRows(v_rows[j], 0, 1, dv, s.values.get() + j * dv_pad, dv_pad);
+          if (kScaledStorage<T> && kv.channel_scaled()) {  // int8 keys scaled per channel: times their group's
+            const float* channel = kv.channel_scales(task.batch, first + static_cast<int64_t>(j), g);
+            float* key = s.keys.get() + j * d_pad;
+            for (size_t c = 0; c < d; ++c) key[c] *= channel[c];
+          }
         }
         for (size_t j = 0; j < padded; ++j) {
           s.k_packed[j] = s.keys.get() + std::min(j, keys - 1) * d_pad;

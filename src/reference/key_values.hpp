@@ -1,7 +1,8 @@
 // The reference's reading of key and value elements, as doubles: from the call's K/V
 // views (each element exactly static_cast<double>), or from a cache's key/value source
 // (core/kv_source.hpp: contiguous or paged, any storage type widened exactly, int8 times
-// its row's scale — the values the split-K schedule attends over).
+// its row's scale and, for keys scaled per channel, its group's channel scale — the
+// values the split-K schedule attends over).
 #pragma once
 
 #include <cstdint>
@@ -26,7 +27,8 @@ struct SourceKeyValues {
   const detail::KvSource& kv;
 
   double key(int64_t b, int64_t j, int64_t h, int64_t c) const {
-    return element(kv.k, kv.k_strides, kv.k_scale, kv.k_scale_strides, b, j, h, c);
+    const double stored = element(kv.k, kv.k_strides, kv.k_scale, kv.k_scale_strides, b, j, h, c);
+    return kv.channel_scaled() ? stored * static_cast<double>(kv.channel_scales(b, j, h)[c]) : stored;
   }
   double value(int64_t b, int64_t j, int64_t h, int64_t c) const {
     return element(kv.v, kv.v_strides, kv.v_scale, kv.v_scale_strides, b, j, h, c);

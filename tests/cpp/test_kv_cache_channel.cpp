@@ -1,0 +1,392 @@
+// qkv::KVCache with int8 keys scaled per channel (KeyScales::channel): every stored key
+// within half a step of the appended one; the stored cache independent of how tokens
+// were split into appends; paged = contiguous bitwise; decode on every SIMD target equal
+// to the fp64 reference over the stored values (and the same bits for any thread count);
+// a non-finite key poisons only itself; BatchPlan reads the same cache; bad configs and
+// arguments named.
+#include <gtest/gtest.h>
+
+#include <qkv/batch_plan.hpp>
+#include <qkv/kv_cache.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "simd_targets.hpp"
+#include "test_support.hpp"
+
+namespace qkv {
+namespace {
+
+constexpr int64_t kBatch = 2, kCapacity = 96, kKvHeads = 2;
+
+KVCacheConfig channel_config(int64_t d, int64_t group, bool paged = false, int64_t block_size = 32) {
+  return {.batch = kBatch, .capacity = kCapacity, .kv_heads = kKvHeads, .head_dim = d, .v_dim = d,
+          .dtype = StorageType::int8, .paged = paged, .block_size = block_size,
+          .key_scales = KeyScales::channel, .group_size = group};
+}
+
+// N(0, 1) keys whose channels 1 and 5 are 20× larger: the outlier channels post-RoPE keys
+// have, which one scale per row handles worst.
+Tensor<float, 4> outlier_keys(int64_t tokens, int64_t d, std::uint64_t seed) {
+  auto k = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, seed);
+  for (int64_t b = 0; b < kBatch; ++b)
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < kKvHeads; ++h)
+        for (int64_t c : {1, 5}) k(b, t, h, c % d) *= 20.0f;
+  return k;
+}
+
+// Appends tokens [from, to) of k and v to every sequence.
+void append_range(KVCache& cache, const Tensor<float, 4>& k, const Tensor<float, 4>& v, int64_t from, int64_t to) {
+  const int64_t d = k.shape()[3];
+  Tensor<float, 4> ks({kBatch, to - from, kKvHeads, d}), vs({kBatch, to - from, kKvHeads, d});
+  for (int64_t b = 0; b < kBatch; ++b)
+    for (int64_t t = from; t < to; ++t)
+      for (int64_t h = 0; h < kKvHeads; ++h)
+        for (int64_t c = 0; c < d; ++c) {
+          ks(b, t - from, h, c) = k(b, t, h, c);
+          vs(b, t - from, h, c) = v(b, t, h, c);
+        }
+  cache.append(ks.cview(), vs.cview());
+}
+
+// Key (b, j, h) as the cache stores it: its integers, row scale and channel scales.
+struct StoredKey {
+  const std::int8_t* ints;
+  float row_scale;
+  const float* channel;
+};
+
+StoredKey stored_key(const KVCache& cache, int64_t b, int64_t j, int64_t h) {
+  const KVCacheConfig& c = cache.config();
+  int64_t outer = b, row = j;  // contiguous: [B, capacity]
+  if (c.paged) {
+    outer = cache.block_table()[static_cast<std::size_t>(b * cache.blocks_per_sequence() + j / c.block_size)];
+    row = j % c.block_size;
+  }
+  const int64_t rows = cache.k_shape()[1], groups = cache.k_channel_shape()[1];
+  const int64_t at = (outer * rows + row) * c.kv_heads + h;
+  return {static_cast<const std::int8_t*>(cache.k_data()) + at * c.head_dim,
+          cache.k_scales()[static_cast<std::size_t>(at)],
+          cache.k_channel_scales().data() + ((outer * groups + row / c.group_size) * c.kv_heads + h) * c.head_dim};
+}
+
+// Each value within half a step (row scale × channel scale) of the appended one; each
+// channel scale is its group's max|k| in that channel; some value of each row is ±127.
+TEST(KVCacheChannel, EveryKeyIsWithinHalfAStep) {
+  const int64_t d = 64, group = 16, tokens = 61;
+  const auto k = outlier_keys(tokens, d, 11);
+  const auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 12);
+  KVCache cache(channel_config(d, group));
+  for (auto [from, to] : {std::pair<int64_t, int64_t>{0, 7}, {7, 8}, {8, 40}, {40, 61}}) append_range(cache, k, v, from, to);
+  for (int64_t b = 0; b < kBatch; ++b)
+    for (int64_t h = 0; h < kKvHeads; ++h)
+      for (int64_t j = 0; j < tokens; ++j) {
+        const StoredKey s = stored_key(cache, b, j, h);
+        int largest = 0;
+        for (int64_t c = 0; c < d; ++c) {
+          const double step = static_cast<double>(s.row_scale) * s.channel[c];
+          const double error = std::abs(static_cast<double>(k(b, j, h, c)) - s.ints[c] * step);
+          ASSERT_LE(error, 0.5 * step * (1 + 1e-6)) << b << " " << j << " " << h << " " << c;
+          largest = std::max(largest, std::abs(static_cast<int>(s.ints[c])));
+        }
+        EXPECT_EQ(largest, 127) << j;
+        if (j % group == 0) {  // the group's channel scales: its max|k| per channel
+          for (int64_t c = 0; c < d; ++c) {
+            float max_abs = 0.0f;
+            for (int64_t i = j; i < std::min(j + group, tokens); ++i) max_abs = std::max(max_abs, std::abs(k(b, i, h, c)));
+            EXPECT_EQ(s.channel[c], max_abs) << j << " " << c;
+          }
+        }
+      }
+}
+
+// The newest, partial group is quantized from its float32 rows again at each append, so
+// the stored cache depends only on the tokens, not on how they were split into appends.
+TEST(KVCacheChannel, StorageDoesNotDependOnHowTokensWereAppended) {
+  const int64_t d = 32, group = 16, tokens = 53;
+  const auto k = outlier_keys(tokens, d, 21);
+  const auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 22);
+  KVCache whole(channel_config(d, group)), one_by_one(channel_config(d, group)), uneven(channel_config(d, group));
+  append_range(whole, k, v, 0, tokens);
+  for (int64_t t = 0; t < tokens; ++t) append_range(one_by_one, k, v, t, t + 1);
+  for (auto [from, to] : {std::pair<int64_t, int64_t>{0, 3}, {3, 20}, {20, 21}, {21, 48}, {48, 53}})
+    append_range(uneven, k, v, from, to);
+  for (const KVCache* other : {&one_by_one, &uneven})
+    for (int64_t b = 0; b < kBatch; ++b)
+      for (int64_t j = 0; j < tokens; ++j)
+        for (int64_t h = 0; h < kKvHeads; ++h) {
+          const StoredKey x = stored_key(whole, b, j, h), y = stored_key(*other, b, j, h);
+          ASSERT_EQ(std::memcmp(x.ints, y.ints, d), 0) << j;
+          ASSERT_EQ(std::memcmp(&x.row_scale, &y.row_scale, sizeof(float)), 0) << j;
+          ASSERT_EQ(std::memcmp(x.channel, y.channel, d * sizeof(float)), 0) << j;
+        }
+}
+
+struct Result {
+  Tensor<float, 4> out;
+  Tensor<float, 3> lse;
+};
+
+Result attend(const KVCache& cache, const Tensor<float, 4>& q, Backend backend, int threads) {
+  const auto& s = q.shape();
+  Result r{Tensor<float, 4>({s[0], s[1], s[2], cache.config().v_dim}), Tensor<float, 3>({s[0], s[2], s[1]})};
+  AttentionOptions options;
+  options.causal = Causal::bottom_right;
+  options.execution.backend = backend;
+  options.execution.threads = threads;
+  cache.attend(q.cview(), r.out.view(), r.lse.view(), options);
+  return r;
+}
+
+bool same_bits(const Result& a, const Result& b) {
+  return std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)) == 0 &&
+         std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0;
+}
+
+// The error bound of the fp32 kernel against the fp64 reference over the same stored
+// values: a logit's dot product over d terms, summed in lanes and then a tree, is within
+// (d/lanes + log2(lanes) + 3)·ε·Σ_c|scale·q_c·k_c| ≤ 24·ε·L for d ≤ 64 (L the largest such
+// sum; the channel scale's product with the query adds one rounding per term), which
+// moves the softmax's output by at most 2·that·max|v|; plus P·V's own 4·ε·max|v|.
+double kernel_bound(const KVCache& cache, const Tensor<float, 4>& q, const Tensor<float, 4>& v) {
+  double max_v = 0.0;
+  for (std::size_t x = 0; x < v.size(); ++x) max_v = std::max(max_v, double(std::abs(v[x])));
+  const KVCacheConfig& c = cache.config();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  const int64_t group = q.shape()[2] / c.kv_heads;
+  double largest_sum = 0.0;
+  for (int64_t b = 0; b < q.shape()[0]; ++b)
+    for (int64_t i = 0; i < q.shape()[1]; ++i)
+      for (int64_t hq = 0; hq < q.shape()[2]; ++hq)
+        for (int64_t j = 0; j < cache.lengths()[static_cast<std::size_t>(b)]; ++j) {
+          const StoredKey s = stored_key(cache, b, j, hq / group);
+          double sum = 0.0;
+          for (int64_t x = 0; x < c.head_dim; ++x)
+            sum += std::abs(scale * q(b, i, hq, x) * s.ints[x] * s.row_scale * s.channel[x]);
+          largest_sum = std::max(largest_sum, sum);
+        }
+  const double eps = std::numeric_limits<float>::epsilon();
+  return (48.0 * largest_sum + 4.0) * eps * max_v;
+}
+
+// Head sizes on the in-place path (64, a whole number of vectors) and the packed one (20);
+// groups that are whole vectors (16, 32) or not (5: a vector of keys spans two groups);
+// one and three queries per sequence (speculative decoding); GQA 8 : 2.
+TEST(KVCacheChannel, DecodeMatchesTheReferenceOnEveryTarget) {
+  test::for_each_simd_target([](int64_t) {
+    for (int64_t d : {64, 20})
+      for (int64_t group : {16, 5, 32}) {
+        SCOPED_TRACE("d=" + std::to_string(d) + " group=" + std::to_string(group));
+        const int64_t tokens = 75;
+        const auto k = outlier_keys(tokens, d, 31 + d + group);
+        const auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 32);
+        KVCache cache(channel_config(d, group));
+        append_range(cache, k, v, 0, 50);
+        append_range(cache, k, v, 50, tokens);
+        for (int64_t q_len : {1, 3}) {
+          const auto q = test::random_tensor<float, 4>({kBatch, q_len, 8, d}, 33 + q_len);
+          const Result cpu1 = attend(cache, q, Backend::cpu, 1), cpu2 = attend(cache, q, Backend::cpu, 2);
+          const Result ref = attend(cache, q, Backend::reference, 1);
+          EXPECT_TRUE(same_bits(cpu1, cpu2)) << "threads change the bits, q_len " << q_len;
+          double worst = 0.0;
+          for (std::size_t x = 0; x < ref.out.size(); ++x) worst = std::max(worst, double(std::abs(cpu1.out[x] - ref.out[x])));
+          EXPECT_LE(worst, kernel_bound(cache, q, v)) << "q_len " << q_len;
+        }
+      }
+  });
+}
+
+// Paged caches (blocks of 32 and 16 keys, groups of 16; the pool handed out out of order)
+// hold and attend to the same bits as a contiguous one.
+TEST(KVCacheChannel, PagedEqualsContiguousBitwise) {
+  const int64_t d = 64, group = 16, tokens = 70;
+  const auto k = outlier_keys(tokens, d, 41);
+  const auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 42);
+  KVCache contiguous(channel_config(d, group)), paged32(channel_config(d, group, true, 32)),
+      paged16(channel_config(d, group, true, 16));
+  // Sequence 1 first into the paged pools, so that its blocks come before sequence 0's.
+  const auto first_of = [&](int64_t b) {
+    Tensor<float, 4> ks({1, 9, kKvHeads, d}), vs({1, 9, kKvHeads, d});
+    for (int64_t t = 0; t < 9; ++t)
+      for (int64_t h = 0; h < kKvHeads; ++h)
+        for (int64_t c = 0; c < d; ++c) {
+          ks(0, t, h, c) = k(b, t, h, c);
+          vs(0, t, h, c) = v(b, t, h, c);
+        }
+    return std::pair{ks, vs};
+  };
+  for (KVCache* cache : {&contiguous, &paged32, &paged16})
+    for (int64_t b : {1, 0}) {
+      const auto [ks, vs] = first_of(b);
+      const std::vector<int64_t> seq{b};
+      cache->append(ks.cview(), vs.cview(), seq);
+    }
+  for (KVCache* cache : {&contiguous, &paged32, &paged16}) append_range(*cache, k, v, 9, tokens);
+  EXPECT_NE(paged16.block_table()[0], 0);  // sequence 0 does not start at block 0
+  const auto q = test::random_tensor<float, 4>({kBatch, 2, 8, d}, 43);
+  const Result a = attend(contiguous, q, Backend::cpu, 2);
+  EXPECT_TRUE(same_bits(a, attend(paged32, q, Backend::cpu, 2)));
+  EXPECT_TRUE(same_bits(a, attend(paged16, q, Backend::cpu, 1)));
+}
+
+// A key holding NaN or inf is stored as zeros with row scale NaN: a query that sees it
+// gets NaN, one that does not see it (causal) the result without it; the channel scales
+// of its group come from the finite keys only.
+TEST(KVCacheChannel, ANonFiniteKeyPoisonsOnlyItself) {
+  const int64_t d = 32, group = 16, tokens = 12;
+  auto k = outlier_keys(tokens, d, 51);
+  const auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 52);
+  auto clean = k;
+  k(0, tokens - 1, 0, 3) = std::numeric_limits<float>::infinity();  // the newest key of (seq 0, head 0)
+  KVCache poisoned(channel_config(d, group)), without(channel_config(d, group));
+  append_range(poisoned, k, v, 0, tokens);
+  append_range(without, clean, v, 0, tokens - 1);
+  EXPECT_TRUE(std::isnan(stored_key(poisoned, 0, tokens - 1, 0).row_scale));
+  for (int64_t j = 0; j < tokens - 1; ++j)  // the other keys are stored as without it
+    for (int64_t h = 0; h < kKvHeads; ++h) {
+      const StoredKey x = stored_key(poisoned, 0, j, h), y = stored_key(without, 0, j, h);
+      if (h == 1) continue;  // head 1's group has the clean newest key too
+      EXPECT_EQ(std::memcmp(x.ints, y.ints, d), 0) << j;
+      EXPECT_EQ(std::memcmp(x.channel, y.channel, d * sizeof(float)), 0) << j;
+    }
+  // Two queries: query 0 sees keys 0..tokens−2, query 1 every key.
+  const auto q = test::random_tensor<float, 4>({kBatch, 2, 4, d}, 53);
+  const Result r = attend(poisoned, q, Backend::cpu, 1);
+  for (int64_t hq = 0; hq < 4; ++hq) {
+    const bool sees_it = hq / 2 == 0;  // query heads 0, 1 read kv head 0
+    EXPECT_EQ(std::isnan(r.out(0, 1, hq, 0)), sees_it) << hq;
+    EXPECT_FALSE(std::isnan(r.out(0, 0, hq, 0))) << hq;
+    EXPECT_FALSE(std::isnan(r.out(1, 1, hq, 0))) << hq;
+  }
+}
+
+// What the channel scales are for: attention over keys with outlier channels, against
+// fp64 attention over the original keys and values — several times closer than with one
+// scale per row (6.3× here, measured; the test asks for 3×).
+TEST(KVCacheChannel, BeatsRowScalesOnOutlierChannels) {
+  const int64_t d = 64, tokens = 90;
+  const auto k = outlier_keys(tokens, d, 61);
+  const auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 62);
+  const auto q = test::random_tensor<float, 4>({kBatch, 1, 8, d}, 63);
+  KVCacheConfig row_config = channel_config(d, 32);
+  row_config.key_scales = KeyScales::row;
+  KVCache by_row(row_config), by_channel(channel_config(d, 32)), exact({.batch = kBatch, .capacity = kCapacity,
+                                                                       .kv_heads = kKvHeads, .head_dim = d});
+  for (KVCache* cache : {&by_row, &by_channel, &exact}) append_range(*cache, k, v, 0, tokens);
+  const Result truth = attend(exact, q, Backend::reference, 1);
+  const auto error = [&](const KVCache& cache) {
+    const Result r = attend(cache, q, Backend::cpu, 1);
+    double sum = 0.0;
+    for (std::size_t x = 0; x < r.out.size(); ++x) sum += std::pow(double(r.out[x]) - truth.out[x], 2);
+    return std::sqrt(sum);
+  };
+  EXPECT_LT(3.0 * error(by_channel), error(by_row));
+}
+
+// BatchPlan over the cache's views: the decode rows as cache.attend's, bit for bit; a
+// prefill chunk (tiled, over keys gathered as int8 · row scale · channel scale) within
+// the kernel bound of the reference.
+TEST(KVCacheChannel, BatchPlanReadsTheSameCache) {
+  const int64_t d = 64, group = 16, tokens = 60;
+  const auto k = outlier_keys(tokens, d, 71);
+  const auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 72);
+  KVCache cache(channel_config(d, group, true, 32));
+  append_range(cache, k, v, 0, tokens);
+  const std::vector<int64_t> cu_q{0, 1, 1 + 20}, lengths{tokens, tokens};  // seq 0 decodes, seq 1 a chunk of 20
+  const DecodeArgs<std::int8_t> views = cache.views<std::int8_t>();
+  AttentionOptions options;
+  options.causal = Causal::bottom_right;
+  const BatchPlan plan({.cu_seqlens_q = std::span<const int64_t>(cu_q), .cache_lengths = std::span<const int64_t>(lengths), .block_table = views.block_table,
+                        .block_size = 32, .num_heads = 8, .num_kv_heads = kKvHeads, .head_dim = d,
+                        .storage = StorageType::int8},
+                       options);
+  const auto q = test::random_tensor<float, 3>({21, 8, d}, 73);
+  Tensor<float, 3> out({21, 8, d});
+  plan.run(BatchArgs<std::int8_t>{.q = q.cview(), .k_cache = views.k_cache, .v_cache = views.v_cache, .out = out.view(),
+                                  .k_scale = views.k_scale, .v_scale = views.v_scale,
+                                  .k_channel_scale = views.k_channel_scale, .key_group = views.key_group});
+  // Sequence 0's one query through cache.attend (sequence 1 gets a copy of the same query).
+  Tensor<float, 4> q0({kBatch, 1, 8, d});
+  for (int64_t b = 0; b < kBatch; ++b)
+    for (int64_t h = 0; h < 8; ++h)
+      for (int64_t c = 0; c < d; ++c) q0(b, 0, h, c) = q(0, h, c);
+  const Result alone = attend(cache, q0, Backend::cpu, 1);
+  EXPECT_EQ(std::memcmp(&out(0, 0, 0), &alone.out(0, 0, 0, 0), 8 * d * sizeof(float)), 0);
+  // Sequence 1's chunk against the reference over the same cache (queries 40..59 of it).
+  Tensor<float, 4> q1({kBatch, 20, 8, d});
+  for (int64_t b = 0; b < kBatch; ++b)
+    for (int64_t i = 0; i < 20; ++i)
+      for (int64_t h = 0; h < 8; ++h)
+        for (int64_t c = 0; c < d; ++c) q1(b, i, h, c) = q(1 + i, h, c);
+  const Result ref = attend(cache, q1, Backend::reference, 1);
+  double worst = 0.0;
+  for (int64_t i = 0; i < 20; ++i)
+    for (int64_t h = 0; h < 8; ++h)
+      for (int64_t c = 0; c < d; ++c) worst = std::max(worst, double(std::abs(out(1 + i, h, c) - ref.out(1, i, h, c))));
+  EXPECT_LE(worst, kernel_bound(cache, q1, v));
+}
+
+void expect_error(const std::function<void()>& call, const std::string& needle) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(KVCacheChannel, BadConfigsAndArgumentsAreNamed) {
+  KVCacheConfig c = channel_config(16, 16);
+  c.dtype = StorageType::bfloat16;
+  expect_error([&] { KVCache{c}; }, "config.key_scales: channel scales are for int8 caches, got dtype bfloat16");
+  c = channel_config(16, 0);
+  expect_error([&] { KVCache{c}; }, "config.group_size: expected 1..96");
+  c = channel_config(16, 97);
+  expect_error([&] { KVCache{c}; }, "config.group_size: expected 1..96");
+  c = channel_config(16, 12, true, 16);
+  expect_error([&] { KVCache{c}; }, "config.group_size: must divide config.block_size (16)");
+
+  KVCache cache(channel_config(16, 8));
+  const auto k = test::random_tensor<float, 4>({kBatch, 10, kKvHeads, 16}, 81);
+  cache.append(k.cview(), k.cview());
+  Tensor<float, 4> q({kBatch, 1, 4, 16}), out({kBatch, 1, 4, 16});
+  const auto decode_with = [&](DecodeArgs<std::int8_t> args) {
+    return [&, args]() mutable {
+      args.q = q.cview();
+      args.out = out.view();
+      decode(args, AttentionOptions{});
+    };
+  };
+  DecodeArgs<std::int8_t> args = cache.views<std::int8_t>();
+  args.k_channel_scale.shape[1] = 3;
+  expect_error(decode_with(args), "k_channel_scale.shape[1] (groups): expected 12");
+  args = cache.views<std::int8_t>();
+  args.key_group = 0;
+  expect_error(decode_with(args), "key_group: expected 1..96 keys per channel-scale group");
+  args = cache.views<std::int8_t>();
+  args.k_channel_scale = {};
+  expect_error(decode_with(args), "key_group: expected 0 without k_channel_scale, got 8");
+  args = cache.views<std::int8_t>();
+  args.k_channel_scale.shape[3] = 8;
+  expect_error(decode_with(args), "k_channel_scale.shape[3] (head_dim): expected 16");
+  // Nothing was written by the failed calls.
+  for (std::size_t x = 0; x < out.size(); ++x) ASSERT_EQ(out[x], 0.0f);
+
+  KVCache floats({.batch = 1, .capacity = 8, .kv_heads = 2, .head_dim = 16});
+  DecodeArgs<float> fargs = floats.views<float>();
+  fargs.k_channel_scale = cache.views<std::int8_t>().k_channel_scale;
+  fargs.key_group = 8;
+  Tensor<float, 4> fq({1, 1, 4, 16}), fout({1, 1, 4, 16});
+  fargs.q = fq.cview();
+  fargs.out = fout.view();
+  expect_error([&] { decode(fargs, AttentionOptions{}); }, "k_channel_scale: only int8 caches take channel scales");
+}
+
+}  // namespace
+}  // namespace qkv
