@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Decode speed of each KV-cache storage: one query per head against a long qkv.KVCache
+(cache.attend, bottom-right), float32 / bfloat16 / float16 / int8 with row scales / int8
+with channel-scaled keys, in one process at the same thread count.
+
+Per row: median time of --repeats attends after a warm-up; bytes = what the kernel
+streams (K and V elements plus their scales: a float per row, and for channel-scaled keys
+d floats per group of group_size tokens); effective bandwidth = bytes / time; "vs int8
+row" = int8-row time / this time (> 1: faster).
+
+    python bench/bench_kv_storage.py                        # 32/8 and 12/12 heads, d = 128, 32k keys
+    python bench/bench_kv_storage.py --lengths 131072 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import qkv
+
+STORAGES = [("float32", {}), ("bfloat16", {}), ("float16", {}), ("int8", {}),
+            ("int8", {"key_scales": "channel", "group_size": 32})]
+
+
+def name_of(dtype, extra):
+    return f"{dtype} channel G={extra['group_size']}" if extra else (dtype + (" row" if dtype == "int8" else ""))
+
+
+def stream_bytes(dtype, extra, n, hkv, d):
+    element = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[dtype]
+    per_row = 2 * d * element + (8 if dtype == "int8" else 0)  # K and V, their row scales
+    if extra:
+        per_row += d * 4 / extra["group_size"]
+    return n * hkv * per_row
+
+
+def time_attend(cache, q, threads, repeats):
+    cache.attend(q, threads=threads)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        cache.attend(q, threads=threads)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["32/8/128", "12/12/128"], help="Hq/Hkv/d")
+    parser.add_argument("--lengths", nargs="+", type=int, default=[32768])
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    print(f"# KVCache.attend, 1 query per head, batch 1; load {os.getloadavg()[0]:.1f}; qkv {qkv.__version__}")
+    print("| heads | keys | threads | storage | bytes/value | ms | GB/s | vs int8 row |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape in args.shapes:
+        hq, hkv, d = (int(x) for x in shape.split("/"))
+        for n in args.lengths:
+            torch.manual_seed(0)
+            k, v = torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d)
+            q = torch.randn(1, hq, 1, d)
+            caches = []
+            for dtype, extra in STORAGES:
+                cache = qkv.KVCache(1, n, hkv, d, dtype=dtype, **extra)
+                cache.append(k, v)
+                caches.append((dtype, extra, cache))
+            for threads in args.threads:
+                times = [time_attend(cache, q, threads, args.repeats) for _, _, cache in caches]
+                int8_row = times[3]
+                for (dtype, extra, _), t in zip(caches, times):
+                    b = stream_bytes(dtype, extra, n, hkv, d)
+                    print(f"| {hq}/{hkv} | {n} | {threads} | {name_of(dtype, extra)} | {b / (2 * n * hkv * d):.3f} | "
+                          f"{t * 1e3:.2f} | {b / t / 1e9:.1f} | {int8_row / t:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
