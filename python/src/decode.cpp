@@ -272,7 +272,7 @@ void bind_decode(nb::module_& m) {
         const auto shape4 = cache.k_channel_shape();
         const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
                                       static_cast<std::size_t>(shape4[2]), static_cast<std::size_t>(shape4[3])};
-        return nb::ndarray<nb::numpy, const float>(cache.k_channel_scales().data(), 4, shape, self);
+        return nb::cast(nb::ndarray<nb::numpy, const float>(cache.k_channel_scales().data(), 4, shape, self));
       })
       .def("block_table", [](nb::handle self) {
         KVCache& cache = nb::cast<KVCache&>(self);
