@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "simd_targets.hpp"
+#include "test_support.hpp"
 
 namespace qkv {
 namespace {
@@ -418,14 +419,7 @@ TEST(BatchPlan, AStepWithoutQueriesWritesNothing) {
   EXPECT_EQ(plan.tasks(), 0);
 }
 
-void expect_error(const std::function<void()>& call, const std::string& names) {
-  try {
-    call();
-    ADD_FAILURE() << "no qkv::Error; expected one naming " << names;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(names), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 // KVCache::append_varlen stores what per-sequence appends store (same rows, same blocks),
 // and refuses bad offsets with nothing appended.

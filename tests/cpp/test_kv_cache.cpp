@@ -263,14 +263,7 @@ TEST(KVCache, PagedBlocksComeFromThePoolAndGoBack) {
   EXPECT_EQ(cache.lengths()[1], 33);
 }
 
-void expect_error(const std::function<void()>& call, const std::string& needle) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected one mentioning " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 TEST(KVCache, BadCallsNameTheArgumentAndChangeNothing) {
   expect_error([] { KVCache({.batch = 0, .capacity = 4, .head_dim = 2}); }, "config.batch: expected >= 1, got 0");

@@ -332,14 +332,7 @@ TEST(KVCacheChannel, BatchPlanReadsTheSameCache) {
   EXPECT_LE(worst, kernel_bound(cache, q1, v));
 }
 
-void expect_error(const std::function<void()>& call, const std::string& needle) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 TEST(KVCacheChannel, BadConfigsAndArgumentsAreNamed) {
   KVCacheConfig c = channel_config(16, 16);

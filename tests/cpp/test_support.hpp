@@ -1,10 +1,13 @@
 // Shared helpers for the C++ tests: seeded random tensors, error measures, sentinels.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <qkv/qkv.hpp>
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -66,6 +69,16 @@ inline AttentionOptions reference_options() {
   AttentionOptions options;
   options.execution.backend = Backend::reference;
   return options;
+}
+
+// call() must throw qkv::Error whose message contains `needle`.
+inline void expect_error(const std::function<void()>& call, const std::string& needle) {
+  try {
+    call();
+    ADD_FAILURE() << "no qkv::Error; expected one mentioning " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace qkv::test
