@@ -14,7 +14,8 @@ partial groups. Bytes per value: the cache's K and V storage with its scales, pe
 
 Rows: "real" = the qkv.KVCache storages this build has (others print "not available in
 this build"); the letters = emulated storages (bench/kv_quantization_emulate.py says
-exactly what is emulated): v validation, a int8 per-channel keys, s the K and V shares of
+exactly what is emulated): v validation, a int8 per-channel keys, l int8 keys scaled per
+channel then per row (the design of key_scales="channel"), s the K and V shares of
 the 4-bit error, b int4, c int4 with a float residual, d q4_0-style and Hadamard-rotated
 keys.
 
@@ -111,6 +112,8 @@ def real_bytes_per_value(kwargs: dict):
     except (TypeError, ValueError, qkv.Error):
         return None
     arrays = list(cache.storage()) + list(cache.scales() or ())
+    if hasattr(cache, "channel_scales") and cache.channel_scales() is not None:
+        arrays.append(cache.channel_scales())
     return sum(a.nbytes for a in arrays) / (2 * capacity * heads * dim)
 
 
@@ -149,7 +152,7 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=5)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=16, help="tokens per append/attend")
-    parser.add_argument("--rows", default="real,v,a,s,b,c,d", help="real and/or emulated sets a,b,c,d,s,v")
+    parser.add_argument("--rows", default="real,v,a,l,s,b,c,d", help="real and/or emulated sets a,b,c,d,l,s,v")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
@@ -167,7 +170,7 @@ def main() -> int:
         for label, kwargs in REAL[1:]:
             bpv = real_bytes_per_value(kwargs)
             rows.append((label, "real", bpv, real_backend(kwargs, args.chunk, args.threads) if bpv else None))
-    for scheme in emulate.schemes("".join(sets)):
+    for scheme in emulate.schemes([name for name in sets if name != "real"]):
         def backend(q, k, v, scheme=scheme):
             return scheme.attend(q, k, v, args.chunk, threads=args.threads)
         rows.append((scheme.label, "emulated", scheme.bytes_per_value(64), backend))

@@ -39,7 +39,9 @@ class Quantizer:
     scale = max|x| / that), "asym" (levels 0..2^bits-1, scale = (max-min)/(2^bits-1),
     zero = min) or "q4_0" (llama.cpp's block format: blocks of 32 along the row, one fp16
     scale d = m/-8 where m is the block's value of largest magnitude, levels 0..15,
-    x = (q-8)·d)."""
+    x = (q-8)·d). "channel+row" (int8 keys as this build's key_scales="channel" stores them:
+    per group of tokens, c = each channel's max|k|, then per row r = max|k/c| / 127 and
+    q = round(k / (r·c)), both float32)."""
 
     kind: str = "float"
     bits: int = 8
@@ -53,6 +55,8 @@ class Quantizer:
             return 4.0
         if self.kind == "q4_0":
             return 0.5 + 2 / 32
+        if self.kind == "channel+row":
+            return 1 + 4 / head_dim + 4 / self.group
         per_group = self.group or head_dim
         params = 2 if self.kind == "asym" else 1
         scale_bytes = torch.finfo(self.scale_dtype).bits // 8
@@ -82,6 +86,14 @@ class Quantizer:
 
     def _quantize(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """x quantized and dequantized with one scale (and zero) per slice along dim."""
+        if self.kind == "channel+row":  # x [H, tokens, d], dim = 1: the tokens of a group
+            channel = x.abs().amax(dim=dim, keepdim=True)
+            channel = torch.where(channel == 0, torch.ones_like(channel), channel)
+            scaled = x / channel
+            row = scaled.abs().amax(dim=-1, keepdim=True) / 127
+            step = row.double() * channel.double()
+            safe = torch.where(step == 0, torch.ones_like(step), step)
+            return (torch.clamp(torch.round(x.double() / safe), -127, 127) * step).float()
         if self.kind == "q4_0":
             index = x.abs().argmax(dim=dim, keepdim=True)
             d = (x.gather(dim, index) / -8).to(torch.float16).float()
@@ -158,9 +170,10 @@ def hadamard(n: int) -> torch.Tensor:
     return h / n ** 0.5
 
 
-def schemes(sets: str) -> list[Scheme]:
-    """The emulated rows of the sets named in `sets` (letters a-d, as in the brief; "v":
-    the validation rows; "s": K and V's shares of the 4-bit error)."""
+def schemes(sets) -> list[Scheme]:
+    """The emulated rows of the sets named in `sets` (a list of letters: a-d, as in the brief; "v":
+    the validation rows; "s": K and V's shares of the 4-bit error; "l": int8 keys stored as
+    this build's key_scales="channel" stores them)."""
     f16, f32 = torch.float16, torch.float32
     v_row8 = Quantizer("sym", 8, "row")
     rows: list[Scheme] = []
@@ -173,6 +186,10 @@ def schemes(sets: str) -> list[Scheme]:
         rows.append(Scheme("int8 asym K channel G=64, V row", Quantizer("asym", 8, "channel", 64), v_row8))
         rows.append(Scheme("int8 K channel G=64, V row, newest 32 float", Quantizer("sym", 8, "channel", 64),
                            v_row8, 32))
+    if "l" in sets:  # int8 K as the lead's key_scales="channel" build stores them
+        for g in (32, 64, 128):
+            rows.append(Scheme(f"int8 K channel G={g} then row (two-level), V row",
+                               Quantizer("channel+row", 8, "channel", g), v_row8))
     if "s" in sets:  # which of K and V the 4-bit error comes from
         k4 = Quantizer("asym", 4, "channel", 64, f16)
         rows.append(Scheme("int4 asym K channel G=64 fp16, V float", k4, Quantizer()))
