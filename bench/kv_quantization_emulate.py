@@ -173,7 +173,7 @@ def hadamard(n: int) -> torch.Tensor:
 def schemes(sets) -> list[Scheme]:
     """The emulated rows of the sets named in `sets` (a list of letters: a-d, as in the brief; "v":
     the validation rows; "s": K and V's shares of the 4-bit error; "l": int8 keys stored as
-    this build's key_scales="channel" stores them)."""
+    this build's key_scales="channel" stores them; "f": int4 with fp32 scales)."""
     f16, f32 = torch.float16, torch.float32
     v_row8 = Quantizer("sym", 8, "row")
     rows: list[Scheme] = []
@@ -198,11 +198,10 @@ def schemes(sets) -> list[Scheme]:
         rows.append(Scheme("int4 asym K channel G=64 fp16, int8 V row", k4, v_row8))
     for kind in ("sym", "asym"):
         v4 = Quantizer(kind, 4, "row", 32, f16)
-        if "b" in sets:
-            for g in (32, 64, 128):
-                for dt, name in ((f16, "fp16"), (f32, "fp32")):
-                    rows.append(Scheme(f"int4 {kind} K channel G={g}, V row/32, {name} scales",
-                                       Quantizer(kind, 4, "channel", g, dt), Quantizer(kind, 4, "row", 32, dt)))
+        for letter, dt, name in (("b", f16, "fp16"), ("f", f32, "fp32")):
+            for g in (32, 64, 128) if letter in sets else ():
+                rows.append(Scheme(f"int4 {kind} K channel G={g}, V row/32, {name} scales",
+                                   Quantizer(kind, 4, "channel", g, dt), Quantizer(kind, 4, "row", 32, dt)))
         if "c" in sets:
             for g in (32, 64, 128):
                 for residual in ("partial", 32, 128):
