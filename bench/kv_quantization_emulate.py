@@ -190,6 +190,9 @@ def schemes(sets) -> list[Scheme]:
         for g in (32, 64, 128):
             rows.append(Scheme(f"int8 K channel G={g} then row (two-level), V row",
                                Quantizer("channel+row", 8, "channel", g), v_row8))
+        for g in (32, 64):  # the cache keeps the partial group's float keys: attended from them
+            rows.append(Scheme(f"int8 K channel G={g} then row (two-level), V row, K partial group float",
+                               Quantizer("channel+row", 8, "channel", g), v_row8, "partial"))
     if "s" in sets:  # which of K and V the 4-bit error comes from
         k4 = Quantizer("asym", 4, "channel", 64, f16)
         rows.append(Scheme("int4 asym K channel G=64 fp16, V float", k4, Quantizer()))
