@@ -106,10 +106,9 @@ def real_backend(kwargs: dict, chunk: int, threads: int):
     return attend
 
 
-def real_bytes_per_value(kwargs: dict):
+def real_bytes_per_value(kwargs: dict, heads: int, dim: int, capacity: int = 1024):
     """Bytes per value of a real storage (K and V arrays and scales), or None where this
     build's KVCache does not accept the arguments."""
-    capacity, heads, dim = 1024, 3, 64
     try:
         cache = qkv.KVCache(1, capacity, heads, dim, **kwargs)
     except (TypeError, ValueError, qkv.Error):
@@ -151,7 +150,7 @@ class Score:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--windows", type=int, default=5)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=16, help="tokens per append/attend")
@@ -159,6 +158,13 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
+    sets = args.rows.split(",")
+    unknown = set(sets) - {"real", "v", "a", "l", "s", "b", "f", "c", "d", "all"}
+    if unknown or min(args.windows, args.window, args.chunk, args.threads) < 1:
+        parser.error(f"--rows: unknown sets {sorted(unknown)}" if unknown else
+                     "--windows, --window, --chunk and --threads must be at least 1")
+    if "all" in sets:
+        sets = ["real", "v", "a", "l", "s", "b", "f", "c", "d"]
     torch.set_num_threads(args.threads)
     import kv_quantization_emulate as emulate
 
@@ -167,18 +173,15 @@ def main() -> int:
         ids = tokenizer(f.read(), return_tensors="pt").input_ids
     if ids.shape[1] < args.windows * args.window:
         sys.exit(f"kv_quantization: the text has {ids.shape[1]} tokens, fewer than {args.windows} windows")
-    sets = args.rows.split(",")
-    if "all" in sets:
-        sets = ["real", "v", "a", "l", "s", "b", "f", "c", "d"]
     rows = []  # (label, kind, bytes per value or None, backend or None)
     if "real" in sets:
         for label, kwargs in REAL[1:]:
-            bpv = real_bytes_per_value(kwargs)
+            bpv = real_bytes_per_value(kwargs, model.config.num_key_value_heads, model.config.head_dim)
             rows.append((label, "real", bpv, real_backend(kwargs, args.chunk, args.threads) if bpv else None))
     for scheme in emulate.schemes([name for name in sets if name != "real"]):
         def backend(q, k, v, scheme=scheme):
             return scheme.attend(q, k, v, args.chunk, threads=args.threads)
-        rows.append((scheme.label, "emulated", scheme.bytes_per_value(64), backend))
+        rows.append((scheme.label, "emulated", scheme.bytes_per_value(model.config.head_dim), backend))
     live = [r for r in rows if r[3] is not None]
     scores = {r[0]: Score() for r in live}
     reference, eager = Score(), Score()
@@ -197,7 +200,9 @@ def main() -> int:
     seconds = time.perf_counter() - started
 
     n = reference.n
-    print(f"# SmolLM2-135M-Instruct ({GGUF}, 30 layers, 9/3 heads, d = 64), {args.windows} windows of "
+    c = model.config
+    print(f"# SmolLM2-135M-Instruct ({GGUF}, {c.num_hidden_layers} layers, {c.num_attention_heads}/"
+          f"{c.num_key_value_heads} heads, d = {c.head_dim}), {args.windows} windows of "
           f"{args.window} tokens of alice.txt ({n} predicted), appended {args.chunk} at a time; "
           f"reference: the float32 qkv.KVCache, PPL {reference.cells(reference.nll)[3]:.3f}; "
           f"{seconds:.0f} s, {args.threads} threads, load {os.getloadavg()[0]:.1f}")
