@@ -90,7 +90,7 @@ struct BatchArgs {
   TensorView<float, 2> lse;           // optional
   View3<const float> k_scale, v_scale;  // int8 only
   // int8 keys scaled per channel too (as qkv::DecodeArgs; empty: per row only).
-  View4<const float> k_channel_scale;
+  View4<const float> k_channel_scale, k_channel_zero;
   int64_t key_group = 0;
 };
 

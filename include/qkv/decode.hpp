@@ -13,8 +13,9 @@
 // or int8 with a float scale per row (k_scale, v_scale; qkv::KVCache quantizes so): the
 // kernel multiplies each key's dot product by its scale and each weight by its value
 // row's scale, so the result is attention over the values int8 · scale. int8 keys may
-// carry channel scales too (k_channel_scale): the kernel multiplies the query by its
-// keys' group's channel scales before the dot product — nothing is dequantized to memory.
+// carry channel scales and zero points too (k_channel_scale, k_channel_zero): the kernel
+// multiplies the query by its keys' group's channel scales before the dot product and
+// adds q · zero points after — nothing is dequantized to memory.
 // With the default Causal::bottom_right, the Nq queries are the last Nq tokens of their
 // sequence: query i of sequence b sees keys j ≤ i + cache_lengths[b] − Nq. A query that
 // sees no key (a sequence shorter than Nq, or empty) gets out 0 and lse −inf.
@@ -46,12 +47,14 @@ struct DecodeArgs {
   // being int8 · scale — [B, capacity, Hkv] or, paged, [num_blocks, block_size, Hkv].
   View3<const float> k_scale, v_scale;
   // int8 keys scaled per channel as well (qkv::KVCache with KeyScales::channel; empty:
-  // per row only): key (b, j, h, c) = k_cache · k_scale(b, j, h) · k_channel_scale(b,
-  // j / key_group, h, c), one float per channel for each group of key_group consecutive
-  // keys — [B, ⌈capacity / key_group⌉, Hkv, d]; paged [num_blocks, block_size / key_group,
-  // Hkv, d], block_size a multiple of key_group (row j % block_size of its block is in
-  // the block's group (j % block_size) / key_group).
-  View4<const float> k_channel_scale;
+  // per row only): key (b, j, h, c) = k_scale(b, j, h) · (k_cache · k_channel_scale(b,
+  // j / key_group, h, c) + k_channel_zero(b, j / key_group, h, c)), a float scale (and
+  // optionally a zero point; empty: 0) per channel for each group of key_group
+  // consecutive keys — [B, ⌈capacity / key_group⌉, Hkv, d]; paged [num_blocks,
+  // block_size / key_group, Hkv, d], block_size a multiple of key_group (row
+  // j % block_size of its block is in the block's group (j % block_size) / key_group).
+  // The zero points have the scales' shape and strides.
+  View4<const float> k_channel_scale, k_channel_zero;
   int64_t key_group = 0;
 };
 

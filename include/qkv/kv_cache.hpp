@@ -10,12 +10,13 @@
 // even); attention widens them exactly and computes in float32. Or int8, quantized per
 // row (one token's d values of one kv head) with its own float scale = max|x| / 127:
 // each value within scale/2 of its stored int8 · scale, a quarter of float32's bytes
-// plus 4 bytes a row. Keys may instead be scaled per channel (KeyScales::channel, for
-// int8): post-RoPE keys have a few channels many times larger than the rest, on which
-// one scale per row spends most of the int8 range. Each group of group_size consecutive
-// tokens of a sequence (per kv head) gets one scale per channel, c = the group's max|k|
-// in that channel, and each row then a scale r = max_c |k_c / c_c| / 127: the stored key
-// is int8 · r · c, every value within r·c_c/2 (half a step) of the original. The newest,
+// plus 4 bytes a row. Keys may instead be quantized per channel (KeyScales::channel, for
+// int8; KIVI): post-RoPE keys have a few channels many times larger than the rest, on
+// which one scale per row spends most of the int8 range. Each group of group_size
+// consecutive tokens of a sequence (per kv head) gets, per channel, the range [lo, hi]
+// of its keys mapped onto the 256 levels: scale = (hi − lo) / 255 and a zero point, the
+// stored key being int8 · scale + zero, every value within half a step (scale) of the
+// original; a row's own scale is then 1 (NaN for a row holding NaN or ±inf). The newest,
 // partial group is quantized from its rows so far and quantized again from their float32
 // copy (kept per sequence, group_size rows) as tokens arrive, so the stored cache does not
 // depend on how the tokens were split into appends once their group is full.
@@ -61,8 +62,8 @@ namespace detail {
 class Checker;
 }
 
-// How int8 keys are scaled: one scale per stored row, or per channel over groups of
-// tokens and then per row (see above). Values are always scaled per row.
+// How int8 keys are scaled: one scale per stored row, or a scale and zero point per
+// channel over groups of tokens (see above). Values are always scaled per row.
 enum class KeyScales { row, channel };
 
 struct KVCacheConfig {
@@ -120,9 +121,11 @@ class KVCache {
   // int8: the rows' scales, shaped k_shape()[0..2] (empty for other storage types).
   std::span<const float> k_scales() const { return k_scale_; }
   std::span<const float> v_scales() const { return v_scale_; }
-  // KeyScales::channel: the keys' channel scales, [B, ⌈capacity / group_size⌉, Hkv, d] or
-  // paged [num_blocks, block_size / group_size, Hkv, d] (empty otherwise).
+  // KeyScales::channel: the keys' channel scales and zero points, [B, ⌈capacity /
+  // group_size⌉, Hkv, d] or paged [num_blocks, block_size / group_size, Hkv, d] (empty
+  // otherwise).
   std::span<const float> k_channel_scales() const { return k_channel_scale_; }
+  std::span<const float> k_channel_zeros() const { return k_channel_zero_; }
   std::array<int64_t, 4> k_channel_shape() const;
 
   // Raw storage, for bindings that hand it out without copying.
@@ -156,7 +159,7 @@ class KVCache {
   std::vector<float> k_scale_, v_scale_;  // int8: one scale per stored row (k_shape()[0..2])
   // KeyScales::channel: the channel scales (k_channel_shape()), and each sequence's newest
   // group's keys as float32, [batch, group_size, Hkv, d], to quantize it again as it grows.
-  std::vector<float> k_channel_scale_, k_partial_;
+  std::vector<float> k_channel_scale_, k_channel_zero_, k_partial_;
   int64_t storage_row(int64_t seq, int64_t key) const;  // the row of (seq, key) in k_/v_
   void quantize_key_group(int64_t seq, int64_t group, int64_t rows);
 };

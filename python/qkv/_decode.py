@@ -79,10 +79,11 @@ class KVCache:
     by reset(seq).
 
     dtype="int8" quantizes each stored row with its own scale (max|x| / 127). With
-    key_scales="channel" the keys are scaled per channel over groups of `group_size`
-    tokens first (post-RoPE keys have outlier channels that one scale per row spends most
-    of the int8 range on), then per row; the newest, partial group is quantized again as
-    it fills. paged: group_size must divide block_size.
+    key_scales="channel" the keys are quantized per channel over groups of `group_size`
+    tokens instead, each channel's range in the group mapped onto the 256 levels (a scale
+    and a zero point; post-RoPE keys have outlier channels that one scale per row spends
+    most of the int8 range on); the newest, partial group is quantized again as it fills.
+    paged: group_size must divide block_size.
     """
 
     def __init__(self, batch, capacity, kv_heads, head_dim, *, v_dim=None, dtype="float32", paged=False,
@@ -205,9 +206,10 @@ class KVCache:
         return self._cache.scales()
 
     def channel_scales(self):
-        """key_scales="channel": the keys' channel scales, ``[B, groups, Hkv, d]`` (paged:
-        ``[num_blocks, block_size / group_size, Hkv, d]``) NumPy view — key j of a sequence
-        is ``storage · scales() · channel_scales()[group of j]``; None otherwise."""
+        """key_scales="channel": (scales, zero points) of the keys' channels, each
+        ``[B, groups, Hkv, d]`` (paged: ``[num_blocks, block_size / group_size, Hkv, d]``)
+        NumPy views — key j of a sequence is ``row scale · (storage · scale + zero)`` with
+        its group's scale and zero (row scale: scales()[0], 1 or NaN); None otherwise."""
         return self._cache.channel_scales()
 
     def torch_storage(self):

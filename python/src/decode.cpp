@@ -265,14 +265,15 @@ void bind_decode(nb::module_& m) {
       })
       .def_prop_ro("group_size", [](const KVCache& self) { return self.config().group_size; })
       .def("channel_scales", [](nb::handle self) -> nb::object {
-        // key_scales="channel": the keys' channel scales, [B | blocks, groups, Hkv, d], a
-        // NumPy view of the cache's memory; None otherwise.
+        // key_scales="channel": (the keys' channel scales, their zero points), each
+        // [B | blocks, groups, Hkv, d], NumPy views of the cache's memory; None otherwise.
         KVCache& cache = nb::cast<KVCache&>(self);
         if (cache.k_channel_scales().empty()) return nb::none();
         const auto shape4 = cache.k_channel_shape();
         const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
                                       static_cast<std::size_t>(shape4[2]), static_cast<std::size_t>(shape4[3])};
-        return nb::cast(nb::ndarray<nb::numpy, const float>(cache.k_channel_scales().data(), 4, shape, self));
+        return nb::make_tuple(nb::ndarray<nb::numpy, const float>(cache.k_channel_scales().data(), 4, shape, self),
+                              nb::ndarray<nb::numpy, const float>(cache.k_channel_zeros().data(), 4, shape, self));
       })
       .def("block_table", [](nb::handle self) {
         KVCache& cache = nb::cast<KVCache&>(self);

@@ -277,7 +277,7 @@ detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const B
     check.expect_extent(lse, 1, "total_q", s.total_q, "as cu_seqlens_q[-1]");
     outputs.push_back(lse);
   }
-  const detail::CacheScales scales{a.k_scale, a.v_scale, a.k_channel_scale, a.key_group};
+  const detail::CacheScales scales{a.k_scale, a.v_scale, a.k_channel_scale, a.k_channel_zero, a.key_group};
   detail::check_cache_scales(check, s.storage, scales, a.k_cache.shape, a.v_cache.shape, s.paged(), first_axis, inputs);
   check.expect_outputs_apart(outputs, inputs);
 
@@ -287,7 +287,8 @@ detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const B
   p.args.out = detail::as_batched(a.out, e.batch);
   if (!a.lse.empty()) p.args.lse = detail::lse_as_batched(a.lse, e.batch);
   detail::KvSource& kv = p.kv;
-  kv = detail::KvSource::of_cache(s.storage, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.k_channel_scale, a.key_group);
+  kv = detail::KvSource::of_cache(s.storage, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.k_channel_scale,
+                                  a.k_channel_zero, a.key_group);
   if (s.paged()) {
     kv.block_table = s.block_table.data();
     kv.table_stride = s.max_blocks;
@@ -316,12 +317,15 @@ void widen_row(const detail::KvSource& kv, bool keys, int64_t b, int64_t j, int6
     case StorageType::int8: {
       const float* scales = keys ? kv.k_scale : kv.v_scale;
       const float scale = scales[kv.offset(keys ? kv.k_scale_strides : kv.v_scale_strides, b, j, h)];
-      widen_row(static_cast<const std::int8_t*>(base) + at, dim, scale, to);
-      if (keys && kv.channel_scaled()) {  // times the key's group's channel scales
+      const auto* row = static_cast<const std::int8_t*>(base) + at;
+      if (keys && kv.channel_scaled()) {  // row scale · (int8 · channel scale + zero point)
         const float* channel = kv.channel_scales(b, j, h);
-        for (int64_t c = 0; c < dim; ++c) to[c] *= channel[c];
+        const float* zero = kv.channel_zeros(b, j, h);
+        for (int64_t c = 0; c < dim; ++c)
+          to[c] = (static_cast<float>(row[c]) * channel[c] + (zero != nullptr ? zero[c] : 0.0f)) * scale;
+        return;
       }
-      return;
+      return widen_row(row, dim, scale, to);
     }
   }
 }

@@ -33,6 +33,8 @@ void check_cache_scales(const Checker& check, StorageType storage, const CacheSc
   // int8 keys' channel scales: [B | blocks, ⌈rows / key_group⌉, Hkv, d], d contiguous.
   const View4<const float>& channel = scales.k_channel_scale;
   if (channel.empty()) {
+    if (!scales.k_channel_zero.empty())
+      check.fail("k_channel_zero: zero points come with k_channel_scale, which is empty");
     if (scales.key_group != 0)
       check.fail("key_group: expected 0 without k_channel_scale, got " + std::to_string(scales.key_group));
     return;
@@ -57,6 +59,19 @@ void check_cache_scales(const Checker& check, StorageType storage, const CacheSc
   check.expect_extent(d, 2, "kv heads", k_shape[2], "as k_cache.shape[2]");
   check.expect_extent(d, 3, "head_dim", k_shape[3], "as k_cache.shape[3]");
   inputs.push_back(d);
+  const View4<const float>& zeros = scales.k_channel_zero;
+  if (zeros.empty()) return;
+  const Described z = describe("k_channel_zero", zeros);
+  for (int axis = 0; axis < 4; ++axis) {
+    const std::string as = "as k_channel_scale.shape[" + std::to_string(axis) + "]";
+    check.expect_extent(z, axis, axis == 0 ? first_axis : axis == 1 ? "groups" : axis == 2 ? "kv heads" : "head_dim",
+                        channel.shape[static_cast<std::size_t>(axis)], as);
+    if (zeros.shape[static_cast<std::size_t>(axis)] > 1 && zeros.strides[static_cast<std::size_t>(axis)] != channel.strides[static_cast<std::size_t>(axis)])
+      check.fail("k_channel_zero.strides[" + std::to_string(axis) + "]: expected " +
+                 std::to_string(channel.strides[static_cast<std::size_t>(axis)]) + " (as k_channel_scale's), got " +
+                 std::to_string(zeros.strides[static_cast<std::size_t>(axis)]));
+  }
+  inputs.push_back(z);
 }
 
 }  // namespace qkv::detail

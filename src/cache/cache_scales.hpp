@@ -15,7 +15,7 @@ namespace qkv::detail {
 
 struct CacheScales {
   View3<const float> k_scale, v_scale;
-  View4<const float> k_channel_scale;
+  View4<const float> k_channel_scale, k_channel_zero;
   int64_t key_group = 0;
 };
 

@@ -94,7 +94,7 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
     check.expect_extent(lse, 2, "seq", q_len, "as q.shape[1]");
     outputs.push_back(lse);
   }
-  const detail::CacheScales scales{a.k_scale, a.v_scale, a.k_channel_scale, a.key_group};
+  const detail::CacheScales scales{a.k_scale, a.v_scale, a.k_channel_scale, a.k_channel_zero, a.key_group};
   detail::check_cache_scales(check, storage_type_of<T>, scales, a.k_cache.shape, a.v_cache.shape, paged,
                              paged ? "blocks" : "batch", inputs);
   check.expect_outputs_apart(outputs, inputs);
@@ -126,7 +126,7 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
 
   detail::KvSource& kv = p.kv;
   kv = detail::KvSource::of_cache(storage_type_of<T>, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.k_channel_scale,
-                                  a.key_group);
+                                  a.k_channel_zero, a.key_group);
   if (paged) {
     kv.block_table = a.block_table.data;
     kv.table_stride = a.block_table.strides[0];

@@ -71,30 +71,23 @@ void store_int8_row(const float* src, int64_t count, void* dst, float* scale) {
   }
 }
 
-// int8 keys scaled per channel: `channel` holds the row's group's channel scales (each
-// > 0). The row is scaled again by r = max_c |x_c / channel_c| / 127 and stored as
-// q_c = x_c / (r·channel_c) rounded to nearest (ties to even): within half a step, r·channel_c,
-// of x_c; the step is formed in double so that a tiny r·channel_c cannot round to 0. A
-// non-finite row is stored as zeros with r = NaN (whatever attends to it sees NaN); an
-// all-zero row (or one whose r would round to 0) as zeros with r = 0.
-void store_int8_channel_row(const float* src, const float* channel, int64_t count, std::int8_t* out, float* scale) {
-  float largest = 0.0f;
-  bool finite = true;
+// int8 keys scaled per channel: `scale` and `zero` hold the row's group's channel scales
+// and zero points; the stored key is int8 · scale + zero, q_c = (x_c − zero_c) / scale_c
+// rounded to nearest (ties to even; in double) and clamped to −128..127 — within half a
+// step, scale_c, of x_c; a channel with scale 0 (one value in the whole group) is stored
+// as zero points alone. The row's own scale is 1, or NaN for a row holding NaN or ±inf
+// (stored as zeros), so that whatever attends to it sees NaN.
+void store_int8_channel_row(const float* src, const float* scale, const float* zero, int64_t count,
+                            std::int8_t* out, float* row_scale) {
+  const bool finite = std::all_of(src, src + count, [](float x) { return std::isfinite(x); });
+  *row_scale = finite ? 1.0f : std::numeric_limits<float>::quiet_NaN();
   for (int64_t c = 0; c < count; ++c) {
-    finite = finite && std::isfinite(src[c]);
-    largest = std::max(largest, std::abs(src[c]) / channel[c]);
-  }
-  const float row_scale = largest / 127.0f;
-  if (!finite || row_scale == 0.0f) {
-    *scale = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
-    std::fill(out, out + count, std::int8_t{0});
-    return;
-  }
-  *scale = row_scale;
-  for (int64_t c = 0; c < count; ++c) {
-    const double step = static_cast<double>(row_scale) * static_cast<double>(channel[c]);
-    const double q = std::nearbyint(static_cast<double>(src[c]) / step);
-    out[c] = static_cast<std::int8_t>(std::clamp(q, -127.0, 127.0));
+    if (!finite || scale[c] == 0.0f) {
+      out[c] = 0;
+      continue;
+    }
+    const double q = std::nearbyint((static_cast<double>(src[c]) - zero[c]) / static_cast<double>(scale[c]));
+    out[c] = static_cast<std::int8_t>(std::clamp(q, -128.0, 127.0));
   }
 }
 
@@ -209,8 +202,9 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
     });
   }
   if (channel_scaled(config_)) {
-    detail::allocate_or_throw(kName, "the keys' channel scales", bytes.channel_scales + bytes.partial, [&] {
-      k_channel_scale_.assign(bytes.channel_scales / sizeof(float), 1.0f);
+    detail::allocate_or_throw(kName, "the keys' channel scales", 2 * bytes.channel_scales + bytes.partial, [&] {
+      k_channel_scale_.assign(bytes.channel_scales / sizeof(float), 0.0f);
+      k_channel_zero_.assign(bytes.channel_scales / sizeof(float), 0.0f);
       k_partial_.assign(bytes.partial / sizeof(float), 0.0f);
     });
   }
@@ -237,8 +231,11 @@ int64_t KVCache::storage_row(int64_t seq, int64_t key) const {
 }
 
 // Group `group` of sequence seq's keys, whose first `rows` keys are in k_partial_: per kv
-// head, the channel scales (each channel's max|k| over the group's finite rows; 1 for a
-// channel that is 0 in all of them), then every row against them.
+// head and channel, over the group's finite rows, the range [lo, hi] mapped onto the 256
+// int8 levels — scale = (hi − lo) / 255, zero point = lo + 128·scale, so −128 is lo and 127
+// is hi (KIVI's asymmetric quantization: a channel's values need not be centred on 0) —
+// then every row against them. A channel with one value (or none finite) gets scale 0
+// and zero point lo (0).
 void KVCache::quantize_key_group(int64_t seq, int64_t group, int64_t rows) {
   const int64_t hkv = config_.kv_heads, d = config_.head_dim, g = config_.group_size;
   const int64_t first = group * g;
@@ -248,19 +245,28 @@ void KVCache::quantize_key_group(int64_t seq, int64_t group, int64_t rows) {
   const int64_t group_in_outer = config_.paged ? (first % config_.block_size) / g : group;
   auto* keys = reinterpret_cast<std::int8_t*>(k_.get());
   for (int64_t h = 0; h < hkv; ++h) {
-    float* channel = &k_channel_scale_[static_cast<std::size_t>(((outer * groups_per_outer + group_in_outer) * hkv + h) * d)];
-    std::fill(channel, channel + d, 0.0f);
+    const auto at = static_cast<std::size_t>(((outer * groups_per_outer + group_in_outer) * hkv + h) * d);
+    float* scale = &k_channel_scale_[at];
+    float* zero = &k_channel_zero_[at];
     const auto partial_row = [&](int64_t i) { return &k_partial_[static_cast<std::size_t>(((seq * g + i) * hkv + h) * d)]; };
+    std::fill(scale, scale + d, std::numeric_limits<float>::infinity());  // lo, for now
+    std::fill(zero, zero + d, -std::numeric_limits<float>::infinity());   // hi, for now
     for (int64_t i = 0; i < rows; ++i) {
       const float* x = partial_row(i);
       if (!std::all_of(x, x + d, [](float v) { return std::isfinite(v); })) continue;
-      for (int64_t c = 0; c < d; ++c) channel[c] = std::max(channel[c], std::abs(x[c]));
+      for (int64_t c = 0; c < d; ++c) {
+        scale[c] = std::min(scale[c], x[c]);
+        zero[c] = std::max(zero[c], x[c]);
+      }
     }
-    for (int64_t c = 0; c < d; ++c)
-      if (channel[c] == 0.0f) channel[c] = 1.0f;
+    for (int64_t c = 0; c < d; ++c) {
+      const float lo = std::isfinite(scale[c]) ? scale[c] : 0.0f, hi = std::isfinite(zero[c]) ? zero[c] : 0.0f;
+      scale[c] = (hi - lo) / 255.0f;
+      zero[c] = scale[c] == 0.0f ? lo : lo + 128.0f * scale[c];
+    }
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t row = storage_row(seq, first + i);
-      store_int8_channel_row(partial_row(i), channel, d, keys + (row * hkv + h) * d,
+      store_int8_channel_row(partial_row(i), scale, zero, d, keys + (row * hkv + h) * d,
                              &k_scale_[static_cast<std::size_t>(row * hkv + h)]);
     }
   }
@@ -449,6 +455,7 @@ DecodeArgs<T> KVCache::views() const {
     args.v_scale = View3<const float>::contiguous(v_scale_.data(), {shape[0], shape[1], shape[2]});
     if (channel_scaled(config_)) {
       args.k_channel_scale = View4<const float>::contiguous(k_channel_scale_.data(), k_channel_shape());
+      args.k_channel_zero = View4<const float>::contiguous(k_channel_zero_.data(), k_channel_shape());
       args.key_group = config_.group_size;
     }
   }

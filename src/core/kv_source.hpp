@@ -32,8 +32,9 @@ struct RowStrides {
 // a float scale at k_scale + offset(k_scale_strides, b, j, h) (V alike); the row's values
 // are int8 · scale. int8 keys may also be scaled per channel over groups of key_group
 // consecutive keys (qkv::KVCache's KeyScales::channel): key (b, j, h, c) is then
-// int8 · k_scale(b, j, h) · k_channel_scale(b, group of j, h, c), the group's d scales
-// contiguous at channel_scales(b, j, h) — contiguous caches: group j / key_group of
+// k_scale(b, j, h) · (int8 · k_channel_scale(b, group of j, h, c) + k_channel_zero(…, c))
+// (no zero points: 0), the group's d scales (zero points) contiguous at channel_scales(b,
+// j, h) (channel_zeros) — contiguous caches: group j / key_group of
 // sequence b; paged: group (j % page_size) / key_group of j's pool block (page_size a
 // multiple of key_group, so a group never spans blocks).
 struct KvSource {
@@ -45,7 +46,8 @@ struct KvSource {
   const float* v_scale = nullptr;
   RowStrides k_scale_strides, v_scale_strides;
   const float* k_channel_scale = nullptr;  // int8 keys scaled per channel, else null
-  RowStrides k_channel_strides;            // axes [batch | block, group, kv head]
+  const float* k_channel_zero = nullptr;   // and their zero points (null: none)
+  RowStrides k_channel_strides;            // axes [batch | block, group, kv head], both
   int64_t key_group = 0;                   // keys per channel-scale group
   const int32_t* block_table = nullptr;  // null: contiguous
   int64_t table_stride = 0;
@@ -61,12 +63,19 @@ struct KvSource {
     return page * strides.batch + (key % page_size) * strides.row + head * strides.head;
   }
   bool channel_scaled() const { return k_channel_scale != nullptr; }
-  // The d channel scales of key j's group (b, h): see above.
-  const float* channel_scales(int64_t batch, int64_t key, int64_t head) const {
+  // The d channel scales (and zero points) of key j's group (b, h): see above.
+  int64_t channel_offset(int64_t batch, int64_t key, int64_t head) const {
     const RowStrides& s = k_channel_strides;
-    if (!paged()) return k_channel_scale + batch * s.batch + (key / key_group) * s.row + head * s.head;
+    if (!paged()) return batch * s.batch + (key / key_group) * s.row + head * s.head;
     const int64_t page = block_table[batch * table_stride + key / page_size];
-    return k_channel_scale + page * s.batch + ((key % page_size) / key_group) * s.row + head * s.head;
+    return page * s.batch + ((key % page_size) / key_group) * s.row + head * s.head;
+  }
+  const float* channel_scales(int64_t batch, int64_t key, int64_t head) const {
+    return k_channel_scale + channel_offset(batch, key, head);
+  }
+  // Null without zero points.
+  const float* channel_zeros(int64_t batch, int64_t key, int64_t head) const {
+    return k_channel_zero == nullptr ? nullptr : k_channel_zero + channel_offset(batch, key, head);
   }
   // Keys [key, run_end(key)) lie strides.row apart (the rest of key's page).
   int64_t run_end(int64_t key) const {
@@ -103,10 +112,12 @@ struct KvSource {
   // The same, with int8 keys' channel scales (an empty view: none) in groups of key_group.
   template <class View, class ScaleView, class ChannelView>
   static KvSource of_cache(StorageType type, const View& k, const View& v, const ScaleView& k_scales,
-                           const ScaleView& v_scales, const ChannelView& k_channel_scales, int64_t key_group) {
+                           const ScaleView& v_scales, const ChannelView& k_channel_scales,
+                           const ChannelView& k_channel_zeros, int64_t key_group) {
     KvSource source = of_cache(type, k, v, k_scales, v_scales);
     if (type == StorageType::int8 && !k_channel_scales.empty()) {
       source.k_channel_scale = k_channel_scales.data;
+      source.k_channel_zero = k_channel_zeros.data;  // validated: the strides of the scales
       source.k_channel_strides = RowStrides::of(k_channel_scales);
       source.key_group = key_group;
     }

@@ -99,8 +99,9 @@ struct DecodeScratch {
   hwy::AlignedFreeUniquePtr<float[]> k_scales, v_scales;
   std::vector<const float*> k_packed, v_packed;  // rows of `keys` / `values`
   // int8 keys scaled per channel: the group's rows of `queries` times its channel scales,
-  // and one vector of keys' scores when the vector's keys span two groups.
-  hwy::AlignedFreeUniquePtr<float[]> channel_queries, split_scores;
+  // each row's dot product with its zero points, and one vector of keys' scores when the
+  // vector's keys span two groups.
+  hwy::AlignedFreeUniquePtr<float[]> channel_queries, channel_bias, split_scores;
 
   explicit DecodeScratch(const DecodePlan& plan)
       : queries(AllocateFloats(plan.tile_rows() * plan.d_pad)),
@@ -114,6 +115,7 @@ struct DecodeScratch {
         v_scales(AllocateFloats(kScaledStorage<T> ? (kUnitsAhead + 1) * plan.block_keys : 0)),
         k_packed(plan.packed ? plan.block_keys : 0), v_packed(plan.packed ? plan.block_keys : 0),
         channel_queries(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * plan.d_pad : 0)),
+        channel_bias(AllocateFloats(kScaledStorage<T> ? plan.group_rows() : 0)),
         split_scores(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * VectorLanes() : 0)) {}
 };
 
@@ -183,9 +185,10 @@ HWY_INLINE void SoftmaxRows(size_t rows, size_t padded, float* HWY_RESTRICT scor
 
 // Scores of `rows` query rows (scale·q, d_pad apart) against int8 keys scaled per
 // channel (qkv::KVCache's KeyScales::channel) read in place: key j of group γ holds
-// int8_j · c_γ (channel-wise; its row scale is applied after, as for every int8 row), so
-// (scale·q)·k_j = ((scale·q) ⊙ c_γ)·int8_j — the rows are scaled once per group and the
-// integers widened in the loads. A vector of keys that spans two groups (a group that is
+// int8_j ⊙ c_γ + z_γ (channel-wise scales and zero points; its row scale is applied
+// after, as for every int8 row), so (scale·q)·k_j = ((scale·q) ⊙ c_γ)·int8_j + (scale·q)·z_γ
+// — the rows are scaled once per group, the integers widened in the loads, and the
+// group's one number per row added to its keys' scores. A vector of keys that spans two groups (a group that is
 // not whole vectors, or a block that does not start on one) is scored once per group,
 // each lane taken from its own group's pass.
 template <class T>
@@ -195,17 +198,28 @@ void ChannelScaledScores(const KvSource& kv, const DecodePlan& plan, int64_t bat
   const size_t lanes = VectorLanes(), d_pad = plan.d_pad;
   const int64_t group = kv.key_group;
   float* scaled = s.channel_queries.get();
+  float* bias = s.channel_bias.get();
   int64_t scaled_group = -1;  // the group whose channel scales `scaled` holds
   const auto scale_rows = [&](int64_t g) {
     if (g == scaled_group) return;
     scaled_group = g;
     const float* channel = kv.channel_scales(batch, g * group, head);
+    const float* zero = kv.channel_zeros(batch, g * group, head);
     for (size_t r = 0; r < rows; ++r) {
       const float* q = queries + r * d_pad;
       float* to = scaled + r * d_pad;
       for (size_t c = 0; c < d; ++c) to[c] = q[c] * channel[c];
       std::fill(to + d, to + d_pad, 0.0f);
+      float sum = 0.0f;
+      if (zero != nullptr)
+        for (size_t c = 0; c < d; ++c) sum += q[c] * zero[c];
+      bias[r] = sum;
     }
+  };
+  const auto add_bias = [&](float* to, size_t row_stride, size_t from, size_t count) {
+    if (kv.k_channel_zero == nullptr) return;
+    for (size_t r = 0; r < rows; ++r)
+      for (size_t t = from; t < from + count; ++t) to[r * row_stride + t] += bias[r];
   };
   const size_t padded = round_up(keys, lanes);
   for (size_t j = 0; j < padded; j += lanes) {
@@ -215,12 +229,14 @@ void ChannelScaledScores(const KvSource& kv, const DecodePlan& plan, int64_t bat
     if (key / group == last / group) {
       scale_rows(key / group);
       ScoreKeys(rows, scaled, d_pad, k_rows + j, d, prefetch, scores + j, ld);
+      add_bias(scores + j, ld, 0, lanes);
       continue;
     }
     for (int64_t g = key / group; g <= last / group; ++g) {
       scale_rows(g);
       ScoreKeys(rows, scaled, d_pad, k_rows + j, d, g == key / group ? prefetch : Ahead<T>{}, s.split_scores.get(),
                 lanes);
+      add_bias(s.split_scores.get(), lanes, 0, lanes);
       const auto from = static_cast<size_t>(std::max<int64_t>(g * group - key, 0));
       const auto to = static_cast<size_t>(std::min<int64_t>((g + 1) * group - key, static_cast<int64_t>(lanes)));
       for (size_t r = 0; r < rows; ++r)
@@ -344,10 +360,11 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
         for (size_t j = 0; j < keys; ++j) {
           WidenRows(k_rows[j], 0, 1, d, s.keys.get() + j * d_pad, d_pad);
           WidenRows(v_rows[j], 0, 1, dv, s.values.get() + j * dv_pad, dv_pad);
-          if (kScaledStorage<T> && kv.channel_scaled()) {  // int8 keys scaled per channel: times their group's
+          if (kScaledStorage<T> && kv.channel_scaled()) {  // int8 · channel scale + zero point
             const float* channel = kv.channel_scales(task.batch, first + static_cast<int64_t>(j), g);
+            const float* zero = kv.channel_zeros(task.batch, first + static_cast<int64_t>(j), g);
             float* key = s.keys.get() + j * d_pad;
-            for (size_t c = 0; c < d; ++c) key[c] *= channel[c];
+            for (size_t c = 0; c < d; ++c) key[c] = key[c] * channel[c] + (zero != nullptr ? zero[c] : 0.0f);
           }
         }
         for (size_t j = 0; j < padded; ++j) {

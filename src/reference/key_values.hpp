@@ -1,8 +1,8 @@
 // The reference's reading of key and value elements, as doubles: from the call's K/V
 // views (each element exactly static_cast<double>), or from a cache's key/value source
 // (core/kv_source.hpp: contiguous or paged, any storage type widened exactly, int8 times
-// its row's scale and, for keys scaled per channel, its group's channel scale — the
-// values the split-K schedule attends over).
+// its row's scale and, for keys scaled per channel, (int8 · channel scale + zero point) ·
+// row scale — the values the split-K schedule attends over).
 #pragma once
 
 #include <cstdint>
@@ -28,7 +28,12 @@ struct SourceKeyValues {
 
   double key(int64_t b, int64_t j, int64_t h, int64_t c) const {
     const double stored = element(kv.k, kv.k_strides, kv.k_scale, kv.k_scale_strides, b, j, h, c);
-    return kv.channel_scaled() ? stored * static_cast<double>(kv.channel_scales(b, j, h)[c]) : stored;
+    if (!kv.channel_scaled()) return stored;
+    // int8 · row scale · channel scale + row scale · zero point
+    const float* zero = kv.channel_zeros(b, j, h);
+    const double row_scale = kv.k_scale[kv.offset(kv.k_scale_strides, b, j, h)];
+    return stored * static_cast<double>(kv.channel_scales(b, j, h)[c]) +
+           (zero != nullptr ? row_scale * static_cast<double>(zero[c]) : 0.0);
   }
   double value(int64_t b, int64_t j, int64_t h, int64_t c) const {
     return element(kv.v, kv.v_strides, kv.v_scale, kv.v_scale_strides, b, j, h, c);

@@ -1,5 +1,6 @@
-// qkv::KVCache with int8 keys scaled per channel (KeyScales::channel): every stored key
-// within half a step of the appended one; the stored cache independent of how tokens
+// qkv::KVCache with int8 keys quantized per channel (KeyScales::channel: a scale and a
+// zero point per channel and group of tokens): every stored key within half a step of
+// the appended one; the stored cache independent of how tokens
 // were split into appends; paged = contiguous bitwise; decode on every SIMD target equal
 // to the fp64 reference over the stored values (and the same bits for any thread count);
 // a non-finite key poisons only itself; BatchPlan reads the same cache; bad configs and
@@ -55,11 +56,15 @@ void append_range(KVCache& cache, const Tensor<float, 4>& k, const Tensor<float,
   cache.append(ks.cview(), vs.cview());
 }
 
-// Key (b, j, h) as the cache stores it: its integers, row scale and channel scales.
+// Key (b, j, h) as the cache stores it: its integers, row scale, channel scales and zero
+// points; value(c) = row_scale · (ints[c] · channel[c] + zero[c]), in double.
 struct StoredKey {
   const std::int8_t* ints;
   float row_scale;
   const float* channel;
+  const float* zero;
+
+  double value(int64_t c) const { return double(row_scale) * (double(ints[c]) * channel[c] + zero[c]); }
 };
 
 StoredKey stored_key(const KVCache& cache, int64_t b, int64_t j, int64_t h) {
@@ -71,13 +76,15 @@ StoredKey stored_key(const KVCache& cache, int64_t b, int64_t j, int64_t h) {
   }
   const int64_t rows = cache.k_shape()[1], groups = cache.k_channel_shape()[1];
   const int64_t at = (outer * rows + row) * c.kv_heads + h;
-  return {static_cast<const std::int8_t*>(cache.k_data()) + at * c.head_dim,
-          cache.k_scales()[static_cast<std::size_t>(at)],
-          cache.k_channel_scales().data() + ((outer * groups + row / c.group_size) * c.kv_heads + h) * c.head_dim};
+  const int64_t channel_at = ((outer * groups + row / c.group_size) * c.kv_heads + h) * c.head_dim;
+  return {static_cast<const std::int8_t*>(cache.k_data()) + at * c.head_dim, cache.k_scales()[static_cast<std::size_t>(at)],
+          cache.k_channel_scales().data() + channel_at, cache.k_channel_zeros().data() + channel_at};
 }
 
-// Each value within half a step (row scale × channel scale) of the appended one; each
-// channel scale is its group's max|k| in that channel; some value of each row is ±127.
+// Each value within half a step (its channel scale; the row scale is 1) of the appended
+// one, up to the rounding of the float zero point; per group and channel, scale = (max −
+// min) / 255 and zero = min + 128·scale, so the group's smallest key is −128 and its
+// largest 127.
 TEST(KVCacheChannel, EveryKeyIsWithinHalfAStep) {
   const int64_t d = 64, group = 16, tokens = 61;
   const auto k = outlier_keys(tokens, d, 11);
@@ -88,20 +95,26 @@ TEST(KVCacheChannel, EveryKeyIsWithinHalfAStep) {
     for (int64_t h = 0; h < kKvHeads; ++h)
       for (int64_t j = 0; j < tokens; ++j) {
         const StoredKey s = stored_key(cache, b, j, h);
-        int largest = 0;
+        ASSERT_EQ(s.row_scale, 1.0f);
+        const double eps = std::numeric_limits<float>::epsilon();
         for (int64_t c = 0; c < d; ++c) {
-          const double step = static_cast<double>(s.row_scale) * s.channel[c];
-          const double error = std::abs(static_cast<double>(k(b, j, h, c)) - s.ints[c] * step);
-          ASSERT_LE(error, 0.5 * step * (1 + 1e-6)) << b << " " << j << " " << h << " " << c;
-          largest = std::max(largest, std::abs(static_cast<int>(s.ints[c])));
+          const double error = std::abs(static_cast<double>(k(b, j, h, c)) - s.value(c));
+          ASSERT_LE(error, 0.5 * s.channel[c] * (1 + 1e-6) + eps * std::abs(s.zero[c])) << b << " " << j << " " << h << " " << c;
         }
-        EXPECT_EQ(largest, 127) << j;
-        if (j % group == 0) {  // the group's channel scales: its max|k| per channel
-          for (int64_t c = 0; c < d; ++c) {
-            float max_abs = 0.0f;
-            for (int64_t i = j; i < std::min(j + group, tokens); ++i) max_abs = std::max(max_abs, std::abs(k(b, i, h, c)));
-            EXPECT_EQ(s.channel[c], max_abs) << j << " " << c;
+        if (j % group != 0) continue;
+        for (int64_t c = 0; c < d; ++c) {  // the group's range, mapped onto −128..127
+          float lo = k(b, j, h, c), hi = lo;
+          int lowest = 127, highest = -128;
+          for (int64_t i = j; i < std::min(j + group, tokens); ++i) {
+            lo = std::min(lo, k(b, i, h, c));
+            hi = std::max(hi, k(b, i, h, c));
+            lowest = std::min(lowest, int(stored_key(cache, b, i, h).ints[c]));
+            highest = std::max(highest, int(stored_key(cache, b, i, h).ints[c]));
           }
+          EXPECT_EQ(s.channel[c], (hi - lo) / 255.0f) << j << " " << c;
+          EXPECT_EQ(s.zero[c], lo + 128.0f * s.channel[c]) << j << " " << c;
+          EXPECT_EQ(lowest, -128) << j << " " << c;
+          EXPECT_EQ(highest, 127) << j << " " << c;
         }
       }
 }
@@ -125,6 +138,7 @@ TEST(KVCacheChannel, StorageDoesNotDependOnHowTokensWereAppended) {
           ASSERT_EQ(std::memcmp(x.ints, y.ints, d), 0) << j;
           ASSERT_EQ(std::memcmp(&x.row_scale, &y.row_scale, sizeof(float)), 0) << j;
           ASSERT_EQ(std::memcmp(x.channel, y.channel, d * sizeof(float)), 0) << j;
+          ASSERT_EQ(std::memcmp(x.zero, y.zero, d * sizeof(float)), 0) << j;
         }
 }
 
@@ -152,8 +166,9 @@ bool same_bits(const Result& a, const Result& b) {
 // The error bound of the fp32 kernel against the fp64 reference over the same stored
 // values: a logit's dot product over d terms, summed in lanes and then a tree, is within
 // (d/lanes + log2(lanes) + 3)·ε·Σ_c|scale·q_c·k_c| ≤ 24·ε·L for d ≤ 64 (L the largest such
-// sum; the channel scale's product with the query adds one rounding per term), which
-// moves the softmax's output by at most 2·that·max|v|; plus P·V's own 4·ε·max|v|.
+// sum over the integer and zero-point terms: the kernel sums (q⊙c)·int8 and q·zero apart,
+// each term one rounding more), which moves the softmax's output by at most 2·that·max|v|;
+// plus P·V's own 4·ε·max|v|.
 double kernel_bound(const KVCache& cache, const Tensor<float, 4>& q, const Tensor<float, 4>& v) {
   double max_v = 0.0;
   for (std::size_t x = 0; x < v.size(); ++x) max_v = std::max(max_v, double(std::abs(v[x])));
@@ -168,7 +183,7 @@ double kernel_bound(const KVCache& cache, const Tensor<float, 4>& q, const Tenso
           const StoredKey s = stored_key(cache, b, j, hq / group);
           double sum = 0.0;
           for (int64_t x = 0; x < c.head_dim; ++x)
-            sum += std::abs(scale * q(b, i, hq, x) * s.ints[x] * s.row_scale * s.channel[x]);
+            sum += std::abs(scale * q(b, i, hq, x)) * (std::abs(s.ints[x] * s.channel[x]) + std::abs(s.zero[x]));
           largest_sum = std::max(largest_sum, sum);
         }
   const double eps = std::numeric_limits<float>::epsilon();
@@ -254,6 +269,7 @@ TEST(KVCacheChannel, ANonFiniteKeyPoisonsOnlyItself) {
       if (h == 1) continue;  // head 1's group has the clean newest key too
       EXPECT_EQ(std::memcmp(x.ints, y.ints, d), 0) << j;
       EXPECT_EQ(std::memcmp(x.channel, y.channel, d * sizeof(float)), 0) << j;
+      EXPECT_EQ(std::memcmp(x.zero, y.zero, d * sizeof(float)), 0) << j;
     }
   // Two queries: query 0 sees keys 0..tokens−2, query 1 every key.
   const auto q = test::random_tensor<float, 4>({kBatch, 2, 4, d}, 53);
@@ -310,7 +326,8 @@ TEST(KVCacheChannel, BatchPlanReadsTheSameCache) {
   Tensor<float, 3> out({21, 8, d});
   plan.run(BatchArgs<std::int8_t>{.q = q.cview(), .k_cache = views.k_cache, .v_cache = views.v_cache, .out = out.view(),
                                   .k_scale = views.k_scale, .v_scale = views.v_scale,
-                                  .k_channel_scale = views.k_channel_scale, .key_group = views.key_group});
+                                  .k_channel_scale = views.k_channel_scale, .k_channel_zero = views.k_channel_zero,
+                                  .key_group = views.key_group});
   // Sequence 0's one query through cache.attend (sequence 1 gets a copy of the same query).
   Tensor<float, 4> q0({kBatch, 1, 8, d});
   for (int64_t b = 0; b < kBatch; ++b)
@@ -364,10 +381,21 @@ TEST(KVCacheChannel, BadConfigsAndArgumentsAreNamed) {
   expect_error(decode_with(args), "key_group: expected 1..96 keys per channel-scale group");
   args = cache.views<std::int8_t>();
   args.k_channel_scale = {};
+  args.k_channel_zero = {};
   expect_error(decode_with(args), "key_group: expected 0 without k_channel_scale, got 8");
   args = cache.views<std::int8_t>();
   args.k_channel_scale.shape[3] = 8;
   expect_error(decode_with(args), "k_channel_scale.shape[3] (head_dim): expected 16");
+  args = cache.views<std::int8_t>();
+  args.k_channel_zero.shape[2] = 1;
+  expect_error(decode_with(args), "k_channel_zero.shape[2] (kv heads): expected 2 (as k_channel_scale.shape[2])");
+  args = cache.views<std::int8_t>();
+  args.k_channel_zero.strides[1] = 1;
+  expect_error(decode_with(args), "k_channel_zero.strides[1]: expected 32 (as k_channel_scale's)");
+  args = cache.views<std::int8_t>();
+  args.k_channel_scale = {};
+  args.key_group = 0;
+  expect_error(decode_with(args), "k_channel_zero: zero points come with k_channel_scale");
   // Nothing was written by the failed calls.
   for (std::size_t x = 0; x < out.size(); ++x) ASSERT_EQ(out[x], 0.0f);
 

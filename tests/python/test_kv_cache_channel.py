@@ -1,6 +1,6 @@
-"""qkv.KVCache(dtype="int8", key_scales="channel"): the stored keys (int8 · row scale ·
-the group's channel scales, read from the cache's own memory) are each within half a
-step of the appended ones; attend() equals float64 attention over the stored values to
+"""qkv.KVCache(dtype="int8", key_scales="channel"): the stored keys (int8 · the group's
+channel scale + its zero point, read from the cache's own memory) are each within half
+a step of the appended ones; attend() equals float64 attention over the stored values to
 float32 rounding; on keys with outlier channels it is closer to the unquantized
 attention than one scale per row; bad configurations get the C++ library's messages."""
 
@@ -30,17 +30,20 @@ def locate(cache, seq, j):
 
 
 def stored(cache, n):
-    """[B, Hkv, n, d] float64, from the cache's own memory: the stored keys (int8 · row
-    scale · the group's channel scales), half a step of each key (row scale · channel
-    scale / 2), and the stored values (int8 · row scale)."""
-    (keys, values), (k_scale, v_scale), channel = cache.storage(), cache.scales(), cache.channel_scales()
+    """[B, Hkv, n, d] float64, from the cache's own memory: the stored keys (row scale ·
+    (int8 · the group's channel scale + its zero point)), half a step of each key (channel
+    scale / 2, plus the zero point's float rounding), and the stored values (int8 · row
+    scale)."""
+    (keys, values), (k_scale, v_scale), (channel, zero) = cache.storage(), cache.scales(), cache.channel_scales()
     k_rows, half_steps, v_rows = [], [], []
+    eps = np.finfo(np.float32).eps
     for seq in range(cache.batch):
         for j in range(n):
             block, row = locate(cache, seq, j)
-            step = k_scale[block, row][:, None].astype(np.float64) * channel[block, row // cache.group_size]
-            k_rows.append(keys[block, row] * step)
-            half_steps.append(step / 2)
+            step = channel[block, row // cache.group_size].astype(np.float64)
+            z = zero[block, row // cache.group_size].astype(np.float64)
+            k_rows.append(k_scale[block, row][:, None].astype(np.float64) * (keys[block, row] * step + z))
+            half_steps.append(step / 2 + eps * np.abs(z))
             v_rows.append(values[block, row] * v_scale[block, row][:, None].astype(np.float64))
     shape = (cache.batch, n) + keys.shape[2:]
     return [torch.from_numpy(np.stack(x).reshape(shape)).transpose(1, 2) for x in (k_rows, half_steps, v_rows)]
@@ -60,7 +63,7 @@ def test_channel_scaled_cache_matches_attention_over_its_stored_values(paged, gr
     cache.append(k[:, :, 50:], v[:, :, 50:])
     k_stored, half_step, v_stored = stored(cache, n)
     assert ((k_stored - k.double()).abs() <= half_step * (1 + 1e-6)).all()
-    assert np.abs(cache.storage()[0]).max() == 127
+    assert cache.storage()[0].min() == -128 and cache.storage()[0].max() == 127
 
     q = torch.randn(batch, hq, 3, d)
     out = cache.attend(q)
