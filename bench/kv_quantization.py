@@ -115,7 +115,7 @@ def real_bytes_per_value(kwargs: dict, heads: int, dim: int, capacity: int = 102
         return None
     arrays = list(cache.storage()) + list(cache.scales() or ())
     if hasattr(cache, "channel_scales") and cache.channel_scales() is not None:
-        arrays.append(cache.channel_scales())
+        arrays += list(cache.channel_scales())  # (scales, zero points)
     return sum(a.nbytes for a in arrays) / (2 * capacity * heads * dim)
 
 

@@ -183,6 +183,19 @@ HWY_INLINE void SoftmaxRows(size_t rows, size_t padded, float* HWY_RESTRICT scor
   }
 }
 
+// Σ_c a[c]·b[c], in vectors (a scalar chain of d FMAs per row and group would cost
+// more than the group's dot products themselves).
+HWY_INLINE float Dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t n) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  FloatVec acc = hn::Zero(df);
+  size_t c = 0;
+  for (; c + lanes <= n; c += lanes) acc = hn::MulAdd(hn::LoadU(df, a + c), hn::LoadU(df, b + c), acc);
+  float sum = hn::GetLane(hn::SumOfLanes(df, acc));
+  for (; c < n; ++c) sum += a[c] * b[c];
+  return sum;
+}
+
 // Scores of `rows` query rows (scale·q, d_pad apart) against int8 keys scaled per
 // channel (qkv::KVCache's KeyScales::channel) read in place: key j of group γ holds
 // int8_j ⊙ c_γ + z_γ (channel-wise scales and zero points; its row scale is applied
@@ -210,16 +223,14 @@ void ChannelScaledScores(const KvSource& kv, const DecodePlan& plan, int64_t bat
       float* to = scaled + r * d_pad;
       for (size_t c = 0; c < d; ++c) to[c] = q[c] * channel[c];
       std::fill(to + d, to + d_pad, 0.0f);
-      float sum = 0.0f;
-      if (zero != nullptr)
-        for (size_t c = 0; c < d; ++c) sum += q[c] * zero[c];
-      bias[r] = sum;
+      bias[r] = zero != nullptr ? Dot(q, zero, d) : 0.0f;
     }
   };
-  const auto add_bias = [&](float* to, size_t row_stride, size_t from, size_t count) {
+  const FloatTag df;
+  const auto add_bias = [&](float* to, size_t row_stride) {  // one vector of keys' scores per row
     if (kv.k_channel_zero == nullptr) return;
     for (size_t r = 0; r < rows; ++r)
-      for (size_t t = from; t < from + count; ++t) to[r * row_stride + t] += bias[r];
+      hn::StoreU(hn::Add(hn::LoadU(df, to + r * row_stride), hn::Set(df, bias[r])), df, to + r * row_stride);
   };
   const size_t padded = round_up(keys, lanes);
   for (size_t j = 0; j < padded; j += lanes) {
@@ -229,14 +240,14 @@ void ChannelScaledScores(const KvSource& kv, const DecodePlan& plan, int64_t bat
     if (key / group == last / group) {
       scale_rows(key / group);
       ScoreKeys(rows, scaled, d_pad, k_rows + j, d, prefetch, scores + j, ld);
-      add_bias(scores + j, ld, 0, lanes);
+      add_bias(scores + j, ld);
       continue;
     }
     for (int64_t g = key / group; g <= last / group; ++g) {
       scale_rows(g);
       ScoreKeys(rows, scaled, d_pad, k_rows + j, d, g == key / group ? prefetch : Ahead<T>{}, s.split_scores.get(),
                 lanes);
-      add_bias(s.split_scores.get(), lanes, 0, lanes);
+      add_bias(s.split_scores.get(), lanes);
       const auto from = static_cast<size_t>(std::max<int64_t>(g * group - key, 0));
       const auto to = static_cast<size_t>(std::min<int64_t>((g + 1) * group - key, static_cast<int64_t>(lanes)));
       for (size_t r = 0; r < rows; ++r)
