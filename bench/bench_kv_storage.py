@@ -5,7 +5,7 @@ with channel-scaled keys, in one process at the same thread count.
 
 Per row: median time of --repeats attends after a warm-up; bytes = what the kernel
 streams (K and V elements plus their scales: a float per row, and for channel-scaled keys
-d floats per group of group_size tokens); effective bandwidth = bytes / time; "vs int8
+d scales and d zero points, floats, per group of group_size tokens); effective bandwidth = bytes / time; "vs int8
 row" = int8-row time / this time (> 1: faster).
 
     python bench/bench_kv_storage.py                        # 32/8 and 12/12 heads, d = 128, 32k keys
@@ -35,7 +35,7 @@ def stream_bytes(dtype, extra, n, hkv, d):
     element = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[dtype]
     per_row = 2 * d * element + (8 if dtype == "int8" else 0)  # K and V, their row scales
     if extra:
-        per_row += d * 4 / extra["group_size"]
+        per_row += d * 8 / extra["group_size"]
     return n * hkv * per_row
 
 
