@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Decode speed of each KV-cache storage: one query per head against a long qkv.KVCache
 (cache.attend, bottom-right), float32 / bfloat16 / float16 / int8 with row scales / int8
-with channel-scaled keys, in one process at the same thread count.
+with channel-scaled keys / int4 (with and without a float window), in one process at the
+same thread count.
 
 Per row: median time of --repeats attends after a warm-up; bytes = what the kernel
 streams (K and V elements plus their scales: a float per row, and for channel-scaled keys
@@ -24,16 +25,25 @@ import torch
 import qkv
 
 STORAGES = [("float32", {}), ("bfloat16", {}), ("float16", {}), ("int8", {}),
-            ("int8", {"key_scales": "channel", "group_size": 32})]
+            ("int8", {"key_scales": "channel", "group_size": 32}),
+            ("int4", {"group_size": 64}), ("int4", {"group_size": 64, "float_window": 32})]
 
 
 def name_of(dtype, extra):
-    return f"{dtype} channel G={extra['group_size']}" if extra else (dtype + (" row" if dtype == "int8" else ""))
+    if not extra:
+        return dtype + (" row" if dtype == "int8" else "")
+    window = f" + {extra['float_window']} float" if extra.get("float_window") else ""
+    return f"{dtype} channel G={extra['group_size']}{window}"
 
 
 def stream_bytes(dtype, extra, n, hkv, d):
-    element = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[dtype]
-    per_row = 2 * d * element + (8 if dtype == "int8" else 0)  # K and V, their row scales
+    """Bytes decode reads: K and V elements, their row scales, channel scales and zero
+    points per group of keys, int4 values' scale and zero point per 32 channels (the
+    float window's few rows left out)."""
+    element = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.5}[dtype]
+    per_row = 2 * d * element + {"int8": 8, "int4": 4}.get(dtype, 0)
+    if dtype == "int4":
+        per_row += 8 * -(-d // 32)
     if extra:
         per_row += d * 8 / extra["group_size"]
     return n * hkv * per_row

@@ -55,8 +55,13 @@ REAL = [("float32 (reference)", {"dtype": "float32"}),
         ("float16", {"dtype": "float16"}),
         ("int8, per-row scales", {"dtype": "int8"})]
 REAL += [(f"int8, K channel G={g}", {"dtype": "int8", "key_scales": "channel", "group_size": g}) for g in (32, 64, 128)]
-REAL += [(f"int4, K {ks} G={g}", {"dtype": "int4", "key_scales": ks, "group_size": g})
-         for ks in ("channel", "row") for g in (32, 64, 128)]
+REAL += [("int8, K channel G=64, newest 32 float",
+          {"dtype": "int8", "key_scales": "channel", "group_size": 64, "float_window": 32})]
+# int4: keys per channel (asymmetric), values per row and 32 channels (asymmetric), fp32
+# scales; with and without the float window for the newest tokens.
+REAL += [(f"int4, K channel G={g}" + (f", newest {w} float" if w else ""),
+          {"dtype": "int4", "group_size": g, "float_window": w})
+         for w in (0, 32, 128) for g in (32, 64, 128)]
 
 _backend = None  # (q, k, v) -> out [B, Hq, T, d]: the storage every layer attends through
 
@@ -113,9 +118,11 @@ def real_bytes_per_value(kwargs: dict, heads: int, dim: int, capacity: int = 102
         cache = qkv.KVCache(1, capacity, heads, dim, **kwargs)
     except (TypeError, ValueError, qkv.Error):
         return None
-    arrays = list(cache.storage()) + list(cache.scales() or ())
+    arrays = list(cache.storage()) + [a for a in (cache.scales() or ()) if a is not None]
     if hasattr(cache, "channel_scales") and cache.channel_scales() is not None:
         arrays += list(cache.channel_scales())  # (scales, zero points)
+    if hasattr(cache, "value_group_scales") and cache.value_group_scales() is not None:
+        arrays.append(cache.value_group_scales())  # int4 values: scales and zero points per 32 channels
     return sum(a.nbytes for a in arrays) / (2 * capacity * heads * dim)
 
 

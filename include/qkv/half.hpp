@@ -126,10 +126,19 @@ struct float16 {
 static_assert(sizeof(bfloat16) == 2 && alignof(bfloat16) == 2);
 static_assert(sizeof(float16) == 2 && alignof(float16) == 2);
 
+// Two 4-bit integers 0..15 in one byte: the channel 2i in the low nibble, 2i + 1 in the
+// high one (int4 KV caches; a row of d values takes ⌈d / 2⌉ bytes).
+struct uint4x2 {
+  std::uint8_t bits = 0;
+};
+static_assert(sizeof(uint4x2) == 1);
+
 // The element type of a storage buffer (a KV cache, later every kernel's inputs).
 // int8 is for KV caches only: each cached row (one token's d values of one kv head)
 // holds int8 values and one float scale, value = int8 · scale (qkv/kv_cache.hpp).
-enum class StorageType { float32, bfloat16, float16, int8 };
+// int4 is for qkv::KVCache only: levels 0..15 with a scale and zero point per channel
+// and group of tokens (keys) or per token and group of 32 channels (values).
+enum class StorageType { float32, bfloat16, float16, int8, int4 };
 
 template <class T>
 inline constexpr StorageType storage_type_of = StorageType::float32;
@@ -139,9 +148,18 @@ template <>
 inline constexpr StorageType storage_type_of<float16> = StorageType::float16;
 template <>
 inline constexpr StorageType storage_type_of<std::int8_t> = StorageType::int8;
+template <>
+inline constexpr StorageType storage_type_of<uint4x2> = StorageType::int4;
 
-constexpr int storage_bytes(StorageType type) {
-  return type == StorageType::float32 ? 4 : type == StorageType::int8 ? 1 : 2;
+constexpr int storage_bits(StorageType type) {
+  return type == StorageType::float32 ? 32 : type == StorageType::int8 ? 8 : type == StorageType::int4 ? 4 : 16;
+}
+// Bytes of one element; int4 (half a byte): 1, the byte of a pair — count int4 rows'
+// bytes with storage_row_bytes.
+constexpr int storage_bytes(StorageType type) { return type == StorageType::int4 ? 1 : storage_bits(type) / 8; }
+// Bytes of a row of `count` elements (int4: ⌈count / 2⌉).
+constexpr int64_t storage_row_bytes(StorageType type, int64_t count) {
+  return type == StorageType::int4 ? (count + 1) / 2 : count * storage_bytes(type);
 }
 
 constexpr const char* storage_name(StorageType type) {
@@ -150,6 +168,7 @@ constexpr const char* storage_name(StorageType type) {
     case StorageType::bfloat16: return "bfloat16";
     case StorageType::float16: return "float16";
     case StorageType::int8: return "int8";
+    case StorageType::int4: return "int4";
   }
   return "unknown";
 }

@@ -20,6 +20,18 @@
 // partial group is quantized from its rows so far and quantized again from their float32
 // copy (kept per sequence, group_size rows) as tokens arrive, so the stored cache does not
 // depend on how the tokens were split into appends once their group is full.
+// int4 (StorageType::int4, keys always per channel): two values per byte, levels 0..15.
+// Keys as above over 16 levels (scale = (hi − lo) / 15, zero point lo); each value row
+// per group of 32 channels (kValueGroup), its own range mapped onto the 16 levels, a scale
+// and zero point per group — within half a step of every value. About 0.5 + 8/G (keys)
+// and 0.25 (values) bytes per value with the float32 scales.
+// A float window (float_window = W > 0, for caches with channel-scaled keys): the newest
+// tokens' keys and values are kept as float32 and attended as such; a group of keys is
+// quantized (once) when its last key is W tokens behind the newest, so at least W and
+// fewer than W + group_size of the newest tokens are exact. Attention weight sits on the
+// recent tokens: on SmolLM2 a window of 32 cuts a 4-bit cache's KL divergence 3–4×
+// (bench/KV_QUANTIZATION.md). Such caches (and int4 ones) attend through attend();
+// views() refuses them, since DecodeArgs cannot describe their rows.
 //
 //   KVCache cache({.batch = 1, .capacity = 4096, .kv_heads = 8, .head_dim = 128,
 //                  .dtype = StorageType::bfloat16});
@@ -50,6 +62,7 @@
 #include <memory>
 #include <shared_mutex>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "qkv/attention.hpp"  // SeqOffsets
@@ -60,11 +73,14 @@
 namespace qkv {
 namespace detail {
 class Checker;
+struct KvSource;
 }
 
 // How int8 keys are scaled: one scale per stored row, or a scale and zero point per
-// channel over groups of tokens (see above). Values are always scaled per row.
+// channel over groups of tokens (see above; int4 keys: always per channel). int8 values
+// are scaled per row, int4 values per row and group of kValueGroup channels.
 enum class KeyScales { row, channel };
+inline constexpr int64_t kValueGroup = 32;
 
 struct KVCacheConfig {
   int64_t batch = 1;      // sequences, ≥ 1
@@ -76,8 +92,9 @@ struct KVCacheConfig {
   bool paged = false;
   int64_t block_size = 16;  // paged: keys per block, 1..4096 (16..256 typical)
   int64_t num_blocks = 0;   // paged: pool size; 0: enough for every sequence at capacity
-  KeyScales key_scales = KeyScales::row;  // int8 only
+  KeyScales key_scales = KeyScales::row;  // int8; int4 takes channel only
   int64_t group_size = 32;  // KeyScales::channel: tokens per group, 1..capacity (paged: divides block_size)
+  int64_t float_window = 0;  // KeyScales::channel: newest tokens kept float32, 0..capacity (0: none)
 };
 
 class KVCache {
@@ -128,12 +145,26 @@ class KVCache {
   std::span<const float> k_channel_zeros() const { return k_channel_zero_; }
   std::array<int64_t, 4> k_channel_shape() const;
 
+  // int4: each value row's group scales then zero points, [B | blocks, capacity |
+  // block_size, Hkv, 2·⌈dv / kValueGroup⌉] (empty for other storage types).
+  std::span<const float> v_group_scales() const { return v_group_scale_; }
+  // With a float window: keys [0, quantized_lengths()[b]) of sequence b are read from the
+  // quantized storage, the newer ones from the float window (empty without one).
+  std::span<const int64_t> quantized_lengths() const { return quantized_; }
+
+  // The keys and values attention reads for sequence seq, as float32: K [length, Hkv, d]
+  // and V [length, Hkv, dv] row-major — the storage widened or dequantized (scales and
+  // zero points applied), the float window's rows as they are. For tests and tools: the
+  // exact values any error should be measured against.
+  std::pair<std::vector<float>, std::vector<float>> stored(int64_t seq) const;
+
   // Raw storage, for bindings that hand it out without copying.
   const void* k_data() const { return k_.get(); }
   const void* v_data() const { return v_.get(); }
   void* k_data() { return k_.get(); }
   void* v_data() { return v_.get(); }
-  // The 4-D shape of the K (or V, with dv) storage: [B, capacity, …] or [num_blocks, block_size, …].
+  // The 4-D shape of the K (or V, with dv) storage: [B, capacity, …] or [num_blocks, block_size, …]
+  // (in values: an int4 row of d values is ⌈d / 2⌉ bytes).
   std::array<int64_t, 4> k_shape() const;
   std::array<int64_t, 4> v_shape() const;
   // Paged: [B, blocks per sequence], row-major; empty when contiguous.
@@ -158,10 +189,16 @@ class KVCache {
   std::vector<int32_t> free_;   // paged: unassigned pool blocks, taken from the back
   std::vector<float> k_scale_, v_scale_;  // int8: one scale per stored row (k_shape()[0..2])
   // KeyScales::channel: the channel scales (k_channel_shape()), and each sequence's newest
-  // group's keys as float32, [batch, group_size, Hkv, d], to quantize it again as it grows.
-  std::vector<float> k_channel_scale_, k_channel_zero_, k_partial_;
+  // keys as float32, [batch, window_rows_, Hkv, d] (key j in row j % window_rows_:
+  // group_size + float_window rows), to quantize a group when it is due. With a float
+  // window the values too ([batch, window_rows_, Hkv, dv]).
+  std::vector<float> k_channel_scale_, k_channel_zero_, k_partial_, v_window_;
+  std::vector<float> v_group_scale_;  // int4 values
+  std::vector<int64_t> quantized_;    // float window: keys quantized per sequence
+  int64_t window_rows_ = 0;
   int64_t storage_row(int64_t seq, int64_t key) const;  // the row of (seq, key) in k_/v_
   void quantize_key_group(int64_t seq, int64_t group, int64_t rows);
+  detail::KvSource source() const;  // the cache as the kernels read it
 };
 
 }  // namespace qkv

@@ -84,14 +84,28 @@ class KVCache:
     and a zero point; post-RoPE keys have outlier channels that one scale per row spends
     most of the int8 range on); the newest, partial group is quantized again as it fills.
     paged: group_size must divide block_size.
+
+    dtype="int4" (keys always per channel: key_scales defaults to "channel" for it) stores
+    two values a byte: keys per channel over groups of `group_size` tokens, values per
+    token over groups of 32 channels, each range mapped onto 16 levels with a float32
+    scale and zero point. float_window=W (int8 and int4 with channel keys) keeps the
+    newest tokens' keys and values as float32 — at least W and fewer than W + group_size
+    of them — and quantizes a group once its last key is W tokens old: attention weight
+    sits on recent tokens, and on SmolLM2 a window of 32 cuts a 4-bit cache's KL
+    divergence several times (bench/KV_QUANTIZATION.md). stored(seq) returns the values
+    attention reads.
     """
 
     def __init__(self, batch, capacity, kv_heads, head_dim, *, v_dim=None, dtype="float32", paged=False,
-                 block_size=16, num_blocks=None, layout="bhsd", key_scales="row", group_size=32):
+                 block_size=16, num_blocks=None, layout="bhsd", key_scales=None, group_size=32, float_window=0):
         _check_layout("qkv.KVCache", layout)
         self.layout = layout
-        self._cache = _qkv.KVCache(batch, capacity, kv_heads, head_dim, v_dim or 0, _storage_name(dtype),
-                                   bool(paged), block_size, num_blocks or 0, key_scales, group_size)
+        storage = _storage_name(dtype)
+        if key_scales is None:
+            key_scales = "channel" if storage == "int4" else "row"
+        self._cache = _qkv.KVCache(batch, capacity, kv_heads, head_dim, v_dim or 0, storage,
+                                   bool(paged), block_size, num_blocks or 0, key_scales, group_size,
+                                   int(float_window))
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.v_dim = v_dim or head_dim
         # For torch.compile: the handle its operators name the cache by, and the state
@@ -130,6 +144,28 @@ class KVCache:
     free_blocks = property(lambda self: self._cache.free_blocks)
     key_scales = property(lambda self: self._cache.key_scales)
     group_size = property(lambda self: self._cache.group_size)
+    float_window = property(lambda self: self._cache.float_window)
+
+    @property
+    def quantized_lengths(self):
+        """With a float window: keys per sequence read from the quantized storage (the
+        newer ones are float32); an empty list without one."""
+        return self._cache.quantized_lengths
+
+    def stored(self, seq):
+        """(k, v): the keys and values attention reads for sequence `seq` as float32 copies —
+        the storage widened or dequantized, the float window's rows as they are —
+        ``[Hkv, length, d]`` ("bhsd") or ``[length, Hkv, d]`` ("bshd")."""
+        k, v = self._cache.stored(int(seq))
+        if self.layout == "bhsd":
+            k, v = np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2))
+        return k, v
+
+    def value_group_scales(self):
+        """int4: each value row's group scales then zero points, ``[B, capacity, Hkv,
+        2·groups]`` (paged: the pool's rows) NumPy view; value c of a row is ``level · s[c //
+        32] + z[c // 32]``. None otherwise."""
+        return self._cache.value_group_scales()
 
     @property
     def lengths(self):
@@ -195,14 +231,16 @@ class KVCache:
 
     def storage(self):
         """(keys, values): NumPy views of the cache memory — ``[B, capacity, Hkv, d]`` or
-        the paged pool ``[num_blocks, block_size, Hkv, d]``; float32, or uint16 holding
-        bfloat16/float16 bits. Shares memory with the cache (it stays alive with them)."""
+        the paged pool ``[num_blocks, block_size, Hkv, d]``; float32, int8, uint16 holding
+        bfloat16/float16 bits, or (int4) uint8 pairs of levels ``[..., ⌈d / 2⌉]``, channel
+        2i in the low nibble. Shares memory with the cache (it stays alive with them)."""
         return self._cache.key_storage(), self._cache.value_storage()
 
     def scales(self):
         """int8: (key scales, value scales), ``[B, capacity, Hkv]`` (or the paged pool's
         ``[num_blocks, block_size, Hkv]``) NumPy views, one float32 per stored row; None
-        for other dtypes. The stored values are ``storage() · scales()`` (broadcast)."""
+        for other dtypes. The stored values are ``storage() · scales()`` (broadcast).
+        int4: (the keys' row scales — 1, or NaN for a non-finite key — None)."""
         return self._cache.scales()
 
     def channel_scales(self):
@@ -218,7 +256,7 @@ class KVCache:
 
         keys, values = self.storage()
         to = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-              "int8": torch.int8}[self.dtype]
+              "int8": torch.int8, "int4": torch.uint8}[self.dtype]
         k, v = torch.from_numpy(keys), torch.from_numpy(values)
         if to in (torch.bfloat16, torch.float16):
             k, v = k.view(torch.int16).view(to), v.view(torch.int16).view(to)

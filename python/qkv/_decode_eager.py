@@ -27,17 +27,19 @@ def _is_torch(x) -> bool:
 
 
 def _storage_name(dtype) -> str:
-    """'float32', 'bfloat16', 'float16' or 'int8' from a name, a NumPy or a torch dtype."""
+    """'float32', 'bfloat16', 'float16', 'int8' or 'int4' from a name, a NumPy or a torch dtype."""
     name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
     if name in ("int8", "<class 'numpy.int8'>"):
         return "int8"
+    if name == "int4":
+        return "int4"
     if name in ("float", "float32", "<class 'numpy.float32'>"):
         return "float32"
     if name in ("half", "float16", "<class 'numpy.float16'>"):
         return "float16"
     if name in ("bfloat16",):
         return "bfloat16"
-    raise Error(f"dtype: expected float32, bfloat16, float16 or int8, got {dtype!r}")
+    raise Error(f"dtype: expected float32, bfloat16, float16, int8 or int4, got {dtype!r}")
 
 
 def _check_layout(function: str, layout: str) -> None:

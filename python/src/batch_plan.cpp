@@ -60,7 +60,9 @@ void run_any(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::handle
     case StorageType::bfloat16: return run_typed<bfloat16>(plan, qa, ka, va, oa, la, ks, vs);
     case StorageType::float16: return run_typed<float16>(plan, qa, ka, va, oa, la, ks, vs);
     case StorageType::int8: return run_typed<std::int8_t>(plan, qa, ka, va, oa, la, ks, vs);
+    case StorageType::int4: break;  // no array dtype is int4 (cache_storage)
   }
+  throw Error("qkv::BatchPlan::run: int4 caches attend through qkv.KVCache.attend");
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <span>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,8 @@ StorageType parse_storage(const std::string& name) {
   if (name == "bfloat16") return StorageType::bfloat16;
   if (name == "float16") return StorageType::float16;
   if (name == "int8") return StorageType::int8;
-  throw Error("dtype: expected 'float32', 'bfloat16', 'float16' or 'int8', got '" + name + "'");
+  if (name == "int4") return StorageType::int4;
+  throw Error("dtype: expected 'float32', 'bfloat16', 'float16', 'int8' or 'int4', got '" + name + "'");
 }
 
 // The storage type of a cache array: its own dtype, or `bits_as` for 16-bit integers.
@@ -41,7 +43,7 @@ StorageType cache_storage(const char* name, const ArrayRef& array, const std::st
   if (dt == nb::dtype<int8_t>()) return StorageType::int8;
   if ((dt == nb::dtype<int16_t>() || dt == nb::dtype<uint16_t>()) && !bits_as.empty()) {
     const StorageType type = parse_storage(bits_as);
-    if (type != StorageType::float32) return type;
+    if (type == StorageType::bfloat16 || type == StorageType::float16) return type;
   }
   throw nb::type_error((std::string(name) + ": expected dtype float32, float16, bfloat16 or int8, got " +
                         dtype_name(dt))
@@ -157,19 +159,23 @@ void decode_any(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle
       return decode_typed<float16>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs);
     case StorageType::int8:
       return decode_typed<std::int8_t>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs);
+    case StorageType::int4: break;  // no array dtype is int4 (cache_storage)
   }
+  throw Error("qkv::decode: int4 caches attend through qkv.KVCache.attend");
 }
 
 // A NumPy array over the cache's own memory (float32, or uint16 bits for 16-bit types),
 // kept alive by the cache object.
 nb::ndarray<nb::numpy> storage_array(KVCache& cache, bool keys, nb::handle owner) {
   const auto shape4 = keys ? cache.k_shape() : cache.v_shape();
-  const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
-                                static_cast<std::size_t>(shape4[2]), static_cast<std::size_t>(shape4[3])};
+  std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
+                          static_cast<std::size_t>(shape4[2]), static_cast<std::size_t>(shape4[3])};
   void* data = keys ? cache.k_data() : cache.v_data();
   const StorageType type = cache.config().dtype;
+  if (type == StorageType::int4) shape[3] = (shape[3] + 1) / 2;  // bytes: two levels each
   const nb::dlpack::dtype dt = type == StorageType::float32 ? nb::dtype<float>()
                                : type == StorageType::int8  ? nb::dtype<int8_t>()
+                               : type == StorageType::int4  ? nb::dtype<uint8_t>()
                                                             : nb::dtype<uint16_t>();
   return nb::ndarray<nb::numpy>(data, 4, shape, owner, nullptr, dt);
 }
@@ -190,18 +196,19 @@ void bind_decode(nb::module_& m) {
           "__init__",
           [](KVCache* self, int64_t batch, int64_t capacity, int64_t kv_heads, int64_t head_dim, int64_t v_dim,
              const std::string& dtype, bool paged, int64_t block_size, int64_t num_blocks,
-             const std::string& key_scales, int64_t group_size) {
+             const std::string& key_scales, int64_t group_size, int64_t float_window) {
             if (key_scales != "row" && key_scales != "channel")
               throw Error("qkv::KVCache: config.key_scales: expected 'row' or 'channel', got '" + key_scales + "'");
             new (self) KVCache({.batch = batch, .capacity = capacity, .kv_heads = kv_heads, .head_dim = head_dim,
                                 .v_dim = v_dim, .dtype = parse_storage(dtype), .paged = paged,
                                 .block_size = block_size, .num_blocks = num_blocks,
                                 .key_scales = key_scales == "channel" ? KeyScales::channel : KeyScales::row,
-                                .group_size = group_size});
+                                .group_size = group_size, .float_window = float_window});
           },
           nb::arg("batch"), nb::arg("capacity"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("v_dim") = 0,
           nb::arg("dtype") = "float32", nb::arg("paged") = false, nb::arg("block_size") = 16,
-          nb::arg("num_blocks") = 0, nb::arg("key_scales") = "row", nb::arg("group_size") = 32)
+          nb::arg("num_blocks") = 0, nb::arg("key_scales") = "row", nb::arg("group_size") = 32,
+          nb::arg("float_window") = 0)
       .def(
           "append",
           [](KVCache& self, const InArray& k, const InArray& v, std::optional<std::vector<int64_t>> seqs) {
@@ -253,10 +260,13 @@ void bind_decode(nb::module_& m) {
         // int8: the rows' scales (keys, values), [B | blocks, capacity | block_size, Hkv]
         // NumPy views of the cache's memory; None for other storage types.
         KVCache& cache = nb::cast<KVCache&>(self);
-        if (cache.config().dtype != StorageType::int8) return nb::none();
+        // int4: the keys' row scales (1, or NaN for a non-finite key) and None.
+        if (cache.config().dtype != StorageType::int8 && cache.config().dtype != StorageType::int4) return nb::none();
         const auto shape4 = cache.k_shape();
         const std::size_t shape[3] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
                                       static_cast<std::size_t>(shape4[2])};
+        if (cache.config().dtype == StorageType::int4)
+          return nb::make_tuple(nb::ndarray<nb::numpy, const float>(cache.k_scales().data(), 3, shape, self), nb::none());
         return nb::make_tuple(nb::ndarray<nb::numpy, const float>(cache.k_scales().data(), 3, shape, self),
                               nb::ndarray<nb::numpy, const float>(cache.v_scales().data(), 3, shape, self));
       })
@@ -264,6 +274,42 @@ void bind_decode(nb::module_& m) {
         return std::string(self.config().key_scales == KeyScales::channel ? "channel" : "row");
       })
       .def_prop_ro("group_size", [](const KVCache& self) { return self.config().group_size; })
+      .def_prop_ro("float_window", [](const KVCache& self) { return self.config().float_window; })
+      .def_prop_ro("quantized_lengths", [](const KVCache& self) {
+        return std::vector<int64_t>(self.quantized_lengths().begin(), self.quantized_lengths().end());
+      })
+      .def("value_group_scales", [](nb::handle self) -> nb::object {
+        // int4: each value row's group scales then zero points, [B | blocks, capacity |
+        // block_size, Hkv, 2·groups] NumPy view; None otherwise.
+        KVCache& cache = nb::cast<KVCache&>(self);
+        if (cache.v_group_scales().empty()) return nb::none();
+        const auto shape4 = cache.v_shape();
+        const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
+                                      static_cast<std::size_t>(shape4[2]),
+                                      static_cast<std::size_t>(2 * ((shape4[3] + kValueGroup - 1) / kValueGroup))};
+        return nb::cast(nb::ndarray<nb::numpy, const float>(cache.v_group_scales().data(), 4, shape, self));
+      })
+      .def(
+          "stored",
+          [](const KVCache& self, int64_t seq) {
+            // The keys and values attention reads for `seq`, float32 [length, Hkv, d | dv] copies.
+            std::pair<std::vector<float>, std::vector<float>> rows;
+            {
+              nb::gil_scoped_release release;
+              rows = self.stored(seq);
+            }
+            auto& [k, v] = rows;
+            const auto heads = static_cast<std::size_t>(self.config().kv_heads);
+            const std::size_t length = k.size() / (heads * static_cast<std::size_t>(self.config().head_dim));
+            const auto to_array = [&](std::vector<float>&& values, int64_t dim) {
+              auto* owned = new std::vector<float>(std::move(values));
+              nb::capsule free(owned, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+              const std::size_t shape[3] = {length, heads, static_cast<std::size_t>(dim)};
+              return nb::ndarray<nb::numpy, float>(owned->data(), 3, shape, free);
+            };
+            return nb::make_tuple(to_array(std::move(k), self.config().head_dim), to_array(std::move(v), self.config().v_dim));
+          },
+          nb::arg("seq"))
       .def("channel_scales", [](nb::handle self) -> nb::object {
         // key_scales="channel": (the keys' channel scales, their zero points), each
         // [B | blocks, groups, Hkv, d], NumPy views of the cache's memory; None otherwise.

@@ -19,6 +19,7 @@
 #include "cpu/decode.hpp"
 #include "cpu/decode_plan.hpp"
 #include "qkv/error.hpp"
+#include "reference/key_values.hpp"
 
 namespace qkv {
 
@@ -326,6 +327,11 @@ void widen_row(const detail::KvSource& kv, bool keys, int64_t b, int64_t j, int6
         return;
       }
       return widen_row(row, dim, scale, to);
+    }
+    case StorageType::int4: {  // refused by the plan's layout today; read as the reference reads it
+      const reference::SourceKeyValues read{kv};
+      for (int64_t c = 0; c < dim; ++c) to[c] = static_cast<float>(keys ? read.key(b, j, h, c) : read.value(b, j, h, c));
+      return;
     }
   }
 }

@@ -3,11 +3,13 @@
 // source — and run it through the same backend dispatch (core/dispatch.hpp).
 #include "qkv/decode.hpp"
 
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "cache/cache_scales.hpp"
+#include "cache/decode_source.hpp"
 #include "core/checker.hpp"
 #include "core/dispatch.hpp"
 #include "core/validate.hpp"
@@ -19,6 +21,54 @@ namespace {
 using detail::Checker;
 using detail::Described;
 using detail::describe;
+
+// out [B, Nq, Hq, dv] and lse [B, Hq, Nq] (optional), appended to `outputs`.
+void check_outputs(const Checker& check, const Described& out, View3<float> lse_view, int64_t batch, int64_t q_len,
+                   int64_t q_heads, int64_t v_dim, const char* v_dim_from, std::vector<Described>& outputs) {
+  check.expect_extent(out, 0, "batch", batch, "as q.shape[0]");
+  check.expect_extent(out, 1, "seq", q_len, "as q.shape[1]");
+  check.expect_extent(out, 2, "heads", q_heads, "as q.shape[2]");
+  check.expect_extent(out, 3, "head_dim", v_dim, v_dim_from);
+  outputs.push_back(out);
+  if (!lse_view.empty()) {
+    const Described lse = describe("lse", lse_view);
+    check.expect_well_formed(lse);
+    check.expect_extent(lse, 0, "batch", batch, "as q.shape[0]");
+    check.expect_extent(lse, 1, "heads", q_heads, "as q.shape[2]");
+    check.expect_extent(lse, 2, "seq", q_len, "as q.shape[1]");
+    outputs.push_back(lse);
+  }
+}
+
+// The call as a dense problem: B sequences of Nq queries against a capacity of keys,
+// each cut to its cache length (the mask rule's key lengths); its key/value source is
+// the caller's to set.
+detail::ForwardProblem<float> cache_problem(const Checker& check, const AttentionOptions& options, View4<const float> q,
+                                            View4<float> out, View3<float> lse, int64_t kv_heads, int64_t capacity,
+                                            int64_t v_dim, std::span<const int64_t> cache_lengths) {
+  detail::refuse_for_caches(check, options);
+  detail::ForwardProblem<float> p;
+  detail::Extents& e = p.extents;
+  e.batch = q.shape[0];
+  e.q_len = q.shape[1];
+  e.k_len = capacity;
+  e.q_heads = q.shape[2];
+  e.kv_heads = kv_heads;
+  e.head_dim = q.shape[3];
+  e.v_dim = v_dim;
+  detail::MaskRule& mask = p.mask;
+  mask.causal = detail::checked_causal(check, options);
+  mask.sequences.count = e.batch;
+  mask.sequences.dense_q_len = e.q_len;
+  mask.sequences.dense_k_len = capacity;
+  mask.key_lengths = cache_lengths;
+  detail::check_variants(check, options, e, mask, p.modifiers);
+  detail::resolve_execution(check, options, /*wants_weights=*/false, p);
+  p.args.q = q;
+  p.args.out = out;
+  p.args.lse = lse;
+  return p;
+}
 
 template <class T>
 detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOptions& options) {
@@ -81,49 +131,15 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
     }
   }
 
-  check.expect_extent(out, 0, "batch", batch, "as q.shape[0]");
-  check.expect_extent(out, 1, "seq", q_len, "as q.shape[1]");
-  check.expect_extent(out, 2, "heads", q_heads, "as q.shape[2]");
-  check.expect_extent(out, 3, "head_dim", v_dim, "as v_cache.shape[3]");
-  std::vector<Described> outputs{out};
-  if (!a.lse.empty()) {
-    const Described lse = describe("lse", a.lse);
-    check.expect_well_formed(lse);
-    check.expect_extent(lse, 0, "batch", batch, "as q.shape[0]");
-    check.expect_extent(lse, 1, "heads", q_heads, "as q.shape[2]");
-    check.expect_extent(lse, 2, "seq", q_len, "as q.shape[1]");
-    outputs.push_back(lse);
-  }
+  std::vector<Described> outputs;
+  check_outputs(check, out, a.lse, batch, q_len, q_heads, v_dim, "as v_cache.shape[3]", outputs);
   const detail::CacheScales scales{a.k_scale, a.v_scale, a.k_channel_scale, a.k_channel_zero, a.key_group};
   detail::check_cache_scales(check, storage_type_of<T>, scales, a.k_cache.shape, a.v_cache.shape, paged,
                              paged ? "blocks" : "batch", inputs);
   check.expect_outputs_apart(outputs, inputs);
 
-  detail::refuse_for_caches(check, options);
-
-  // The call as a dense problem: B sequences of Nq queries against a capacity of keys,
-  // each cut to its cache length (the mask rule's key lengths).
-  detail::ForwardProblem<float> p;
-  detail::Extents& e = p.extents;
-  e.batch = batch;
-  e.q_len = q_len;
-  e.k_len = capacity;
-  e.q_heads = q_heads;
-  e.kv_heads = a.k_cache.shape[2];
-  e.head_dim = a.q.shape[3];
-  e.v_dim = v_dim;
-  detail::MaskRule& mask = p.mask;
-  mask.causal = detail::checked_causal(check, options);
-  mask.sequences.count = batch;
-  mask.sequences.dense_q_len = q_len;
-  mask.sequences.dense_k_len = capacity;
-  mask.key_lengths = a.cache_lengths;
-  detail::check_variants(check, options, e, mask, p.modifiers);
-  detail::resolve_execution(check, options, /*wants_weights=*/false, p);
-  p.args.q = a.q;
-  p.args.out = a.out;
-  p.args.lse = a.lse;
-
+  detail::ForwardProblem<float> p =
+      cache_problem(check, options, a.q, a.out, a.lse, a.k_cache.shape[2], capacity, v_dim, a.cache_lengths);
   detail::KvSource& kv = p.kv;
   kv = detail::KvSource::of_cache(storage_type_of<T>, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.k_channel_scale,
                                   a.k_channel_zero, a.key_group);
@@ -147,6 +163,34 @@ void run(const DecodeArgs<T>& args, const AttentionOptions& options) {
 }
 
 }  // namespace
+
+namespace detail {
+void decode_cache_source(const KvSource& kv, int64_t capacity, std::span<const int64_t> cache_lengths,
+                         View4<const float> q_view, View4<float> out_view, View3<float> lse,
+                         const AttentionOptions& options) {
+  const Checker check("qkv::decode");
+  const Described q = describe("q", q_view), out = describe("out", out_view);
+  check.expect_well_formed(q);
+  check.expect_well_formed(out);
+  check.expect_at_least_one(q, 2, "heads");
+  check.expect_at_least_one(q, 3, "head_dim");
+  const auto batch = static_cast<int64_t>(cache_lengths.size());
+  check.expect_extent(q, 0, "batch", batch, "the cache's batch");
+  check.expect_extent(q, 3, "head_dim", kv.head_dim, "the cache's head_dim");
+  if (q_view.shape[2] % kv.kv_heads != 0)
+    check.fail("q.shape[2] (heads): expected a multiple of the cache's kv_heads = " + std::to_string(kv.kv_heads) +
+               " for grouped-query attention, got " + std::to_string(q_view.shape[2]));
+  std::vector<Described> outputs;
+  check_outputs(check, out, lse, batch, q_view.shape[1], q_view.shape[2], kv.v_dim, "the cache's v_dim", outputs);
+  const std::vector<Described> inputs{q};
+  check.expect_outputs_apart(outputs, inputs);  // the cache's storage is its own memory
+  ForwardProblem<float> p = cache_problem(check, options, q_view, out_view, lse, kv.kv_heads, capacity, kv.v_dim,
+                                          cache_lengths);
+  p.kv = kv;
+  if (p.extents.batch == 0 || p.extents.q_len == 0) return;
+  run_forward(p, resolve_backend(options, false, false));
+}
+}  // namespace detail
 
 AttentionOptions DecodeOptions::attention() const {
   AttentionOptions options;

@@ -14,9 +14,12 @@
 #include <string_view>
 #include <type_traits>
 
+#include "cache/decode_source.hpp"
 #include "core/checked_size.hpp"
 #include "core/checker.hpp"
+#include "core/kv_source.hpp"
 #include "qkv/error.hpp"
+#include "reference/key_values.hpp"
 
 namespace qkv {
 namespace {
@@ -91,12 +94,64 @@ void store_int8_channel_row(const float* src, const float* scale, const float* z
   }
 }
 
+// int4 levels of one value against (scale, lo): round((x − lo) / scale) (ties to even; in
+// double) clamped to 0..15, so x is within half a step of level · scale + lo; 0 for a
+// scale of 0 (the range held one value: lo itself).
+std::uint8_t int4_level(float x, float scale, float lo) {
+  if (scale == 0.0f) return 0;
+  const double q = std::nearbyint((static_cast<double>(x) - lo) / static_cast<double>(scale));
+  return static_cast<std::uint8_t>(std::clamp(q, 0.0, 15.0));
+}
+
+// Packs levels[0, count) two per byte (channel 2i low, 2i + 1 high; an odd row's last
+// high nibble 0).
+void pack_int4(const std::uint8_t* levels, int64_t count, std::uint8_t* out) {
+  for (int64_t i = 0; i < count; i += 2)
+    out[i / 2] = static_cast<std::uint8_t>(levels[i] | (i + 1 < count ? levels[i + 1] << 4 : 0));
+}
+
+// int4 keys scaled per channel (as store_int8_channel_row, levels 0..15, zero point lo).
+void store_int4_channel_row(const float* src, const float* scale, const float* zero, int64_t count,
+                            std::uint8_t* out, float* row_scale) {
+  const bool finite = std::all_of(src, src + count, [](float x) { return std::isfinite(x); });
+  *row_scale = finite ? 1.0f : std::numeric_limits<float>::quiet_NaN();
+  std::vector<std::uint8_t> levels(static_cast<std::size_t>(count), 0);
+  if (finite)
+    for (int64_t c = 0; c < count; ++c) levels[static_cast<std::size_t>(c)] = int4_level(src[c], scale[c], zero[c]);
+  pack_int4(levels.data(), count, out);
+}
+
+// int4 values: per group of kValueGroup channels, the row's range [lo, hi] in that group
+// mapped onto the 16 levels: scale = (hi − lo) / 15, zero point lo. `scales` gets the
+// groups' scales then their zero points. A row holding NaN or ±inf: levels 0, scales NaN
+// (whatever attends to it sees NaN), zero points 0.
+void store_int4_value_row(const float* src, int64_t count, std::uint8_t* out, float* scales) {
+  const int64_t groups = detail::ceil_div(count, kValueGroup);
+  const bool finite = std::all_of(src, src + count, [](float x) { return std::isfinite(x); });
+  std::vector<std::uint8_t> levels(static_cast<std::size_t>(count), 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t from = g * kValueGroup, to = std::min(count, from + kValueGroup);
+    if (!finite) {
+      scales[g] = std::numeric_limits<float>::quiet_NaN();
+      scales[groups + g] = 0.0f;
+      continue;
+    }
+    const auto [lo, hi] = std::minmax_element(src + from, src + to);
+    const float scale = (*hi - *lo) / 15.0f;
+    scales[g] = scale;
+    scales[groups + g] = *lo;
+    for (int64_t c = from; c < to; ++c) levels[static_cast<std::size_t>(c)] = int4_level(src[c], scale, *lo);
+  }
+  pack_int4(levels.data(), count, out);
+}
+
 void store_row(StorageType type, const float* src, int64_t count, void* dst, float* scale) {
   switch (type) {
     case StorageType::float32: return store_row<float>(src, count, dst);
     case StorageType::bfloat16: return store_row<bfloat16>(src, count, dst);
     case StorageType::float16: return store_row<float16>(src, count, dst);
     case StorageType::int8: return store_int8_row(src, count, dst, scale);
+    case StorageType::int4: return store_int4_value_row(src, count, static_cast<std::uint8_t*>(dst), scale);
   }
 }
 
@@ -106,10 +161,14 @@ constexpr const char kName[] = "qkv::KVCache";
 // is checked: an absurd config is refused here instead of wrapping to a tiny buffer that
 // append() then overruns. The factors are named as the caller gave them.
 struct CacheBytes {
-  std::size_t keys = 0, values = 0, scales = 0, channel_scales = 0, partial = 0, table = 0, lengths = 0;
+  std::size_t keys = 0, values = 0, scales = 0, value_scales = 0, channel_scales = 0, partial = 0, window = 0,
+              table = 0, lengths = 0;
 };
 
 bool channel_scaled(const KVCacheConfig& c) { return c.key_scales == KeyScales::channel; }
+bool is_int4(const KVCacheConfig& c) { return c.dtype == StorageType::int4; }
+// Float rows kept per sequence: the newest group's keys, and the window's K and V.
+int64_t window_rows(const KVCacheConfig& c) { return channel_scaled(c) ? c.group_size + c.float_window : 0; }
 
 CacheBytes cache_bytes(const KVCacheConfig& c, int64_t blocks_per_sequence) {
   using detail::SizeFactor;
@@ -118,21 +177,35 @@ CacheBytes cache_bytes(const KVCacheConfig& c, int64_t blocks_per_sequence) {
   const SizeFactor inner =
       c.paged ? SizeFactor{"config.block_size", c.block_size} : SizeFactor{"config.capacity", c.capacity};
   const SizeFactor heads{"config.kv_heads", c.kv_heads};
-  const auto element = static_cast<std::size_t>(storage_bytes(c.dtype));
   CacheBytes bytes;
-  bytes.keys = detail::checked_bytes(kName, "the key storage", {outer, inner, heads, {"config.head_dim", c.head_dim}},
+  // A row's elements (int4: its bytes, two values each) and their size.
+  const auto row = [&](const char* name, const char* int4_name, int64_t dim) {
+    return is_int4(c) ? SizeFactor{int4_name, storage_row_bytes(c.dtype, dim)} : SizeFactor{name, dim};
+  };
+  const auto element = static_cast<std::size_t>(storage_bytes(c.dtype));
+  bytes.keys = detail::checked_bytes(kName, "the key storage",
+                                     {outer, inner, heads, row("config.head_dim", "⌈config.head_dim / 2⌉", c.head_dim)},
                                      element);
-  bytes.values = detail::checked_bytes(kName, "the value storage", {outer, inner, heads, {"config.v_dim", c.v_dim}},
-                                       element);
-  if (c.dtype == StorageType::int8)
-    bytes.scales = detail::checked_bytes(kName, "the int8 scales", {outer, inner, heads}, sizeof(float));
+  bytes.values = detail::checked_bytes(kName, "the value storage",
+                                       {outer, inner, heads, row("config.v_dim", "⌈config.v_dim / 2⌉", c.v_dim)}, element);
+  if (c.dtype == StorageType::int8 || is_int4(c))
+    bytes.scales = detail::checked_bytes(kName, "the row scales", {outer, inner, heads}, sizeof(float));
+  if (is_int4(c))
+    bytes.value_scales = detail::checked_bytes(
+        kName, "the values' group scales",
+        {outer, inner, heads, {"the value groups (config.v_dim)", 2 * detail::ceil_div(c.v_dim, kValueGroup)}},
+        sizeof(float));
   if (channel_scaled(c)) {
     const SizeFactor groups{"the groups per row of blocks", detail::ceil_div(inner.value, c.group_size)};
     const SizeFactor dim{"config.head_dim", c.head_dim};
     bytes.channel_scales = detail::checked_bytes(kName, "the keys' channel scales", {outer, groups, heads, dim}, sizeof(float));
-    bytes.partial = detail::checked_bytes(kName, "the newest groups' keys",
-                                          {{"config.batch", c.batch}, {"config.group_size", c.group_size}, heads, dim},
+    const SizeFactor rows{"config.group_size + config.float_window", window_rows(c)};
+    bytes.partial = detail::checked_bytes(kName, "the newest keys", {{"config.batch", c.batch}, rows, heads, dim},
                                           sizeof(float));
+    if (c.float_window > 0)
+      bytes.window = detail::checked_bytes(kName, "the float window's values",
+                                           {{"config.batch", c.batch}, rows, heads, {"config.v_dim", c.v_dim}},
+                                           sizeof(float));
   }
   if (c.paged)
     bytes.table = detail::checked_bytes(kName, "the block table",
@@ -158,14 +231,24 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
   if (config.v_dim < 0) check.fail("config.v_dim: expected >= 0 (0 = head_dim), got " + std::to_string(config.v_dim));
   if (config_.v_dim == 0) config_.v_dim = config.head_dim;
   if (config.dtype != StorageType::float32 && config.dtype != StorageType::bfloat16 &&
-      config.dtype != StorageType::float16 && config.dtype != StorageType::int8)
-    check.fail("config.dtype: expected float32, bfloat16, float16 or int8, got value " +
+      config.dtype != StorageType::float16 && config.dtype != StorageType::int8 && config.dtype != StorageType::int4)
+    check.fail("config.dtype: expected float32, bfloat16, float16, int8 or int4, got value " +
                std::to_string(static_cast<int>(config.dtype)));
   if (config.key_scales != KeyScales::row && config.key_scales != KeyScales::channel)
     check.fail("config.key_scales: expected row or channel, got value " + std::to_string(static_cast<int>(config.key_scales)));
+  if (is_int4(config) && !channel_scaled(config))
+    check.fail("config.key_scales: int4 keys are scaled per channel (KeyScales::channel): one 4-bit scale per row "
+               "loses most of post-RoPE keys (bench/KV_QUANTIZATION.md), got row");
+  if (config.float_window != 0 && !channel_scaled(config))
+    check.fail("config.float_window: a float window is for caches with channel-scaled keys (int8 or int4, "
+               "KeyScales::channel), got " + std::to_string(config.float_window));
   if (channel_scaled(config)) {
-    if (config.dtype != StorageType::int8)
-      check.fail(std::string("config.key_scales: channel scales are for int8 caches, got dtype ") + storage_name(config.dtype));
+    if (config.dtype != StorageType::int8 && !is_int4(config))
+      check.fail(std::string("config.key_scales: channel scales are for int8 and int4 caches, got dtype ") +
+                 storage_name(config.dtype));
+    if (config.float_window < 0 || config.float_window > config.capacity)
+      check.fail("config.float_window: expected 0.." + std::to_string(config.capacity) +
+                 " newest tokens kept float32 (config.capacity), got " + std::to_string(config.float_window));
     if (config.group_size < 1 || config.group_size > config.capacity)
       check.fail("config.group_size: expected 1.." + std::to_string(config.capacity) +
                  " tokens per channel-scale group (config.capacity), got " + std::to_string(config.group_size));
@@ -195,18 +278,22 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
   }
   detail::allocate_or_throw(kName, "the key storage", bytes.keys, [&] { k_.reset(allocate_bytes(bytes.keys)); });
   detail::allocate_or_throw(kName, "the value storage", bytes.values, [&] { v_.reset(allocate_bytes(bytes.values)); });
-  if (config.dtype == StorageType::int8) {  // one scale per stored row
-    detail::allocate_or_throw(kName, "the int8 scales", 2 * bytes.scales, [&] {
+  if (bytes.scales != 0) {  // one scale per stored row (int4: keys only)
+    detail::allocate_or_throw(kName, "the row scales", 2 * bytes.scales + bytes.value_scales, [&] {
       k_scale_.assign(bytes.scales / sizeof(float), 0.0f);
-      v_scale_.assign(bytes.scales / sizeof(float), 0.0f);
+      if (!is_int4(config_)) v_scale_.assign(bytes.scales / sizeof(float), 0.0f);
+      v_group_scale_.assign(bytes.value_scales / sizeof(float), 0.0f);
     });
   }
   if (channel_scaled(config_)) {
-    detail::allocate_or_throw(kName, "the keys' channel scales", 2 * bytes.channel_scales + bytes.partial, [&] {
+    window_rows_ = window_rows(config_);
+    detail::allocate_or_throw(kName, "the keys' channel scales", 2 * bytes.channel_scales + bytes.partial + bytes.window, [&] {
       k_channel_scale_.assign(bytes.channel_scales / sizeof(float), 0.0f);
       k_channel_zero_.assign(bytes.channel_scales / sizeof(float), 0.0f);
       k_partial_.assign(bytes.partial / sizeof(float), 0.0f);
+      v_window_.assign(bytes.window / sizeof(float), 0.0f);
     });
+    if (config_.float_window > 0) quantized_.assign(static_cast<std::size_t>(config_.batch), 0);
   }
   detail::allocate_or_throw(kName, "the lengths", bytes.lengths,
                             [&] { lengths_.assign(bytes.lengths / sizeof(int64_t), 0); });
@@ -234,8 +321,9 @@ int64_t KVCache::storage_row(int64_t seq, int64_t key) const {
 // head and channel, over the group's finite rows, the range [lo, hi] mapped onto the 256
 // int8 levels — scale = (hi − lo) / 255, zero point = lo + 128·scale, so −128 is lo and 127
 // is hi (KIVI's asymmetric quantization: a channel's values need not be centred on 0) —
-// then every row against them. A channel with one value (or none finite) gets scale 0
-// and zero point lo (0).
+// or the 16 int4 levels 0..15 (scale = (hi − lo) / 15, zero point lo), then every row
+// against them. A channel with one value (or none finite) gets scale 0 and zero point lo
+// (0).
 void KVCache::quantize_key_group(int64_t seq, int64_t group, int64_t rows) {
   const int64_t hkv = config_.kv_heads, d = config_.head_dim, g = config_.group_size;
   const int64_t first = group * g;
@@ -243,12 +331,16 @@ void KVCache::quantize_key_group(int64_t seq, int64_t group, int64_t rows) {
   const int64_t groups_per_outer = k_channel_shape()[1];
   const int64_t outer = config_.paged ? table_[static_cast<std::size_t>(seq * blocks_per_sequence_ + first / config_.block_size)] : seq;
   const int64_t group_in_outer = config_.paged ? (first % config_.block_size) / g : group;
-  auto* keys = reinterpret_cast<std::int8_t*>(k_.get());
+  auto* keys = reinterpret_cast<std::uint8_t*>(k_.get());
+  const bool int4 = is_int4(config_);
+  const int64_t row_bytes = storage_row_bytes(config_.dtype, d), levels = int4 ? 15 : 255;
   for (int64_t h = 0; h < hkv; ++h) {
     const auto at = static_cast<std::size_t>(((outer * groups_per_outer + group_in_outer) * hkv + h) * d);
     float* scale = &k_channel_scale_[at];
     float* zero = &k_channel_zero_[at];
-    const auto partial_row = [&](int64_t i) { return &k_partial_[static_cast<std::size_t>(((seq * g + i) * hkv + h) * d)]; };
+    const auto partial_row = [&](int64_t i) {
+      return &k_partial_[static_cast<std::size_t>(((seq * window_rows_ + (first + i) % window_rows_) * hkv + h) * d)];
+    };
     std::fill(scale, scale + d, std::numeric_limits<float>::infinity());  // lo, for now
     std::fill(zero, zero + d, -std::numeric_limits<float>::infinity());   // hi, for now
     for (int64_t i = 0; i < rows; ++i) {
@@ -261,13 +353,18 @@ void KVCache::quantize_key_group(int64_t seq, int64_t group, int64_t rows) {
     }
     for (int64_t c = 0; c < d; ++c) {
       const float lo = std::isfinite(scale[c]) ? scale[c] : 0.0f, hi = std::isfinite(zero[c]) ? zero[c] : 0.0f;
-      scale[c] = (hi - lo) / 255.0f;
-      zero[c] = scale[c] == 0.0f ? lo : lo + 128.0f * scale[c];
+      scale[c] = (hi - lo) / static_cast<float>(levels);
+      zero[c] = int4 || scale[c] == 0.0f ? lo : lo + 128.0f * scale[c];
     }
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t row = storage_row(seq, first + i);
-      store_int8_channel_row(partial_row(i), scale, zero, d, keys + (row * hkv + h) * d,
-                             &k_scale_[static_cast<std::size_t>(row * hkv + h)]);
+      std::uint8_t* out = keys + (row * hkv + h) * row_bytes;
+      float* row_scale = &k_scale_[static_cast<std::size_t>(row * hkv + h)];
+      if (int4) {
+        store_int4_channel_row(partial_row(i), scale, zero, d, out, row_scale);
+      } else {
+        store_int8_channel_row(partial_row(i), scale, zero, d, reinterpret_cast<std::int8_t*>(out), row_scale);
+      }
     }
   }
 }
@@ -374,8 +471,10 @@ void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
                std::to_string(blocks_needed) + " are needed (config.num_blocks)");
 
   // Everything checked: from here on nothing throws.
-  const auto bytes = static_cast<std::size_t>(storage_bytes(config_.dtype));
   const int64_t hkv = config_.kv_heads, d = config_.head_dim, dv = config_.v_dim;
+  const auto k_row_bytes = static_cast<std::size_t>(storage_row_bytes(config_.dtype, d));
+  const auto v_row_bytes = static_cast<std::size_t>(storage_row_bytes(config_.dtype, dv));
+  const int64_t value_scales = is_int4(config_) ? 2 * detail::ceil_div(dv, kValueGroup) : 1;
   auto* kb = reinterpret_cast<std::byte*>(k_.get());
   auto* vb = reinterpret_cast<std::byte*>(v_.get());
   for (int64_t n = 0; n < rows.count; ++n) {
@@ -391,22 +490,39 @@ void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
         }
         row = static_cast<int64_t>(block) * config_.block_size + length % config_.block_size;
       }
-      const int64_t g = config_.group_size;
+      const int64_t g = config_.group_size, window = config_.float_window;
+      const auto window_at = static_cast<std::size_t>((seq * window_rows_ + length % std::max<int64_t>(window_rows_, 1)) * hkv);
       for (int64_t h = 0; h < hkv; ++h) {
         const auto scale_at = static_cast<std::size_t>(row * hkv + h);
         if (channel_scaled(config_)) {  // kept as float32 until its group is quantized, below
           const float* key = rows.k_row(n, t, h);
-          std::copy(key, key + d, &k_partial_[static_cast<std::size_t>(((seq * g + length % g) * hkv + h) * d)]);
+          std::copy(key, key + d, &k_partial_[(window_at + static_cast<std::size_t>(h)) * static_cast<std::size_t>(d)]);
         } else {
-          store_row(config_.dtype, rows.k_row(n, t, h), d, kb + static_cast<std::size_t>((row * hkv + h) * d) * bytes,
+          store_row(config_.dtype, rows.k_row(n, t, h), d, kb + static_cast<std::size_t>(row * hkv + h) * k_row_bytes,
                     k_scale_.empty() ? nullptr : &k_scale_[scale_at]);
         }
-        store_row(config_.dtype, rows.v_row(n, t, h), dv, vb + static_cast<std::size_t>((row * hkv + h) * dv) * bytes,
-                  v_scale_.empty() ? nullptr : &v_scale_[scale_at]);
+        float* v_scale = is_int4(config_)   ? &v_group_scale_[scale_at * static_cast<std::size_t>(value_scales)]
+                         : v_scale_.empty() ? nullptr
+                                            : &v_scale_[scale_at];
+        store_row(config_.dtype, rows.v_row(n, t, h), dv, vb + static_cast<std::size_t>(row * hkv + h) * v_row_bytes,
+                  v_scale);
+        if (window > 0) {  // attended as float32 while in the window
+          const float* value = rows.v_row(n, t, h);
+          std::copy(value, value + dv, &v_window_[(window_at + static_cast<std::size_t>(h)) * static_cast<std::size_t>(dv)]);
+        }
       }
-      // A group is quantized when it is full, and the newest one again at each append.
-      if (channel_scaled(config_) && ((length + 1) % g == 0 || t + 1 == tokens))
-        quantize_key_group(seq, length / g, length % g + 1);
+      if (channel_scaled(config_) && window == 0) {
+        // A group is quantized when it is full, and the newest one again at each append.
+        if ((length + 1) % g == 0 || t + 1 == tokens) quantize_key_group(seq, length / g, length % g + 1);
+      } else if (window > 0) {
+        // A group is quantized, once, when its last key is `window` behind the newest
+        // (before the window's rows that hold it are taken by newer keys).
+        int64_t& quantized = quantized_[static_cast<std::size_t>(seq)];
+        while (quantized + g + window <= length + 1) {
+          quantize_key_group(seq, quantized / g, g);
+          quantized += g;
+        }
+      }
     }
   }
 }
@@ -430,6 +546,7 @@ void KVCache::reset(int64_t seq) {
 
 void KVCache::reset_locked(int64_t seq) {
   lengths_[static_cast<std::size_t>(seq)] = 0;
+  if (!quantized_.empty()) quantized_[static_cast<std::size_t>(seq)] = 0;
   if (!config_.paged) return;
   for (int64_t j = 0; j < blocks_per_sequence_; ++j) {
     int32_t& block = table_[static_cast<std::size_t>(seq * blocks_per_sequence_ + j)];
@@ -440,6 +557,10 @@ void KVCache::reset_locked(int64_t seq) {
 
 template <class T>
 DecodeArgs<T> KVCache::views() const {
+  if (config_.float_window > 0)
+    detail::Checker("qkv::KVCache::views").fail(
+        "the cache has a float window (config.float_window): its newest keys are float32 rows that DecodeArgs "
+        "cannot describe; attend through the cache");
   if (storage_type_of<T> != config_.dtype)
     detail::Checker("qkv::KVCache::views").fail(std::string("the cache stores ") + storage_name(config_.dtype) +
                                                    ", asked for " + storage_name(storage_type_of<T>));
@@ -483,12 +604,83 @@ void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
   // Shared: attends run together, but never beside an append or reset, whose lengths,
   // block table and rows they read.
   const std::shared_lock lock(*mutex_);
+  if (is_int4(config_) || config_.float_window > 0)  // rows DecodeArgs cannot describe
+    return detail::decode_cache_source(source(), config_.capacity, lengths_, q, out, lse, options);
   switch (config_.dtype) {
     case StorageType::float32: return run(views<float>());
     case StorageType::bfloat16: return run(views<bfloat16>());
     case StorageType::float16: return run(views<float16>());
     case StorageType::int8: return run(views<std::int8_t>());
+    case StorageType::int4: return;  // above
   }
+}
+
+detail::KvSource KVCache::source() const {
+  detail::KvSource s;
+  const auto [outer, inner, hkv, d] = k_shape();
+  const int64_t dv = config_.v_dim;
+  const int64_t k_row = storage_row_bytes(config_.dtype, d) / (is_int4(config_) ? 1 : storage_bytes(config_.dtype));
+  const int64_t v_row = storage_row_bytes(config_.dtype, dv) / (is_int4(config_) ? 1 : storage_bytes(config_.dtype));
+  (void)outer;
+  s.type = config_.dtype;
+  s.k = k_.get();
+  s.v = v_.get();
+  s.k_strides = {inner * hkv * k_row, hkv * k_row, k_row};
+  s.v_strides = {inner * hkv * v_row, hkv * v_row, v_row};
+  s.kv_heads = hkv;
+  s.head_dim = d;
+  s.v_dim = dv;
+  if (!k_scale_.empty()) {
+    s.k_scale = k_scale_.data();
+    s.k_scale_strides = {inner * hkv, hkv, 1};
+  }
+  if (!v_scale_.empty()) {
+    s.v_scale = v_scale_.data();
+    s.v_scale_strides = {inner * hkv, hkv, 1};
+  }
+  if (is_int4(config_)) {
+    const int64_t scales = 2 * detail::ceil_div(dv, kValueGroup);
+    s.v_group_scale = v_group_scale_.data();
+    s.v_group_strides = {inner * hkv * scales, hkv * scales, scales};
+    s.value_group = kValueGroup;
+  }
+  if (channel_scaled(config_)) {
+    s.k_channel_scale = k_channel_scale_.data();
+    s.k_channel_zero = k_channel_zero_.data();
+    s.k_channel_strides = {k_channel_shape()[1] * hkv * d, hkv * d, d};
+    s.key_group = config_.group_size;
+  }
+  if (config_.float_window > 0) {
+    s.window_k = k_partial_.data();
+    s.window_v = v_window_.data();
+    s.window_rows = window_rows_;
+    s.quantized_lengths = quantized_.data();
+  }
+  if (config_.paged) {
+    s.block_table = table_.data();
+    s.table_stride = blocks_per_sequence_;
+    s.page_size = config_.block_size;
+  }
+  return s;
+}
+
+std::pair<std::vector<float>, std::vector<float>> KVCache::stored(int64_t seq) const {
+  if (seq < 0 || seq >= config_.batch)
+    detail::Checker("qkv::KVCache::stored").fail("seq: expected 0.." + std::to_string(config_.batch - 1) + ", got " + std::to_string(seq));
+  const std::shared_lock lock(*mutex_);
+  const detail::KvSource kv = source();
+  const reference::SourceKeyValues read{kv};
+  const int64_t length = lengths_[static_cast<std::size_t>(seq)], hkv = config_.kv_heads;
+  const int64_t d = config_.head_dim, dv = config_.v_dim;
+  std::vector<float> k(static_cast<std::size_t>(length * hkv * d)), v(static_cast<std::size_t>(length * hkv * dv));
+  for (int64_t j = 0; j < length; ++j)
+    for (int64_t h = 0; h < hkv; ++h) {
+      for (int64_t c = 0; c < d; ++c)
+        k[static_cast<std::size_t>((j * hkv + h) * d + c)] = static_cast<float>(read.key(seq, j, h, c));
+      for (int64_t c = 0; c < dv; ++c)
+        v[static_cast<std::size_t>((j * hkv + h) * dv + c)] = static_cast<float>(read.value(seq, j, h, c));
+    }
+  return {std::move(k), std::move(v)};
 }
 
 }  // namespace qkv

@@ -37,6 +37,15 @@ struct RowStrides {
 // j, h) (channel_zeros) — contiguous caches: group j / key_group of
 // sequence b; paged: group (j % page_size) / key_group of j's pool block (page_size a
 // multiple of key_group, so a group never spans blocks).
+// int4 storage (qkv::KVCache only): rows of ⌈d / 2⌉ bytes (uint4x2, strides in bytes),
+// levels u = 0..15; keys always per channel as above, key = k_scale · (u · channel scale
+// + zero point); value (b, j, h, c) = u · s + z with (s, z) of the row's channel group
+// c / value_group: the row's groups' scales then zero points, 2·⌈dv / value_group⌉
+// floats at v_group_scale + offset(v_group_strides, b, j, h).
+// A float window (quantized caches of qkv::KVCache with a float_window): the keys j ≥
+// quantized_lengths[b] of sequence b are read, K and V, as float32 from the window rows
+// window_k / window_v, [B, window_rows, Hkv, d | dv] contiguous, key j in row j %
+// window_rows; the keys before are the quantized storage's.
 struct KvSource {
   StorageType type = StorageType::float32;
   const void* k = nullptr;
@@ -49,12 +58,36 @@ struct KvSource {
   const float* k_channel_zero = nullptr;   // and their zero points (null: none)
   RowStrides k_channel_strides;            // axes [batch | block, group, kv head], both
   int64_t key_group = 0;                   // keys per channel-scale group
+  const float* v_group_scale = nullptr;    // int4 values: scales then zero points per row
+  RowStrides v_group_strides;
+  int64_t value_group = 0;                 // int4 values: channels per group
+  const float* window_k = nullptr;         // float window (null: none)
+  const float* window_v = nullptr;
+  int64_t window_rows = 0;
+  int64_t kv_heads = 0, head_dim = 0, v_dim = 0;  // the window rows' layout
+  const int64_t* quantized_lengths = nullptr;     // per sequence, with a window
   const int32_t* block_table = nullptr;  // null: contiguous
   int64_t table_stride = 0;
   int64_t page_size = 0;
 
   bool paged() const { return block_table != nullptr; }
-  bool scaled() const { return type == StorageType::int8; }
+  bool scaled() const { return type == StorageType::int8 || type == StorageType::int4; }
+  bool windowed() const { return window_k != nullptr; }
+  // Keys of sequence b before this are the quantized storage's, the rest the window's.
+  int64_t quantized_length(int64_t batch) const {
+    return windowed() ? quantized_lengths[batch] : INT64_MAX;
+  }
+  const float* window_key(int64_t batch, int64_t key, int64_t head) const {
+    return window_k + ((batch * window_rows + key % window_rows) * kv_heads + head) * head_dim;
+  }
+  const float* window_value(int64_t batch, int64_t key, int64_t head) const {
+    return window_v + ((batch * window_rows + key % window_rows) * kv_heads + head) * v_dim;
+  }
+  int64_t value_groups() const { return (v_dim + value_group - 1) / value_group; }
+  // int4 values: the row's group scales (value_groups() of them, then as many zero points).
+  const float* value_group_scales(int64_t batch, int64_t key, int64_t head) const {
+    return v_group_scale + offset(v_group_strides, batch, key, head);
+  }
 
   // Element offset of row (b, j, h) in a view with these strides (K, V or their scales).
   int64_t offset(const RowStrides& strides, int64_t batch, int64_t key, int64_t head) const {

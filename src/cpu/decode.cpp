@@ -79,9 +79,15 @@ using detail::KvSource;
 // are no faster than 2; PyTorch's head-major buffer gains ~3%.
 constexpr size_t kUnitsAhead = 2;
 
-// Storage whose rows carry a scale (value = element · scale): int8.
+// Storage whose rows carry a scale (value = element · scale): int8, and int4's keys.
 template <class T>
-inline constexpr bool kScaledStorage = std::is_same_v<T, std::int8_t>;
+inline constexpr bool kScaledStorage = std::is_same_v<T, std::int8_t> || std::is_same_v<T, uint4x2>;
+// Values scaled per row (int8); int4 values carry a scale and zero point per group of
+// channels instead.
+template <class T>
+inline constexpr bool kRowScaledValues = std::is_same_v<T, std::int8_t>;
+template <class T>
+inline constexpr bool kGroupedValues = std::is_same_v<T, uint4x2>;
 
 // Per-thread scratch, laid out once per call (sizes in floats / rows).
 template <class T>
@@ -102,8 +108,16 @@ struct DecodeScratch {
   // each row's dot product with its zero points, and one vector of keys' scores when the
   // vector's keys span two groups.
   hwy::AlignedFreeUniquePtr<float[]> channel_queries, channel_bias, split_scores;
+  // int4 values: each ring row's group scales and zero points (in the ring's layout), the
+  // block's scales then zero points group by group ([2·groups][block]), the weights P ⊙ s
+  // of one group, and the rows shifted to a group's first channel.
+  std::vector<const float*> v_groups;
+  hwy::AlignedFreeUniquePtr<float[]> group_scales, group_weights;
+  std::vector<const T*> group_rows;
+  // A float window: the block's rows in it.
+  std::vector<const float*> window_k, window_v;
 
-  explicit DecodeScratch(const DecodePlan& plan)
+  DecodeScratch(const DecodePlan& plan, const KvSource& kv)
       : queries(AllocateFloats(plan.tile_rows() * plan.d_pad)),
         keys(AllocateFloats(plan.packed ? plan.block_keys * plan.d_pad : 0)),
         values(AllocateFloats(plan.packed ? plan.block_keys * plan.dv_pad : 0)),
@@ -116,15 +130,35 @@ struct DecodeScratch {
         k_packed(plan.packed ? plan.block_keys : 0), v_packed(plan.packed ? plan.block_keys : 0),
         channel_queries(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * plan.d_pad : 0)),
         channel_bias(AllocateFloats(kScaledStorage<T> ? plan.group_rows() : 0)),
-        split_scores(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * VectorLanes() : 0)) {}
+        split_scores(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * VectorLanes() : 0)),
+        v_groups(kGroupedValues<T> ? (kUnitsAhead + 1) * plan.block_keys : 0),
+        group_scales(AllocateFloats(kGroupedValues<T> ? 2 * static_cast<size_t>(kv.value_groups()) * plan.block_keys : 0)),
+        group_weights(AllocateFloats(kGroupedValues<T> ? plan.group_rows() * plan.block_keys : 0)),
+        group_rows(kGroupedValues<T> ? plan.block_keys : 0),
+        window_k(kv.windowed() ? plan.block_keys : 0), window_v(kv.windowed() ? plan.block_keys : 0) {}
 };
+
+// Entries [keys, padded) of a block's row pointers (and scales) repeat entry keys − 1.
+template <class T>
+void PadRows(size_t keys, size_t padded, const T** k, const T** v, float* k_scale, float* v_scale,
+             const float** v_groups) {
+  for (size_t j = keys; j < padded; ++j) {
+    k[j] = k[keys - 1];
+    v[j] = v[keys - 1];
+    if constexpr (kScaledStorage<T>) k_scale[j] = k_scale[keys - 1];
+    if constexpr (kRowScaledValues<T>) v_scale[j] = v_scale[keys - 1];
+    if constexpr (kGroupedValues<T>) v_groups[j] = v_groups[keys - 1];
+  }
+}
 
 // Row pointers of K and V for keys [first, first + keys) of (batch, head), in place in
 // the cache (contiguous or paged), padded to `padded` entries with the last row, whose
 // scores the mask then removes (so a partial vector of keys never reads past the cache).
+// Scaled storage: the rows' scales too (int4: the keys' row scales, and each value row's
+// group scales in v_groups).
 template <class T>
 void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first, size_t keys,
-                 size_t padded, const T** k, const T** v, float* k_scale, float* v_scale) {
+                 size_t padded, const T** k, const T** v, float* k_scale, float* v_scale, const float** v_groups) {
   const T* k_base = static_cast<const T*>(kv.k);
   const T* v_base = static_cast<const T*>(kv.v);
   size_t j = 0;
@@ -139,22 +173,19 @@ void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first,
     }
     if constexpr (kScaledStorage<T>) {
       const float* ks = kv.k_scale + kv.offset(kv.k_scale_strides, batch, key, head);
+      for (size_t r = 0; r < run; ++r) k_scale[j + r] = ks[static_cast<int64_t>(r) * kv.k_scale_strides.row];
+    }
+    if constexpr (kRowScaledValues<T>) {
       const float* vs = kv.v_scale + kv.offset(kv.v_scale_strides, batch, key, head);
-      for (size_t r = 0; r < run; ++r) {
-        k_scale[j + r] = ks[static_cast<int64_t>(r) * kv.k_scale_strides.row];
-        v_scale[j + r] = vs[static_cast<int64_t>(r) * kv.v_scale_strides.row];
-      }
+      for (size_t r = 0; r < run; ++r) v_scale[j + r] = vs[static_cast<int64_t>(r) * kv.v_scale_strides.row];
+    }
+    if constexpr (kGroupedValues<T>) {
+      const float* vg = kv.value_group_scales(batch, key, head);
+      for (size_t r = 0; r < run; ++r) v_groups[j + r] = vg + static_cast<int64_t>(r) * kv.v_group_strides.row;
     }
     j += run;
   }
-  for (; j < padded; ++j) {
-    k[j] = k[keys - 1];
-    v[j] = v[keys - 1];
-    if constexpr (kScaledStorage<T>) {
-      k_scale[j] = k_scale[keys - 1];
-      v_scale[j] = v_scale[keys - 1];
-    }
-  }
+  PadRows<T>(keys, padded, k, v, k_scale, v_scale, v_groups);
 }
 
 // Online softmax per row over one block of scores (rows × padded, ld apart):
@@ -257,11 +288,193 @@ void ChannelScaledScores(const KvSource& kv, const DecodePlan& plan, int64_t bat
   }
 }
 
+// The rows of one kv head's query group in a chunk of a task, and their softmax state.
+struct GroupRows {
+  int64_t head = 0;   // the kv head g
+  size_t count = 0;   // rows: the group's query heads × the tile's queries
+  size_t tile = 0;    // queries in the tile (row r is head g·G + r / tile, query r % tile)
+  const float* queries = nullptr;  // scale·q, d_pad apart
+  float* m = nullptr;
+  float* l = nullptr;
+  float* acc = nullptr;  // dv_pad apart
+  const int64_t* key_begin = nullptr;  // per query of the tile: the keys it sees
+  const int64_t* key_end = nullptr;
+  int64_t max_begin = 0, min_end = 0;  // keys every query of the tile sees
+};
+
+// acc[·][0, dv) = acc·alpha + P·V for int4 values read in place: value (j, c) = level ·
+// s_jγ + z_jγ for the channel group γ of c, so per group P·V = (P ⊙ s_γ)·levels + P·z_γ —
+// a P·V over the group's channels with weights scaled per key, then one number per row
+// added to the group's channels.
+template <class T>
+void GroupedValues(const KvSource& kv, size_t rows, const float* HWY_RESTRICT p, size_t ld, size_t keys,
+                   const T* const* v, const float* const* v_groups, size_t dv, Ahead<T> ahead,
+                   const float* HWY_RESTRICT alpha, float* HWY_RESTRICT acc, size_t acc_ld, DecodeScratch<T>& s) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df), padded = round_up(keys, lanes);
+  const auto groups = static_cast<size_t>(kv.value_groups()), width = static_cast<size_t>(kv.value_group);
+  float* scales = s.group_scales.get();  // [2·groups][padded]: scales, then zero points
+  for (size_t x = 0; x < 2 * groups; ++x) {
+    float* to = scales + x * padded;
+    for (size_t j = 0; j < keys; ++j) to[j] = v_groups[j][x];
+    std::fill(to + keys, to + padded, 0.0f);  // P is 0 there; so is its product
+  }
+  float* weights = s.group_weights.get();
+  for (size_t g = 0; g < groups; ++g) {
+    const size_t col = g * width, cols = std::min(width, dv - col);
+    const float* scale = scales + g * padded;
+    const float* zero = scales + (groups + g) * padded;
+    for (size_t j = 0; j < keys; ++j) s.group_rows[j] = RowAt(v[j], col);
+    for (size_t r = 0; r < rows; ++r)
+      for (size_t j = 0; j < padded; j += lanes)
+        hn::StoreU(hn::Mul(hn::LoadU(df, p + r * ld + j), hn::LoadU(df, scale + j)), df, weights + r * ld + j);
+    ValueBlock(rows, weights, ld, keys, s.group_rows.data(), cols, g == 0 ? ahead : Ahead<T>{}, alpha, acc + col,
+               acc_ld);
+    for (size_t r = 0; r < rows; ++r) {
+      FloatVec bias = hn::Zero(df);
+      for (size_t j = 0; j < padded; j += lanes)
+        bias = hn::MulAdd(hn::LoadU(df, p + r * ld + j), hn::LoadU(df, zero + j), bias);
+      const FloatVec add = hn::Set(df, hn::GetLane(hn::SumOfLanes(df, bias)));
+      float* out = acc + r * acc_ld + col;
+      for (size_t c = 0; c < cols; c += lanes) hn::StoreU(hn::Add(hn::LoadU(df, out + c), add), df, out + c);
+    }
+  }
+}
+
+// One block step of a chunk: keys [first, first + keys) of kv head gr.head against every
+// row of its group — the rows' scores, the score pipeline, the online-softmax step, then
+// acc = acc·alpha + P·V. The rows k_rows / v_rows (padded to whole vectors) are the
+// storage's (S = T) or the float window's (S = float: no scales).
+template <class T, class S>
+void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, const DecodeTask& task,
+               const GroupRows& gr, DecodeScratch<T>& s, int64_t first, size_t keys, const S* const* k_rows,
+               const S* const* v_rows, const float* k_scale, const float* v_scale, const float* const* v_groups,
+               Ahead<S> k_ahead, Ahead<S> v_ahead) {
+  constexpr bool kStored = std::is_same_v<S, T>;  // else the float window's rows
+  constexpr bool kScaled = kStored && kScaledStorage<T>;
+  constexpr bool kGrouped = kStored && kGroupedValues<T>;
+  const size_t lanes = VectorLanes();
+  const detail::Extents& e = p.extents;
+  const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
+  const size_t d_pad = plan.d_pad, dv_pad = plan.dv_pad;
+  const size_t ld = task.block_keys;  // row length of the score tile
+  const size_t padded = round_up(keys, lanes);
+  const size_t rows = gr.count;
+  float* scores = s.scores.get();
+
+  // S[r][j] = (scale·q_r)·k_j for the block's keys, one vector of keys at a time, while
+  // the next unit's rows start on their way from memory.
+  if (kScaled && kv.channel_scaled() && !plan.packed) {
+    if constexpr (kScaled) ChannelScaledScores<T>(kv, plan, task.batch, gr.head, first, keys, rows, gr.queries, k_rows, d,
+                                                  k_ahead, scores, ld, s);
+  } else if (!plan.packed) {
+    for (size_t j = 0; j < padded; j += lanes)
+      ScoreKeys(rows, gr.queries, d_pad, k_rows + j, d, k_ahead.offset(j), scores + j, ld);
+  } else {
+    const size_t groups = kGrouped ? static_cast<size_t>(kv.value_groups()) : 0;
+    for (size_t j = 0; j < keys; ++j) {
+      float* key = s.keys.get() + j * d_pad;
+      float* value = s.values.get() + j * dv_pad;
+      WidenRows(k_rows[j], 0, 1, d, key, d_pad);
+      WidenRows(v_rows[j], 0, 1, dv, value, dv_pad);
+      if (kScaled && kv.channel_scaled()) {  // level · channel scale + zero point
+        const float* channel = kv.channel_scales(task.batch, first + static_cast<int64_t>(j), gr.head);
+        const float* zero = kv.channel_zeros(task.batch, first + static_cast<int64_t>(j), gr.head);
+        for (size_t c = 0; c < d; ++c) key[c] = key[c] * channel[c] + (zero != nullptr ? zero[c] : 0.0f);
+      }
+      if constexpr (kGrouped) {  // level · s + z of the channel's group
+        const float* group = v_groups[j];
+        for (size_t c = 0; c < dv; ++c) {
+          const size_t g = c / static_cast<size_t>(kv.value_group);
+          value[c] = value[c] * group[g] + group[groups + g];
+        }
+      }
+    }
+    for (size_t j = 0; j < padded; ++j) {
+      s.k_packed[j] = s.keys.get() + std::min(j, keys - 1) * d_pad;
+      s.v_packed[j] = s.values.get() + std::min(j, keys - 1) * dv_pad;
+    }
+    for (size_t j = 0; j < padded; j += lanes)
+      ScoreKeys(rows, gr.queries, d_pad, s.k_packed.data() + j, d_pad, Ahead<float>{}, scores + j, ld);
+  }
+
+  // Scaled rows: the dot products were of the stored integers; times each key's scale.
+  if constexpr (kScaled) {
+    for (size_t r = 0; r < rows; ++r) MultiplyTile(scores + r * ld, k_scale, padded);
+  }
+
+  // The score pipeline, row by row: the variants on the scaled logits, then the row's key
+  // range — hidden keys and the padding past the block get -inf, overwriting the score,
+  // so a NaN/Inf key that a row does not see cannot reach it.
+  const auto block_keys = static_cast<int64_t>(keys);
+  const detail::ScoreModifiers& mods = p.modifiers;
+  for (size_t r = 0; r < rows; ++r) {
+    const size_t i = r % gr.tile;
+    detail::apply_score_pipeline(
+        mods, RowStages{.rule = p.mask, .mods = mods, .batch = task.batch,
+                        .head = gr.head * e.group() + static_cast<int64_t>(r / gr.tile),
+                        .query = task.first_query + static_cast<int64_t>(i), .first_key = first,
+                        .keys = keys, .padded = padded, .key_begin = gr.key_begin[i],
+                        .key_end = gr.key_end[i], .s = scores + r * ld});
+  }
+  SoftmaxRows(rows, padded, scores, ld, gr.m, gr.l, s.alpha.get());
+
+  // A value behind the mask that holds NaN/Inf: skip P = 0 terms so 0·Inf cannot leak.
+  // Keys [seen_from, seen_to) of the block are visible to every row of the tile.
+  const auto seen_from = static_cast<size_t>(std::clamp<int64_t>(gr.max_begin - first, 0, block_keys));
+  const size_t seen_to = std::max(seen_from, static_cast<size_t>(std::clamp<int64_t>(gr.min_end - first, 0, block_keys)));
+  // (int8 and int4 levels are finite; their scales may not be.)
+  bool hidden_non_finite = false;
+  for (size_t j = 0; j < keys && !hidden_non_finite; ++j) {
+    if (j >= seen_from && j < seen_to) continue;
+    if constexpr (kStored && kRowScaledValues<T>) {
+      hidden_non_finite = !std::isfinite(v_scale[j]);
+    } else if constexpr (kGrouped) {
+      hidden_non_finite = !std::isfinite(v_groups[j][0]);  // all NaN for a non-finite row
+    } else {
+      hidden_non_finite = !AllFinite(v_rows[j], 0, 1, dv);
+    }
+  }
+  if (hidden_non_finite) {
+    const size_t groups = kGrouped ? static_cast<size_t>(kv.value_groups()) : 0;
+    const auto value = [&](size_t j, size_t c) {
+      const float level = WidenAt(v_rows[j], c);
+      if constexpr (kGrouped) {
+        const size_t g = c / static_cast<size_t>(kv.value_group);
+        return level * v_groups[j][g] + v_groups[j][groups + g];
+      } else {
+        return level;
+      }
+    };
+    ScaleRows(gr.acc, rows, dv_pad, dv_pad, s.alpha.get());
+    for (size_t r = 0; r < rows; ++r)
+      for (size_t j = 0; j < keys; ++j) {
+        float w = scores[r * ld + j];
+        if (w == 0.0f) continue;
+        if constexpr (kStored && kRowScaledValues<T>) w *= v_scale[j];
+        for (size_t c = 0; c < dv; ++c) gr.acc[r * dv_pad + c] += w * value(j, c);
+      }
+    return;
+  }
+  // int8 rows: each weight times its value row's scale (the normalizer l has been summed
+  // already, from the unscaled weights).
+  if constexpr (kStored && kRowScaledValues<T>) {
+    for (size_t r = 0; r < rows; ++r) MultiplyTile(scores + r * ld, v_scale, padded);
+  }
+  if (plan.packed) {
+    ValueBlock(rows, scores, ld, keys, s.v_packed.data(), dv_pad, Ahead<float>{}, s.alpha.get(), gr.acc, dv_pad);
+  } else if constexpr (kGrouped) {
+    GroupedValues<T>(kv, rows, scores, ld, keys, v_rows, v_groups, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad, s);
+  } else {
+    ValueBlock(rows, scores, ld, keys, v_rows, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad);
+  }
+}
+
 // One chunk of one task: every kv head over the keys [task.first_key, task.end_key), head
 // after head, so that each head is one stream through the cache, prefetched a block
-// ahead. Per block: scores of every row of the group (lanes over keys), hidden keys set
-// to -inf, the online-softmax step, then acc = acc·alpha + P·V. Writes the chunk's
-// (m, l, acc) of every row of the tile into its state in `states`.
+// ahead. Per block: BlockStep over the block's stored keys, then (a cache with a float
+// window) over its keys in the window. Writes the chunk's (m, l, acc) of every row of the
+// tile into its state in `states`.
 template <class T>
 void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, const DecodeTask& task,
                  DecodeScratch<T>& s, float* states) {
@@ -269,7 +482,6 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
   const size_t lanes = hn::Lanes(df);
   const detail::Extents& e = p.extents;
   const detail::MaskRule& mask = p.mask;
-  const detail::ScoreModifiers& mods = p.modifiers;
   const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
   const size_t d_pad = plan.d_pad, dv_pad = plan.dv_pad;
   const size_t tile = static_cast<size_t>(task.queries);  // queries in this tile
@@ -284,7 +496,6 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
     key_begin[i] = mask.key_begin(task.batch, task.first_query + static_cast<int64_t>(i));
     key_end[i] = mask.key_end(task.batch, task.first_query + static_cast<int64_t>(i));
   }
-  const int64_t max_begin = key_begin[tile - 1], min_end = key_end[0];
   const float scale = static_cast<float>(p.scale);
   const auto rows = p.rows();  // varlen queries: through the sequence offsets
   for (int64_t h = 0; h < e.q_heads; ++h)
@@ -299,16 +510,17 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
   std::fill(chunk.acc, chunk.acc + all_rows * dv_pad, 0.0f);
 
   const size_t block = task.block_keys;  // the sequence's block (≤ plan.block_keys)
-  const size_t ld = block;  // row length of the score tile
   const size_t slot_rows = plan.block_keys;  // rows of a ring slot
   const int64_t end = task.end_key;
+  // Keys from here on are read from the float window (none: INT64_MAX).
+  const int64_t stored_end = kv.quantized_length(task.batch);
   // Units of work in memory order: (block, head), heads inner, so that a block's rows
   // of every head (one contiguous region in a [keys, heads, d] cache or a page) are read
   // together and few pages are live at a time. The rows of the unit kUnitsAhead on are
   // computed ahead and prefetched while this unit computes.
   const size_t slots = kUnitsAhead + 1;
   const auto unit_keys = [&](int64_t first) {
-    return static_cast<size_t>(std::clamp<int64_t>(end - first, 0, static_cast<int64_t>(block)));
+    return static_cast<size_t>(std::clamp<int64_t>(std::min(end, stored_end) - first, 0, static_cast<int64_t>(block)));
   };
   // The unit after (first, g): the next head of the block, or the next block's head 0.
   const auto following = [&](int64_t& first, int64_t& g) {
@@ -321,130 +533,54 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
   const auto scales_of = [&](const hwy::AlignedFreeUniquePtr<float[]>& scales, size_t slot) {
     return kScaledStorage<T> ? scales.get() + slot * slot_rows : nullptr;
   };
+  const auto groups_of = [&](size_t slot) { return kGroupedValues<T> ? s.v_groups.data() + slot * slot_rows : nullptr; };
+  const auto fill_slot = [&](size_t u, int64_t first, int64_t g) {
+    slot_keys[u] = unit_keys(first);
+    if (slot_keys[u] > 0)
+      RowPointers<T>(kv, task.batch, g, first, slot_keys[u], round_up(slot_keys[u], lanes),
+                     s.k_ring.data() + u * slot_rows, s.v_ring.data() + u * slot_rows, scales_of(s.k_scales, u),
+                     scales_of(s.v_scales, u), groups_of(u));
+  };
   // Fill the ring: units 0 .. kUnitsAhead.
   int64_t ahead_first = task.first_key, ahead_g = 0;
   for (size_t u = 0; u < slots; ++u) {
-    slot_keys[u] = unit_keys(ahead_first);
-    if (slot_keys[u] > 0)
-      RowPointers<T>(kv, task.batch, ahead_g, ahead_first, slot_keys[u], round_up(slot_keys[u], lanes),
-                     s.k_ring.data() + u * slot_rows, s.v_ring.data() + u * slot_rows, scales_of(s.k_scales, u),
-                     scales_of(s.v_scales, u));
+    fill_slot(u, ahead_first, ahead_g);
     if (u + 1 < slots) following(ahead_first, ahead_g);
   }
   size_t unit = 0;
   for (int64_t first = task.first_key; first < end; first += static_cast<int64_t>(block)) {
     for (int64_t g = 0; g < e.kv_heads; ++g, ++unit) {
       const size_t row0 = static_cast<size_t>(g) * group_rows;  // first row of the group
-      const float* queries = s.queries.get() + row0 * d_pad;
-      float* m = chunk.m + row0;
-      float* l = chunk.l + row0;
-      float* acc = chunk.acc + row0 * dv_pad;
+      const GroupRows gr{.head = g, .count = group_rows, .tile = tile, .queries = s.queries.get() + row0 * d_pad,
+                         .m = chunk.m + row0, .l = chunk.l + row0, .acc = chunk.acc + row0 * dv_pad,
+                         .key_begin = key_begin, .key_end = key_end, .max_begin = key_begin[tile - 1],
+                         .min_end = key_end[0]};
       // The ring holds units unit .. unit + kUnitsAhead: the farthest takes the slot the
       // previous unit left, and its rows are prefetched while this unit computes.
       const size_t slot = unit % slots, far_slot = (unit + kUnitsAhead) % slots;
-      const T** k_far = s.k_ring.data() + far_slot * slot_rows;
-      const T** v_far = s.v_ring.data() + far_slot * slot_rows;
       if (unit > 0) {
         following(ahead_first, ahead_g);
-        slot_keys[far_slot] = unit_keys(ahead_first);
-        if (slot_keys[far_slot] > 0)
-          RowPointers<T>(kv, task.batch, ahead_g, ahead_first, slot_keys[far_slot], round_up(slot_keys[far_slot], lanes),
-                         k_far, v_far, scales_of(s.k_scales, far_slot), scales_of(s.v_scales, far_slot));
+        fill_slot(far_slot, ahead_first, ahead_g);
       }
       const size_t far_keys = slot_keys[far_slot];
-      const T** k_rows = s.k_ring.data() + slot * slot_rows;
-      const T** v_rows = s.v_ring.data() + slot * slot_rows;
-      const size_t keys = slot_keys[slot];
-      const size_t padded = round_up(keys, lanes);
-
-      // S[r][j] = (scale·q_r)·k_j for the block's keys, one vector of keys at a time,
-      // while the next unit's rows start on their way from memory.
-      if (kScaledStorage<T> && kv.channel_scaled() && !plan.packed) {
-        ChannelScaledScores<T>(kv, plan, task.batch, g, first, keys, group_rows, queries, k_rows, d,
-                               Ahead<T>{k_far, far_keys, d * sizeof(T)}, s.scores.get(), ld, s);
-      } else if (!plan.packed) {
-        for (size_t j = 0; j < padded; j += lanes) {
-          const Ahead<T> ahead = Ahead<T>{k_far, far_keys, d * sizeof(T)}.offset(j);
-          ScoreKeys(group_rows, queries, d_pad, k_rows + j, d, ahead, s.scores.get() + j, ld);
+      const size_t keys = slot_keys[slot];  // the block's stored keys
+      if (keys > 0)
+        BlockStep<T, T>(p, kv, plan, task, gr, s, first, keys, s.k_ring.data() + slot * slot_rows,
+                        s.v_ring.data() + slot * slot_rows, scales_of(s.k_scales, slot), scales_of(s.v_scales, slot),
+                        groups_of(slot), Ahead<T>{s.k_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(d)},
+                        Ahead<T>{s.v_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(dv)});
+      // The block's keys in the float window, after its stored ones.
+      const int64_t window_first = first + static_cast<int64_t>(keys);
+      const auto window_keys = static_cast<size_t>(
+          std::clamp<int64_t>(std::min(end, first + static_cast<int64_t>(block)) - window_first, 0, static_cast<int64_t>(block)));
+      if (window_keys > 0) {
+        for (size_t j = 0; j < round_up(window_keys, lanes); ++j) {
+          const int64_t key = window_first + static_cast<int64_t>(std::min(j, window_keys - 1));
+          s.window_k[j] = kv.window_key(task.batch, key, g);
+          s.window_v[j] = kv.window_value(task.batch, key, g);
         }
-      } else {
-        for (size_t j = 0; j < keys; ++j) {
-          WidenRows(k_rows[j], 0, 1, d, s.keys.get() + j * d_pad, d_pad);
-          WidenRows(v_rows[j], 0, 1, dv, s.values.get() + j * dv_pad, dv_pad);
-          if (kScaledStorage<T> && kv.channel_scaled()) {  // int8 · channel scale + zero point
-            const float* channel = kv.channel_scales(task.batch, first + static_cast<int64_t>(j), g);
-            const float* zero = kv.channel_zeros(task.batch, first + static_cast<int64_t>(j), g);
-            float* key = s.keys.get() + j * d_pad;
-            for (size_t c = 0; c < d; ++c) key[c] = key[c] * channel[c] + (zero != nullptr ? zero[c] : 0.0f);
-          }
-        }
-        for (size_t j = 0; j < padded; ++j) {
-          s.k_packed[j] = s.keys.get() + std::min(j, keys - 1) * d_pad;
-          s.v_packed[j] = s.values.get() + std::min(j, keys - 1) * dv_pad;
-        }
-        for (size_t j = 0; j < padded; j += lanes)
-          ScoreKeys(group_rows, queries, d_pad, s.k_packed.data() + j, d_pad, Ahead<float>{}, s.scores.get() + j, ld);
-      }
-
-      // int8 rows: the dot products were of the stored integers; times each key's scale.
-      if constexpr (kScaledStorage<T>) {
-        const float* k_scale = scales_of(s.k_scales, slot);
-        for (size_t r = 0; r < group_rows; ++r) MultiplyTile(s.scores.get() + r * ld, k_scale, padded);
-      }
-
-      // The score pipeline, row by row (row r of the group is head g·G + r / tile, query
-      // r % tile): the variants on the scaled logits, then the row's key range — hidden
-      // keys and the padding past the block get -inf, overwriting the score, so a NaN/Inf
-      // key that a row does not see cannot reach it.
-      const auto block_keys = static_cast<int64_t>(keys);
-      for (size_t r = 0; r < group_rows; ++r) {
-        const size_t i = r % tile;
-        detail::apply_score_pipeline(
-            mods, RowStages{.rule = mask, .mods = mods, .batch = task.batch,
-                            .head = g * e.group() + static_cast<int64_t>(r / tile),
-                            .query = task.first_query + static_cast<int64_t>(i), .first_key = first,
-                            .keys = keys, .padded = padded, .key_begin = key_begin[i],
-                            .key_end = key_end[i], .s = s.scores.get() + r * ld});
-      }
-      SoftmaxRows(group_rows, padded, s.scores.get(), ld, m, l, s.alpha.get());
-
-      // A value behind the mask that holds NaN/Inf: skip P = 0 terms so 0·Inf cannot leak.
-      // Keys [seen_from, seen_to) of the block are visible to every row of the tile.
-      const auto seen_from = static_cast<size_t>(std::clamp<int64_t>(max_begin - first, 0, block_keys));
-      const size_t seen_to = std::max(seen_from, static_cast<size_t>(std::clamp<int64_t>(min_end - first, 0, block_keys)));
-      // (int8 rows are finite; their scales may not be.)
-      const float* v_scale = scales_of(s.v_scales, slot);
-      bool hidden_non_finite = false;
-      for (size_t j = 0; j < keys && !hidden_non_finite; ++j) {
-        if (j >= seen_from && j < seen_to) continue;
-        if constexpr (kScaledStorage<T>) {
-          hidden_non_finite = !std::isfinite(v_scale[j]);
-        } else {
-          hidden_non_finite = !AllFinite(v_rows[j], 0, 1, dv);
-        }
-      }
-      if (hidden_non_finite) {
-        ScaleRows(acc, group_rows, dv_pad, dv_pad, s.alpha.get());
-        for (size_t r = 0; r < group_rows; ++r)
-          for (size_t j = 0; j < keys; ++j) {
-            float w = s.scores[r * ld + j];
-            if (w == 0.0f) continue;
-            if constexpr (kScaledStorage<T>) w *= v_scale[j];
-            for (size_t c = 0; c < dv; ++c) acc[r * dv_pad + c] += w * Widen(v_rows[j][c]);
-          }
-        continue;
-      }
-      // int8 rows: each weight times its value row's scale (the normalizer l has been
-      // summed already, from the unscaled weights).
-      if constexpr (kScaledStorage<T>) {
-        for (size_t r = 0; r < group_rows; ++r) MultiplyTile(s.scores.get() + r * ld, v_scale, padded);
-      }
-      if (!plan.packed) {
-        const Ahead<T> ahead{v_far, far_keys, dv * sizeof(T)};
-        ValueBlock(group_rows, s.scores.get(), ld, keys, v_rows, dv, ahead, s.alpha.get(), acc, dv_pad);
-      } else {
-        ValueBlock(group_rows, s.scores.get(), ld, keys, s.v_packed.data(), dv_pad, Ahead<float>{}, s.alpha.get(),
-                   acc, dv_pad);
+        BlockStep<T, float>(p, kv, plan, task, gr, s, window_first, window_keys, s.window_k.data(), s.window_v.data(),
+                            nullptr, nullptr, nullptr, Ahead<float>{}, Ahead<float>{});
       }
     }
   }
@@ -500,14 +636,14 @@ void RunDecode(const Problem& p, const KvSource& kv, const DecodePlan& plan) {
   hwy::AlignedFreeUniquePtr<float[]> states = AllocateFloats(plan.state_floats);
   const int threads = plan.threads(p.threads);
   if (threads <= 1) {  // no parallel region for work one thread does best
-    DecodeScratch<T> scratch(plan);
+    DecodeScratch<T> scratch(plan, kv);
     for (const DecodeTask& task : plan.tasks) DecodeChunk<T>(p, kv, plan, task, scratch, states.get());
     for (const DecodeUnit& unit : plan.units) MergeChunks(p, plan, unit, states.get(), scratch.merged.get());
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
-    DecodeScratch<T> scratch(plan);
+    DecodeScratch<T> scratch(plan, kv);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < plan.order.size(); ++t)
       DecodeChunk<T>(p, kv, plan, plan.tasks[plan.order[t]], scratch, states.get());
@@ -530,11 +666,21 @@ void DecodeImpl(const Problem& p, const DecodePlan* planned) {
     const std::vector<bool>* skip = planned != nullptr && !planned->skipped.empty() ? &planned->skipped : nullptr;
     planned = &local.emplace(p.extents, p.mask, kv.type, VectorLanes(), p.fixed_key_split, skip);
   }
+  // int4 values are read in place a channel group at a time: groups of whole vectors
+  // (and vectors of an even number of levels, whole bytes).
+  if (kv.type == StorageType::int4 && !planned->packed &&
+      (p.extents.v_dim % kv.value_group != 0 || static_cast<size_t>(kv.value_group) % VectorLanes() != 0 ||
+       VectorLanes() < 2)) {
+    if (!local) local.emplace(*planned);  // else planned is local already
+    local->packed = true;
+    planned = &*local;
+  }
   switch (kv.type) {
     case StorageType::float32: return RunDecode<float>(p, kv, *planned);
     case StorageType::bfloat16: return RunDecode<bfloat16>(p, kv, *planned);
     case StorageType::float16: return RunDecode<float16>(p, kv, *planned);
     case StorageType::int8: return RunDecode<std::int8_t>(p, kv, *planned);
+    case StorageType::int4: return RunDecode<uint4x2>(p, kv, *planned);
   }
 }
 

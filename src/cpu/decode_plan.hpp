@@ -113,7 +113,7 @@ struct DecodePlan {
         q_heads(static_cast<std::size_t>(p.q_heads)),
         group(static_cast<std::size_t>(p.group())),
         skipped(skip != nullptr ? *skip : std::vector<bool>{}) {
-    const double element_bytes = storage_bytes(storage);
+    const double element_bytes = storage_bits(storage) / 8.0;
     for (int64_t b = 0; b < p.batch; ++b) {
       const int64_t q_len = mask.q_len(b);
       if (q_len == 0 || (skip != nullptr && (*skip)[static_cast<std::size_t>(b)])) continue;

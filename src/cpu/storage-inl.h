@@ -9,7 +9,10 @@
 //                         PromoteTo: a shift for bfloat16; for float16 the F16C / AVX-512
 //                         / aarch64 instruction, on the targets that have it (see
 //                         kHardwareFloat16).
-//                         int8 (caches) is widened before its row's scale is applied.
+//                         int8 (caches) is widened before its row's scale is applied;
+//                         int4 (uint4x2, two levels a byte) unpacked to its levels
+//                         0..15, before its scales and zero points.
+//   RowAt                 where value c of a row starts (int4: byte c / 2, c even).
 //   StoreAs               float → T, round to nearest even, once per output element.
 //   AllFinite             the non-finite scan of a K/V block (finite_scan.hpp): the
 //                         16-bit types' overload reads the bits (float's is in
@@ -77,10 +80,38 @@ HWY_INLINE float Widen(bfloat16 x) { return static_cast<float>(x); }
 HWY_INLINE float Widen(float16 x) { return static_cast<float>(x); }
 HWY_INLINE float Widen(std::int8_t x) { return static_cast<float>(x); }  // int8 caches, before the scale
 
-// Whether LoadWidened reads T with vector instructions (else one value at a time).
+// Value c of a row (int4: its level, the nibble of byte c / 2).
 template <class T>
-inline constexpr bool kVectorLoad =
-    std::is_same_v<T, float> || std::is_same_v<T, std::int8_t> || kVectorWiden<T>;
+HWY_INLINE float WidenAt(const T* HWY_RESTRICT row, size_t c) {
+  if constexpr (std::is_same_v<T, uint4x2>) {
+    const std::uint8_t byte = row[c / 2].bits;
+    return static_cast<float>(c % 2 == 0 ? byte & 0x0F : byte >> 4);
+  } else {
+    return Widen(row[c]);
+  }
+}
+
+// The start of values c.. of a row (int4: c even).
+template <class T>
+HWY_INLINE const T* RowAt(const T* row, size_t c) {
+  if constexpr (std::is_same_v<T, uint4x2>) {
+    return row + c / 2;
+  } else {
+    return row + c;
+  }
+}
+
+// Bytes of a row of `count` values.
+template <class T>
+constexpr size_t RowBytes(size_t count) {
+  return std::is_same_v<T, uint4x2> ? (count + 1) / 2 : count * sizeof(T);
+}
+
+// Whether LoadWidened reads T with vector instructions (else one value at a time).
+// int4 unpacks two levels a byte with vectors of half the lanes (not on HWY_SCALAR's one lane).
+template <class T>
+inline constexpr bool kVectorLoad = std::is_same_v<T, float> || std::is_same_v<T, std::int8_t> || kVectorWiden<T> ||
+                                    (std::is_same_v<T, uint4x2> && HWY_TARGET != HWY_SCALAR);
 
 // One vector of floats from Lanes(df) consecutive values of T, read in place.
 template <class T, class D>
@@ -91,6 +122,18 @@ HWY_INLINE hn::Vec<D> LoadWidened(D df, const T* HWY_RESTRICT p) {
     const hn::Rebind<std::int8_t, D> d8;
     const hn::RebindToSigned<D> di;
     return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, p)));
+  } else if constexpr (std::is_same_v<T, uint4x2> && HWY_TARGET != HWY_SCALAR) {
+    // Lanes(df) / 2 bytes, each widened to 16 bits as (high nibble << 8) | low nibble, so
+    // that the bytes of those 16-bit lanes are the levels in channel order; then widened
+    // again to 32-bit lanes and converted (exact).
+    const hn::Half<D> dh;
+    const hn::Rebind<uint8_t, decltype(dh)> d8;
+    const hn::Rebind<uint16_t, decltype(dh)> d16;
+    const auto bytes = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
+    const auto split = hn::Or(hn::And(bytes, hn::Set(d16, 0x000F)), hn::ShiftLeft<4>(hn::And(bytes, hn::Set(d16, 0x00F0))));
+    const hn::Repartition<uint8_t, decltype(d16)> levels;
+    const hn::RebindToSigned<D> di;
+    return hn::ConvertTo(df, hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::BitCast(levels, split))));
   } else if constexpr (kVectorWiden<T>) {  // bfloat16: a shift; float16: F16C/AVX-512
     const hn::Rebind<typename HwyLane<T>::type, D> dh;
     return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const typename HwyLane<T>::type*>(p)));
@@ -98,7 +141,7 @@ HWY_INLINE hn::Vec<D> LoadWidened(D df, const T* HWY_RESTRICT p) {
     // float16 where Highway 1.0.3 has no hardware conversion: one value at a time through
     // qkv/half.hpp (exact; its software PromoteTo turns ±inf and NaN into finite numbers).
     HWY_ALIGN float wide[hn::MaxLanes(D())];
-    for (size_t i = 0; i < hn::Lanes(df); ++i) wide[i] = static_cast<float>(p[i]);
+    for (size_t i = 0; i < hn::Lanes(df); ++i) wide[i] = WidenAt(p, i);
     return hn::Load(df, wide);
   }
 }
@@ -125,9 +168,9 @@ HWY_INLINE void WidenRows(const T* HWY_RESTRICT src, int64_t src_row, size_t row
     float* out = dst + i * ld;
     size_t c = 0;
     if constexpr (kVectorLoad<T>) {
-      for (; c + lanes <= cols; c += lanes) hn::StoreU(LoadWidened(df, in + c), df, out + c);
+      for (; c + lanes <= cols; c += lanes) hn::StoreU(LoadWidened(df, RowAt(in, c)), df, out + c);
     }
-    for (; c < cols; ++c) out[c] = Widen(in[c]);
+    for (; c < cols; ++c) out[c] = WidenAt(in, c);
     for (; c < ld; ++c) out[c] = 0.0f;
   }
 }

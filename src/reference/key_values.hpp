@@ -2,7 +2,8 @@
 // views (each element exactly static_cast<double>), or from a cache's key/value source
 // (core/kv_source.hpp: contiguous or paged, any storage type widened exactly, int8 times
 // its row's scale and, for keys scaled per channel, (int8 · channel scale + zero point) ·
-// row scale — the values the split-K schedule attends over).
+// row scale; int4 keys alike, int4 values level · group scale + group zero point; the
+// float window's rows as they are — the values the split-K schedule attends over).
 #pragma once
 
 #include <cstdint>
@@ -27,6 +28,7 @@ struct SourceKeyValues {
   const detail::KvSource& kv;
 
   double key(int64_t b, int64_t j, int64_t h, int64_t c) const {
+    if (j >= kv.quantized_length(b)) return kv.window_key(b, j, h)[c];  // the float window
     const double stored = element(kv.k, kv.k_strides, kv.k_scale, kv.k_scale_strides, b, j, h, c);
     if (!kv.channel_scaled()) return stored;
     // int8 · row scale · channel scale + row scale · zero point
@@ -36,6 +38,13 @@ struct SourceKeyValues {
            (zero != nullptr ? row_scale * static_cast<double>(zero[c]) : 0.0);
   }
   double value(int64_t b, int64_t j, int64_t h, int64_t c) const {
+    if (j >= kv.quantized_length(b)) return kv.window_value(b, j, h)[c];
+    if (kv.type == StorageType::int4) {  // level · s + z of the channel's group
+      const float* scales = kv.value_group_scales(b, j, h);
+      const int64_t group = c / kv.value_group;
+      return static_cast<double>(level(kv.v, kv.v_strides, b, j, h, c)) * static_cast<double>(scales[group]) +
+             static_cast<double>(scales[kv.value_groups() + group]);
+    }
     return element(kv.v, kv.v_strides, kv.v_scale, kv.v_scale_strides, b, j, h, c);
   }
 
@@ -51,8 +60,16 @@ struct SourceKeyValues {
       case StorageType::int8:
         return static_cast<double>(static_cast<const std::int8_t*>(base)[at]) *
                static_cast<double>(scales[kv.offset(scale_strides, b, j, h)]);
+      case StorageType::int4:  // keys: level · row scale
+        return static_cast<double>(level(base, strides, b, j, h, c)) *
+               static_cast<double>(scales[kv.offset(scale_strides, b, j, h)]);
     }
     return 0.0;
+  }
+  // Level c (0..15) of an int4 row: the low nibble of byte c / 2 for even c, the high one for odd.
+  int level(const void* base, const detail::RowStrides& strides, int64_t b, int64_t j, int64_t h, int64_t c) const {
+    const std::uint8_t byte = static_cast<const std::uint8_t*>(base)[kv.offset(strides, b, j, h) + c / 2];
+    return c % 2 == 0 ? byte & 0x0F : byte >> 4;
   }
 };
 

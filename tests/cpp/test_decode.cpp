@@ -55,6 +55,7 @@ void check_any(const DecodeSpec& s) {
     case StorageType::bfloat16: return check_spec<bfloat16>(s);
     case StorageType::float16: return check_spec<float16>(s);
     case StorageType::int8: return check_spec<std::int8_t>(s);
+    case StorageType::int4: ADD_FAILURE() << "int4 has no DecodeArgs (qkv::KVCache only)"; return;
   }
 }
 

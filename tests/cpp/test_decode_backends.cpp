@@ -70,6 +70,7 @@ void check_any(const DecodeSpec& s) {
     case StorageType::bfloat16: return check_backends<bfloat16>(s);
     case StorageType::float16: return check_backends<float16>(s);
     case StorageType::int8: return check_backends<std::int8_t>(s);
+    case StorageType::int4: ADD_FAILURE() << "int4 has no DecodeArgs (qkv::KVCache only)"; return;
   }
 }
 

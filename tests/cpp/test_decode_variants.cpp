@@ -50,6 +50,7 @@ void expect_near_reference_any(const DecodeSpec& s) {
     case StorageType::bfloat16: return expect_near_reference<bfloat16>(s);
     case StorageType::float16: return expect_near_reference<float16>(s);
     case StorageType::int8: return expect_near_reference<std::int8_t>(s);
+    case StorageType::int4: ADD_FAILURE() << "int4 has no DecodeArgs (qkv::KVCache only)"; return;
   }
 }
 

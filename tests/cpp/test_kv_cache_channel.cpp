@@ -354,7 +354,7 @@ using test::expect_error;
 TEST(KVCacheChannel, BadConfigsAndArgumentsAreNamed) {
   KVCacheConfig c = channel_config(16, 16);
   c.dtype = StorageType::bfloat16;
-  expect_error([&] { KVCache{c}; }, "config.key_scales: channel scales are for int8 caches, got dtype bfloat16");
+  expect_error([&] { KVCache{c}; }, "config.key_scales: channel scales are for int8 and int4 caches, got dtype bfloat16");
   c = channel_config(16, 0);
   expect_error([&] { KVCache{c}; }, "config.group_size: expected 1..96");
   c = channel_config(16, 97);

@@ -165,8 +165,8 @@ def test_errors_name_the_argument():
     cache = qkv.KVCache(1, 4, 1, 8)
     with pytest.raises(qkv.Error, match="sequence 0 holds 0 of 4 keys; 5 more do not fit"):
         cache.append(torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8))
-    with pytest.raises(qkv.Error, match="dtype: expected float32, bfloat16, float16 or int8"):
-        qkv.KVCache(1, 4, 1, 8, dtype="int4")
+    with pytest.raises(qkv.Error, match="dtype: expected float32, bfloat16, float16, int8 or int4"):
+        qkv.KVCache(1, 4, 1, 8, dtype="int2")
     with pytest.raises(qkv.Error, match="config.block_size"):
         qkv.KVCache(1, 4, 1, 8, paged=True, block_size=0)
 

@@ -88,7 +88,7 @@ def test_channel_scales_beat_row_scales_on_outlier_channels():
 
 
 def test_bad_config():
-    with pytest.raises(qkv.Error, match="config.key_scales: channel scales are for int8 caches, got dtype bfloat16"):
+    with pytest.raises(qkv.Error, match="config.key_scales: channel scales are for int8 and int4 caches, got dtype bfloat16"):
         qkv.KVCache(1, 64, 1, 16, dtype="bfloat16", key_scales="channel")
     with pytest.raises(qkv.Error, match="config.key_scales: expected 'row' or 'channel', got 'column'"):
         qkv.KVCache(1, 64, 1, 16, dtype="int8", key_scales="column")
