@@ -164,6 +164,7 @@ def main() -> int:
     parser.add_argument("--rows", default="real,v,l", help="real and/or emulated sets a,b,c,d,f,l,s,v; all")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--only", default="", help="the real rows whose label contains this (e.g. int4)")
     args = parser.parse_args()
     sets = args.rows.split(",")
     unknown = set(sets) - {"real", "v", "a", "l", "s", "b", "f", "c", "d", "all"}
@@ -183,6 +184,8 @@ def main() -> int:
     rows = []  # (label, kind, bytes per value or None, backend or None)
     if "real" in sets:
         for label, kwargs in REAL[1:]:
+            if args.only not in label:
+                continue
             bpv = real_bytes_per_value(kwargs, model.config.num_key_value_heads, model.config.head_dim)
             rows.append((label, "real", bpv, real_backend(kwargs, args.chunk, args.threads) if bpv else None))
     for scheme in emulate.schemes([name for name in sets if name != "real"]):

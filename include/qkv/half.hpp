@@ -20,6 +20,7 @@
 #pragma once
 
 #include <bit>
+#include <cstddef>
 #include <cstdint>
 
 namespace qkv {
@@ -126,12 +127,28 @@ struct float16 {
 static_assert(sizeof(bfloat16) == 2 && alignof(bfloat16) == 2);
 static_assert(sizeof(float16) == 2 && alignof(float16) == 2);
 
-// Two 4-bit integers 0..15 in one byte: the channel 2i in the low nibble, 2i + 1 in the
-// high one (int4 KV caches; a row of d values takes ⌈d / 2⌉ bytes).
+// Two 4-bit integers 0..15 in one byte (int4 KV caches). A row of d values takes ⌈d / 2⌉
+// bytes, in chunks of 32 channels (the last chunk has the m ≤ 32 left): in a chunk, byte
+// i holds channel i in its low nibble and channel i + ⌈m / 2⌉ in its high one. So 16
+// consecutive channels of a full chunk are the low (or the high) nibbles of 16
+// consecutive bytes: one load, widened, and a mask or a shift, on any vector of up to 16
+// lanes (int4_position says where channel c of a row of `count` is).
 struct uint4x2 {
   std::uint8_t bits = 0;
 };
 static_assert(sizeof(uint4x2) == 1);
+
+inline constexpr std::size_t kInt4Chunk = 32;
+struct Int4Position {
+  std::size_t byte = 0;
+  bool high = false;  // the high nibble
+};
+constexpr Int4Position int4_position(std::size_t c, std::size_t count) {
+  const std::size_t first = c / kInt4Chunk * kInt4Chunk;
+  const std::size_t m = count - first < kInt4Chunk ? count - first : kInt4Chunk, half = (m + 1) / 2;
+  const std::size_t w = c - first;
+  return w < half ? Int4Position{first / 2 + w, false} : Int4Position{first / 2 + w - half, true};
+}
 
 // The element type of a storage buffer (a KV cache, later every kernel's inputs).
 // int8 is for KV caches only: each cached row (one token's d values of one kv head)

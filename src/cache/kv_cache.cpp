@@ -103,11 +103,15 @@ std::uint8_t int4_level(float x, float scale, float lo) {
   return static_cast<std::uint8_t>(std::clamp(q, 0.0, 15.0));
 }
 
-// Packs levels[0, count) two per byte (channel 2i low, 2i + 1 high; an odd row's last
-// high nibble 0).
+// Packs levels[0, count) two per byte, as qkv/half.hpp's uint4x2 lays them out (an odd
+// last chunk's last high nibble 0).
 void pack_int4(const std::uint8_t* levels, int64_t count, std::uint8_t* out) {
-  for (int64_t i = 0; i < count; i += 2)
-    out[i / 2] = static_cast<std::uint8_t>(levels[i] | (i + 1 < count ? levels[i + 1] << 4 : 0));
+  const auto n = static_cast<std::size_t>(count);
+  std::fill(out, out + (n + 1) / 2, std::uint8_t{0});
+  for (std::size_t c = 0; c < n; ++c) {
+    const Int4Position at = int4_position(c, n);
+    out[at.byte] = static_cast<std::uint8_t>(out[at.byte] | (at.high ? levels[c] << 4 : levels[c]));
+  }
 }
 
 // int4 keys scaled per channel (as store_int8_channel_row, levels 0..15, zero point lo).

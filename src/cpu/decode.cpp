@@ -438,7 +438,7 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
   if (hidden_non_finite) {
     const size_t groups = kGrouped ? static_cast<size_t>(kv.value_groups()) : 0;
     const auto value = [&](size_t j, size_t c) {
-      const float level = WidenAt(v_rows[j], c);
+      const float level = WidenAt(v_rows[j], c, dv);
       if constexpr (kGrouped) {
         const size_t g = c / static_cast<size_t>(kv.value_group);
         return level * v_groups[j][g] + v_groups[j][groups + g];
@@ -666,11 +666,11 @@ void DecodeImpl(const Problem& p, const DecodePlan* planned) {
     const std::vector<bool>* skip = planned != nullptr && !planned->skipped.empty() ? &planned->skipped : nullptr;
     planned = &local.emplace(p.extents, p.mask, kv.type, VectorLanes(), p.fixed_key_split, skip);
   }
-  // int4 values are read in place a channel group at a time: groups of whole vectors
-  // (and vectors of an even number of levels, whole bytes).
+  // int4 rows are read in place in full chunks of 32 channels (storage-inl.h's
+  // LoadValues), values a group of 32 channels at a time: else widened into scratch.
   if (kv.type == StorageType::int4 && !planned->packed &&
-      (p.extents.v_dim % kv.value_group != 0 || static_cast<size_t>(kv.value_group) % VectorLanes() != 0 ||
-       VectorLanes() < 2)) {
+      (p.extents.head_dim % static_cast<int64_t>(kInt4Chunk) != 0 || p.extents.v_dim % kv.value_group != 0 ||
+       kv.value_group != static_cast<int64_t>(kInt4Chunk) || !Int4Vectors(FloatTag()))) {
     if (!local) local.emplace(*planned);  // else planned is local already
     local->packed = true;
     planned = &*local;

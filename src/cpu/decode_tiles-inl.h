@@ -101,7 +101,7 @@ HWY_INLINE void ScoreTree(const float* HWY_RESTRICT q, size_t q_ld, const S* con
       for (size_t j = 0; j < N; ++j) acc[r][j] = hn::Zero(df);
     for (size_t c = 0; c < dim; c += lanes) {
       VecArray<FloatTag, N> kv;
-      for (size_t j = 0; j < N; ++j) kv[j] = LoadWidened(df, RowAt(k[j], c));
+      for (size_t j = 0; j < N; ++j) kv[j] = LoadValues(df, k[j], c);
       for (size_t r = 0; r < R; ++r) {
         const FloatVec qv = hn::LoadU(df, q + r * q_ld + c);
         for (size_t j = 0; j < N; ++j) acc[r][j] = hn::MulAdd(qv, kv[j], acc[r][j]);
@@ -180,7 +180,7 @@ HWY_INLINE void ValueTile(const float* HWY_RESTRICT p, size_t p_ld, size_t keys,
   for (size_t j = 0; j < keys; ++j) {
     ahead(j);
     VecArray<FloatTag, C> vv;
-    for (size_t c = 0; c < C; ++c) vv[c] = LoadWidened(df, RowAt(v[j], col + c * lanes));
+    for (size_t c = 0; c < C; ++c) vv[c] = LoadValues(df, v[j], col + c * lanes);
     for (size_t r = 0; r < R; ++r) {
       const FloatVec w = hn::Set(df, p[r * p_ld + j]);
       for (size_t c = 0; c < C; ++c) sum[r][c] = hn::MulAdd(w, vv[c], sum[r][c]);

@@ -12,7 +12,9 @@
 //                         int8 (caches) is widened before its row's scale is applied;
 //                         int4 (uint4x2, two levels a byte) unpacked to its levels
 //                         0..15, before its scales and zero points.
-//   RowAt                 where value c of a row starts (int4: byte c / 2, c even).
+//   LoadValues / WidenAt  values c.. of a row (a vector; int4 within a full chunk of 32
+//                         channels) / value c of a row of `count`.
+//   RowAt                 a row from its channel c on (int4: c a multiple of 32).
 //   StoreAs               float → T, round to nearest even, once per output element.
 //   AllFinite             the non-finite scan of a K/V block (finite_scan.hpp): the
 //                         16-bit types' overload reads the bits (float's is in
@@ -80,18 +82,20 @@ HWY_INLINE float Widen(bfloat16 x) { return static_cast<float>(x); }
 HWY_INLINE float Widen(float16 x) { return static_cast<float>(x); }
 HWY_INLINE float Widen(std::int8_t x) { return static_cast<float>(x); }  // int8 caches, before the scale
 
-// Value c of a row (int4: its level, the nibble of byte c / 2).
+// Value c of a row of `count` values (int4: its level, as qkv/half.hpp lays them out).
 template <class T>
-HWY_INLINE float WidenAt(const T* HWY_RESTRICT row, size_t c) {
+HWY_INLINE float WidenAt(const T* HWY_RESTRICT row, size_t c, size_t count) {
   if constexpr (std::is_same_v<T, uint4x2>) {
-    const std::uint8_t byte = row[c / 2].bits;
-    return static_cast<float>(c % 2 == 0 ? byte & 0x0F : byte >> 4);
+    const Int4Position at = int4_position(c, count);
+    const std::uint8_t byte = row[at.byte].bits;
+    return static_cast<float>(at.high ? byte >> 4 : byte & 0x0F);
   } else {
+    (void)count;
     return Widen(row[c]);
   }
 }
 
-// The start of values c.. of a row (int4: c even).
+// The row from its value c on (int4: c a multiple of kInt4Chunk, where a chunk starts).
 template <class T>
 HWY_INLINE const T* RowAt(const T* row, size_t c) {
   if constexpr (std::is_same_v<T, uint4x2>) {
@@ -108,10 +112,15 @@ constexpr size_t RowBytes(size_t count) {
 }
 
 // Whether LoadWidened reads T with vector instructions (else one value at a time).
-// int4 unpacks two levels a byte with vectors of half the lanes (not on HWY_SCALAR's one lane).
 template <class T>
-inline constexpr bool kVectorLoad = std::is_same_v<T, float> || std::is_same_v<T, std::int8_t> || kVectorWiden<T> ||
-                                    (std::is_same_v<T, uint4x2> && HWY_TARGET != HWY_SCALAR);
+inline constexpr bool kVectorLoad = std::is_same_v<T, float> || std::is_same_v<T, std::int8_t> || kVectorWiden<T>;
+
+// Whether int4 rows are read with vectors here: 2 to 16 lanes (a vector's channels are
+// the low or high nibbles of Lanes consecutive bytes of a chunk; never on HWY_SCALAR).
+template <class D>
+HWY_INLINE bool Int4Vectors(D d) {
+  return HWY_TARGET != HWY_SCALAR && hn::Lanes(d) >= 2 && hn::Lanes(d) <= kInt4Chunk / 2;
+}
 
 // One vector of floats from Lanes(df) consecutive values of T, read in place.
 template <class T, class D>
@@ -122,18 +131,6 @@ HWY_INLINE hn::Vec<D> LoadWidened(D df, const T* HWY_RESTRICT p) {
     const hn::Rebind<std::int8_t, D> d8;
     const hn::RebindToSigned<D> di;
     return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, p)));
-  } else if constexpr (std::is_same_v<T, uint4x2> && HWY_TARGET != HWY_SCALAR) {
-    // Lanes(df) / 2 bytes, each widened to 16 bits as (high nibble << 8) | low nibble, so
-    // that the bytes of those 16-bit lanes are the levels in channel order; then widened
-    // again to 32-bit lanes and converted (exact).
-    const hn::Half<D> dh;
-    const hn::Rebind<uint8_t, decltype(dh)> d8;
-    const hn::Rebind<uint16_t, decltype(dh)> d16;
-    const auto bytes = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
-    const auto split = hn::Or(hn::And(bytes, hn::Set(d16, 0x000F)), hn::ShiftLeft<4>(hn::And(bytes, hn::Set(d16, 0x00F0))));
-    const hn::Repartition<uint8_t, decltype(d16)> levels;
-    const hn::RebindToSigned<D> di;
-    return hn::ConvertTo(df, hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::BitCast(levels, split))));
   } else if constexpr (kVectorWiden<T>) {  // bfloat16: a shift; float16: F16C/AVX-512
     const hn::Rebind<typename HwyLane<T>::type, D> dh;
     return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const typename HwyLane<T>::type*>(p)));
@@ -141,8 +138,33 @@ HWY_INLINE hn::Vec<D> LoadWidened(D df, const T* HWY_RESTRICT p) {
     // float16 where Highway 1.0.3 has no hardware conversion: one value at a time through
     // qkv/half.hpp (exact; its software PromoteTo turns ±inf and NaN into finite numbers).
     HWY_ALIGN float wide[hn::MaxLanes(D())];
-    for (size_t i = 0; i < hn::Lanes(df); ++i) wide[i] = WidenAt(p, i);
+    for (size_t i = 0; i < hn::Lanes(df); ++i) wide[i] = static_cast<float>(p[i]);
     return hn::Load(df, wide);
+  }
+}
+
+// Values [c, c + Lanes(df)) of a row as floats, read in place. int4: c a multiple of
+// Lanes(df) inside a full chunk of 32 channels, on a target where Int4Vectors — Lanes
+// bytes widened to 32-bit lanes (one instruction), then the low nibbles masked or the
+// high ones shifted down, and converted (exact).
+template <class T, class D>
+HWY_INLINE hn::Vec<D> LoadValues(D df, const T* HWY_RESTRICT row, size_t c) {
+  if constexpr (std::is_same_v<T, uint4x2>) {
+#if HWY_TARGET == HWY_SCALAR
+    HWY_ALIGN float wide[hn::MaxLanes(D())];
+    for (size_t i = 0; i < hn::Lanes(df); ++i) wide[i] = WidenAt(row, c + i, (c / kInt4Chunk + 1) * kInt4Chunk);
+    return hn::Load(df, wide);
+#else
+    const size_t w = c % kInt4Chunk, half = kInt4Chunk / 2;
+    const hn::Rebind<uint8_t, D> d8;
+    const hn::RebindToUnsigned<D> du;
+    const auto* bytes = reinterpret_cast<const uint8_t*>(row) + c / kInt4Chunk * half + w % half;
+    auto levels = hn::PromoteTo(du, hn::LoadU(d8, bytes));
+    levels = w < half ? hn::And(levels, hn::Set(du, 0x0F)) : hn::ShiftRight<4>(levels);
+    return hn::ConvertTo(df, hn::BitCast(hn::RebindToSigned<D>(), levels));
+#endif
+  } else {
+    return LoadWidened(df, row + c);
   }
 }
 
@@ -168,9 +190,12 @@ HWY_INLINE void WidenRows(const T* HWY_RESTRICT src, int64_t src_row, size_t row
     float* out = dst + i * ld;
     size_t c = 0;
     if constexpr (kVectorLoad<T>) {
-      for (; c + lanes <= cols; c += lanes) hn::StoreU(LoadWidened(df, RowAt(in, c)), df, out + c);
+      for (; c + lanes <= cols; c += lanes) hn::StoreU(LoadWidened(df, in + c), df, out + c);
+    } else if constexpr (std::is_same_v<T, uint4x2>) {
+      if (Int4Vectors(df))  // the full chunks
+        for (; c + lanes <= cols / kInt4Chunk * kInt4Chunk; c += lanes) hn::StoreU(LoadValues(df, in, c), df, out + c);
     }
-    for (; c < cols; ++c) out[c] = WidenAt(in, c);
+    for (; c < cols; ++c) out[c] = WidenAt(in, c, cols);
     for (; c < ld; ++c) out[c] = 0.0f;
   }
 }

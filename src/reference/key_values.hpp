@@ -66,10 +66,12 @@ struct SourceKeyValues {
     }
     return 0.0;
   }
-  // Level c (0..15) of an int4 row: the low nibble of byte c / 2 for even c, the high one for odd.
+  // Level c (0..15) of an int4 row (qkv/half.hpp's uint4x2 layout).
   int level(const void* base, const detail::RowStrides& strides, int64_t b, int64_t j, int64_t h, int64_t c) const {
-    const std::uint8_t byte = static_cast<const std::uint8_t*>(base)[kv.offset(strides, b, j, h) + c / 2];
-    return c % 2 == 0 ? byte & 0x0F : byte >> 4;
+    const auto count = static_cast<std::size_t>(base == kv.k ? kv.head_dim : kv.v_dim);
+    const Int4Position at = int4_position(static_cast<std::size_t>(c), count);
+    const std::uint8_t byte = static_cast<const std::uint8_t*>(base)[kv.offset(strides, b, j, h) + static_cast<int64_t>(at.byte)];
+    return at.high ? byte >> 4 : byte & 0x0F;
   }
 };
 

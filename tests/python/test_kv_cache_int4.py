@@ -17,10 +17,16 @@ from test_kv_cache_channel import locate, outlier_keys
 
 
 def levels(packed, d):
-    """uint8 [..., ⌈d/2⌉] → int levels [..., d]: channel 2i the low nibble, 2i + 1 the high."""
-    out = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), dtype=np.int64)
-    out[..., 0::2], out[..., 1::2] = packed & 0x0F, packed >> 4
-    return out[..., :d]
+    """uint8 [..., ⌈d/2⌉] → int levels [..., d]: in each chunk of m ≤ 32 channels, byte i
+    holds channel i (low nibble) and channel i + ⌈m/2⌉ (high nibble)."""
+    out = np.empty(packed.shape[:-1] + (d,), dtype=np.int64)
+    for first in range(0, d, 32):
+        m = min(32, d - first)
+        half = (m + 1) // 2
+        chunk = packed[..., first // 2:first // 2 + half].astype(np.int64)
+        out[..., first:first + half] = chunk & 0x0F
+        out[..., first + half:first + m] = (chunk >> 4)[..., :m - half]
+    return out
 
 
 def rebuilt(cache, n):
