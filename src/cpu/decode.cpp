@@ -108,12 +108,8 @@ struct DecodeScratch {
   // each row's dot product with its zero points, and one vector of keys' scores when the
   // vector's keys span two groups.
   hwy::AlignedFreeUniquePtr<float[]> channel_queries, channel_bias, split_scores;
-  // int4 values: each ring row's group scales and zero points (in the ring's layout), the
-  // block's scales then zero points group by group ([2·groups][block]), the weights P ⊙ s
-  // of one group, and the rows shifted to a group's first channel.
+  // int4 values: each ring row's group scales and zero points (in the ring's layout).
   std::vector<const float*> v_groups;
-  hwy::AlignedFreeUniquePtr<float[]> group_scales, group_weights;
-  std::vector<const T*> group_rows;
   // A float window: the block's rows in it.
   std::vector<const float*> window_k, window_v;
 
@@ -132,9 +128,6 @@ struct DecodeScratch {
         channel_bias(AllocateFloats(kScaledStorage<T> ? plan.group_rows() : 0)),
         split_scores(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * VectorLanes() : 0)),
         v_groups(kGroupedValues<T> ? (kUnitsAhead + 1) * plan.block_keys : 0),
-        group_scales(AllocateFloats(kGroupedValues<T> ? 2 * static_cast<size_t>(kv.value_groups()) * plan.block_keys : 0)),
-        group_weights(AllocateFloats(kGroupedValues<T> ? plan.group_rows() * plan.block_keys : 0)),
-        group_rows(kGroupedValues<T> ? plan.block_keys : 0),
         window_k(kv.windowed() ? plan.block_keys : 0), window_v(kv.windowed() ? plan.block_keys : 0) {}
 };
 
@@ -302,45 +295,6 @@ struct GroupRows {
   int64_t max_begin = 0, min_end = 0;  // keys every query of the tile sees
 };
 
-// acc[·][0, dv) = acc·alpha + P·V for int4 values read in place: value (j, c) = level ·
-// s_jγ + z_jγ for the channel group γ of c, so per group P·V = (P ⊙ s_γ)·levels + P·z_γ —
-// a P·V over the group's channels with weights scaled per key, then one number per row
-// added to the group's channels.
-template <class T>
-void GroupedValues(const KvSource& kv, size_t rows, const float* HWY_RESTRICT p, size_t ld, size_t keys,
-                   const T* const* v, const float* const* v_groups, size_t dv, Ahead<T> ahead,
-                   const float* HWY_RESTRICT alpha, float* HWY_RESTRICT acc, size_t acc_ld, DecodeScratch<T>& s) {
-  const FloatTag df;
-  const size_t lanes = hn::Lanes(df), padded = round_up(keys, lanes);
-  const auto groups = static_cast<size_t>(kv.value_groups()), width = static_cast<size_t>(kv.value_group);
-  float* scales = s.group_scales.get();  // [2·groups][padded]: scales, then zero points
-  for (size_t x = 0; x < 2 * groups; ++x) {
-    float* to = scales + x * padded;
-    for (size_t j = 0; j < keys; ++j) to[j] = v_groups[j][x];
-    std::fill(to + keys, to + padded, 0.0f);  // P is 0 there; so is its product
-  }
-  float* weights = s.group_weights.get();
-  for (size_t g = 0; g < groups; ++g) {
-    const size_t col = g * width, cols = std::min(width, dv - col);
-    const float* scale = scales + g * padded;
-    const float* zero = scales + (groups + g) * padded;
-    for (size_t j = 0; j < keys; ++j) s.group_rows[j] = RowAt(v[j], col);
-    for (size_t r = 0; r < rows; ++r)
-      for (size_t j = 0; j < padded; j += lanes)
-        hn::StoreU(hn::Mul(hn::LoadU(df, p + r * ld + j), hn::LoadU(df, scale + j)), df, weights + r * ld + j);
-    ValueBlock(rows, weights, ld, keys, s.group_rows.data(), cols, g == 0 ? ahead : Ahead<T>{}, alpha, acc + col,
-               acc_ld);
-    for (size_t r = 0; r < rows; ++r) {
-      FloatVec bias = hn::Zero(df);
-      for (size_t j = 0; j < padded; j += lanes)
-        bias = hn::MulAdd(hn::LoadU(df, p + r * ld + j), hn::LoadU(df, zero + j), bias);
-      const FloatVec add = hn::Set(df, hn::GetLane(hn::SumOfLanes(df, bias)));
-      float* out = acc + r * acc_ld + col;
-      for (size_t c = 0; c < cols; c += lanes) hn::StoreU(hn::Add(hn::LoadU(df, out + c), add), df, out + c);
-    }
-  }
-}
-
 // One block step of a chunk: keys [first, first + keys) of kv head gr.head against every
 // row of its group — the rows' scores, the score pipeline, the online-softmax step, then
 // acc = acc·alpha + P·V. The rows k_rows / v_rows (padded to whole vectors) are the
@@ -463,8 +417,9 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
   }
   if (plan.packed) {
     ValueBlock(rows, scores, ld, keys, s.v_packed.data(), dv_pad, Ahead<float>{}, s.alpha.get(), gr.acc, dv_pad);
-  } else if constexpr (kGrouped) {
-    GroupedValues<T>(kv, rows, scores, ld, keys, v_rows, v_groups, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad, s);
+  } else if constexpr (kGrouped) {  // int4: each V vector dequantized in registers
+    const GroupedValues dequant{v_groups, static_cast<size_t>(kv.value_groups()), static_cast<size_t>(kv.value_group)};
+    ValueBlock(rows, scores, ld, keys, v_rows, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad, dequant);
   } else {
     ValueBlock(rows, scores, ld, keys, v_rows, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad);
   }

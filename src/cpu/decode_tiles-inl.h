@@ -168,10 +168,30 @@ inline constexpr size_t kValueTileVectors = 8;  // 16 registers: R·C accumulato
 inline constexpr size_t kValueTileVectors = 16;  // 32 registers
 #endif
 
-template <size_t R, size_t C, class S>
+// What a V vector becomes once loaded: itself (every storage but int4)...
+struct PlainValues {
+  HWY_INLINE FloatVec operator()(size_t /*key*/, size_t /*col*/, FloatVec levels) const { return levels; }
+};
+
+// ... or, for int4 values, level · s + z with the key's scale and zero point of the
+// vector's group of `width` channels — one FMA in registers, shared by the tile's rows
+// (groups[j]: key j's group scales, then as many zero points).
+struct GroupedValues {
+  const float* const* groups = nullptr;
+  size_t count = 0;  // groups per row
+  size_t width = 0;  // channels per group, a multiple of the lanes
+  HWY_INLINE FloatVec operator()(size_t key, size_t col, FloatVec levels) const {
+    const FloatTag df;
+    const float* sz = groups[key];
+    const size_t g = col / width;
+    return hn::MulAdd(levels, hn::Set(df, sz[g]), hn::Set(df, sz[count + g]));
+  }
+};
+
+template <size_t R, size_t C, class S, class Dequant>
 HWY_INLINE void ValueTile(const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
                           size_t col, Ahead<S> ahead, const float* HWY_RESTRICT alpha,
-                          float* HWY_RESTRICT acc, size_t acc_ld) {
+                          float* HWY_RESTRICT acc, size_t acc_ld, const Dequant& dequant) {
   const FloatTag df;
   const size_t lanes = hn::Lanes(df);
   VecArray2<FloatTag, R, C> sum;
@@ -180,7 +200,7 @@ HWY_INLINE void ValueTile(const float* HWY_RESTRICT p, size_t p_ld, size_t keys,
   for (size_t j = 0; j < keys; ++j) {
     ahead(j);
     VecArray<FloatTag, C> vv;
-    for (size_t c = 0; c < C; ++c) vv[c] = LoadValues(df, v[j], col + c * lanes);
+    for (size_t c = 0; c < C; ++c) vv[c] = dequant(j, col + c * lanes, LoadValues(df, v[j], col + c * lanes));
     for (size_t r = 0; r < R; ++r) {
       const FloatVec w = hn::Set(df, p[r * p_ld + j]);
       for (size_t c = 0; c < C; ++c) sum[r][c] = hn::MulAdd(w, vv[c], sum[r][c]);
@@ -195,46 +215,46 @@ HWY_INLINE void ValueTile(const float* HWY_RESTRICT p, size_t p_ld, size_t keys,
 }
 
 // All columns [0, dim) of R rows: panels of C vectors, C as wide as the registers allow.
-template <size_t R, class S>
+template <size_t R, class S, class Dequant>
 HWY_INLINE void ValueRows(const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
                           size_t dim, Ahead<S> ahead, const float* HWY_RESTRICT alpha,
-                          float* HWY_RESTRICT acc, size_t acc_ld) {
+                          float* HWY_RESTRICT acc, size_t acc_ld, const Dequant& dequant) {
   const size_t lanes = VectorLanes();
   // The widest power-of-two panel whose accumulators and loads fit the registers.
   constexpr size_t kFit = kValueTileVectors / (R < 2 ? 2 : R);
   constexpr size_t kC = kFit >= 8 ? 8 : kFit >= 4 ? 4 : kFit >= 2 ? 2 : 1;
   size_t col = 0;
   for (; col + kC * lanes <= dim; col += kC * lanes) {
-    ValueTile<R, kC>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ValueTile<R, kC>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld, dequant);
     ahead = Ahead<S>{};  // the first panel prefetches
   }
   for (; col + 4 * lanes <= dim; col += 4 * lanes) {  // the rest in narrower panels
-    ValueTile<R, 4>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ValueTile<R, 4>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld, dequant);
     ahead = Ahead<S>{};
   }
   for (; col + 2 * lanes <= dim; col += 2 * lanes) {
-    ValueTile<R, 2>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ValueTile<R, 2>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld, dequant);
     ahead = Ahead<S>{};
   }
   for (; col < dim; col += lanes) {
-    ValueTile<R, 1>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld);
+    ValueTile<R, 1>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld, dequant);
     ahead = Ahead<S>{};
   }
 }
 
-template <class S>
+template <class S, class Dequant = PlainValues>
 void ValueBlock(size_t rows, const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
                 size_t dim, Ahead<S> ahead, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT acc,
-                size_t acc_ld) {
+                size_t acc_ld, const Dequant& dequant = {}) {
   size_t r = 0;
   for (; r + 4 <= rows; r += 4) {
-    ValueRows<4>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    ValueRows<4>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld, dequant);
     ahead = Ahead<S>{};
   }
   switch (rows - r) {
-    case 3: return ValueRows<3>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
-    case 2: return ValueRows<2>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
-    case 1: return ValueRows<1>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    case 3: return ValueRows<3>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld, dequant);
+    case 2: return ValueRows<2>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld, dequant);
+    case 1: return ValueRows<1>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld, dequant);
     default: return;
   }
 }
