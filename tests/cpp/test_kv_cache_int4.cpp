@@ -2,10 +2,10 @@
 // and group of 32 channels, a scale and zero point each) and the float window for the
 // newest tokens (int4 and int8): every stored value within half a step of the appended
 // one, the window's rows exact, the stored cache independent of how tokens were split
-// into appends (and of a reset), paged = contiguous bitwise, decode on every SIMD target
-// within the kernel's bound of the fp64 reference over the stored values (and the same
-// bits for any thread count), non-finite rows poisoning only the queries that see them,
-// bad configs named.
+// into appends (and of a reset), empty and partial groups, paged = contiguous bitwise,
+// decode on every SIMD target within the kernel's bound of the fp64 reference over the
+// stored values (and the same bits for any thread count), non-finite rows poisoning only
+// the queries that see them, bad configs named.
 #include <gtest/gtest.h>
 
 #include <qkv/batch_plan.hpp>
@@ -266,6 +266,37 @@ TEST(KVCacheInt4, DecodeMatchesTheReferenceOnEveryTarget) {
           }
         }
   });
+}
+
+// An empty sequence next to one whose only group is partial (all in the window, or
+// quantized from its rows so far): the empty one attends to nothing (out 0, lse −inf),
+// the other as the reference over its stored values.
+TEST(KVCacheInt4, EmptyAndPartialGroups) {
+  for (int64_t window : {0, 8}) {
+    SCOPED_TRACE("window " + std::to_string(window));
+    const int64_t d = 32;
+    const auto k = outlier_keys(5, d, 91);
+    const auto v = test::random_tensor<float, 4>({kBatch, 5, kKvHeads, d}, 92);
+    KVCache cache(int4_config(d, 16, window));
+    Tensor<float, 4> k1({1, 5, kKvHeads, d}), v1({1, 5, kKvHeads, d});
+    for (int64_t t = 0; t < 5; ++t)
+      for (int64_t h = 0; h < kKvHeads; ++h)
+        for (int64_t c = 0; c < d; ++c) {
+          k1(0, t, h, c) = k(1, t, h, c);
+          v1(0, t, h, c) = v(1, t, h, c);
+        }
+    const std::vector<int64_t> second{1};
+    cache.append(k1.cview(), v1.cview(), second);
+    const auto q = test::random_tensor<float, 4>({kBatch, 1, 4, d}, 93);
+    const Result cpu = attend(cache, q, Backend::cpu, 1), ref = attend(cache, q, Backend::reference, 1);
+    for (int64_t h = 0; h < 4; ++h) {
+      EXPECT_EQ(cpu.lse(0, h, 0), -std::numeric_limits<float>::infinity());
+      for (int64_t c = 0; c < d; ++c) {
+        EXPECT_EQ(cpu.out(0, 0, h, c), 0.0f);
+        EXPECT_NEAR(cpu.out(1, 0, h, c), ref.out(1, 0, h, c), kernel_bound(cache, q));
+      }
+    }
+  }
 }
 
 // Paged caches (blocks of 32 and 16, groups of 16, a window of 8; the pool handed out of
