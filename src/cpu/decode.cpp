@@ -257,19 +257,26 @@ void ChannelScaledScores(const KvSource& kv, const DecodePlan& plan, int64_t bat
       hn::StoreU(hn::Add(hn::LoadU(df, to + r * row_stride), hn::Set(df, bias[r])), df, to + r * row_stride);
   };
   const size_t padded = round_up(keys, lanes);
+  // The group of the vector's first key, and where the next one starts: followed key by
+  // key (an integer division per vector costs as much as its dot products).
+  int64_t key_group = first / group, next_group = (key_group + 1) * group;
   for (size_t j = 0; j < padded; j += lanes) {
     const int64_t key = first + static_cast<int64_t>(j);
     const int64_t last = first + static_cast<int64_t>(std::min(j + lanes, keys)) - 1;  // the vector's last key
     const Ahead<T> prefetch = ahead.offset(j);
-    if (key / group == last / group) {
-      scale_rows(key / group);
+    while (key >= next_group) {
+      ++key_group;
+      next_group += group;
+    }
+    if (last < next_group) {
+      scale_rows(key_group);
       ScoreKeys(rows, scaled, d_pad, k_rows + j, d, prefetch, scores + j, ld);
       add_bias(scores + j, ld);
       continue;
     }
-    for (int64_t g = key / group; g <= last / group; ++g) {
+    for (int64_t g = key_group; g <= last / group; ++g) {
       scale_rows(g);
-      ScoreKeys(rows, scaled, d_pad, k_rows + j, d, g == key / group ? prefetch : Ahead<T>{}, s.split_scores.get(),
+      ScoreKeys(rows, scaled, d_pad, k_rows + j, d, g == key_group ? prefetch : Ahead<T>{}, s.split_scores.get(),
                 lanes);
       add_bias(s.split_scores.get(), lanes);
       const auto from = static_cast<size_t>(std::max<int64_t>(g * group - key, 0));
@@ -418,7 +425,7 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
   if (plan.packed) {
     ValueBlock(rows, scores, ld, keys, s.v_packed.data(), dv_pad, Ahead<float>{}, s.alpha.get(), gr.acc, dv_pad);
   } else if constexpr (kGrouped) {  // int4: each V vector dequantized in registers
-    const GroupedValues dequant{v_groups, static_cast<size_t>(kv.value_groups()), static_cast<size_t>(kv.value_group)};
+    const GroupedValues dequant{v_groups, static_cast<size_t>(kv.value_groups())};  // value_group == kInt4Chunk here
     ValueBlock(rows, scores, ld, keys, v_rows, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad, dequant);
   } else {
     ValueBlock(rows, scores, ld, keys, v_rows, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad);

@@ -174,16 +174,16 @@ struct PlainValues {
 };
 
 // ... or, for int4 values, level · s + z with the key's scale and zero point of the
-// vector's group of `width` channels — one FMA in registers, shared by the tile's rows
+// vector's group of kInt4Chunk channels (a power of two: the group is a shift, not a
+// division, in this innermost loop) — one FMA in registers, shared by the tile's rows
 // (groups[j]: key j's group scales, then as many zero points).
 struct GroupedValues {
   const float* const* groups = nullptr;
   size_t count = 0;  // groups per row
-  size_t width = 0;  // channels per group, a multiple of the lanes
   HWY_INLINE FloatVec operator()(size_t key, size_t col, FloatVec levels) const {
     const FloatTag df;
     const float* sz = groups[key];
-    const size_t g = col / width;
+    const size_t g = col / kInt4Chunk;
     return hn::MulAdd(levels, hn::Set(df, sz[g]), hn::Set(df, sz[count + g]));
   }
 };
