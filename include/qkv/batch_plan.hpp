@@ -26,6 +26,10 @@
 //     out      [total_q, Hq, dv]  float32;  lse [Hq, total_q] optional
 //     k_scale, v_scale: int8 caches only, one float per cached row ([B, capacity, Hkv] or
 //              [num_blocks, block_size, Hkv]); the row's values are int8 · scale
+//   or run over a qkv::KVCache (any of its storages: int4 and caches with a float window
+//   too, which BatchArgs cannot describe): its lengths must be the plan's cache_lengths,
+//   its dtype the plan's storage, and, paged, its block table the plan's (pass
+//   cache.block_table() to the layout); it is read under the cache's lock, as attend().
 //
 // Options: the same AttentionOptions as every entry point, read at plan time — scale,
 // causal (Causal::bottom_right for a serving step: each sequence's new queries are its
@@ -67,6 +71,7 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/half.hpp"
+#include "qkv/kv_cache.hpp"
 #include "qkv/options.hpp"
 #include "qkv/tensor.hpp"
 
@@ -79,7 +84,7 @@ struct BatchLayout {
   int64_t block_size = 0;                   // paged only
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   int64_t v_dim = 0;  // 0: head_dim
-  StorageType storage = StorageType::float32;
+  StorageType storage = StorageType::float32;  // int4: run over a qkv::KVCache only
 };
 
 template <class T>  // the caches' storage type: float, bfloat16, float16 or int8_t
@@ -107,6 +112,9 @@ class BatchPlan {
   void run(const BatchArgs<bfloat16>& args) const;
   void run(const BatchArgs<float16>& args) const;
   void run(const BatchArgs<std::int8_t>& args) const;
+  // The step over a qkv::KVCache: q [total_q, Hq, d], out [total_q, Hq, dv], lse
+  // [Hq, total_q] (optional).
+  void run(View3<const float> q, const KVCache& cache, View3<float> out, TensorView<float, 2> lse = {}) const;
 
   int64_t sequences() const;      // B
   int64_t total_queries() const;  // cu_seqlens_q[B]

@@ -74,6 +74,7 @@ namespace qkv {
 namespace detail {
 class Checker;
 struct KvSource;
+struct CacheReader;  // src/cache/cache_reader.hpp
 }
 
 // How int8 keys are scaled: one scale per stored row, or a scale and zero point per
@@ -199,6 +200,7 @@ class KVCache {
   int64_t storage_row(int64_t seq, int64_t key) const;  // the row of (seq, key) in k_/v_
   void quantize_key_group(int64_t seq, int64_t group, int64_t rows);
   detail::KvSource source() const;  // the cache as the kernels read it
+  friend struct detail::CacheReader;  // qkv::BatchPlan::run over a cache: its source, under its lock
 };
 
 }  // namespace qkv

@@ -20,6 +20,7 @@ from . import _qkv
 from ._decode_eager import _cache_array, _float32_packed, _int_array, _is_torch, _storage_name
 from ._options import make_options
 from ._arrays import Error, NumPy, Torch
+from ._decode import KVCache
 
 
 def _scales(x):
@@ -84,13 +85,18 @@ class BatchPlan:
         """One layer: q ``[total_q, Hq, d]`` against ``k_cache``/``v_cache`` — contiguous
         ``[B, capacity, Hkv, d]`` or the pool ``[num_blocks, block_size, Hkv, d]``, float32,
         bfloat16, float16 or int8 (with ``k_scale``/``v_scale``, one float32 per row),
-        read in place. Returns out ``[total_q, Hq, dv]`` (q's dtype when floating) or
+        read in place; or ``k_cache`` a ``qkv.KVCache`` (v_cache None): any of its storages
+        (int4 and float windows too), its lengths and block table the plan's. Returns out
+        ``[total_q, Hq, dv]`` (q's dtype when floating) or
         ``(out, lse [Hq, total_q])``. Traceable (torch.compile fullgraph, torch.export):
         torch.ops.qkv.batch_plan_run, the plan named by a handle."""
         if _is_torch(q):
             from . import _torch_ops_plan
 
             if _torch_ops_plan.traced(q):  # torch.compile, fake tensors: the operator
+                if isinstance(k_cache, KVCache):
+                    raise Error("qkv.BatchPlan.run: over a qkv.KVCache it is not traceable (torch.compile): pass "
+                                "the cache's storage arrays, or run it eagerly")
                 if self._handle is None:
                     raise Error("qkv.BatchPlan.run: traced (torch.compile), but the plan was made before torch "
                                 "was imported: make it after `import torch`")
@@ -102,20 +108,30 @@ class BatchPlan:
         """run() itself, outside any tracing (what the operator calls)."""
         fn = "qkv.BatchPlan.run"
         q_lib = _float32_packed(q, "q", fn)
+        if isinstance(k_cache, KVCache):  # the cache itself: any of its storages, int4 and windows too
+            if v_cache is not None or k_scale is not None or v_scale is not None:
+                raise Error(f"{fn}: with a qkv.KVCache as k_cache, v_cache, k_scale and v_scale are None")
+            return self._run(q, q_lib, k_cache.dtype, return_lse,
+                             lambda plan, out, lse: plan.run_cache(q_lib, k_cache._cache, out, lse=lse))
         k_lib, bits_as = _cache_array(k_cache, "k_cache", fn)
         v_lib, v_bits = _cache_array(v_cache, "v_cache", fn)
         if bits_as != v_bits:
             raise TypeError(f"{fn}: v_cache: expected the dtype of k_cache")
         storage = bits_as or ("int8" if k_lib.dtype == np.int8 else "float16" if k_lib.dtype == np.float16
                               else "float32")
+        return self._run(q, q_lib, storage, return_lse,
+                         lambda plan, out, lse: plan.run(q_lib, k_lib, v_lib, out, lse=lse, bits_as=bits_as,
+                                                         k_scale=_scales(k_scale), v_scale=_scales(v_scale)))
+
+    def _run(self, q, q_lib, storage, return_lse, call):
+        """The plan for `storage` (made on first use) run by `call(plan, out, lse)`; out in q's kind."""
         plan = self._plans.get(storage)
         if plan is None:
             plan = self._plans[storage] = self._plan(storage)
         total, heads = q_lib.shape[0], q_lib.shape[1]
         out_lib = np.empty((total, heads, self._v_dim), dtype=np.float32)
         lse = np.empty((heads, total), dtype=np.float32) if return_lse else None
-        plan.run(q_lib, k_lib, v_lib, out_lib, lse=lse, bits_as=bits_as, k_scale=_scales(k_scale),
-                 v_scale=_scales(v_scale))
+        call(plan, out_lib, lse)
         out = out_lib
         if _is_torch(q):
             import torch

@@ -13,6 +13,7 @@
 #include "options.hpp"
 #include "qkv/batch_plan.hpp"
 #include "qkv/error.hpp"
+#include "qkv/kv_cache.hpp"
 
 namespace qkv::python {
 namespace {
@@ -99,6 +100,19 @@ void bind_batch_plan(nb::module_& m) {
            nb::arg("v_scale").none() = nb::none(),
            "One layer of the planned step: q [total_q, Hq, d] float32, caches read in place, writes out "
            "[total_q, Hq, dv] (and lse [Hq, total_q]); the GIL is released.")
+      .def(
+          "run_cache",
+          [](const BatchPlan& self, nb::handle q, const KVCache& cache, nb::handle out, nb::handle lse) {
+            const auto qv = view_of<const float, 3>("q", ArrayRef::from(q, false, "q"), "queries are float32");
+            const auto ov = view_of<float, 3>("out", ArrayRef::from(out, true, "out"), "the output is float32");
+            TensorView<float, 2> lv;
+            if (!lse.is_none()) lv = view_of<float, 2>("lse", ArrayRef::from(lse, true, "lse"), "the log-sum-exp is float32");
+            nb::gil_scoped_release release;
+            self.run(qv, cache, ov, lv);
+          },
+          nb::arg("q"), nb::arg("cache"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
+          "One layer of the planned step over a qkv.KVCache (any storage, int4 and float windows included); "
+          "the GIL is released.")
       .def_prop_ro("sequences", &BatchPlan::sequences)
       .def_prop_ro("total_queries", &BatchPlan::total_queries)
       .def_prop_ro("tasks", &BatchPlan::tasks)

@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache/cache_reader.hpp"
 #include "cache/cache_scales.hpp"
 #include "core/checked_size.hpp"
 #include "core/checker.hpp"
@@ -67,8 +68,9 @@ void check_layout_heads(const Checker& check, const BatchLayout& layout) {
                ", grouped-query attention), got " + std::to_string(layout.num_heads));
   }
   switch (layout.storage) {
-    case StorageType::float32: case StorageType::bfloat16: case StorageType::float16: case StorageType::int8: break;
-    default: check.fail("layout.storage: expected float32, bfloat16, float16 or int8");
+    case StorageType::float32: case StorageType::bfloat16: case StorageType::float16: case StorageType::int8:
+    case StorageType::int4: break;  // int4: run over a KVCache only (no BatchArgs for it)
+    default: check.fail("layout.storage: expected float32, bfloat16, float16, int8 or int4");
   }
 }
 
@@ -228,6 +230,36 @@ std::vector<double> BatchPlan::task_costs() const {
 
 namespace {
 
+// out [total_q, Hq, dv] and lse [Hq, total_q] (optional) against the plan, appended to `outputs`.
+void check_outputs(const Checker& check, const BatchPlan::State& s, const Described& out, TensorView<float, 2> lse_view,
+                   std::vector<Described>& outputs) {
+  const detail::Extents& e = s.problem.extents;
+  check.expect_extent(out, 0, "total_q", s.total_q, "as cu_seqlens_q[-1]");
+  check.expect_extent(out, 1, "heads", e.q_heads, "as layout.num_heads");
+  check.expect_extent(out, 2, "head_dim", e.v_dim, "as layout.v_dim");
+  outputs.push_back(out);
+  if (!lse_view.empty()) {
+    const Described lse = describe("lse", lse_view);
+    check.expect_well_formed(lse, /*inner_contiguous=*/false);
+    check.expect_extent(lse, 0, "heads", e.q_heads, "as layout.num_heads");
+    check.expect_extent(lse, 1, "total_q", s.total_q, "as cu_seqlens_q[-1]");
+    outputs.push_back(lse);
+  }
+}
+
+// The planned problem with this run's queries and outputs (its key/value source is the
+// caller's to set), over caches of `capacity` keys a sequence.
+detail::ForwardProblem<float> step_problem(const BatchPlan::State& s, View3<const float> q, View3<float> out,
+                                           TensorView<float, 2> lse, int64_t capacity) {
+  const detail::Extents& e = s.problem.extents;
+  detail::ForwardProblem<float> p = s.problem;
+  p.extents.k_len = capacity;
+  p.args.q = detail::as_batched(q, e.batch);
+  p.args.out = detail::as_batched(out, e.batch);
+  if (!lse.empty()) p.args.lse = detail::lse_as_batched(lse, e.batch);
+  return p;
+}
+
 // The run's views against the plan: O(1) checks (the layout was checked when planned).
 template <class T>
 detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const BatchArgs<T>& a) {
@@ -266,27 +298,14 @@ detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const B
   check.expect_extent(v, 1, s.paged() ? "block_size" : "capacity", a.k_cache.shape[1], "as k_cache.shape[1]");
   check.expect_extent(v, 2, "kv heads", e.kv_heads, "as layout.num_kv_heads");
   check.expect_extent(v, 3, "head_dim", e.v_dim, "as layout.v_dim");
-  check.expect_extent(out, 0, "total_q", s.total_q, "as cu_seqlens_q[-1]");
-  check.expect_extent(out, 1, "heads", e.q_heads, "as layout.num_heads");
-  check.expect_extent(out, 2, "head_dim", e.v_dim, "as layout.v_dim");
   std::vector<Described> inputs{q, k, v};
-  std::vector<Described> outputs{out};
-  if (!a.lse.empty()) {
-    const Described lse = describe("lse", a.lse);
-    check.expect_well_formed(lse, /*inner_contiguous=*/false);
-    check.expect_extent(lse, 0, "heads", e.q_heads, "as layout.num_heads");
-    check.expect_extent(lse, 1, "total_q", s.total_q, "as cu_seqlens_q[-1]");
-    outputs.push_back(lse);
-  }
+  std::vector<Described> outputs;
+  check_outputs(check, s, out, a.lse, outputs);
   const detail::CacheScales scales{a.k_scale, a.v_scale, a.k_channel_scale, a.k_channel_zero, a.key_group};
   detail::check_cache_scales(check, s.storage, scales, a.k_cache.shape, a.v_cache.shape, s.paged(), first_axis, inputs);
   check.expect_outputs_apart(outputs, inputs);
 
-  detail::ForwardProblem<float> p = s.problem;
-  p.extents.k_len = s.paged() ? s.max_blocks * s.block_size : a.k_cache.shape[1];
-  p.args.q = detail::as_batched(a.q, e.batch);
-  p.args.out = detail::as_batched(a.out, e.batch);
-  if (!a.lse.empty()) p.args.lse = detail::lse_as_batched(a.lse, e.batch);
+  detail::ForwardProblem<float> p = step_problem(s, a.q, a.out, a.lse, s.paged() ? s.max_blocks * s.block_size : a.k_cache.shape[1]);
   detail::KvSource& kv = p.kv;
   kv = detail::KvSource::of_cache(s.storage, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.k_channel_scale,
                                   a.k_channel_zero, a.key_group);
@@ -309,6 +328,11 @@ void widen_row(const T* row, int64_t dim, float scale, float* to) {
 }
 
 void widen_row(const detail::KvSource& kv, bool keys, int64_t b, int64_t j, int64_t h, int64_t dim, float* to) {
+  if (j >= kv.quantized_length(b)) {  // a cache's float window
+    const float* row = keys ? kv.window_key(b, j, h) : kv.window_value(b, j, h);
+    std::copy(row, row + dim, to);
+    return;
+  }
   const int64_t at = kv.offset(keys ? kv.k_strides : kv.v_strides, b, j, h);
   const void* base = keys ? kv.k : kv.v;
   switch (kv.type) {
@@ -328,7 +352,7 @@ void widen_row(const detail::KvSource& kv, bool keys, int64_t b, int64_t j, int6
       }
       return widen_row(row, dim, scale, to);
     }
-    case StorageType::int4: {  // refused by the plan's layout today; read as the reference reads it
+    case StorageType::int4: {  // (a KVCache's) read as the reference reads it
       const reference::SourceKeyValues read{kv};
       for (int64_t c = 0; c < dim; ++c) to[c] = static_cast<float>(keys ? read.key(b, j, h, c) : read.value(b, j, h, c));
       return;
@@ -405,9 +429,8 @@ void run_chunk(const detail::ForwardProblem<float>& step, const GatheredChunk& g
   detail::run_forward(chunk, Backend::cpu);  // > 16 queries: the tiled schedule
 }
 
-template <class T>
-void run_plan(const BatchPlan::State& s, const BatchArgs<T>& args) {
-  const detail::ForwardProblem<float> problem = planned_problem(s, args);
+// The step itself, over `problem`'s views.
+void run_step(const BatchPlan::State& s, const detail::ForwardProblem<float>& problem) {
   if (s.total_q == 0) return;
   // Every chunk's keys gathered before anything is written (a workspace that cannot be
   // had is a qkv::Error with the outputs untouched).
@@ -417,11 +440,80 @@ void run_plan(const BatchPlan::State& s, const BatchArgs<T>& args) {
   for (const GatheredChunk& chunk : chunks) run_chunk(problem, chunk);
 }
 
+template <class T>
+void run_plan(const BatchPlan::State& s, const BatchArgs<T>& args) {
+  run_step(s, planned_problem(s, args));
+}
+
+// A cache against the plan: its storage, shape and lengths (and, paged, block table)
+// must be what was planned.
+void check_cache(const Checker& check, const BatchPlan::State& s, const KVCache& cache) {
+  const KVCacheConfig& c = cache.config();
+  const detail::Extents& e = s.problem.extents;
+  if (c.dtype != s.storage)
+    check.fail(std::string("cache: expected a cache of ") + storage_name(s.storage) + " (the plan's layout.storage), got " +
+               storage_name(c.dtype));
+  const auto expect = [&](const char* what, int64_t got, int64_t want, const char* as) {
+    if (got != want)
+      check.fail(std::string("cache.config().") + what + ": expected " + std::to_string(want) + " (" + as + "), got " +
+                 std::to_string(got));
+  };
+  expect("batch", c.batch, e.batch, "the plan's sequences");
+  expect("kv_heads", c.kv_heads, e.kv_heads, "layout.num_kv_heads");
+  expect("head_dim", c.head_dim, e.head_dim, "layout.head_dim");
+  expect("v_dim", c.v_dim, e.v_dim, "layout.v_dim");
+  if (c.paged != s.paged())
+    check.fail(std::string("cache: expected a ") + (s.paged() ? "paged" : "contiguous") + " cache (as the plan's " +
+               (s.paged() ? "block_table" : "empty block_table") + "), got a " + (c.paged ? "paged" : "contiguous") + " one");
+  if (c.paged) expect("block_size", c.block_size, s.block_size, "layout.block_size");
+  for (int64_t b = 0; b < e.batch; ++b) {
+    const int64_t length = cache.lengths()[static_cast<std::size_t>(b)];
+    if (length != s.problem.mask.sequences.k_len(b))
+      check.fail("cache.lengths()[" + std::to_string(b) + "]: expected " + std::to_string(s.problem.mask.sequences.k_len(b)) +
+                 " (the plan's cache_lengths), got " + std::to_string(length));
+    if (!c.paged) continue;
+    for (int64_t j = 0; j * s.block_size < length; ++j) {
+      const int32_t planned = s.block_table[static_cast<std::size_t>(b * s.max_blocks + j)];
+      const int32_t held = cache.block_table()[static_cast<std::size_t>(b * cache.blocks_per_sequence() + j)];
+      if (planned != held)
+        check.fail("cache.block_table()[" + std::to_string(b) + ", " + std::to_string(j) + "]: expected " +
+                   std::to_string(planned) + " (the plan's block_table), got " + std::to_string(held));
+    }
+  }
+}
+
 }  // namespace
 
 void BatchPlan::run(const BatchArgs<float>& args) const { run_plan(*state_, args); }
 void BatchPlan::run(const BatchArgs<bfloat16>& args) const { run_plan(*state_, args); }
 void BatchPlan::run(const BatchArgs<float16>& args) const { run_plan(*state_, args); }
 void BatchPlan::run(const BatchArgs<std::int8_t>& args) const { run_plan(*state_, args); }
+
+void BatchPlan::run(View3<const float> q_view, const KVCache& cache, View3<float> out_view,
+                    TensorView<float, 2> lse) const {
+  const State& s = *state_;
+  const Checker check("qkv::BatchPlan::run");
+  const detail::Extents& e = s.problem.extents;
+  const Described q = describe("q", q_view), out = describe("out", out_view);
+  check.expect_well_formed(q);
+  check.expect_well_formed(out);
+  check.expect_extent(q, 0, "total_q", s.total_q, "as cu_seqlens_q[-1]");
+  check.expect_extent(q, 1, "heads", e.q_heads, "as layout.num_heads");
+  check.expect_extent(q, 2, "head_dim", e.head_dim, "as layout.head_dim");
+  std::vector<Described> outputs;
+  check_outputs(check, s, out, lse, outputs);
+  const std::vector<Described> inputs{q};
+  check.expect_outputs_apart(outputs, inputs);  // the cache's storage is its own memory
+  const auto held = detail::CacheReader::lock(cache);  // lengths and rows stay as checked
+  check_cache(check, s, cache);
+  detail::ForwardProblem<float> problem =
+      step_problem(s, q_view, out_view, lse, s.paged() ? s.max_blocks * s.block_size : cache.config().capacity);
+  problem.kv = detail::CacheReader::source(cache);
+  if (s.paged()) {  // the plan's copy of the table (equal to the cache's where it is read)
+    problem.kv.block_table = s.block_table.data();
+    problem.kv.table_stride = s.max_blocks;
+  }
+  run_step(s, problem);
+}
 
 }  // namespace qkv

@@ -387,6 +387,57 @@ TEST(KVCacheInt4, TheWindowBuysAccuracy) {
   EXPECT_LT(3.0 * error(with), error(without));
 }
 
+// BatchPlan over the cache itself (int4 paged, a float window of 8): the decoding
+// sequence's row as cache.attend's, bit for bit; a prefill chunk of 20 (tiled, over keys
+// gathered from the storage and the window) within the kernel bound of the reference.
+TEST(KVCacheInt4, BatchPlanRunsOverTheCache) {
+  const int64_t d = 64, tokens = 60;
+  const auto k = outlier_keys(tokens, d, 101);
+  const auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 102);
+  KVCache cache(int4_config(d, 16, 8, true, 32));
+  append_range(cache, k, v, 0, tokens);
+  const std::vector<int64_t> cu_q{0, 1, 1 + 20}, lengths{tokens, tokens};
+  AttentionOptions options;
+  options.causal = Causal::bottom_right;
+  const auto table = TensorView<const int32_t, 2>::contiguous(cache.block_table().data(),
+                                                              {kBatch, cache.blocks_per_sequence()});
+  const BatchPlan plan({.cu_seqlens_q = std::span<const int64_t>(cu_q), .cache_lengths = std::span<const int64_t>(lengths),
+                        .block_table = table, .block_size = 32, .num_heads = 8, .num_kv_heads = kKvHeads, .head_dim = d,
+                        .storage = StorageType::int4},
+                       options);
+  const auto q = test::random_tensor<float, 3>({21, 8, d}, 103);
+  Tensor<float, 3> out({21, 8, d});
+  plan.run(q.cview(), cache, out.view());
+  Tensor<float, 4> q0({kBatch, 1, 8, d}), q1({kBatch, 20, 8, d});
+  for (int64_t b = 0; b < kBatch; ++b)
+    for (int64_t h = 0; h < 8; ++h)
+      for (int64_t c = 0; c < d; ++c) {
+        q0(b, 0, h, c) = q(0, h, c);
+        for (int64_t i = 0; i < 20; ++i) q1(b, i, h, c) = q(1 + i, h, c);
+      }
+  const Result alone = attend(cache, q0, Backend::cpu, 1);
+  EXPECT_EQ(std::memcmp(&out(0, 0, 0), &alone.out(0, 0, 0, 0), 8 * d * sizeof(float)), 0);
+  const Result ref = attend(cache, q1, Backend::reference, 1);
+  double worst = 0.0;
+  for (int64_t i = 0; i < 20; ++i)
+    for (int64_t h = 0; h < 8; ++h)
+      for (int64_t c = 0; c < d; ++c) worst = std::max(worst, double(std::abs(out(1 + i, h, c) - ref.out(1, i, h, c))));
+  EXPECT_LE(worst, kernel_bound(cache, q1));
+
+  // A cache that is not what was planned: named, nothing written.
+  Tensor<float, 3> untouched({21, 8, d});
+  KVCache other(int4_config(d, 16, 8, true, 32));
+  append_range(other, k, v, 0, tokens - 1);
+  test::expect_error([&] { plan.run(q.cview(), other, untouched.view()); },
+                     "qkv::BatchPlan::run: cache.lengths()[0]: expected 60 (the plan's cache_lengths), got 59");
+  KVCacheConfig int8 = int4_config(d, 16, 8, true, 32);
+  int8.dtype = StorageType::int8;
+  KVCache wrong_type(int8);
+  test::expect_error([&] { plan.run(q.cview(), wrong_type, untouched.view()); },
+                     "qkv::BatchPlan::run: cache: expected a cache of int4 (the plan's layout.storage), got int8");
+  for (std::size_t x = 0; x < untouched.size(); ++x) ASSERT_EQ(untouched[x], 0.0f);
+}
+
 using test::expect_error;
 
 TEST(KVCacheInt4, BadConfigsAndArgumentsAreNamed) {
@@ -408,11 +459,15 @@ TEST(KVCacheInt4, BadConfigsAndArgumentsAreNamed) {
   expect_error([&] { (void)KVCache(int4_config(16, 16)).views<std::int8_t>(); },
                "qkv::KVCache::views: the cache stores int4, asked for int8");
   const std::vector<int64_t> cu{0, 1}, lengths{1};
+  // An int4 plan runs over a KVCache only: BatchArgs cannot describe int4 rows.
+  const BatchPlan int4_plan({.cu_seqlens_q = std::span<const int64_t>(cu), .cache_lengths = std::span<const int64_t>(lengths),
+                             .num_heads = 2, .num_kv_heads = 2, .head_dim = 16, .storage = StorageType::int4},
+                            AttentionOptions{});
+  Tensor<float, 4> plain({1, 4, 2, 16});
+  Tensor<float, 3> q1({1, 2, 16}), out1({1, 2, 16});
   expect_error([&] {
-    BatchPlan({.cu_seqlens_q = std::span<const int64_t>(cu), .cache_lengths = std::span<const int64_t>(lengths),
-               .num_heads = 2, .num_kv_heads = 2, .head_dim = 16, .storage = StorageType::int4},
-              AttentionOptions{});
-  }, "layout.storage: expected float32, bfloat16, float16 or int8");
+    int4_plan.run(BatchArgs<float>{.q = q1.cview(), .k_cache = plain.cview(), .v_cache = plain.cview(), .out = out1.view()});
+  }, "qkv::BatchPlan::run: k_cache: expected int4 elements (the plan's layout.storage), got float32");
 
   // attend's arguments, named as qkv::decode names them; nothing written on a failure.
   KVCache cache(int4_config(16, 8, 4));

@@ -131,3 +131,28 @@ def test_bad_config():
     with pytest.raises(qkv.Error, match=r"qkv::KVCache::stored: seq: expected 0..0, got 1"):
         cache.stored(1)
     assert qkv.KVCache(1, 64, 1, 16, dtype="int8").value_group_scales() is None
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+def test_batch_plan_runs_over_a_windowed_cache(dtype):
+    """A serving step over the cache itself (paged, a float window): the decoding sequence
+    as cache.attend gives it, bit for bit; the prefill chunk as attention over stored()."""
+    hq, hkv, d, n = 4, 2, 64, 60
+    cache = qkv.KVCache(2, 96, hkv, d, dtype=dtype, key_scales="channel", group_size=16, float_window=8,
+                        paged=True, block_size=32)
+    k, v = outlier_keys(2, hkv, n, d, 5), torch.randn(2, hkv, n, d)
+    cache.append(k, v)
+    plan = qkv.BatchPlan([0, 1, 21], [n, n], num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                         block_table=cache.block_table(), block_size=32, causal="bottom_right")
+    q = torch.randn(21, hq, d)
+    out = plan.run(q, cache, None)
+    alone = cache.attend(q[:1].transpose(0, 1)[None].expand(2, -1, -1, -1).contiguous())
+    assert torch.equal(out[0], alone[0, :, 0])
+    ks, vs = cache.stored(1)
+    k1, v1 = torch.from_numpy(ks)[None].double(), torch.from_numpy(vs)[None].double()
+    q1 = q[1:].transpose(0, 1)[None]
+    ref = sdpa(q1, k1, v1, [n])
+    limit = 2 * sdpa32_error(q1, k1.float(), v1.float(), [n], ref) + 1e-6
+    assert (out[1:].transpose(0, 1)[None].double() - ref).abs().max().item() <= limit
+    with pytest.raises(qkv.Error, match="with a qkv.KVCache as k_cache, v_cache, k_scale and v_scale are None"):
+        plan.run(q, cache, cache)
