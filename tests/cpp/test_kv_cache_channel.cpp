@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_test_support.hpp"
 #include "simd_targets.hpp"
 #include "test_support.hpp"
 
@@ -31,30 +32,12 @@ KVCacheConfig channel_config(int64_t d, int64_t group, bool paged = false, int64
           .key_scales = KeyScales::channel, .group_size = group};
 }
 
-// N(0, 1) keys whose channels 1 and 5 are 20× larger: the outlier channels post-RoPE keys
-// have, which one scale per row handles worst.
+// Keys with outlier channels (cache_test_support.hpp) for this file's caches.
 Tensor<float, 4> outlier_keys(int64_t tokens, int64_t d, std::uint64_t seed) {
-  auto k = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, seed);
-  for (int64_t b = 0; b < kBatch; ++b)
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t h = 0; h < kKvHeads; ++h)
-        for (int64_t c : {1, 5}) k(b, t, h, c % d) *= 20.0f;
-  return k;
+  return test::outlier_keys(kBatch, tokens, kKvHeads, d, seed);
 }
 
-// Appends tokens [from, to) of k and v to every sequence.
-void append_range(KVCache& cache, const Tensor<float, 4>& k, const Tensor<float, 4>& v, int64_t from, int64_t to) {
-  const int64_t d = k.shape()[3];
-  Tensor<float, 4> ks({kBatch, to - from, kKvHeads, d}), vs({kBatch, to - from, kKvHeads, d});
-  for (int64_t b = 0; b < kBatch; ++b)
-    for (int64_t t = from; t < to; ++t)
-      for (int64_t h = 0; h < kKvHeads; ++h)
-        for (int64_t c = 0; c < d; ++c) {
-          ks(b, t - from, h, c) = k(b, t, h, c);
-          vs(b, t - from, h, c) = v(b, t, h, c);
-        }
-  cache.append(ks.cview(), vs.cview());
-}
+using test::append_range;
 
 // Key (b, j, h) as the cache stores it: its integers, row scale, channel scales and zero
 // points; value(c) = row_scale · (ints[c] · channel[c] + zero[c]), in double.
@@ -142,26 +125,9 @@ TEST(KVCacheChannel, StorageDoesNotDependOnHowTokensWereAppended) {
         }
 }
 
-struct Result {
-  Tensor<float, 4> out;
-  Tensor<float, 3> lse;
-};
-
-Result attend(const KVCache& cache, const Tensor<float, 4>& q, Backend backend, int threads) {
-  const auto& s = q.shape();
-  Result r{Tensor<float, 4>({s[0], s[1], s[2], cache.config().v_dim}), Tensor<float, 3>({s[0], s[2], s[1]})};
-  AttentionOptions options;
-  options.causal = Causal::bottom_right;
-  options.execution.backend = backend;
-  options.execution.threads = threads;
-  cache.attend(q.cview(), r.out.view(), r.lse.view(), options);
-  return r;
-}
-
-bool same_bits(const Result& a, const Result& b) {
-  return std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)) == 0 &&
-         std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0;
-}
+using Result = test::AttendResult;
+using test::attend;
+using test::same_bits;
 
 // The error bound of the fp32 kernel against the fp64 reference over the same stored
 // values: a logit's dot product over d terms, summed in lanes and then a tree, is within
@@ -206,12 +172,7 @@ TEST(KVCacheChannel, DecodeMatchesTheReferenceOnEveryTarget) {
         append_range(cache, k, v, 50, tokens);
         for (int64_t q_len : {1, 3}) {
           const auto q = test::random_tensor<float, 4>({kBatch, q_len, 8, d}, 33 + q_len);
-          const Result cpu1 = attend(cache, q, Backend::cpu, 1), cpu2 = attend(cache, q, Backend::cpu, 2);
-          const Result ref = attend(cache, q, Backend::reference, 1);
-          EXPECT_TRUE(same_bits(cpu1, cpu2)) << "threads change the bits, q_len " << q_len;
-          double worst = 0.0;
-          for (std::size_t x = 0; x < ref.out.size(); ++x) worst = std::max(worst, double(std::abs(cpu1.out[x] - ref.out[x])));
-          EXPECT_LE(worst, kernel_bound(cache, q, v)) << "q_len " << q_len;
+          test::expect_kernel_matches_reference(cache, q, kernel_bound(cache, q, v));
         }
       }
   });
@@ -226,22 +187,8 @@ TEST(KVCacheChannel, PagedEqualsContiguousBitwise) {
   KVCache contiguous(channel_config(d, group)), paged32(channel_config(d, group, true, 32)),
       paged16(channel_config(d, group, true, 16));
   // Sequence 1 first into the paged pools, so that its blocks come before sequence 0's.
-  const auto first_of = [&](int64_t b) {
-    Tensor<float, 4> ks({1, 9, kKvHeads, d}), vs({1, 9, kKvHeads, d});
-    for (int64_t t = 0; t < 9; ++t)
-      for (int64_t h = 0; h < kKvHeads; ++h)
-        for (int64_t c = 0; c < d; ++c) {
-          ks(0, t, h, c) = k(b, t, h, c);
-          vs(0, t, h, c) = v(b, t, h, c);
-        }
-    return std::pair{ks, vs};
-  };
   for (KVCache* cache : {&contiguous, &paged32, &paged16})
-    for (int64_t b : {1, 0}) {
-      const auto [ks, vs] = first_of(b);
-      const std::vector<int64_t> seq{b};
-      cache->append(ks.cview(), vs.cview(), seq);
-    }
+    for (int64_t b : {1, 0}) test::append_sequence(*cache, k, v, b, 0, 9);
   for (KVCache* cache : {&contiguous, &paged32, &paged16}) append_range(*cache, k, v, 9, tokens);
   EXPECT_NE(paged16.block_table()[0], 0);  // sequence 0 does not start at block 0
   const auto q = test::random_tensor<float, 4>({kBatch, 2, 8, d}, 43);
@@ -296,12 +243,7 @@ TEST(KVCacheChannel, BeatsRowScalesOnOutlierChannels) {
                                                                        .kv_heads = kKvHeads, .head_dim = d});
   for (KVCache* cache : {&by_row, &by_channel, &exact}) append_range(*cache, k, v, 0, tokens);
   const Result truth = attend(exact, q, Backend::reference, 1);
-  const auto error = [&](const KVCache& cache) {
-    const Result r = attend(cache, q, Backend::cpu, 1);
-    double sum = 0.0;
-    for (std::size_t x = 0; x < r.out.size(); ++x) sum += std::pow(double(r.out[x]) - truth.out[x], 2);
-    return std::sqrt(sum);
-  };
+  const auto error = [&](const KVCache& cache) { return test::l2_distance(attend(cache, q, Backend::cpu, 1).out, truth.out); };
   EXPECT_LT(3.0 * error(by_channel), error(by_row));
 }
 

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_test_support.hpp"
 #include "simd_targets.hpp"
 #include "test_support.hpp"
 
@@ -33,28 +34,12 @@ KVCacheConfig int4_config(int64_t d, int64_t group, int64_t window = 0, bool pag
           .key_scales = KeyScales::channel, .group_size = group, .float_window = window};
 }
 
-// N(0, 1) keys whose channels 1 and 5 are 20× larger (post-RoPE keys' outlier channels).
+// Keys with outlier channels (cache_test_support.hpp) for this file's caches.
 Tensor<float, 4> outlier_keys(int64_t tokens, int64_t d, std::uint64_t seed) {
-  auto k = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, seed);
-  for (int64_t b = 0; b < kBatch; ++b)
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t h = 0; h < kKvHeads; ++h)
-        for (int64_t c : {1, 5}) k(b, t, h, c % d) *= 20.0f;
-  return k;
+  return test::outlier_keys(kBatch, tokens, kKvHeads, d, seed);
 }
 
-// Appends tokens [from, to) of k and v to every sequence.
-void append_range(KVCache& cache, const Tensor<float, 4>& k, const Tensor<float, 4>& v, int64_t from, int64_t to) {
-  const int64_t d = k.shape()[3], dv = v.shape()[3];
-  Tensor<float, 4> ks({kBatch, to - from, kKvHeads, d}), vs({kBatch, to - from, kKvHeads, dv});
-  for (int64_t b = 0; b < kBatch; ++b)
-    for (int64_t t = from; t < to; ++t)
-      for (int64_t h = 0; h < kKvHeads; ++h) {
-        for (int64_t c = 0; c < d; ++c) ks(b, t - from, h, c) = k(b, t, h, c);
-        for (int64_t c = 0; c < dv; ++c) vs(b, t - from, h, c) = v(b, t, h, c);
-      }
-  cache.append(ks.cview(), vs.cview());
-}
+using test::append_range;
 
 // x within half a step of its stored value, the step being (hi − lo) / 15 of the range
 // it was quantized in (the scale rounded to float: a relative 1e-6 more), up to the float
@@ -147,26 +132,9 @@ TEST(KVCacheInt4, TheFloatWindowHoldsTheNewestRowsExactly) {
   }
 }
 
-struct Result {
-  Tensor<float, 4> out;
-  Tensor<float, 3> lse;
-};
-
-Result attend(const KVCache& cache, const Tensor<float, 4>& q, Backend backend, int threads) {
-  const auto& s = q.shape();
-  Result r{Tensor<float, 4>({s[0], s[1], s[2], cache.config().v_dim}), Tensor<float, 3>({s[0], s[2], s[1]})};
-  AttentionOptions options;
-  options.causal = Causal::bottom_right;
-  options.execution.backend = backend;
-  options.execution.threads = threads;
-  cache.attend(q.cview(), r.out.view(), r.lse.view(), options);
-  return r;
-}
-
-bool same_bits(const Result& a, const Result& b) {
-  return std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)) == 0 &&
-         std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0;
-}
+using Result = test::AttendResult;
+using test::attend;
+using test::same_bits;
 
 bool same_storage(const KVCache& a, const KVCache& b) {
   for (int64_t seq = 0; seq < kBatch; ++seq) {
@@ -257,12 +225,7 @@ TEST(KVCacheInt4, DecodeMatchesTheReferenceOnEveryTarget) {
           append_range(cache, k, v, 50, tokens);
           for (int64_t q_len : {1, 3}) {
             const auto q = test::random_tensor<float, 4>({kBatch, q_len, 8, d}, 43 + q_len);
-            const Result cpu1 = attend(cache, q, Backend::cpu, 1), cpu2 = attend(cache, q, Backend::cpu, 2);
-            const Result ref = attend(cache, q, Backend::reference, 1);
-            EXPECT_TRUE(same_bits(cpu1, cpu2)) << "threads change the bits, q_len " << q_len;
-            double worst = 0.0;
-            for (std::size_t x = 0; x < ref.out.size(); ++x) worst = std::max(worst, double(std::abs(cpu1.out[x] - ref.out[x])));
-            EXPECT_LE(worst, kernel_bound(cache, q)) << "q_len " << q_len;
+            test::expect_kernel_matches_reference(cache, q, kernel_bound(cache, q));
           }
         }
   });
@@ -278,15 +241,7 @@ TEST(KVCacheInt4, EmptyAndPartialGroups) {
     const auto k = outlier_keys(5, d, 91);
     const auto v = test::random_tensor<float, 4>({kBatch, 5, kKvHeads, d}, 92);
     KVCache cache(int4_config(d, 16, window));
-    Tensor<float, 4> k1({1, 5, kKvHeads, d}), v1({1, 5, kKvHeads, d});
-    for (int64_t t = 0; t < 5; ++t)
-      for (int64_t h = 0; h < kKvHeads; ++h)
-        for (int64_t c = 0; c < d; ++c) {
-          k1(0, t, h, c) = k(1, t, h, c);
-          v1(0, t, h, c) = v(1, t, h, c);
-        }
-    const std::vector<int64_t> second{1};
-    cache.append(k1.cview(), v1.cview(), second);
+    test::append_sequence(cache, k, v, 1, 0, 5);
     const auto q = test::random_tensor<float, 4>({kBatch, 1, 4, d}, 93);
     const Result cpu = attend(cache, q, Backend::cpu, 1), ref = attend(cache, q, Backend::reference, 1);
     for (int64_t h = 0; h < 4; ++h) {
@@ -308,17 +263,7 @@ TEST(KVCacheInt4, PagedEqualsContiguousBitwise) {
   KVCache contiguous(int4_config(d, group, window)), paged32(int4_config(d, group, window, true, 32)),
       paged16(int4_config(d, group, window, true, 16));
   for (KVCache* cache : {&contiguous, &paged32, &paged16})
-    for (int64_t b : {1, 0}) {  // sequence 1 first: its blocks come before sequence 0's
-      Tensor<float, 4> ks({1, 9, kKvHeads, d}), vs({1, 9, kKvHeads, d});
-      for (int64_t t = 0; t < 9; ++t)
-        for (int64_t h = 0; h < kKvHeads; ++h)
-          for (int64_t c = 0; c < d; ++c) {
-            ks(0, t, h, c) = k(b, t, h, c);
-            vs(0, t, h, c) = v(b, t, h, c);
-          }
-      const std::vector<int64_t> seq{b};
-      cache->append(ks.cview(), vs.cview(), seq);
-    }
+    for (int64_t b : {1, 0}) test::append_sequence(*cache, k, v, b, 0, 9);  // sequence 1's blocks first
   for (KVCache* cache : {&contiguous, &paged32, &paged16}) append_range(*cache, k, v, 9, tokens);
   EXPECT_NE(paged16.block_table()[0], 0);
   EXPECT_TRUE(same_storage(contiguous, paged32));
@@ -378,12 +323,7 @@ TEST(KVCacheInt4, TheWindowBuysAccuracy) {
       exact({.batch = kBatch, .capacity = kCapacity, .kv_heads = kKvHeads, .head_dim = d});
   for (KVCache* cache : {&without, &with, &exact}) append_range(*cache, k, v, 0, tokens);
   const Result truth = attend(exact, q, Backend::reference, 1);
-  const auto error = [&](const KVCache& cache) {
-    const Result r = attend(cache, q, Backend::cpu, 1);
-    double sum = 0.0;
-    for (std::size_t x = 0; x < r.out.size(); ++x) sum += std::pow(double(r.out[x]) - truth.out[x], 2);
-    return std::sqrt(sum);
-  };
+  const auto error = [&](const KVCache& cache) { return test::l2_distance(attend(cache, q, Backend::cpu, 1).out, truth.out); };
   EXPECT_LT(3.0 * error(with), error(without));
 }
 
