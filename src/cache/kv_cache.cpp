@@ -103,15 +103,11 @@ std::uint8_t int4_level(float x, float scale, float lo) {
   return static_cast<std::uint8_t>(std::clamp(q, 0.0, 15.0));
 }
 
-// Packs levels[0, count) two per byte, as qkv/half.hpp's uint4x2 lays them out (an odd
-// last chunk's last high nibble 0).
-void pack_int4(const std::uint8_t* levels, int64_t count, std::uint8_t* out) {
-  const auto n = static_cast<std::size_t>(count);
-  std::fill(out, out + (n + 1) / 2, std::uint8_t{0});
-  for (std::size_t c = 0; c < n; ++c) {
-    const Int4Position at = int4_position(c, n);
-    out[at.byte] = static_cast<std::uint8_t>(out[at.byte] | (at.high ? levels[c] << 4 : levels[c]));
-  }
+// Writes level `level` of channel c of a row of `count` into its nibble (qkv/half.hpp's
+// uint4x2 layout); the row's bytes start zeroed.
+void put_int4(std::uint8_t* row, std::size_t c, std::size_t count, std::uint8_t level) {
+  const Int4Position at = int4_position(c, count);
+  row[at.byte] = static_cast<std::uint8_t>(row[at.byte] | (at.high ? level << 4 : level));
 }
 
 // int4 keys scaled per channel (as store_int8_channel_row, levels 0..15, zero point lo).
@@ -119,10 +115,10 @@ void store_int4_channel_row(const float* src, const float* scale, const float* z
                             std::uint8_t* out, float* row_scale) {
   const bool finite = std::all_of(src, src + count, [](float x) { return std::isfinite(x); });
   *row_scale = finite ? 1.0f : std::numeric_limits<float>::quiet_NaN();
-  std::vector<std::uint8_t> levels(static_cast<std::size_t>(count), 0);
+  const auto n = static_cast<std::size_t>(count);
+  std::fill(out, out + (n + 1) / 2, std::uint8_t{0});
   if (finite)
-    for (int64_t c = 0; c < count; ++c) levels[static_cast<std::size_t>(c)] = int4_level(src[c], scale[c], zero[c]);
-  pack_int4(levels.data(), count, out);
+    for (std::size_t c = 0; c < n; ++c) put_int4(out, c, n, int4_level(src[c], scale[c], zero[c]));
 }
 
 // int4 values: per group of kValueGroup channels, the row's range [lo, hi] in that group
@@ -132,7 +128,8 @@ void store_int4_channel_row(const float* src, const float* scale, const float* z
 void store_int4_value_row(const float* src, int64_t count, std::uint8_t* out, float* scales) {
   const int64_t groups = detail::ceil_div(count, kValueGroup);
   const bool finite = std::all_of(src, src + count, [](float x) { return std::isfinite(x); });
-  std::vector<std::uint8_t> levels(static_cast<std::size_t>(count), 0);
+  const auto n = static_cast<std::size_t>(count);
+  std::fill(out, out + (n + 1) / 2, std::uint8_t{0});
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t from = g * kValueGroup, to = std::min(count, from + kValueGroup);
     if (!finite) {
@@ -144,9 +141,8 @@ void store_int4_value_row(const float* src, int64_t count, std::uint8_t* out, fl
     const float scale = (*hi - *lo) / 15.0f;
     scales[g] = scale;
     scales[groups + g] = *lo;
-    for (int64_t c = from; c < to; ++c) levels[static_cast<std::size_t>(c)] = int4_level(src[c], scale, *lo);
+    for (int64_t c = from; c < to; ++c) put_int4(out, static_cast<std::size_t>(c), n, int4_level(src[c], scale, *lo));
   }
-  pack_int4(levels.data(), count, out);
 }
 
 void store_row(StorageType type, const float* src, int64_t count, void* dst, float* scale) {
