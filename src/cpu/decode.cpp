@@ -61,6 +61,8 @@
 #include "core/score_pipeline.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/decode_plan.hpp"
+#include "cpu/dot_products.hpp"
+#include "cpu/int8_dot.hpp"
 #endif
 
 HWY_BEFORE_NAMESPACE();
@@ -112,8 +114,21 @@ struct DecodeScratch {
   std::vector<const float*> v_groups;
   // A float window: the block's rows in it.
   std::vector<const float*> window_k, window_v;
+  // int8 caches on VNNI (int8_dot.hpp): the tile's query rows as two int8 terms each,
+  // their scales and biases; a block's weights as bytes and its values interleaved.
+  bool vnni;
+  size_t query_ld;
+  std::vector<std::int8_t> query_terms;
+  std::vector<float> query_scales;
+  std::vector<std::int32_t> query_biases;
+  std::vector<std::uint8_t> weight_bytes;
+  std::vector<std::int8_t> value_bytes;
 
-  DecodeScratch(const DecodePlan& plan, const KvSource& kv)
+  int8dot::Queries quantized_queries() {
+    return {query_terms.data(), query_scales.data(), query_biases.data(), query_ld};
+  }
+
+  DecodeScratch(const DecodePlan& plan, const KvSource& kv, bool int8_dots, size_t head_dim, size_t v_dim)
       : queries(AllocateFloats(plan.tile_rows() * plan.d_pad)),
         keys(AllocateFloats(plan.packed ? plan.block_keys * plan.d_pad : 0)),
         values(AllocateFloats(plan.packed ? plan.block_keys * plan.dv_pad : 0)),
@@ -128,7 +143,14 @@ struct DecodeScratch {
         channel_bias(AllocateFloats(kScaledStorage<T> ? plan.group_rows() : 0)),
         split_scores(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * VectorLanes() : 0)),
         v_groups(kGroupedValues<T> ? (kUnitsAhead + 1) * plan.block_keys : 0),
-        window_k(kv.windowed() ? plan.block_keys : 0), window_v(kv.windowed() ? plan.block_keys : 0) {}
+        window_k(kv.windowed() ? plan.block_keys : 0), window_v(kv.windowed() ? plan.block_keys : 0),
+        vnni(int8_dots),
+        query_ld(int8dot::query_ld(head_dim)),
+        query_terms(vnni ? plan.tile_rows() * 2 * query_ld : 0),
+        query_scales(vnni ? plan.tile_rows() : 0),
+        query_biases(vnni ? 2 * plan.tile_rows() : 0),
+        weight_bytes(vnni ? int8dot::weight_bytes(plan.group_rows(), plan.block_keys) : 0),
+        value_bytes(vnni ? int8dot::value_bytes(plan.block_keys, v_dim) : 0) {}
 };
 
 // Entries [keys, padded) of a block's row pointers (and scales) repeat entry keys − 1.
@@ -294,6 +316,7 @@ struct GroupRows {
   size_t count = 0;   // rows: the group's query heads × the tile's queries
   size_t tile = 0;    // queries in the tile (row r is head g·G + r / tile, query r % tile)
   const float* queries = nullptr;  // scale·q, d_pad apart
+  int8dot::Queries quantized;      // int8 caches on VNNI: the same rows as int8 terms
   float* m = nullptr;
   float* l = nullptr;
   float* acc = nullptr;  // dv_pad apart
@@ -323,26 +346,15 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
   const size_t rows = gr.count;
   float* scores = s.scores.get();
 
-  // S[r][j] = (scale·q_r)·k_j for the block's keys, one vector of keys at a time, while
-  // the next unit's rows start on their way from memory.
-  if (kScaled && kv.channel_scaled() && !plan.packed) {
-    if constexpr (kScaled) ChannelScaledScores<T>(kv, plan, task.batch, gr.head, first, keys, rows, gr.queries, k_rows, d,
-                                                  k_ahead, scores, ld, s);
-  } else if (!plan.packed) {
-    for (size_t j = 0; j < padded; j += lanes)
-      ScoreKeys(rows, gr.queries, d_pad, k_rows + j, d, k_ahead.offset(j), scores + j, ld);
-  } else {
+  // int8 caches on VNNI (int8_dot.hpp): both products in place for any head size.
+  constexpr bool kInt8 = kStored && std::is_same_v<T, std::int8_t>;
+  const bool vnni_scores = kInt8 && s.vnni && !kv.channel_scaled();
+  const bool vnni_values = kInt8 && s.vnni;
+  const auto widen_values = [&] {  // packed plans: the V rows widened and padded
     const size_t groups = kGrouped ? static_cast<size_t>(kv.value_groups()) : 0;
     for (size_t j = 0; j < keys; ++j) {
-      float* key = s.keys.get() + j * d_pad;
       float* value = s.values.get() + j * dv_pad;
-      WidenRows(k_rows[j], 0, 1, d, key, d_pad);
       WidenRows(v_rows[j], 0, 1, dv, value, dv_pad);
-      if (kScaled && kv.channel_scaled()) {  // level · channel scale + zero point
-        const float* channel = kv.channel_scales(task.batch, first + static_cast<int64_t>(j), gr.head);
-        const float* zero = kv.channel_zeros(task.batch, first + static_cast<int64_t>(j), gr.head);
-        for (size_t c = 0; c < d; ++c) key[c] = key[c] * channel[c] + (zero != nullptr ? zero[c] : 0.0f);
-      }
       if constexpr (kGrouped) {  // level · s + z of the channel's group
         const float* group = v_groups[j];
         for (size_t c = 0; c < dv; ++c) {
@@ -351,10 +363,33 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
         }
       }
     }
-    for (size_t j = 0; j < padded; ++j) {
-      s.k_packed[j] = s.keys.get() + std::min(j, keys - 1) * d_pad;
-      s.v_packed[j] = s.values.get() + std::min(j, keys - 1) * dv_pad;
+    for (size_t j = 0; j < padded; ++j) s.v_packed[j] = s.values.get() + std::min(j, keys - 1) * dv_pad;
+  };
+
+  // S[r][j] = (scale·q_r)·k_j for the block's keys, one vector of keys at a time, while
+  // the next unit's rows start on their way from memory.
+  if (vnni_scores) {
+    if constexpr (kInt8)
+      int8dot::Scores(rows, gr.quantized, k_rows, d, padded, scores, ld,
+                      {reinterpret_cast<const void* const*>(k_ahead.rows), k_ahead.count, k_ahead.bytes});
+  } else if (kScaled && kv.channel_scaled() && !plan.packed) {
+    if constexpr (kScaled) ChannelScaledScores<T>(kv, plan, task.batch, gr.head, first, keys, rows, gr.queries, k_rows, d,
+                                                  k_ahead, scores, ld, s);
+  } else if (!plan.packed) {
+    for (size_t j = 0; j < padded; j += lanes)
+      ScoreKeys(rows, gr.queries, d_pad, k_rows + j, d, k_ahead.offset(j), scores + j, ld);
+  } else {
+    for (size_t j = 0; j < keys; ++j) {
+      float* key = s.keys.get() + j * d_pad;
+      WidenRows(k_rows[j], 0, 1, d, key, d_pad);
+      if (kScaled && kv.channel_scaled()) {  // level · channel scale + zero point
+        const float* channel = kv.channel_scales(task.batch, first + static_cast<int64_t>(j), gr.head);
+        const float* zero = kv.channel_zeros(task.batch, first + static_cast<int64_t>(j), gr.head);
+        for (size_t c = 0; c < d; ++c) key[c] = key[c] * channel[c] + (zero != nullptr ? zero[c] : 0.0f);
+      }
     }
+    for (size_t j = 0; j < padded; ++j) s.k_packed[j] = s.keys.get() + std::min(j, keys - 1) * d_pad;
+    if (!vnni_values) widen_values();
     for (size_t j = 0; j < padded; j += lanes)
       ScoreKeys(rows, gr.queries, d_pad, s.k_packed.data() + j, d_pad, Ahead<float>{}, scores + j, ld);
   }
@@ -422,6 +457,15 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
   if constexpr (kStored && kRowScaledValues<T>) {
     for (size_t r = 0; r < rows; ++r) MultiplyTile(scores + r * ld, v_scale, padded);
   }
+  if (vnni_values) {
+    if constexpr (kInt8) {
+      if (int8dot::AddWeighted(rows, scores, ld, padded, v_rows, dv, s.alpha.get(), gr.acc, dv_pad,
+                               s.weight_bytes.data(), s.value_bytes.data(),
+                               {reinterpret_cast<const void* const*>(v_ahead.rows), v_ahead.count, v_ahead.bytes}))
+        return;
+    }
+    if (plan.packed) widen_values();  // a NaN weight: the float arithmetic carries it
+  }
   if (plan.packed) {
     ValueBlock(rows, scores, ld, keys, s.v_packed.data(), dv_pad, Ahead<float>{}, s.alpha.get(), gr.acc, dv_pad);
   } else if constexpr (kGrouped) {  // int4: each V vector dequantized in registers
@@ -467,6 +511,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
       for (size_t c = 0; c < d; ++c) row[c] = scale * q[c];
       std::fill(row + d, row + d_pad, 0.0f);
     }
+  if (s.vnni) int8dot::QuantizeQueries(s.queries.get(), all_rows, d_pad, d, s.quantized_queries());
   std::fill(chunk.m, chunk.m + all_rows, kMinusInf);
   std::fill(chunk.l, chunk.l + all_rows, 0.0f);
   std::fill(chunk.acc, chunk.acc + all_rows * dv_pad, 0.0f);
@@ -514,6 +559,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
     for (int64_t g = 0; g < e.kv_heads; ++g, ++unit) {
       const size_t row0 = static_cast<size_t>(g) * group_rows;  // first row of the group
       const GroupRows gr{.head = g, .count = group_rows, .tile = tile, .queries = s.queries.get() + row0 * d_pad,
+                         .quantized = s.vnni ? s.quantized_queries().rows_from(row0) : int8dot::Queries{},
                          .m = chunk.m + row0, .l = chunk.l + row0, .acc = chunk.acc + row0 * dv_pad,
                          .key_begin = key_begin, .key_end = key_end, .max_begin = key_begin[tile - 1],
                          .min_end = key_end[0]};
@@ -597,15 +643,19 @@ void RunDecode(const Problem& p, const KvSource& kv, const DecodePlan& plan) {
   if (plan.units.empty()) return;
   hwy::AlignedFreeUniquePtr<float[]> states = AllocateFloats(plan.state_floats);
   const int threads = plan.threads(p.threads);
+  // int8 caches: VNNI where the precision and the switch allow (this may throw: here,
+  // outside the parallel region). Its blocks of keys must be whole groups of 4.
+  const bool int8_dots = std::is_same_v<T, std::int8_t> && VectorLanes() % 4 == 0 && int8_dot_products(p.precision);
+  const size_t d = static_cast<size_t>(p.extents.head_dim), dv = static_cast<size_t>(p.extents.v_dim);
   if (threads <= 1) {  // no parallel region for work one thread does best
-    DecodeScratch<T> scratch(plan, kv);
+    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv);
     for (const DecodeTask& task : plan.tasks) DecodeChunk<T>(p, kv, plan, task, scratch, states.get());
     for (const DecodeUnit& unit : plan.units) MergeChunks(p, plan, unit, states.get(), scratch.merged.get());
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
-    DecodeScratch<T> scratch(plan, kv);
+    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < plan.order.size(); ++t)
       DecodeChunk<T>(p, kv, plan, plan.tasks[plan.order[t]], scratch, states.get());

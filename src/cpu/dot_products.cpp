@@ -72,6 +72,34 @@ bool bf16_dot_products(Precision precision) {
   return cpu_has_bf16_dot() && (choice == Choice::on || bf16_dot_pays());
 }
 
+bool cpu_has_int8_dot() {
+#if defined(__x86_64__)
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return has;
+#else
+  return false;  // int8_dot.cpp has kernels for x86-64 only (NEON's sdot would be its own file)
+#endif
+}
+
+bool int8_dot_pays() {
+  // Not yet anywhere measured. vpdpbusd does 4× the fp32 FMAs' multiply-adds here (682
+  // GOP/s against 171 GFLOP/s on one Emerald Rapids core), and the VNNI decode is 1.07–1.55×
+  // the float32 one while the cache sits in L2 (1024 keys, 64/8 and 32/8 heads), but from
+  // DRAM (32k keys) it measured 0.75–1.0×: there the kernel waits on rows, not on
+  // arithmetic (bench/RESULTS.md §10). Until a schedule that streams as well as the float
+  // one is built, Precision::fast keeps the float32 arithmetic unless forced.
+  return false;
+}
+
+bool int8_dot_products(Precision precision) {
+  const Choice choice = current_choice();
+  if (choice == Choice::on && !cpu_has_int8_dot())
+    throw Error("QKV_DOT_PRODUCTS=on: this CPU has no AVX512-VNNI dot products");
+  if (precision == Precision::exact || choice == Choice::off) return false;
+  return cpu_has_int8_dot() && (choice == Choice::on || int8_dot_pays());
+}
+
 void set_dot_products_for_test(std::optional<bool> forced) {
   forced_for_test.store(forced ? (*forced ? 1 : 0) : -1, std::memory_order_relaxed);
 }
@@ -79,5 +107,7 @@ void set_dot_products_for_test(std::optional<bool> forced) {
 const char* bf16_arithmetic_name() {
   return bf16_dot_products(Precision::fast) ? "bf16-dot" : "fp32-fma";
 }
+
+const char* int8_arithmetic_name() { return int8_dot_products(Precision::fast) ? "int8-dot" : "fp32-fma"; }
 
 }  // namespace qkv::cpu

@@ -1,9 +1,10 @@
 // Whether the fused kernels may use the CPU's dot-product units (AVX512-BF16's
-// vdpbf16ps for bfloat16 storage): detected once per process, switchable for tests.
+// vdpbf16ps for bfloat16 storage, AVX512-VNNI's vpdpbusd for decode over int8 caches):
+// detected once per process, switchable for tests.
 //
 // A call uses them when its options.precision is Precision::fast, its storage type has
 // such a unit here, the unit is faster than the float32 FMAs it replaces on this CPU
-// (bf16_dot_pays) and the switch allows it. The switch is the environment variable
+// (bf16_dot_pays, int8_dot_pays) and the switch allows it. The switch is the environment variable
 // QKV_DOT_PRODUCTS (read once, at the first kernel call; case-insensitive):
 //   auto (or unset)  use them where the CPU has them and they pay
 //   off              never: every call computes as Precision::exact does
@@ -30,6 +31,16 @@ bool bf16_dot_pays();
 // lacks, or QKV_DOT_PRODUCTS holds another word.
 bool bf16_dot_products(Precision precision);
 
+// Whether this CPU (and OS) runs the AVX512-VNNI kernels (int8_dot.hpp).
+bool cpu_has_int8_dot();
+
+// Whether the VNNI decode beats the float32 one here (no CPU yet: see dot_products.cpp).
+bool int8_dot_pays();
+
+// Whether a decode call with this precision over an int8 cache takes the VNNI kernels.
+// Throws as bf16_dot_products does (QKV_DOT_PRODUCTS=on where the CPU has no VNNI).
+bool int8_dot_products(Precision precision);
+
 // Tests: nullopt restores the environment's choice; true / false force either path
 // (true on a CPU without the units makes calls throw, as QKV_DOT_PRODUCTS=on does).
 void set_dot_products_for_test(std::optional<bool> forced);
@@ -37,5 +48,7 @@ void set_dot_products_for_test(std::optional<bool> forced);
 // "bf16-dot" or "fp32-fma": what a bfloat16 call in the default precision runs, for
 // benchmarks and `qkv bench`.
 const char* bf16_arithmetic_name();
+// "int8-dot" or "fp32-fma": the same for decode over int8 caches.
+const char* int8_arithmetic_name();
 
 }  // namespace qkv::cpu

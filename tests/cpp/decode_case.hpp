@@ -182,7 +182,7 @@ struct Outputs {
 };
 
 template <class T>
-Outputs run_decode(const DecodeCase<T>& dc, const DecodeSpec& s, int threads) {
+Outputs run_decode(const DecodeCase<T>& dc, const DecodeSpec& s, int threads, Precision precision = Precision::fast) {
   Outputs r{Tensor<float, 4>({s.batch, s.q_len, s.q_heads, s.v_dim}), Tensor<float, 3>({s.batch, s.q_heads, s.q_len})};
   DecodeOptions options;
   options.causal = s.causal;
@@ -191,6 +191,7 @@ Outputs run_decode(const DecodeCase<T>& dc, const DecodeSpec& s, int threads) {
   options.softcap = s.softcap;
   options.alibi_slopes = dc.alibi_slopes;
   options.sinks = dc.sinks;
+  options.precision = precision;
   decode(dc.args(r.out, r.lse), options);
   return r;
 }
