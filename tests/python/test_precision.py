@@ -100,3 +100,44 @@ def test_forced_bf16_dot_products_within_torch_error():
     env = dict(os.environ, QKV_DOT_PRODUCTS="on")
     run = subprocess.run([sys.executable, "-c", FORCED], env=env, capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+FORCED_INT8 = r"""
+import numpy as np, torch, qkv
+torch.manual_seed(3)
+batch, hq, hkv, d, n, t = 2, 8, 2, 128, 300, 2
+cache = qkv.KVCache(batch, 320, hkv, d, dtype="int8", paged=True, block_size=16)
+cache.append(torch.randn(batch, hkv, n, d), torch.randn(batch, hkv, n, d))
+q = torch.randn(batch, hq, t, d)
+fast = cache.attend(q, causal="none").double()
+exact = cache.attend(q, causal="none", precision="exact").double()
+assert not torch.equal(fast, exact), "the int8 dot products never ran"
+scale = d ** -0.5
+for seq in range(batch):
+    ks, vs = (torch.from_numpy(x).double() for x in cache.stored(seq))  # [Hkv, n, d]
+    kq, vq = ks.repeat_interleave(hq // hkv, 0), vs.repeat_interleave(hq // hkv, 0)
+    logits = scale * q[seq].double() @ kq.transpose(1, 2)  # each query sees every key here
+    ref = torch.softmax(logits, -1) @ vq
+    # tests/cpp/test_int8_dot.cpp's bound: the query split moves each logit by at most
+    # (max|scale·q|/127/508)·Σ|k|, the weights' split the output by max|v|·64/(255·510).
+    step = (scale * q[seq].double()).abs().amax(-1, keepdim=True) / 127
+    delta = (step / 508 * kq.abs().sum(-1).unsqueeze(1)).max().item()
+    max_v = vs.abs().max().item()
+    bound = (np.exp(2 * delta) - 1) * max_v + max_v * 64 / (255 * 510) + 1e-5 * max(1.0, ref.abs().max().item())
+    torch_err = (torch.softmax(logits.float(), -1) @ vq.float()).double().sub(ref).abs().max().item()
+    assert (fast[seq] - ref).abs().max().item() <= torch_err + bound, ((fast[seq] - ref).abs().max(), torch_err, bound)
+    assert (exact[seq] - ref).abs().max().item() <= 4 * torch_err + 1e-6
+print("ok")
+"""
+
+
+def test_forced_int8_dot_products_within_their_bound():
+    """Decode over an int8 cache on VNNI (forced: Precision.fast does not take it on any
+    CPU yet, README "Numerics"): against float64 attention over the cache's stored
+    values, within PyTorch's float32 error plus the two-term split's derived bound."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        if "avx512_vnni" not in cpuinfo.read():
+            pytest.skip("no AVX512-VNNI on this CPU")
+    env = dict(os.environ, QKV_DOT_PRODUCTS="on")
+    run = subprocess.run([sys.executable, "-c", FORCED_INT8], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
