@@ -149,9 +149,10 @@ void score_rows(const Queries& q, const __m512i* keys, std::size_t quads, std::s
   }
 }
 
-// Weight scratch: the rows' steps t_r (floats, one zmm-aligned run), then per row its hi
+// Weight scratch: the rows' steps t_r, each as t_r·2^e and 2^−e (e = 100 for weights near
+// the subnormals, where t_r itself would keep a few bits; else 0), then per row its hi
 // bytes and its lo bytes, `keys` each.
-std::size_t steps_bytes(std::size_t rows) { return (rows * sizeof(float) + 63) / 64 * 64; }
+std::size_t steps_bytes(std::size_t rows) { return (2 * rows * sizeof(float) + 63) / 64 * 64; }
 
 // Rows r < R of one 64-channel block cb: Σ_j P'_rj v_j from the interleaved values, then
 // acc_r = acc_r·alpha_r + that, channels < dv.
@@ -179,8 +180,10 @@ void weighted_tile(std::size_t keys, const std::uint8_t* const* hi, const std::u
   for (std::size_t r = 0; r < R; ++r) {
     __m512 f[4];
     for (std::size_t k = 0; k < 4; ++k)
-      f[k] = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_lo[r][k]), lo_unit, _mm512_cvtepi32_ps(sum_hi[r][k])),
-                           _mm512_set1_ps(step[r]));
+      f[k] = _mm512_mul_ps(_mm512_mul_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_lo[r][k]), lo_unit,
+                                                         _mm512_cvtepi32_ps(sum_hi[r][k])),
+                                         _mm512_set1_ps(step[2 * r])),
+                           _mm512_set1_ps(step[2 * r + 1]));
     // f[k]'s 128-bit lane L holds channels 16L + 4k .. 16L + 4k + 3: transpose the lanes.
     const __m512 t0 = _mm512_shuffle_f32x4(f[0], f[1], 0x44), t1 = _mm512_shuffle_f32x4(f[2], f[3], 0x44);
     const __m512 t2 = _mm512_shuffle_f32x4(f[0], f[1], 0xEE), t3 = _mm512_shuffle_f32x4(f[2], f[3], 0xEE);
@@ -215,11 +218,11 @@ void QuantizeQueries(const float* q, std::size_t rows, std::size_t q_ld, std::si
     std::int32_t sum_hi = 0, sum_lo = 0;
     for (std::size_t c = 0; c < d; ++c) {
       std::int8_t h = 0, l = 0;
-      if (usable) {
-        const float t = in[c] * (127.0f / largest);
-        const float rounded = std::clamp(std::nearbyint(t), -127.0f, 127.0f);
+      if (usable) {  // in double: 127/largest overflows float for a subnormal largest
+        const double t = static_cast<double>(in[c]) * (127.0 / static_cast<double>(largest));
+        const double rounded = std::clamp(std::nearbyint(t), -127.0, 127.0);
         h = static_cast<std::int8_t>(rounded);
-        l = static_cast<std::int8_t>(std::clamp(std::nearbyint((t - rounded) * 254.0f), -127.0f, 127.0f));
+        l = static_cast<std::int8_t>(std::clamp(std::nearbyint((t - rounded) * 254.0), -127.0, 127.0));
       }
       hi[c] = h;
       lo[c] = l;
@@ -285,18 +288,25 @@ bool AddWeighted(std::size_t rows, const float* p, std::size_t p_ld, std::size_t
       largest = _mm512_max_ps(largest, x);
     }
     if (bad != 0) return false;
-    step[r] = _mm512_reduce_max_ps(largest) / 255.0f;
+    step[2 * r] = _mm512_reduce_max_ps(largest);  // the row's largest weight until below
   }
-  // hi = ⌊P'/t⌋, lo = round((P'/t − hi)·255), both clamped to [0, 255].
+  // hi = ⌊P'/t⌋, lo = round((P'/t − hi)·255), both clamped to [0, 255]. A block far below
+  // the row's maximum (logits ~90 under it: long ALiBi distances) has weights near the
+  // subnormals, where 1/t overflows: they are scaled by 2¹⁰⁰ first (exactly).
   const __m512 top = _mm512_set1_ps(255.0f);
   for (std::size_t r = 0; r < rows; ++r) {
     const float* row = p + r * p_ld;
     std::uint8_t* hi = bytes + 2 * r * keys;
     std::uint8_t* lo = hi + keys;
-    const __m512 inverse = _mm512_set1_ps(step[r] > 0.0f ? 1.0f / step[r] : 0.0f);
+    const float largest = step[2 * r];
+    const float pre = largest < 0x1p-100f ? 0x1p100f : 1.0f;
+    step[2 * r] = largest * pre / 255.0f;
+    step[2 * r + 1] = 1.0f / pre;
+    const __m512 lift = _mm512_set1_ps(pre);
+    const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 255.0f / (largest * pre) : 0.0f);
     for (std::size_t j = 0; j < keys; j += 16) {
       const __mmask16 m = lanes_below(keys - j);
-      const __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inverse);
+      const __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), lift), inverse);
       const __m512 h = _mm512_min_ps(_mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), top);
       const __m512 l = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(t, h), top), zero), top);
       _mm512_mask_cvtusepi32_storeu_epi8(hi + j, m, _mm512_cvtps_epu32(h));
@@ -326,9 +336,9 @@ bool AddWeighted(std::size_t rows, const float* p, std::size_t p_ld, std::size_t
       const std::uint8_t* lo[2] = {hi[0] + keys, hi[1] + keys};
       float* out[2] = {acc + r * acc_ld, acc + std::min(r + 1, rows - 1) * acc_ld};
       if (r + 2 <= rows) {
-        weighted_tile<2>(keys, hi, lo, step + r, value_scratch, blocks, cb, dv, alpha + r, out);
+        weighted_tile<2>(keys, hi, lo, step + 2 * r, value_scratch, blocks, cb, dv, alpha + r, out);
       } else {
-        weighted_tile<1>(keys, hi, lo, step + r, value_scratch, blocks, cb, dv, alpha + r, out);
+        weighted_tile<1>(keys, hi, lo, step + 2 * r, value_scratch, blocks, cb, dv, alpha + r, out);
       }
     }
   return true;

@@ -14,7 +14,8 @@
 //   at most max|v|·kDecodeMaxBlockKeys/(255·510).
 //   plus the float32 noise of either arithmetic (1e-5·max(1, max|out|)).
 //
-// Also: every SIMD target, thread counts bitwise, odd head dims (masked loads where the float path packs),
+// Also: the P·V kernel alone against float64 (subnormal weights, dv tails), every SIMD
+// target, thread counts bitwise, odd head dims (masked loads where the float path packs),
 // paged caches, variants, NaN value rows (visible: NaN reaches exactly the rows that see
 // them; hidden: nothing), Precision::exact and the switch off unchanged, and that the
 // path really runs.
@@ -25,10 +26,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "cpu/decode_plan.hpp"  // kDecodeMaxBlockKeys
 #include "cpu/dot_products.hpp"
+#include "cpu/int8_dot.hpp"
 #include "decode_case.hpp"
 #include "half_check.hpp"  // ForcedDotProducts
 #include "simd_targets.hpp"
@@ -172,6 +175,55 @@ TEST(Int8Dot, NonFiniteValueRowsReachOnlyTheRowsThatSeeThem) {
           }
         }
       }
+}
+
+// The P·V kernel alone against float64, on weights decode can produce: ordinary ones,
+// a row whose largest weight is below float's smallest normal (P·v_scale of a cache whose
+// values are ~1e-38, or a block ~90 logits under an earlier block's maximum), an all-zero
+// row; dv not
+// a multiple of 64 (the channel order restored after the interleave, nothing written
+// past dv). Bound per element: Σ_j |v_j|·t/510 (the split) + float32 rounding.
+TEST(Int8Dot, WeightedValuesAgainstFloat64) {
+  QKV_REQUIRE_VNNI();
+  const std::size_t rows = 3, keys = 24, dv = 80, acc_ld = 96;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::vector<std::int8_t> values(keys * dv);
+  for (auto& x : values) x = static_cast<std::int8_t>(static_cast<int>(rng() % 255) - 127);
+  std::vector<const std::int8_t*> v(keys);
+  for (std::size_t j = 0; j < keys; ++j) v[j] = values.data() + j * dv;
+  std::vector<float> p(rows * keys), alpha{0.5f, 1.0f, 0.25f}, acc(rows * acc_ld);
+  for (std::size_t j = 0; j < keys; ++j) {
+    p[j] = unit(rng);
+    p[keys + j] = unit(rng) * 1e-40f;  // subnormal weights
+    p[2 * keys + j] = 0.0f;
+  }
+  for (auto& x : acc) x = unit(rng) - 0.5f;
+  std::fill(acc.begin() + acc_ld, acc.begin() + 2 * acc_ld, 0.0f);  // row 1: only its tiny sum, no cover
+  const std::vector<float> before = acc;
+  std::vector<std::uint8_t> weights(cpu::int8dot::weight_bytes(rows, keys));
+  std::vector<std::int8_t> interleaved(cpu::int8dot::value_bytes(keys, dv));
+  ASSERT_TRUE(cpu::int8dot::AddWeighted(rows, p.data(), keys, keys, v.data(), dv, alpha.data(), acc.data(), acc_ld,
+                                        weights.data(), interleaved.data(), {}));
+  for (std::size_t r = 0; r < rows; ++r) {
+    double largest = 0.0;
+    for (std::size_t j = 0; j < keys; ++j) largest = std::max(largest, double{p[r * keys + j]});
+    for (std::size_t c = 0; c < acc_ld; ++c) {
+      const double old = before[r * acc_ld + c];
+      if (c >= dv) {
+        EXPECT_EQ(acc[r * acc_ld + c], before[r * acc_ld + c]) << "written past dv: " << r << " " << c;
+        continue;
+      }
+      double sum = 0.0, norm1 = 0.0;
+      for (std::size_t j = 0; j < keys; ++j) {
+        sum += double{p[r * keys + j]} * values[j * dv + c];
+        norm1 += std::abs(static_cast<double>(values[j * dv + c]));
+      }
+      const double want = old * alpha[r] + sum;
+      const double bound = norm1 * largest / 255.0 / 510.0 + 1e-6 * (std::abs(old) + std::abs(sum)) + 1e-45 * norm1;
+      EXPECT_NEAR(acc[r * acc_ld + c], want, bound) << r << " " << c;
+    }
+  }
 }
 
 // Precision::exact, and the switch off, keep the float32 arithmetic over int8 caches.
