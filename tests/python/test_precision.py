@@ -93,13 +93,19 @@ print("ok")
 """
 
 
-def test_forced_bf16_dot_products_within_torch_error():
+def run_forced(script, cpu_flag, unit):
+    """Runs `script` in a subprocess with QKV_DOT_PRODUCTS=on (read once per process),
+    skipped where /proc/cpuinfo lacks `cpu_flag`; the script prints "ok"."""
     with open("/proc/cpuinfo") as cpuinfo:
-        if "avx512_bf16" not in cpuinfo.read():
-            pytest.skip("no AVX512-BF16 on this CPU")
+        if cpu_flag not in cpuinfo.read():
+            pytest.skip(f"no {unit} on this CPU")
     env = dict(os.environ, QKV_DOT_PRODUCTS="on")
-    run = subprocess.run([sys.executable, "-c", FORCED], env=env, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+def test_forced_bf16_dot_products_within_torch_error():
+    run_forced(FORCED, "avx512_bf16", "AVX512-BF16")
 
 
 FORCED_INT8 = r"""
@@ -135,9 +141,4 @@ def test_forced_int8_dot_products_within_their_bound():
     """Decode over an int8 cache on VNNI (forced: Precision.fast does not take it on any
     CPU yet, README "Numerics"): against float64 attention over the cache's stored
     values, within PyTorch's float32 error plus the two-term split's derived bound."""
-    with open("/proc/cpuinfo") as cpuinfo:
-        if "avx512_vnni" not in cpuinfo.read():
-            pytest.skip("no AVX512-VNNI on this CPU")
-    env = dict(os.environ, QKV_DOT_PRODUCTS="on")
-    run = subprocess.run([sys.executable, "-c", FORCED_INT8], env=env, capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+    run_forced(FORCED_INT8, "avx512_vnni", "AVX512-VNNI")
