@@ -23,6 +23,9 @@
 // already; with bfloat16/float16 storage the Q and dO row operands are packed as float
 // copies too, and each K/V block is widened once per task and key block into per-thread
 // scratch (float K and V are read in place). dQ, dK, dV are rounded to T once.
+// bfloat16 in Precision::fast where the CPU's dot products pay (dot_products.hpp): all
+// five block products on AVX512-BF16 (bf16_dot.hpp) from pair panels packed once per
+// query block (Packed) and per key block (K), P and dS as one bfloat16 term each.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -50,9 +53,11 @@
 #include "cpu/block_mask.hpp"
 #include "cpu/finite_scan.hpp"
 #include "cpu/mask_tiles.hpp"
+#include "cpu/bf16_dot.hpp"
 #include "cpu/blocking.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/decode.hpp"
+#include "cpu/dot_products.hpp"
 #include "cpu/work_order.hpp"
 #endif
 
@@ -60,6 +65,15 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
 
 namespace {
+
+// How the backward's dot products take P (in dV) and dS (in dK, dQ): one bfloat16 term
+// each, as PyTorch's bf16 backward does. Measured (bench/RESULTS.md §10, 2026-12-02, Zen
+// 5), the gradients' error against fp64 stays below PyTorch bf16's on every row
+// (1.3–3.6× below), while two terms (bf16_dot.hpp) would make the backward slower than
+// its float32 arithmetic. The forward keeps two terms: there one term measured above
+// PyTorch's error on a row (a single rounding of out dominates both, so P's rounding
+// decides it).
+constexpr bf16dot::Terms kBackwardTerms = bf16dot::Terms::one;
 
 // A B-operand: row-major rows `ld` floats apart, each padded to whole vectors.
 struct Rows {
@@ -82,6 +96,9 @@ struct BackwardScratch {
   std::vector<int32_t> key_begin, key_end;  // width (0 past the block's queries)
   std::vector<uint32_t> dropout_keys;       // width: dropout row keys of the block
   SplitKLogits split_k;                     // the split-K schedule's logits (Context::split_k_logits)
+  // bfloat16 with dot products (Packed::dots): Pᵀ or dSᵀ paired along queries (the left
+  // operand of dV and dK), dSᵀ paired across keys (of dQ), K paired across keys.
+  std::vector<uint32_t> along_pairs, across_pairs, k_pairs;
 
   // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass); split_k_head_dim: the
   // head dim when the logits are the split-K schedule's, else 0.
@@ -100,7 +117,10 @@ struct BackwardScratch {
         key_begin(width, 0),
         key_end(width, 0),
         dropout_keys(width, 0),
-        split_k(split_k_head_dim, kBlockQueries, kBlockKeys, split_k_head_dim > 0) {
+        split_k(split_k_head_dim, kBlockQueries, kBlockKeys, split_k_head_dim > 0),
+        along_pairs(packed.dots ? 2 * kBlockKeys * (kBlockQueries / 2) : 0),
+        across_pairs(packed.dots ? 2 * (kBlockKeys / 2) * bf16dot::pair_ld(kBlockQueries) : 0),
+        k_pairs(packed.dots ? kBlockKeys / 2 * packed.q_row_pair_ld : 0) {
     // Padding columns never get a derivative; ChainScoreMod ignores them (dS = 0 there),
     // but they should not be read uninitialized.
     if (score_mod) std::fill(mod_slope.get(), mod_slope.get() + kBlockKeys * width, 1.0f);
@@ -146,6 +166,13 @@ KeyValueRows LoadKeyValues(const Context<T>& c, int64_t b, int64_t kv_head, int6
               c.packed.d_ld);
     WidenRows(v, v_row, kn, static_cast<size_t>(c.p.extents.v_dim), s.v_wide.get(),
               c.packed.dv_ld);
+    // The float rows stay for the rare paths (a partial tile whose removed keys hold
+    // NaN/Inf); the dot products read K's pairs and K, V themselves.
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (c.packed.dots)
+        bf16dot::PackRowPairs(k, k_row, kn, static_cast<size_t>(c.p.extents.head_dim), s.k_pairs.data(),
+                              c.packed.q_row_pair_ld);
+    }
     return {s.k_pad.get(), c.packed.d_ld, s.v_wide.get(), c.packed.dv_ld, true};
   } else {
     return {k, static_cast<size_t>(k_row), v, static_cast<size_t>(v_row), false};
@@ -189,7 +216,15 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
                      static_cast<int64_t>(kv.k_ld), kn, s.pt.get(), width);
     }
   }
-  if (!split_k_logits)
+  const auto access = p.rows();
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (c.packed.dots)  // the forward's scores bit for bit (bf16_dot.hpp), K read in place
+      bf16dot::ScoresTransposed(access.k(rows.batch, first_key, e.kv_head_of(rows.head)), p.args.k.strides[1], kn,
+                                static_cast<size_t>(e.head_dim),
+                                c.packed.q_pairs_block(rows.batch, rows.head, rows.first), kBlockQueries, width,
+                                static_cast<float>(p.scale), s.pt.get(), width);
+  }
+  if (!split_k_logits && !c.packed.dots)
     Gemm(kn, width, static_cast<size_t>(e.head_dim), StridedA{kv.k, kv.k_ld, 1},
          c.packed.qt_block(rows.batch, rows.head, rows.first), kBlockQueries, s.pt.get(), width,
          false);
@@ -205,9 +240,17 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
                                                 .mod_slope = s.mod_slope.get()});
   ProbabilitiesFromLse(s.pt.get(), kn, width, c.packed.lse_of(rows.batch, rows.head) + offset);
 
-  Gemm(kn, width, static_cast<size_t>(e.v_dim), StridedA{kv.v, kv.v_ld, 1},
-       c.packed.dot_block(rows.batch, rows.head, rows.first), kBlockQueries, s.dst.get(), width,
-       false);
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (c.packed.dots)  // dPᵀ = V·dOᵀ: products of bfloat16 values, exact in float32
+      bf16dot::ScoresTransposed(access.v(rows.batch, first_key, e.kv_head_of(rows.head)), p.args.v.strides[1], kn,
+                                static_cast<size_t>(e.v_dim),
+                                c.packed.dout_pairs_block(rows.batch, rows.head, rows.first), kBlockQueries, width,
+                                1.0f, s.dst.get(), width);
+  }
+  if (!c.packed.dots)
+    Gemm(kn, width, static_cast<size_t>(e.v_dim), StridedA{kv.v, kv.v_ld, 1},
+         c.packed.dot_block(rows.batch, rows.head, rows.first), kBlockQueries, s.dst.get(), width,
+         false);
   // Dropout: the forward summed P·Z·V, so dP = Z ⊙ (dO·Vᵀ), and dV takes P·Z (below).
   const bool dropout = mods.has_dropout();
   const uint32_t threshold = detail::dropout_threshold(mods.dropout.p);
@@ -228,6 +271,16 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
   return width;
 }
 
+// c += tᵀ-rows · b over the block's queries with dot products: t is Pᵀ or dSᵀ (kn rows
+// of `width` floats, columns < count), b a query block's rows paired across queries.
+inline void AddAlongQueries(const float* t, size_t width, size_t kn, size_t count, const uint32_t* b,
+                            size_t b_ld, size_t n, float* c, size_t c_ld, BackwardScratch& s) {
+  constexpr size_t a_ld = kBlockQueries / 2;
+  bf16dot::PairsAlongRows(t, width, kn, count, kBackwardTerms, s.along_pairs.data(), a_ld);
+  const bf16dot::LeftPairs a{s.along_pairs.data(), a_ld, 1, kBackwardTerms, kn * a_ld};
+  bf16dot::AddProduct(a, kn, (count + 1) / 2, b, b_ld, n, c, c_ld);
+}
+
 // dQ_rows += dS·K_blk for the tile just scored (dS read in place from dSᵀ in s.dst).
 template <class T>
 void AccumulateQueryGradient(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
@@ -243,6 +296,13 @@ void AccumulateQueryGradient(const Context<T>& c, const QueryRows& rows, detail:
   if (tile == detail::Tile::partial &&
       !c.finite.keys(rows.batch, kv_head, first_key / kBlockKeys)) {
     AccumulateSkippingZeros(s.dst.get(), width, count, kn, k, k_row, d, dq_rows, packed.d_ld);
+    return;
+  }
+  if (packed.dots) {  // dS in bfloat16 pairs across keys (kBackwardTerms), K's pairs
+    const size_t p_ld = bf16dot::pair_ld(kBlockQueries);
+    bf16dot::PairsAcrossRows(s.dst.get(), width, kn, count, kBackwardTerms, s.across_pairs.data(), p_ld);
+    const bf16dot::LeftPairs ds{s.across_pairs.data(), 1, p_ld, kBackwardTerms, (kn + 1) / 2 * p_ld};
+    bf16dot::AddProduct(ds, count, (kn + 1) / 2, s.k_pairs.data(), packed.q_row_pair_ld, d, dq_rows, packed.d_ld);
     return;
   }
   const float* k_operand = k;
@@ -325,12 +385,19 @@ void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
       const size_t width = ScoreBlock(c, rows, tile, kv, first_key, keys, s, alibi_sum);
       const size_t count = static_cast<size_t>(rows.count);
       // dV += Pᵀ·dO_blk and dK += dSᵀ·Q_blk (the sum runs over this block's queries).
+      if (packed.dots) {
+        AddAlongQueries(s.pt.get(), width, kn, count, packed.dout_row_pairs_block(b, h, first),
+                        packed.dout_row_pair_ld, dv, dv_acc, packed.dv_ld, s);
+        AddAlongQueries(s.dst.get(), width, kn, count, packed.q_row_pairs_block(b, h, first),
+                        packed.q_row_pair_ld, d, dk_acc, packed.d_ld, s);
+      } else {
       GemmAddBlock(kn, packed.dv_ld, count, StridedA{s.pt.get(), width, 1},
                    dout_rows.data + static_cast<size_t>(first) * dout_rows.ld, dout_rows.ld,
                    dv_acc, packed.dv_ld);
       GemmAddBlock(kn, packed.d_ld, count, StridedA{s.dst.get(), width, 1},
                    q_rows.data + static_cast<size_t>(first) * q_rows.ld, q_rows.ld, dk_acc,
                    packed.d_ld);
+      }
       if (dq_group != nullptr) {
         const size_t head_in_group = static_cast<size_t>(h - task.kv_head * e.group());
         float* dq_rows =
@@ -419,7 +486,9 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
     return;
   }
 
-  Packed packed(e, p.mask.sequences, lanes, kIsHalf<T>);
+  // May throw (QKV_DOT_PRODUCTS=on without the unit): here, before the parallel region.
+  const bool use_dots = std::is_same_v<T, bfloat16> && bf16_dot_products(p.precision);
+  Packed packed(e, p.mask.sequences, lanes, kIsHalf<T>, use_dots);
   KeyValueFinite finite(e);
   const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
   const SharedMaskTiles shared(p.mask, e, plan);

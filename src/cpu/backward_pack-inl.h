@@ -18,6 +18,7 @@
 #include "core/problem.hpp"
 #include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
+#include "cpu/bf16_dot.hpp"
 #include "cpu/block_ops-inl.h"
 #include "cpu/blocking.hpp"
 #include "cpu/storage-inl.h"
@@ -47,12 +48,19 @@ struct Packed {
   hwy::AlignedFreeUniquePtr<float[]> sink_terms;  // nq_ld per panel: −exp(sink − lse_i)·D_i
   hwy::AlignedFreeUniquePtr<float[]> q_rows;  // nq_ld × d_ld per panel, if d % lanes ≠ 0
   hwy::AlignedFreeUniquePtr<float[]> dout_rows;  // nq_ld × dv_ld, if dv % lanes ≠ 0
+  // bfloat16 with dot products (bf16_dot.hpp): per query block, Q and dO paired along
+  // the head dim (the right operands of S and dP, columns = the block's queries) and
+  // paired across queries (those of dK and dV, columns = the head dim). Unscaled Q: the
+  // products of two bfloat16 values are exact in float32, scale·q would not be.
+  bool dots = false;
+  size_t q_pair_words = 0, dout_pair_words = 0, q_row_pair_ld = 0, dout_row_pair_ld = 0;
+  std::vector<uint32_t> q_pairs, dout_pairs, q_row_pairs, dout_row_pairs;
   const detail::Extents* e = nullptr;
   const detail::Sequences* sequences = nullptr;
 
   // widen: the storage type is not float, so Q and dO rows need float copies anyway.
   Packed(const detail::Extents& extents, const detail::Sequences& seqs, size_t vector_lanes,
-         bool widen)
+         bool widen, bool use_dots)
       : lanes(vector_lanes),
         d_ld(round_up(static_cast<size_t>(extents.head_dim), vector_lanes)),
         dv_ld(round_up(static_cast<size_t>(extents.v_dim), vector_lanes)),
@@ -72,6 +80,35 @@ struct Packed {
     sink_terms = AllocateFloats(columns);
     q_rows = AllocateFloats(pad_q_rows ? columns * d_ld : 0);
     dout_rows = AllocateFloats(pad_dout_rows ? columns * dv_ld : 0);
+    dots = use_dots;
+    if (dots) {  // per query block: ⌈d/2⌉ × 64 and 32 × pair_ld(d) words (and for dv)
+      const size_t d = static_cast<size_t>(extents.head_dim), dv = static_cast<size_t>(extents.v_dim);
+      q_pair_words = (d + 1) / 2 * kBlockQueries;
+      dout_pair_words = (dv + 1) / 2 * kBlockQueries;
+      q_row_pair_ld = bf16dot::pair_ld(d);
+      dout_row_pair_ld = bf16dot::pair_ld(dv);
+      const size_t blocks = columns / kBlockQueries;
+      q_pairs.assign(blocks * q_pair_words, 0);
+      dout_pairs.assign(blocks * dout_pair_words, 0);
+      q_row_pairs.assign(blocks * kBlockQueries / 2 * q_row_pair_ld, 0);
+      dout_row_pairs.assign(blocks * kBlockQueries / 2 * dout_row_pair_ld, 0);
+    }
+  }
+  size_t block_index(int64_t b, int64_t h, int64_t first) const {
+    return (panel(b, h) + static_cast<size_t>(first)) / kBlockQueries;
+  }
+  // The pair panels of the query block starting at `first` (see `dots` above).
+  const uint32_t* q_pairs_block(int64_t b, int64_t h, int64_t first) const {
+    return q_pairs.data() + block_index(b, h, first) * q_pair_words;
+  }
+  const uint32_t* dout_pairs_block(int64_t b, int64_t h, int64_t first) const {
+    return dout_pairs.data() + block_index(b, h, first) * dout_pair_words;
+  }
+  const uint32_t* q_row_pairs_block(int64_t b, int64_t h, int64_t first) const {
+    return q_row_pairs.data() + block_index(b, h, first) * (kBlockQueries / 2) * q_row_pair_ld;
+  }
+  const uint32_t* dout_row_pairs_block(int64_t b, int64_t h, int64_t first) const {
+    return dout_row_pairs.data() + block_index(b, h, first) * (kBlockQueries / 2) * dout_row_pair_ld;
   }
 
   size_t nq_ld(int64_t b) const {
@@ -142,6 +179,19 @@ void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan&
     if (mods.has_sinks() && value != kMinusInf)
       sink_terms[i] = static_cast<float>(-std::exp(static_cast<double>(mods.sinks[h]) - value) *
                                          dot_product);
+  }
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (packed.dots) {
+      auto* block = const_cast<uint32_t*>(packed.q_pairs_block(b, h, first));
+      bf16dot::PackQueryPairs(rows.q(b, first, h), p.args.q.strides[1], count, d, block, kBlockQueries);
+      block = const_cast<uint32_t*>(packed.dout_pairs_block(b, h, first));
+      bf16dot::PackQueryPairs(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, block, kBlockQueries);
+      block = const_cast<uint32_t*>(packed.q_row_pairs_block(b, h, first));
+      bf16dot::PackRowPairs(rows.q(b, first, h), p.args.q.strides[1], count, d, block, packed.q_row_pair_ld);
+      block = const_cast<uint32_t*>(packed.dout_row_pairs_block(b, h, first));
+      bf16dot::PackRowPairs(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, block,
+                            packed.dout_row_pair_ld);
+    }
   }
   if (packed.pad_q_rows)
     WidenRows(rows.q(b, first, h), p.args.q.strides[1], count, d,

@@ -112,14 +112,16 @@ struct ScoreTiles {
   }
 };
 
-// acc rows (queries) × columns (value dims): the reduction runs over the pairs of keys.
-struct WeightedTiles {
-  const std::uint32_t* pp;  // P's bfloat16 pairs, then (key_pairs·p_ld words on) P − bf16(P)'s
-  std::size_t p_ld;
-  const std::uint32_t* vp;
-  std::size_t v_ld, key_pairs, dv;
-  float* acc;
-  std::size_t acc_ld;
+// c rows × columns += Σ over the left operand's pairs (each of its terms in turn), the
+// block's sum from zero: then c·alpha + sum (the forward's online-softmax update) or, with
+// alpha null, c + sum.
+template <Terms kTerms>
+struct ProductTiles {
+  LeftPairs a;
+  const std::uint32_t* b;
+  std::size_t b_ld, pairs, n;
+  float* c;
+  std::size_t c_ld;
   const float* alpha;
 
   template <std::size_t R, std::size_t C>
@@ -127,29 +129,52 @@ struct WeightedTiles {
     __m512 sum[R][C];
     for (std::size_t r = 0; r < R; ++r)
       for (std::size_t j = 0; j < C; ++j) sum[r][j] = _mm512_setzero_ps();
-    for (std::size_t c = 0; c < key_pairs; ++c) {
+    const std::uint32_t* words = a.words + row * a.row_step;
+    for (std::size_t k = 0; k < pairs; ++k) {
       __m512bh v[C];
       for (std::size_t j = 0; j < C; ++j)
-        v[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vp + c * v_ld + column + j * kLanes));
+        v[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + k * b_ld + column + j * kLanes));
       for (std::size_t r = 0; r < R; ++r) {
-        const std::size_t at = c * p_ld + row + r;
-        const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pp[at])));
-        const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pp[key_pairs * p_ld + at])));
-        for (std::size_t j = 0; j < C; ++j) sum[r][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(sum[r][j], hi, v[j]), lo, v[j]);
+        const std::uint32_t* at = words + r * a.row_step + k * a.pair_step;
+        const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(at[0])));
+        if constexpr (kTerms == Terms::two) {
+          const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(at[a.terms_at])));
+          for (std::size_t j = 0; j < C; ++j) sum[r][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(sum[r][j], hi, v[j]), lo, v[j]);
+        } else {
+          for (std::size_t j = 0; j < C; ++j) sum[r][j] = _mm512_dpbf16_ps(sum[r][j], hi, v[j]);
+        }
       }
     }
-    // acc·alpha + sum, as gemm-inl.h's GemmStore::rescale_add.
     for (std::size_t r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(alpha[row + r]);
-      float* out = acc + (row + r) * acc_ld;
+      float* out = c + (row + r) * c_ld;
       for (std::size_t j = 0; j < C; ++j) {
         const std::size_t first = column + j * kLanes;
-        const __mmask16 m = lanes_below(dv - first);
-        _mm512_mask_storeu_ps(out + first, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, out + first), a, sum[r][j]));
+        const __mmask16 m = lanes_below(n - first);
+        const __m512 old = _mm512_maskz_loadu_ps(m, out + first);
+        // acc·alpha + sum, as gemm-inl.h's GemmStore::rescale_add (one rounding).
+        const __m512 updated = alpha != nullptr ? _mm512_fmadd_ps(old, _mm512_set1_ps(alpha[row + r]), sum[r][j])
+                                                : _mm512_add_ps(old, sum[r][j]);
+        _mm512_mask_storeu_ps(out + first, m, updated);
       }
     }
   }
 };
+
+// bf16(x) as the high half of a float (exact), for the second term x − bf16(x).
+__m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
+
+__m256i to_bf16(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
+
+void AddProductImpl(const LeftPairs& a, std::size_t rows, std::size_t pairs, const std::uint32_t* b,
+                    std::size_t b_ld, std::size_t n, float* c, std::size_t c_ld, const float* alpha) {
+  if (a.terms == Terms::two) {
+    ProductTiles<Terms::two> tiles{a, b, b_ld, pairs, n, c, c_ld, alpha};
+    for_tiles(rows, n, tiles);
+  } else {
+    ProductTiles<Terms::one> tiles{a, b, b_ld, pairs, n, c, c_ld, alpha};
+    for_tiles(rows, n, tiles);
+  }
+}
 
 }  // namespace
 
@@ -171,6 +196,71 @@ void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, s
   for_tiles(keys, width, tiles);
 }
 
+void PackRowPairs(const bfloat16* rows, std::int64_t row_stride, std::size_t count, std::size_t n,
+                  std::uint32_t* out, std::size_t out_ld) {
+  const std::uint16_t* values = &rows->bits;
+  for (std::size_t c = 0; c < (count + 1) / 2; ++c) {
+    const std::uint16_t* even = values + static_cast<std::int64_t>(2 * c) * row_stride;
+    const bool has_odd = 2 * c + 1 < count;
+    for (std::size_t x = 0; x < out_ld; x += kLanes) {
+      const __mmask16 m = x < n ? lanes_below(n - x) : 0;
+      const __m256i lo = _mm256_maskz_loadu_epi16(m, even + x);
+      const __m256i hi = has_odd ? _mm256_maskz_loadu_epi16(m, even + row_stride + x) : _mm256_setzero_si256();
+      _mm512_storeu_si512(out + c * out_ld + x, interleave(lo, hi));
+    }
+  }
+}
+
+void PairsAlongRows(const float* t, std::size_t t_ld, std::size_t rows, std::size_t n, Terms terms,
+                    std::uint32_t* out, std::size_t out_ld) {
+  // 32 floats of a row → 16 words: cvtne2ps_pbh puts its second argument's 16 values in
+  // the low half, so the words are (x0, x1), (x2, x3), … in order.
+  std::uint32_t* lo_out = out + rows * out_ld;
+  for (std::size_t r = 0; r < rows; ++r) {
+    const float* row = t + r * t_ld;
+    for (std::size_t x = 0; x < n; x += 2 * kLanes) {
+      const __m512 first = _mm512_maskz_loadu_ps(lanes_below(n - x), row + x);
+      const __m512 second = x + kLanes < n ? _mm512_maskz_loadu_ps(lanes_below(n - x - kLanes), row + x + kLanes)
+                                           : _mm512_setzero_ps();
+      const __m256i first_hi = to_bf16(first), second_hi = to_bf16(second);
+      const __mmask16 words = lanes_below((n - x + 1) / 2);
+      _mm512_mask_storeu_epi32(out + r * out_ld + x / 2, words,
+                               _mm512_inserti64x4(_mm512_castsi256_si512(first_hi), second_hi, 1));
+      if (terms == Terms::two) {
+        const __m256i first_lo = to_bf16(_mm512_sub_ps(first, widen(first_hi)));
+        const __m256i second_lo = to_bf16(_mm512_sub_ps(second, widen(second_hi)));
+        _mm512_mask_storeu_epi32(lo_out + r * out_ld + x / 2, words,
+                                 _mm512_inserti64x4(_mm512_castsi256_si512(first_lo), second_lo, 1));
+      }
+    }
+  }
+}
+
+void PairsAcrossRows(const float* t, std::size_t t_ld, std::size_t rows, std::size_t n, Terms terms,
+                     std::uint32_t* out, std::size_t out_ld) {
+  const std::size_t pairs = (rows + 1) / 2;
+  std::uint32_t* lo_out = out + pairs * out_ld;
+  for (std::size_t c = 0; c < pairs; ++c) {
+    const bool has_odd = 2 * c + 1 < rows;
+    for (std::size_t i = 0; i < n; i += kLanes) {
+      const __mmask16 m = lanes_below(n - i);
+      const __m512 even = _mm512_maskz_loadu_ps(m, t + 2 * c * t_ld + i);
+      const __m512 odd = has_odd ? _mm512_maskz_loadu_ps(m, t + (2 * c + 1) * t_ld + i) : _mm512_setzero_ps();
+      const __m256i even_hi = to_bf16(even), odd_hi = to_bf16(odd);
+      _mm512_storeu_si512(out + c * out_ld + i, interleave(even_hi, odd_hi));
+      if (terms == Terms::two)
+        _mm512_storeu_si512(lo_out + c * out_ld + i,
+                            interleave(to_bf16(_mm512_sub_ps(even, widen(even_hi))),
+                                       to_bf16(_mm512_sub_ps(odd, widen(odd_hi)))));
+    }
+  }
+}
+
+void AddProduct(const LeftPairs& a, std::size_t rows, std::size_t pairs, const std::uint32_t* b,
+                std::size_t b_ld, std::size_t n, float* c, std::size_t c_ld) {
+  AddProductImpl(a, rows, pairs, b, b_ld, n, c, c_ld, nullptr);
+}
+
 void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
                         const bfloat16* v, std::int64_t v_row, std::size_t dv, PvScratch scratch,
                         float* acc, std::size_t acc_ld, const float* alpha) {
@@ -180,38 +270,10 @@ void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, s
   // accuracy (one bf16 P alone costs up to 2⁻⁹·P and measured above PyTorch's bf16 error on
   // some rows, bench/RESULTS.md §10). Pairs (P_i,2c, P_i,2c+1); an odd key count's last
   // partner 0.
-  std::uint32_t* lo_pairs = scratch.p_pairs + key_pairs * p_ld;
-  for (std::size_t c = 0; c < key_pairs; ++c) {
-    const bool has_odd = 2 * c + 1 < keys;
-    for (std::size_t i = 0; i < count; i += kLanes) {
-      const __mmask16 m = lanes_below(count - i);
-      const __m512 even = _mm512_maskz_loadu_ps(m, pt + 2 * c * pt_ld + i);
-      const __m512 odd = has_odd ? _mm512_maskz_loadu_ps(m, pt + (2 * c + 1) * pt_ld + i) : _mm512_setzero_ps();
-      const __m256i even_hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even));
-      const __m256i odd_hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd));
-      // bf16 → float is a shift into the high half (exact).
-      const __m512 even_rest = _mm512_sub_ps(even, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(even_hi), 16)));
-      const __m512 odd_rest = _mm512_sub_ps(odd, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(odd_hi), 16)));
-      _mm512_storeu_si512(scratch.p_pairs + c * p_ld + i, interleave(even_hi, odd_hi));
-      _mm512_storeu_si512(lo_pairs + c * p_ld + i,
-                          interleave(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even_rest)),
-                                     reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd_rest))));
-    }
-  }
-  // V pairs (v_2c[n], v_2c+1[n]); columns past dv and an odd key count's partner are 0.
-  const std::uint16_t* values = &v->bits;
-  for (std::size_t c = 0; c < key_pairs; ++c) {
-    const std::uint16_t* even = values + static_cast<std::int64_t>(2 * c) * v_row;
-    const bool has_odd = 2 * c + 1 < keys;
-    for (std::size_t n = 0; n < v_ld; n += kLanes) {
-      const __mmask16 m = n < dv ? lanes_below(dv - n) : 0;
-      const __m256i lo = _mm256_maskz_loadu_epi16(m, even + n);
-      const __m256i hi = has_odd ? _mm256_maskz_loadu_epi16(m, even + v_row + n) : _mm256_setzero_si256();
-      _mm512_storeu_si512(scratch.v_pairs + c * v_ld + n, interleave(lo, hi));
-    }
-  }
-  WeightedTiles tiles{scratch.p_pairs, p_ld, scratch.v_pairs, v_ld, key_pairs, dv, acc, acc_ld, alpha};
-  for_tiles(count, dv, tiles);
+  PairsAcrossRows(pt, pt_ld, keys, count, Terms::two, scratch.p_pairs, p_ld);
+  PackRowPairs(v, v_row, keys, dv, scratch.v_pairs, v_ld);
+  const LeftPairs p{scratch.p_pairs, 1, p_ld, Terms::two, key_pairs * p_ld};
+  AddProductImpl(p, count, key_pairs, scratch.v_pairs, v_ld, dv, acc, acc_ld, alpha);
 }
 
 }  // namespace qkv::cpu::bf16dot
@@ -230,5 +292,10 @@ void ScoresTransposed(const bfloat16*, std::int64_t, std::size_t, std::size_t, c
                       std::size_t, float, float*, std::size_t) { unavailable(); }
 void RescaleAddWeighted(const float*, std::size_t, std::size_t, std::size_t, const bfloat16*, std::int64_t,
                         std::size_t, PvScratch, float*, std::size_t, const float*) { unavailable(); }
+void PackRowPairs(const bfloat16*, std::int64_t, std::size_t, std::size_t, std::uint32_t*, std::size_t) { unavailable(); }
+void PairsAlongRows(const float*, std::size_t, std::size_t, std::size_t, Terms, std::uint32_t*, std::size_t) { unavailable(); }
+void PairsAcrossRows(const float*, std::size_t, std::size_t, std::size_t, Terms, std::uint32_t*, std::size_t) { unavailable(); }
+void AddProduct(const LeftPairs&, std::size_t, std::size_t, const std::uint32_t*, std::size_t, std::size_t, float*,
+                std::size_t) { unavailable(); }
 }  // namespace qkv::cpu::bf16dot
 #endif

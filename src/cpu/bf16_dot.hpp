@@ -47,4 +47,45 @@ void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, s
                         const bfloat16* v, std::int64_t v_row, std::size_t dv, PvScratch scratch,
                         float* acc, std::size_t acc_ld, const float* alpha);
 
+// The pieces the backward composes (backward.cpp): packings into pairs and one product.
+//
+// How many bfloat16 terms a float operand is split into: one (bf16(x), 2⁻⁹ of x lost)
+// or two (hi + lo as above, ~2⁻¹⁶ lost). A two-term buffer holds hi's words, then lo's
+// words `terms_at` words further on.
+enum class Terms { one = 1, two = 2 };
+
+// out[c][x] = (r_2c[x], r_2c+1[x]) for c < ⌈count/2⌉, x < out_ld (0 past n, and for an
+// odd count's last partner): bfloat16 rows (row i at rows + i·row_stride) paired across
+// rows, the right operand of a product that sums over those rows.
+void PackRowPairs(const bfloat16* rows, std::int64_t row_stride, std::size_t count, std::size_t n,
+                  std::uint32_t* out, std::size_t out_ld);
+
+// Float rows (row r at t + r·t_ld, columns < n) as bfloat16 pairs along each row:
+// out[r·out_ld + c] = (t_r[2c], t_r[2c+1]) for c < ⌈n/2⌉ (an odd n's partner 0). The
+// second term (Terms::two) at out + rows·out_ld.
+void PairsAlongRows(const float* t, std::size_t t_ld, std::size_t rows, std::size_t n, Terms terms,
+                    std::uint32_t* out, std::size_t out_ld);
+
+// Float rows paired across rows: out[c·out_ld + i] = (t_2c[i], t_2c+1[i]) for c <
+// ⌈rows/2⌉, i < n (0 up to round_up(n, 16), and an odd row count's partner); the second
+// term at out + ⌈rows/2⌉·out_ld.
+void PairsAcrossRows(const float* t, std::size_t t_ld, std::size_t rows, std::size_t n, Terms terms,
+                     std::uint32_t* out, std::size_t out_ld);
+
+// The left operand of AddProduct: word (r, c) at words[r·row_step + c·pair_step] (pairs
+// along rows: row_step = ld, pair_step = 1; across rows: row_step = 1, pair_step = ld),
+// with `terms` terms, the second at words + terms_at.
+struct LeftPairs {
+  const std::uint32_t* words;
+  std::size_t row_step, pair_step;
+  Terms terms = Terms::one;
+  std::size_t terms_at = 0;
+};
+
+// c_r += Σ_k a(r, k)·b_k for r < rows, columns < n (c row r at c + r·c_ld), the sum over
+// `pairs` pairs of the left operand (each term's products added in turn) and the rows of
+// b (pair-major, b_ld ≥ n words apart) summed from zero before it is added.
+void AddProduct(const LeftPairs& a, std::size_t rows, std::size_t pairs, const std::uint32_t* b,
+                std::size_t b_ld, std::size_t n, float* c, std::size_t c_ld);
+
 }  // namespace qkv::cpu::bf16dot

@@ -1,6 +1,7 @@
 // Precision::fast on bfloat16 storage: the AVX512-BF16 block products (cpu/bf16_dot.hpp)
 // forced on, against the fp64 reference and the contract of half_check.hpp with P's
-// rounding to bfloat16 added (u·max_i (P·|V|)_i); forced off and Precision::exact, the
+// rounding to bfloat16 added (u·max_i (P·|V|)_i) and, for the gradients, P's and dS's
+// (half_check.hpp's GradientWeightRounding); forced off and Precision::exact, the
 // float32 arithmetic bit for bit; thread-count determinism; odd head and value dims
 // (the pairs padded, never refused); variants and varlen against the exact path; the
 // option's validation. On a CPU without AVX512-BF16 the forced-on tests are skipped
@@ -116,6 +117,11 @@ TEST(Bf16Dot, ExactIsTheFloat32ArithmeticWhateverTheSwitch) {
   const test::Results fast_on = test::run_cpu_half<bfloat16>(c, &dout, 2, false, Precision::fast);
   EXPECT_NE(std::memcmp(fast_on.out.data(), exact_off.out.data(), fast_on.out.size() * sizeof(float)), 0)
       << "forced on, Precision::fast gave the float32 path's bits: the dot products never ran";
+  for (const auto* grads : {&fast_on.dq, &fast_on.dk, &fast_on.dv}) {
+    const auto& exact = grads == &fast_on.dq ? exact_off.dq : grads == &fast_on.dk ? exact_off.dk : exact_off.dv;
+    EXPECT_NE(std::memcmp(grads->data(), exact.data(), exact.size() * sizeof(float)), 0)
+        << "forced on, a gradient has the float32 path's bits: the backward's dot products never ran";
+  }
   // P enters P·V as two bfloat16 terms (~2⁻¹⁶ of P lost, bf16_dot.hpp), so before the one
   // rounding to bfloat16 out is the float32 path's to ~1e-5 relative: the stored values
   // differ only at near-ties, one bf16 ulp. (A single bf16 P, 2⁻⁹, moves most of them.)
