@@ -23,9 +23,9 @@
 // already; with bfloat16/float16 storage the Q and dO row operands are packed as float
 // copies too, and each K/V block is widened once per task and key block into per-thread
 // scratch (float K and V are read in place). dQ, dK, dV are rounded to T once.
-// bfloat16 in Precision::fast where the CPU's dot products pay (dot_products.hpp): all
-// five block products on AVX512-BF16 (bf16_dot.hpp) from pair panels packed once per
-// query block (Packed) and per key block (K), P and dS as one bfloat16 term each.
+// bfloat16 in Precision::fast where the CPU's dot products pay (dot_products.hpp): S,
+// dP and dK on AVX512-BF16 (bf16_dot.hpp), from pair panels of Q and dO packed once per
+// query block (Packed); dV and dQ keep the float32 FMAs (kKeyGradientTerms says why).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -66,14 +66,15 @@ namespace qkv::cpu::HWY_NAMESPACE {
 
 namespace {
 
-// How the backward's dot products take P (in dV) and dS (in dK, dQ): one bfloat16 term
-// each, as PyTorch's bf16 backward does. Measured (bench/RESULTS.md §10, 2026-12-02, Zen
-// 5), the gradients' error against fp64 stays below PyTorch bf16's on every row
-// (1.3–3.6× below), while two terms (bf16_dot.hpp) would make the backward slower than
-// its float32 arithmetic. The forward keeps two terms: there one term measured above
-// PyTorch's error on a row (a single rounding of out dominates both, so P's rounding
-// decides it).
-constexpr bf16dot::Terms kBackwardTerms = bf16dot::Terms::one;
+// Which of the backward's block products run on the dot products (bfloat16 storage,
+// Packed::dots), chosen by measurement (bench/RESULTS.md §10, 2026-12-02, Zen 5):
+//   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: products of bfloat16 values, exact in float32 either way;
+//   dK += dSᵀ·Q with dS as one bfloat16 term (as PyTorch's bf16 backward rounds it): dk's
+//     error against fp64 stayed 1.4–5× below PyTorch bf16's on every row measured;
+//   dV += Pᵀ·dO and dQ += dS·K stay float32: with P or dS as one bfloat16 term dv and dq
+//     came out level with PyTorch's error and above it on some rows (dq 9.6e-3 against
+//     8.2e-3), and as two terms (bf16_dot.hpp) they ran slower than the float32 FMAs.
+constexpr bf16dot::Terms kKeyGradientTerms = bf16dot::Terms::one;
 
 // A B-operand: row-major rows `ld` floats apart, each padded to whole vectors.
 struct Rows {
@@ -96,9 +97,8 @@ struct BackwardScratch {
   std::vector<int32_t> key_begin, key_end;  // width (0 past the block's queries)
   std::vector<uint32_t> dropout_keys;       // width: dropout row keys of the block
   SplitKLogits split_k;                     // the split-K schedule's logits (Context::split_k_logits)
-  // bfloat16 with dot products (Packed::dots): Pᵀ or dSᵀ paired along queries (the left
-  // operand of dV and dK), dSᵀ paired across keys (of dQ), K paired across keys.
-  std::vector<uint32_t> along_pairs, across_pairs, k_pairs;
+  // bfloat16 with dot products (Packed::dots): dSᵀ paired along queries (dK's left operand).
+  std::vector<uint32_t> ds_pairs;
 
   // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass); split_k_head_dim: the
   // head dim when the logits are the split-K schedule's, else 0.
@@ -118,9 +118,7 @@ struct BackwardScratch {
         key_end(width, 0),
         dropout_keys(width, 0),
         split_k(split_k_head_dim, kBlockQueries, kBlockKeys, split_k_head_dim > 0),
-        along_pairs(packed.dots ? 2 * kBlockKeys * (kBlockQueries / 2) : 0),
-        across_pairs(packed.dots ? 2 * (kBlockKeys / 2) * bf16dot::pair_ld(kBlockQueries) : 0),
-        k_pairs(packed.dots ? kBlockKeys / 2 * packed.q_row_pair_ld : 0) {
+        ds_pairs(packed.dots ? kBlockKeys * (kBlockQueries / 2) : 0) {
     // Padding columns never get a derivative; ChainScoreMod ignores them (dS = 0 there),
     // but they should not be read uninitialized.
     if (score_mod) std::fill(mod_slope.get(), mod_slope.get() + kBlockKeys * width, 1.0f);
@@ -166,13 +164,7 @@ KeyValueRows LoadKeyValues(const Context<T>& c, int64_t b, int64_t kv_head, int6
               c.packed.d_ld);
     WidenRows(v, v_row, kn, static_cast<size_t>(c.p.extents.v_dim), s.v_wide.get(),
               c.packed.dv_ld);
-    // The float rows stay for the rare paths (a partial tile whose removed keys hold
-    // NaN/Inf); the dot products read K's pairs and K, V themselves.
-    if constexpr (std::is_same_v<T, bfloat16>) {
-      if (c.packed.dots)
-        bf16dot::PackRowPairs(k, k_row, kn, static_cast<size_t>(c.p.extents.head_dim), s.k_pairs.data(),
-                              c.packed.q_row_pair_ld);
-    }
+    // (The dot products read K and V in place; dQ's product takes these float rows.)
     return {s.k_pad.get(), c.packed.d_ld, s.v_wide.get(), c.packed.dv_ld, true};
   } else {
     return {k, static_cast<size_t>(k_row), v, static_cast<size_t>(v_row), false};
@@ -271,14 +263,14 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
   return width;
 }
 
-// c += tᵀ-rows · b over the block's queries with dot products: t is Pᵀ or dSᵀ (kn rows
-// of `width` floats, columns < count), b a query block's rows paired across queries.
-inline void AddAlongQueries(const float* t, size_t width, size_t kn, size_t count, const uint32_t* b,
-                            size_t b_ld, size_t n, float* c, size_t c_ld, BackwardScratch& s) {
+// dK_blk += dSᵀ·Q_blk with dot products: dSᵀ (kn rows of `width` floats, columns <
+// count) as bfloat16 pairs along the queries, Q's rows paired across them (Packed).
+inline void AddKeyGradient(const float* dst, size_t width, size_t kn, size_t count, const uint32_t* q_pairs,
+                           size_t q_ld, size_t d, float* dk, size_t dk_ld, BackwardScratch& s) {
   constexpr size_t a_ld = kBlockQueries / 2;
-  bf16dot::PairsAlongRows(t, width, kn, count, kBackwardTerms, s.along_pairs.data(), a_ld);
-  const bf16dot::LeftPairs a{s.along_pairs.data(), a_ld, 1, kBackwardTerms, kn * a_ld};
-  bf16dot::AddProduct(a, kn, (count + 1) / 2, b, b_ld, n, c, c_ld);
+  bf16dot::PairsAlongRows(dst, width, kn, count, kKeyGradientTerms, s.ds_pairs.data(), a_ld);
+  const bf16dot::LeftPairs a{s.ds_pairs.data(), a_ld, 1, kKeyGradientTerms, kn * a_ld};
+  bf16dot::AddProduct(a, kn, (count + 1) / 2, q_pairs, q_ld, d, dk, dk_ld);
 }
 
 // dQ_rows += dS·K_blk for the tile just scored (dS read in place from dSᵀ in s.dst).
@@ -296,13 +288,6 @@ void AccumulateQueryGradient(const Context<T>& c, const QueryRows& rows, detail:
   if (tile == detail::Tile::partial &&
       !c.finite.keys(rows.batch, kv_head, first_key / kBlockKeys)) {
     AccumulateSkippingZeros(s.dst.get(), width, count, kn, k, k_row, d, dq_rows, packed.d_ld);
-    return;
-  }
-  if (packed.dots) {  // dS in bfloat16 pairs across keys (kBackwardTerms), K's pairs
-    const size_t p_ld = bf16dot::pair_ld(kBlockQueries);
-    bf16dot::PairsAcrossRows(s.dst.get(), width, kn, count, kBackwardTerms, s.across_pairs.data(), p_ld);
-    const bf16dot::LeftPairs ds{s.across_pairs.data(), 1, p_ld, kBackwardTerms, (kn + 1) / 2 * p_ld};
-    bf16dot::AddProduct(ds, count, (kn + 1) / 2, s.k_pairs.data(), packed.q_row_pair_ld, d, dq_rows, packed.d_ld);
     return;
   }
   const float* k_operand = k;
@@ -385,19 +370,16 @@ void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
       const size_t width = ScoreBlock(c, rows, tile, kv, first_key, keys, s, alibi_sum);
       const size_t count = static_cast<size_t>(rows.count);
       // dV += Pᵀ·dO_blk and dK += dSᵀ·Q_blk (the sum runs over this block's queries).
-      if (packed.dots) {
-        AddAlongQueries(s.pt.get(), width, kn, count, packed.dout_row_pairs_block(b, h, first),
-                        packed.dout_row_pair_ld, dv, dv_acc, packed.dv_ld, s);
-        AddAlongQueries(s.dst.get(), width, kn, count, packed.q_row_pairs_block(b, h, first),
-                        packed.q_row_pair_ld, d, dk_acc, packed.d_ld, s);
-      } else {
       GemmAddBlock(kn, packed.dv_ld, count, StridedA{s.pt.get(), width, 1},
                    dout_rows.data + static_cast<size_t>(first) * dout_rows.ld, dout_rows.ld,
                    dv_acc, packed.dv_ld);
-      GemmAddBlock(kn, packed.d_ld, count, StridedA{s.dst.get(), width, 1},
-                   q_rows.data + static_cast<size_t>(first) * q_rows.ld, q_rows.ld, dk_acc,
-                   packed.d_ld);
-      }
+      if (packed.dots)
+        AddKeyGradient(s.dst.get(), width, kn, count, packed.q_row_pairs_block(b, h, first), packed.q_row_pair_ld,
+                       d, dk_acc, packed.d_ld, s);
+      else
+        GemmAddBlock(kn, packed.d_ld, count, StridedA{s.dst.get(), width, 1},
+                     q_rows.data + static_cast<size_t>(first) * q_rows.ld, q_rows.ld, dk_acc,
+                     packed.d_ld);
       if (dq_group != nullptr) {
         const size_t head_in_group = static_cast<size_t>(h - task.kv_head * e.group());
         float* dq_rows =

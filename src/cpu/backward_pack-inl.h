@@ -49,12 +49,12 @@ struct Packed {
   hwy::AlignedFreeUniquePtr<float[]> q_rows;  // nq_ld × d_ld per panel, if d % lanes ≠ 0
   hwy::AlignedFreeUniquePtr<float[]> dout_rows;  // nq_ld × dv_ld, if dv % lanes ≠ 0
   // bfloat16 with dot products (bf16_dot.hpp): per query block, Q and dO paired along
-  // the head dim (the right operands of S and dP, columns = the block's queries) and
-  // paired across queries (those of dK and dV, columns = the head dim). Unscaled Q: the
-  // products of two bfloat16 values are exact in float32, scale·q would not be.
+  // the head dim (the right operands of S and dP, columns = the block's queries) and Q
+  // paired across queries (dK's, columns = the head dim). Unscaled Q: the products of
+  // two bfloat16 values are exact in float32, scale·q would not be.
   bool dots = false;
-  size_t q_pair_words = 0, dout_pair_words = 0, q_row_pair_ld = 0, dout_row_pair_ld = 0;
-  std::vector<uint32_t> q_pairs, dout_pairs, q_row_pairs, dout_row_pairs;
+  size_t q_pair_words = 0, dout_pair_words = 0, q_row_pair_ld = 0;
+  std::vector<uint32_t> q_pairs, dout_pairs, q_row_pairs;
   const detail::Extents* e = nullptr;
   const detail::Sequences* sequences = nullptr;
 
@@ -81,17 +81,15 @@ struct Packed {
     q_rows = AllocateFloats(pad_q_rows ? columns * d_ld : 0);
     dout_rows = AllocateFloats(pad_dout_rows ? columns * dv_ld : 0);
     dots = use_dots;
-    if (dots) {  // per query block: ⌈d/2⌉ × 64 and 32 × pair_ld(d) words (and for dv)
+    if (dots) {  // per query block: ⌈d/2⌉ × 64 and 32 × pair_ld(d) words (⌈dv/2⌉ × 64 for dO)
       const size_t d = static_cast<size_t>(extents.head_dim), dv = static_cast<size_t>(extents.v_dim);
       q_pair_words = (d + 1) / 2 * kBlockQueries;
       dout_pair_words = (dv + 1) / 2 * kBlockQueries;
       q_row_pair_ld = bf16dot::pair_ld(d);
-      dout_row_pair_ld = bf16dot::pair_ld(dv);
       const size_t blocks = columns / kBlockQueries;
       q_pairs.assign(blocks * q_pair_words, 0);
       dout_pairs.assign(blocks * dout_pair_words, 0);
       q_row_pairs.assign(blocks * kBlockQueries / 2 * q_row_pair_ld, 0);
-      dout_row_pairs.assign(blocks * kBlockQueries / 2 * dout_row_pair_ld, 0);
     }
   }
   size_t block_index(int64_t b, int64_t h, int64_t first) const {
@@ -107,9 +105,7 @@ struct Packed {
   const uint32_t* q_row_pairs_block(int64_t b, int64_t h, int64_t first) const {
     return q_row_pairs.data() + block_index(b, h, first) * (kBlockQueries / 2) * q_row_pair_ld;
   }
-  const uint32_t* dout_row_pairs_block(int64_t b, int64_t h, int64_t first) const {
-    return dout_row_pairs.data() + block_index(b, h, first) * (kBlockQueries / 2) * dout_row_pair_ld;
-  }
+
 
   size_t nq_ld(int64_t b) const {
     return round_up(static_cast<size_t>(sequences->q_len(b)), kBlockQueries);
@@ -188,9 +184,6 @@ void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan&
       bf16dot::PackQueryPairs(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, block, kBlockQueries);
       block = const_cast<uint32_t*>(packed.q_row_pairs_block(b, h, first));
       bf16dot::PackRowPairs(rows.q(b, first, h), p.args.q.strides[1], count, d, block, packed.q_row_pair_ld);
-      block = const_cast<uint32_t*>(packed.dout_row_pairs_block(b, h, first));
-      bf16dot::PackRowPairs(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, block,
-                            packed.dout_row_pair_ld);
     }
   }
   if (packed.pad_q_rows)

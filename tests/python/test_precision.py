@@ -2,7 +2,8 @@
 contract"): one option through the one options table, the same error for a bad value
 everywhere; "exact" is the float32 arithmetic bit for bit on every machine. Where the
 CPU runs bf16 dot products (QKV_DOT_PRODUCTS=on forces them; a subprocess here), the
-default "fast" forward on bfloat16 stays within PyTorch's bf16 error against fp64."""
+default "fast" forward and backward on bfloat16 stay within PyTorch's bf16 error against
+fp64."""
 from __future__ import annotations
 
 import os
@@ -106,6 +107,38 @@ def run_forced(script, cpu_flag, unit):
 
 def test_forced_bf16_dot_products_within_torch_error():
     run_forced(FORCED, "avx512_bf16", "AVX512-BF16")
+
+
+FORCED_BACKWARD = """
+import torch, torch.nn.functional as F, qkv.torch as qt
+torch.manual_seed(1)
+def grads(fn, q, k, v, dout):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    fn(q, k, v).backward(dout)
+    return q.grad, k.grad, v.grad
+for h, hkv, n, d, causal in ((8, 8, 300, 64, False), (8, 2, 257, 127, True), (4, 4, 200, 128, True)):
+    q = torch.randn(1, h, n, d).to(torch.bfloat16)
+    k, v = (torch.randn(1, hkv, n, d).to(torch.bfloat16) for _ in range(2))
+    dout = torch.randn(1, h, n, d).to(torch.bfloat16)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    exact = grads(sdpa, q.double(), k.double(), v.double(), dout.double())
+    theirs = grads(sdpa, q, k, v, dout)
+    ours = grads(lambda q, k, v: qt.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+                 q, k, v, dout)
+    ours_exact = grads(lambda q, k, v: qt.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True,
+                                                                       precision="exact"), q, k, v, dout)
+    assert not torch.equal(ours[1], ours_exact[1]), "dk: the backward's dot products never ran"
+    for name, a, b, e in zip("qkv", ours, theirs, exact):
+        err = lambda g: (g.double() - e).abs().max().item()
+        assert err(a) <= err(b) + 8 * 2**-23 * e.abs().max().item(), ("d" + name, err(a), err(b))
+print("ok")
+"""
+
+
+def test_forced_bf16_dot_products_backward_within_torch_error():
+    """The backward on AVX512-BF16 (cpu/backward.cpp: S, dP and dK = dSᵀ·Q with dS as one
+    bf16 term): dq, dk, dv each no further from float64 than PyTorch bf16's."""
+    run_forced(FORCED_BACKWARD, "avx512_bf16", "AVX512-BF16")
 
 
 FORCED_INT8 = r"""
