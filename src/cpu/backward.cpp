@@ -70,7 +70,7 @@ namespace {
 // Packed::dots), chosen by measurement (bench/RESULTS.md §10, 2026-12-02, Zen 5):
 //   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: products of bfloat16 values, exact in float32 either way;
 //   dK += dSᵀ·Q with dS as one bfloat16 term (as PyTorch's bf16 backward rounds it): dk's
-//     error against fp64 stayed 1.4–5× below PyTorch bf16's on every row measured;
+//     error against fp64 stayed 1.4–4.3× below PyTorch bf16's on every row measured;
 //   dV += Pᵀ·dO and dQ += dS·K stay float32: with P or dS as one bfloat16 term dv and dq
 //     came out level with PyTorch's error and above it on some rows (dq 9.6e-3 against
 //     8.2e-3), and as two terms (bf16_dot.hpp) they ran slower than the float32 FMAs.

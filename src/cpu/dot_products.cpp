@@ -39,7 +39,9 @@ Choice current_choice() {
 bool bf16_dot_pays() {
   // Fixed per vendor, never timed, so that a call's bits never depend on a measurement.
   // AMD Zen 4/5 issue vdpbf16ps at the fp32 FMA's rate with twice its multiply-adds
-  // (issue 23's measurements). Intel's cores with AVX512-BF16 (Cooper Lake, Sapphire and
+  // (issue 23's measurements; on a Zen 5 EPYC, family 26, 442–444 GFLOP/s against 235–239
+  // per core, and the bf16 forward and backward 1.0–1.4× faster with it, bench/RESULTS.md
+  // §10). Intel's cores with AVX512-BF16 (Cooper Lake, Sapphire and
   // Emerald Rapids) issue it at a quarter of the FMA rate in multiply-adds: measured on
   // an Emerald Rapids Xeon, 86 GFLOP/s against 175 for fp32 FMAs per core, and the tiled
   // bf16 forward 1.8× (one bf16 P) to 2.5× (the two-term P) slower with it (bench/RESULTS.md §10). There AMX is the unit to use
@@ -83,12 +85,14 @@ bool cpu_has_int8_dot() {
 }
 
 bool int8_dot_pays() {
-  // Not yet anywhere measured. vpdpbusd does 4× the fp32 FMAs' multiply-adds here (682
-  // GOP/s against 171 GFLOP/s on one Emerald Rapids core), and the VNNI decode is 1.07–1.55×
-  // the float32 one while the cache sits in L2 (1024 keys, 64/8 and 32/8 heads), but from
-  // DRAM (32k keys) it measured 0.75–1.0×: there the kernel waits on rows, not on
-  // arithmetic (bench/RESULTS.md §10). Until a schedule that streams as well as the float
-  // one is built, Precision::fast keeps the float32 arithmetic unless forced.
+  // Not yet on any CPU measured. vpdpbusd does 4× the fp32 FMAs' multiply-adds on both
+  // (682 GOP/s against 171 GFLOP/s on an Emerald Rapids core, 963 against 239 on a Zen 5
+  // core), yet the VNNI decode measured 0.67–1.13× the float32 one on the Intel and
+  // 0.25–1.02× on the Zen 5 (bench/int8_dot_ab.sh, bench/RESULTS.md §10): the two-term
+  // splits, the per-block transposes and the int32 → float finish cost more than the
+  // unit saves, and from DRAM (32k keys) the kernel waits on rows. Until a schedule that
+  // streams as well as the float one is built, Precision::fast keeps the float32
+  // arithmetic unless forced.
   return false;
 }
 
