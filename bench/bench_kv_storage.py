@@ -5,8 +5,8 @@ with channel-scaled keys / int4 (with and without a float window), in one proces
 same thread count.
 
 Per row: median time of --repeats attends after a warm-up; bytes = what the kernel
-streams (K and V elements plus their scales: a float per row, and for channel-scaled keys
-d scales and d zero points, floats, per group of group_size tokens); effective bandwidth = bytes / time; "vs int8
+streams (every array of the cache: K and V elements, row scales, channel scales and zero
+points per group of group_size tokens, int4 values' group scales); effective bandwidth = bytes / time; "vs int8
 row" = int8-row time / this time (> 1: faster).
 
     python bench/bench_kv_storage.py                        # 32/8 and 12/12 heads, d = 128, 32k keys
@@ -26,27 +26,28 @@ import qkv
 
 STORAGES = [("float32", {}), ("bfloat16", {}), ("float16", {}), ("int8", {}),
             ("int8", {"key_scales": "channel", "group_size": 32}),
-            ("int4", {"group_size": 64}), ("int4", {"group_size": 64, "float_window": 32})]
+            ("int4", {"group_size": 64}), ("int4", {"group_size": 64, "float_window": 32}),
+            ("int4", {"group_size": 64, "scale_dtype": "float16"}),
+            ("int4", {"group_size": 64, "float_window": 32, "scale_dtype": "float16"})]
 
 
 def name_of(dtype, extra):
     if not extra:
         return dtype + (" row" if dtype == "int8" else "")
     window = f" + {extra['float_window']} float" if extra.get("float_window") else ""
-    return f"{dtype} channel G={extra['group_size']}{window}"
+    scales = " fp16 scales" if extra.get("scale_dtype") == "float16" else ""
+    return f"{dtype}{scales} channel G={extra['group_size']}{window}"
 
 
-def stream_bytes(dtype, extra, n, hkv, d):
-    """Bytes decode reads: K and V elements, their row scales, channel scales and zero
-    points per group of keys, int4 values' scale and zero point per 32 channels (the
+def stream_bytes(cache):
+    """Bytes decode reads: the cache's K and V arrays, row scales, channel scales and zero
+    points, int4 values' group scales — every array it holds, filled to capacity (the
     float window's few rows left out)."""
-    element = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.5}[dtype]
-    per_row = 2 * d * element + {"int8": 8, "int4": 4}.get(dtype, 0)
-    if dtype == "int4":
-        per_row += 8 * -(-d // 32)
-    if extra:
-        per_row += d * 8 / extra["group_size"]
-    return n * hkv * per_row
+    arrays = list(cache.storage()) + [a for a in (cache.scales() or ()) if a is not None]
+    arrays += list(cache.channel_scales() or ())
+    if cache.value_group_scales() is not None:
+        arrays.append(cache.value_group_scales())
+    return sum(a.nbytes for a in arrays)
 
 
 def time_attend(cache, q, threads, repeats):
@@ -83,8 +84,8 @@ def main() -> int:
             for threads in args.threads:
                 times = [time_attend(cache, q, threads, args.repeats) for _, _, cache in caches]
                 int8_row = times[3]
-                for (dtype, extra, _), t in zip(caches, times):
-                    b = stream_bytes(dtype, extra, n, hkv, d)
+                for (dtype, extra, cache), t in zip(caches, times):
+                    b = stream_bytes(cache)
                     print(f"| {hq}/{hkv} | {n} | {threads} | {name_of(dtype, extra)} | {b / (2 * n * hkv * d):.3f} | "
                           f"{t * 1e3:.2f} | {b / t / 1e9:.1f} | {int8_row / t:.2f} |")
     return 0

@@ -62,6 +62,10 @@ REAL += [("int8, K channel G=64, newest 32 float",
 REAL += [(f"int4, K channel G={g}" + (f", newest {w} float" if w else ""),
           {"dtype": "int4", "group_size": g, "float_window": w})
          for w in (0, 32, 128) for g in (32, 64, 128)]
+# The same with float16 scales, zero points and row flags (scale_dtype="float16").
+REAL += [(f"int4 fp16 scales, K channel G={g}" + (f", newest {w} float" if w else ""),
+          {"dtype": "int4", "group_size": g, "float_window": w, "scale_dtype": "float16"})
+         for w in (0, 32) for g in (32, 64, 128)]
 
 _backend = None  # (q, k, v) -> out [B, Hq, T, d]: the storage every layer attends through
 

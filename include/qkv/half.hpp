@@ -92,6 +92,17 @@ constexpr float float16_bits_to_float(std::uint16_t bits) {
   return std::bit_cast<float>(sign | (float_exponent << 23) | ((mantissa & 0x03FFu) << 13));
 }
 
+// The float16 next to a finite one toward +inf (down: toward -inf); ±0 steps to the
+// smallest subnormal of that direction, the largest finite one to infinity.
+constexpr std::uint16_t next_float16_up(std::uint16_t bits) {
+  if (bits == 0x8000u) return 0x0001u;
+  return static_cast<std::uint16_t>((bits & 0x8000u) ? bits - 1u : bits + 1u);
+}
+constexpr std::uint16_t next_float16_down(std::uint16_t bits) {
+  if (bits == 0x0000u) return 0x8001u;
+  return static_cast<std::uint16_t>((bits & 0x8000u) ? bits + 1u : bits - 1u);
+}
+
 }  // namespace half_detail
 
 // Brain floating point: float's exponent range, 8 significant bits.

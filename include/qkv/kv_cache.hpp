@@ -24,7 +24,13 @@
 // Keys as above over 16 levels (scale = (hi − lo) / 15, zero point lo); each value row
 // per group of 32 channels (kValueGroup), its own range mapped onto the 16 levels, a scale
 // and zero point per group — within half a step of every value. About 0.5 + 8/G (keys)
-// and 0.25 (values) bytes per value with the float32 scales.
+// and 0.25 (values) bytes per value with float32 scales. With scale_dtype float16 (int4
+// only) every scale, zero point and key row flag is float16 instead: 4 + 32/G bits per
+// key (+ 16/d for the row flag) and 5 per value — 4.8 bits a value at G = 64, d = 128
+// (4.9 at d = 64), where float32 scales take 5.6 (5.75). Each scale is rounded up and each zero point down to a
+// float16 before the values are quantized against them, so the range still covers every
+// value and each stays within half a (rounded) step; appended keys and values must then
+// lie within float16's range, ±65504 (append refuses others, changing nothing).
 // A float window (float_window = W > 0, for caches with channel-scaled keys): the newest
 // tokens' keys and values are kept as float32 and attended as such; a group of keys is
 // quantized (once) when its last key is W tokens behind the newest, so at least W and
@@ -62,6 +68,7 @@
 #include <memory>
 #include <shared_mutex>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -96,6 +103,7 @@ struct KVCacheConfig {
   KeyScales key_scales = KeyScales::row;  // int8; int4 takes channel only
   int64_t group_size = 32;  // KeyScales::channel: tokens per group, 1..capacity (paged: divides block_size)
   int64_t float_window = 0;  // KeyScales::channel: newest tokens kept float32, 0..capacity (0: none)
+  StorageType scale_dtype = StorageType::float32;  // int4: float32 or float16; others: float32
 };
 
 class KVCache {
@@ -136,19 +144,26 @@ class KVCache {
   template <class T>
   DecodeArgs<T> views() const;
 
-  // int8: the rows' scales, shaped k_shape()[0..2] (empty for other storage types).
-  std::span<const float> k_scales() const { return k_scale_; }
+  // The scale arrays below hold S = float, or float16 for a cache with scale_dtype
+  // float16 (asking for the other type throws qkv::Error).
+  // int8: the rows' scales, shaped k_shape()[0..2] (empty for other storage types); int4:
+  // the keys' row flags (1, or NaN for a row holding NaN or ±inf), same shape.
+  template <class S = float>
+  std::span<const S> k_scales() const { return k_scale_.span<S>("k_scales"); }
   std::span<const float> v_scales() const { return v_scale_; }
   // KeyScales::channel: the keys' channel scales and zero points, [B, ⌈capacity /
   // group_size⌉, Hkv, d] or paged [num_blocks, block_size / group_size, Hkv, d] (empty
   // otherwise).
-  std::span<const float> k_channel_scales() const { return k_channel_scale_; }
-  std::span<const float> k_channel_zeros() const { return k_channel_zero_; }
+  template <class S = float>
+  std::span<const S> k_channel_scales() const { return k_channel_scale_.span<S>("k_channel_scales"); }
+  template <class S = float>
+  std::span<const S> k_channel_zeros() const { return k_channel_zero_.span<S>("k_channel_zeros"); }
   std::array<int64_t, 4> k_channel_shape() const;
 
   // int4: each value row's group scales then zero points, [B | blocks, capacity |
   // block_size, Hkv, 2·⌈dv / kValueGroup⌉] (empty for other storage types).
-  std::span<const float> v_group_scales() const { return v_group_scale_; }
+  template <class S = float>
+  std::span<const S> v_group_scales() const { return v_group_scale_.span<S>("v_group_scales"); }
   // With a float window: keys [0, quantized_lengths()[b]) of sequence b are read from the
   // quantized storage, the newer ones from the float window (empty without one).
   std::span<const int64_t> quantized_lengths() const { return quantized_; }
@@ -185,16 +200,44 @@ class KVCache {
   std::unique_ptr<std::shared_mutex> mutex_;
   int64_t blocks_per_sequence_ = 0;
   std::unique_ptr<std::byte, FreeBytes> k_, v_;
+  // Scales or zero points in config.scale_dtype: float32, or float16 (one of the two
+  // vectors is used).
+  class ScaleArray {
+   public:
+    void assign(std::size_t count, bool half);
+    // Stores value, which a float16 array holds exactly (the quantizer rounds it first).
+    void set(std::size_t i, float value);
+    bool empty() const { return f32_.empty() && f16_.empty(); }
+    bool half() const { return !f16_.empty(); }
+    const void* data() const { return half() ? static_cast<const void*>(f16_.data()) : f32_.data(); }
+    template <class S>
+    std::span<const S> span(const char* name) const {
+      static_assert(std::is_same_v<S, float> || std::is_same_v<S, float16>, "scales are float or float16");
+      if (std::is_same_v<S, float16> != half() && !empty()) wrong_type(name);
+      if constexpr (std::is_same_v<S, float>) {
+        return f32_;
+      } else {
+        return f16_;
+      }
+    }
+
+   private:
+    [[noreturn]] void wrong_type(const char* name) const;
+    std::vector<float> f32_;
+    std::vector<float16> f16_;
+  };
   std::vector<int64_t> lengths_;
   std::vector<int32_t> table_;  // paged: [batch, blocks_per_sequence_], -1 = none
   std::vector<int32_t> free_;   // paged: unassigned pool blocks, taken from the back
-  std::vector<float> k_scale_, v_scale_;  // int8: one scale per stored row (k_shape()[0..2])
+  ScaleArray k_scale_;          // int8: one scale per stored row (k_shape()[0..2]); int4: the row flags
+  std::vector<float> v_scale_;  // int8: one scale per stored value row
   // KeyScales::channel: the channel scales (k_channel_shape()), and each sequence's newest
   // keys as float32, [batch, window_rows_, Hkv, d] (key j in row j % window_rows_:
   // group_size + float_window rows), to quantize a group when it is due. With a float
   // window the values too ([batch, window_rows_, Hkv, dv]).
-  std::vector<float> k_channel_scale_, k_channel_zero_, k_partial_, v_window_;
-  std::vector<float> v_group_scale_;  // int4 values
+  ScaleArray k_channel_scale_, k_channel_zero_;
+  std::vector<float> k_partial_, v_window_;
+  ScaleArray v_group_scale_;  // int4 values
   std::vector<int64_t> quantized_;    // float window: keys quantized per sequence
   int64_t window_rows_ = 0;
   int64_t storage_row(int64_t seq, int64_t key) const;  // the row of (seq, key) in k_/v_

@@ -180,6 +180,37 @@ nb::ndarray<nb::numpy> storage_array(KVCache& cache, bool keys, nb::handle owner
   return nb::ndarray<nb::numpy>(data, 4, shape, owner, nullptr, dt);
 }
 
+// The cache's scale arrays, in its scale_dtype (float32, or float16 for int4 caches).
+enum class ScaleKind { key_rows, channel_scales, channel_zeros, value_groups };
+
+template <class S>
+std::span<const S> scales_of(const KVCache& cache, ScaleKind kind) {
+  switch (kind) {
+    case ScaleKind::key_rows: return cache.k_scales<S>();
+    case ScaleKind::channel_scales: return cache.k_channel_scales<S>();
+    case ScaleKind::channel_zeros: return cache.k_channel_zeros<S>();
+    case ScaleKind::value_groups: return cache.v_group_scales<S>();
+  }
+  return {};
+}
+
+bool half_scales(const KVCache& cache) { return cache.config().scale_dtype == StorageType::float16; }
+
+bool has_scales(const KVCache& cache, ScaleKind kind) {
+  return half_scales(cache) ? !scales_of<float16>(cache, kind).empty() : !scales_of<float>(cache, kind).empty();
+}
+
+// A read-only NumPy view of one of the cache's scale arrays (float32 or float16).
+nb::object scale_view(nb::handle self, ScaleKind kind, std::size_t ndim, const std::size_t* shape) {
+  const KVCache& cache = nb::cast<KVCache&>(self);
+  const bool half = half_scales(cache);
+  const void* data = half ? static_cast<const void*>(scales_of<float16>(cache, kind).data())
+                          : static_cast<const void*>(scales_of<float>(cache, kind).data());
+  const nb::dlpack::dtype dt =
+      half ? nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1} : nb::dtype<float>();
+  return nb::cast(nb::ndarray<nb::numpy, nb::ro>(const_cast<void*>(data), ndim, shape, self, nullptr, dt));
+}
+
 }  // namespace
 
 void bind_decode(nb::module_& m) {
@@ -196,19 +227,20 @@ void bind_decode(nb::module_& m) {
           "__init__",
           [](KVCache* self, int64_t batch, int64_t capacity, int64_t kv_heads, int64_t head_dim, int64_t v_dim,
              const std::string& dtype, bool paged, int64_t block_size, int64_t num_blocks,
-             const std::string& key_scales, int64_t group_size, int64_t float_window) {
+             const std::string& key_scales, int64_t group_size, int64_t float_window, const std::string& scale_dtype) {
             if (key_scales != "row" && key_scales != "channel")
               throw Error("qkv::KVCache: config.key_scales: expected 'row' or 'channel', got '" + key_scales + "'");
             new (self) KVCache({.batch = batch, .capacity = capacity, .kv_heads = kv_heads, .head_dim = head_dim,
                                 .v_dim = v_dim, .dtype = parse_storage(dtype), .paged = paged,
                                 .block_size = block_size, .num_blocks = num_blocks,
                                 .key_scales = key_scales == "channel" ? KeyScales::channel : KeyScales::row,
-                                .group_size = group_size, .float_window = float_window});
+                                .group_size = group_size, .float_window = float_window,
+                                .scale_dtype = parse_storage(scale_dtype)});
           },
           nb::arg("batch"), nb::arg("capacity"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("v_dim") = 0,
           nb::arg("dtype") = "float32", nb::arg("paged") = false, nb::arg("block_size") = 16,
           nb::arg("num_blocks") = 0, nb::arg("key_scales") = "row", nb::arg("group_size") = 32,
-          nb::arg("float_window") = 0)
+          nb::arg("float_window") = 0, nb::arg("scale_dtype") = "float32")
       .def(
           "append",
           [](KVCache& self, const InArray& k, const InArray& v, std::optional<std::vector<int64_t>> seqs) {
@@ -266,7 +298,7 @@ void bind_decode(nb::module_& m) {
         const std::size_t shape[3] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
                                       static_cast<std::size_t>(shape4[2])};
         if (cache.config().dtype == StorageType::int4)
-          return nb::make_tuple(nb::ndarray<nb::numpy, const float>(cache.k_scales().data(), 3, shape, self), nb::none());
+          return nb::make_tuple(scale_view(self, ScaleKind::key_rows, 3, shape), nb::none());
         return nb::make_tuple(nb::ndarray<nb::numpy, const float>(cache.k_scales().data(), 3, shape, self),
                               nb::ndarray<nb::numpy, const float>(cache.v_scales().data(), 3, shape, self));
       })
@@ -274,6 +306,7 @@ void bind_decode(nb::module_& m) {
         return std::string(self.config().key_scales == KeyScales::channel ? "channel" : "row");
       })
       .def_prop_ro("group_size", [](const KVCache& self) { return self.config().group_size; })
+      .def_prop_ro("scale_dtype", [](const KVCache& self) { return std::string(storage_name(self.config().scale_dtype)); })
       .def_prop_ro("float_window", [](const KVCache& self) { return self.config().float_window; })
       .def_prop_ro("quantized_lengths", [](const KVCache& self) {
         return std::vector<int64_t>(self.quantized_lengths().begin(), self.quantized_lengths().end());
@@ -282,12 +315,12 @@ void bind_decode(nb::module_& m) {
         // int4: each value row's group scales then zero points, [B | blocks, capacity |
         // block_size, Hkv, 2·groups] NumPy view; None otherwise.
         KVCache& cache = nb::cast<KVCache&>(self);
-        if (cache.v_group_scales().empty()) return nb::none();
+        if (!has_scales(cache, ScaleKind::value_groups)) return nb::none();
         const auto shape4 = cache.v_shape();
         const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
                                       static_cast<std::size_t>(shape4[2]),
                                       static_cast<std::size_t>(2 * ((shape4[3] + kValueGroup - 1) / kValueGroup))};
-        return nb::cast(nb::ndarray<nb::numpy, const float>(cache.v_group_scales().data(), 4, shape, self));
+        return scale_view(self, ScaleKind::value_groups, 4, shape);
       })
       .def(
           "stored",
@@ -314,12 +347,12 @@ void bind_decode(nb::module_& m) {
         // key_scales="channel": (the keys' channel scales, their zero points), each
         // [B | blocks, groups, Hkv, d], NumPy views of the cache's memory; None otherwise.
         KVCache& cache = nb::cast<KVCache&>(self);
-        if (cache.k_channel_scales().empty()) return nb::none();
+        if (!has_scales(cache, ScaleKind::channel_scales)) return nb::none();
         const auto shape4 = cache.k_channel_shape();
         const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
                                       static_cast<std::size_t>(shape4[2]), static_cast<std::size_t>(shape4[3])};
-        return nb::make_tuple(nb::ndarray<nb::numpy, const float>(cache.k_channel_scales().data(), 4, shape, self),
-                              nb::ndarray<nb::numpy, const float>(cache.k_channel_zeros().data(), 4, shape, self));
+        return nb::make_tuple(scale_view(self, ScaleKind::channel_scales, 4, shape),
+                              scale_view(self, ScaleKind::channel_zeros, 4, shape));
       })
       .def("block_table", [](nb::handle self) {
         KVCache& cache = nb::cast<KVCache&>(self);

@@ -340,12 +340,12 @@ void widen_row(const detail::KvSource& kv, bool keys, int64_t b, int64_t j, int6
     case StorageType::bfloat16: return widen_row(static_cast<const bfloat16*>(base) + at, dim, 1.0f, to);
     case StorageType::float16: return widen_row(static_cast<const float16*>(base) + at, dim, 1.0f, to);
     case StorageType::int8: {
-      const float* scales = keys ? kv.k_scale : kv.v_scale;
+      const detail::ScalePtr scales = keys ? kv.k_scale : kv.v_scale;
       const float scale = scales[kv.offset(keys ? kv.k_scale_strides : kv.v_scale_strides, b, j, h)];
       const auto* row = static_cast<const std::int8_t*>(base) + at;
       if (keys && kv.channel_scaled()) {  // row scale · (int8 · channel scale + zero point)
-        const float* channel = kv.channel_scales(b, j, h);
-        const float* zero = kv.channel_zeros(b, j, h);
+        const detail::ScalePtr channel = kv.channel_scales(b, j, h);
+        const detail::ScalePtr zero = kv.channel_zeros(b, j, h);
         for (int64_t c = 0; c < dim; ++c)
           to[c] = (static_cast<float>(row[c]) * channel[c] + (zero != nullptr ? zero[c] : 0.0f)) * scale;
         return;

@@ -94,6 +94,24 @@ void store_int8_channel_row(const float* src, const float* scale, const float* z
   }
 }
 
+// The scale and zero point of int4 levels 0..15 for the range [lo, hi]: float32 scales
+// (hi − lo) / 15 and lo; float16 ones the zero point rounded down and the scale rounded
+// up (from the rounded zero point), so that z + 15·s ≥ hi still and every value of the
+// range is within half a step of a level. Ranges within ±65504 (append checks) keep
+// both finite.
+struct Int4Scale {
+  float scale, zero;
+};
+Int4Scale int4_scale(float lo, float hi, bool half) {
+  if (!half) return {(hi - lo) / 15.0f, lo};
+  float16 zero(lo);
+  if (static_cast<float>(zero) > lo) zero = float16::from_bits(half_detail::next_float16_down(zero.bits));
+  const double step = (static_cast<double>(hi) - static_cast<float>(zero)) / 15.0;
+  float16 scale(static_cast<float>(step));
+  if (static_cast<double>(static_cast<float>(scale)) < step) scale = float16::from_bits(half_detail::next_float16_up(scale.bits));
+  return {static_cast<float>(scale), static_cast<float>(zero)};
+}
+
 // int4 levels of one value against (scale, lo): round((x − lo) / scale) (ties to even; in
 // double) clamped to 0..15, so x is within half a step of level · scale + lo; 0 for a
 // scale of 0 (the range held one value: lo itself).
@@ -122,10 +140,11 @@ void store_int4_channel_row(const float* src, const float* scale, const float* z
 }
 
 // int4 values: per group of kValueGroup channels, the row's range [lo, hi] in that group
-// mapped onto the 16 levels: scale = (hi − lo) / 15, zero point lo. `scales` gets the
-// groups' scales then their zero points. A row holding NaN or ±inf: levels 0, scales NaN
-// (whatever attends to it sees NaN), zero points 0.
-void store_int4_value_row(const float* src, int64_t count, std::uint8_t* out, float* scales) {
+// mapped onto the 16 levels (int4_scale: scale (hi − lo) / 15, zero point lo, float32 or
+// float16 as `half` says). `scales` gets the groups' scales then their zero points. A row
+// holding NaN or ±inf: levels 0, scales NaN (whatever attends to it sees NaN), zero
+// points 0.
+void store_int4_value_row(const float* src, int64_t count, std::uint8_t* out, float* scales, bool half) {
   const int64_t groups = detail::ceil_div(count, kValueGroup);
   const bool finite = std::all_of(src, src + count, [](float x) { return std::isfinite(x); });
   const auto n = static_cast<std::size_t>(count);
@@ -138,20 +157,21 @@ void store_int4_value_row(const float* src, int64_t count, std::uint8_t* out, fl
       continue;
     }
     const auto [lo, hi] = std::minmax_element(src + from, src + to);
-    const float scale = (*hi - *lo) / 15.0f;
-    scales[g] = scale;
-    scales[groups + g] = *lo;
-    for (int64_t c = from; c < to; ++c) put_int4(out, static_cast<std::size_t>(c), n, int4_level(src[c], scale, *lo));
+    const Int4Scale fit = int4_scale(*lo, *hi, half);
+    scales[g] = fit.scale;
+    scales[groups + g] = fit.zero;
+    for (int64_t c = from; c < to; ++c)
+      put_int4(out, static_cast<std::size_t>(c), n, int4_level(src[c], fit.scale, fit.zero));
   }
 }
 
-void store_row(StorageType type, const float* src, int64_t count, void* dst, float* scale) {
+void store_row(StorageType type, const float* src, int64_t count, void* dst, float* scale, bool half) {
   switch (type) {
     case StorageType::float32: return store_row<float>(src, count, dst);
     case StorageType::bfloat16: return store_row<bfloat16>(src, count, dst);
     case StorageType::float16: return store_row<float16>(src, count, dst);
     case StorageType::int8: return store_int8_row(src, count, dst, scale);
-    case StorageType::int4: return store_int4_value_row(src, count, static_cast<std::uint8_t*>(dst), scale);
+    case StorageType::int4: return store_int4_value_row(src, count, static_cast<std::uint8_t*>(dst), scale, half);
   }
 }
 
@@ -167,6 +187,7 @@ struct CacheBytes {
 
 bool channel_scaled(const KVCacheConfig& c) { return c.key_scales == KeyScales::channel; }
 bool is_int4(const KVCacheConfig& c) { return c.dtype == StorageType::int4; }
+bool half_scales(const KVCacheConfig& c) { return c.scale_dtype == StorageType::float16; }
 // Float rows kept per sequence: the newest group's keys, and the window's K and V.
 int64_t window_rows(const KVCacheConfig& c) { return channel_scaled(c) ? c.group_size + c.float_window : 0; }
 
@@ -183,22 +204,23 @@ CacheBytes cache_bytes(const KVCacheConfig& c, int64_t blocks_per_sequence) {
     return is_int4(c) ? SizeFactor{int4_name, storage_row_bytes(c.dtype, dim)} : SizeFactor{name, dim};
   };
   const auto element = static_cast<std::size_t>(storage_bytes(c.dtype));
+  const std::size_t scale = half_scales(c) ? sizeof(float16) : sizeof(float);
   bytes.keys = detail::checked_bytes(kName, "the key storage",
                                      {outer, inner, heads, row("config.head_dim", "⌈config.head_dim / 2⌉", c.head_dim)},
                                      element);
   bytes.values = detail::checked_bytes(kName, "the value storage",
                                        {outer, inner, heads, row("config.v_dim", "⌈config.v_dim / 2⌉", c.v_dim)}, element);
   if (c.dtype == StorageType::int8 || is_int4(c))
-    bytes.scales = detail::checked_bytes(kName, "the row scales", {outer, inner, heads}, sizeof(float));
+    bytes.scales = detail::checked_bytes(kName, "the row scales", {outer, inner, heads}, scale);
   if (is_int4(c))
     bytes.value_scales = detail::checked_bytes(
         kName, "the values' group scales",
         {outer, inner, heads, {"the value groups (config.v_dim)", 2 * detail::ceil_div(c.v_dim, kValueGroup)}},
-        sizeof(float));
+        scale);
   if (channel_scaled(c)) {
     const SizeFactor groups{"the groups per row of blocks", detail::ceil_div(inner.value, c.group_size)};
     const SizeFactor dim{"config.head_dim", c.head_dim};
-    bytes.channel_scales = detail::checked_bytes(kName, "the keys' channel scales", {outer, groups, heads, dim}, sizeof(float));
+    bytes.channel_scales = detail::checked_bytes(kName, "the keys' channel scales", {outer, groups, heads, dim}, scale);
     const SizeFactor rows{"config.group_size + config.float_window", window_rows(c)};
     bytes.partial = detail::checked_bytes(kName, "the newest keys", {{"config.batch", c.batch}, rows, heads, dim},
                                           sizeof(float));
@@ -218,6 +240,27 @@ CacheBytes cache_bytes(const KVCacheConfig& c, int64_t blocks_per_sequence) {
 }  // namespace
 
 void KVCache::FreeBytes::operator()(std::byte* p) const { std::free(p); }
+
+void KVCache::ScaleArray::assign(std::size_t count, bool half) {
+  if (half) {
+    f16_.assign(count, float16(0.0f));
+  } else {
+    f32_.assign(count, 0.0f);
+  }
+}
+
+void KVCache::ScaleArray::set(std::size_t i, float value) {
+  if (half()) {
+    f16_[i] = float16(value);
+  } else {
+    f32_[i] = value;
+  }
+}
+
+void KVCache::ScaleArray::wrong_type(const char* name) const {
+  detail::Checker(kName).fail(std::string(name) + ": the cache's scales are " + (half() ? "float16" : "float32") +
+                              " (config.scale_dtype); ask for " + (half() ? "float16" : "float"));
+}
 
 KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
   const detail::Checker check(kName);
@@ -239,6 +282,11 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
   if (is_int4(config) && !channel_scaled(config))
     check.fail("config.key_scales: int4 keys are scaled per channel (KeyScales::channel): one 4-bit scale per row "
                "loses most of post-RoPE keys (bench/KV_QUANTIZATION.md), got row");
+  if (config.scale_dtype != StorageType::float32 && config.scale_dtype != StorageType::float16)
+    check.fail(std::string("config.scale_dtype: expected float32 or float16, got ") + storage_name(config.scale_dtype));
+  if (half_scales(config) && !is_int4(config))
+    check.fail(std::string("config.scale_dtype: float16 scales are for int4 caches (int8 ones keep float32, which "
+                           "qkv::decode's DecodeArgs take), got dtype ") + storage_name(config.dtype));
   if (config.float_window != 0 && !channel_scaled(config))
     check.fail("config.float_window: a float window is for caches with channel-scaled keys (int8 or int4, "
                "KeyScales::channel), got " + std::to_string(config.float_window));
@@ -280,16 +328,18 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
   detail::allocate_or_throw(kName, "the value storage", bytes.values, [&] { v_.reset(allocate_bytes(bytes.values)); });
   if (bytes.scales != 0) {  // one scale per stored row (int4: keys only)
     detail::allocate_or_throw(kName, "the row scales", 2 * bytes.scales + bytes.value_scales, [&] {
-      k_scale_.assign(bytes.scales / sizeof(float), 0.0f);
+      const std::size_t scale = half_scales(config_) ? sizeof(float16) : sizeof(float);
+      k_scale_.assign(bytes.scales / scale, half_scales(config_));
       if (!is_int4(config_)) v_scale_.assign(bytes.scales / sizeof(float), 0.0f);
-      v_group_scale_.assign(bytes.value_scales / sizeof(float), 0.0f);
+      if (is_int4(config_)) v_group_scale_.assign(bytes.value_scales / scale, half_scales(config_));
     });
   }
   if (channel_scaled(config_)) {
     window_rows_ = window_rows(config_);
     detail::allocate_or_throw(kName, "the keys' channel scales", 2 * bytes.channel_scales + bytes.partial + bytes.window, [&] {
-      k_channel_scale_.assign(bytes.channel_scales / sizeof(float), 0.0f);
-      k_channel_zero_.assign(bytes.channel_scales / sizeof(float), 0.0f);
+      const std::size_t scale = half_scales(config_) ? sizeof(float16) : sizeof(float);
+      k_channel_scale_.assign(bytes.channel_scales / scale, half_scales(config_));
+      k_channel_zero_.assign(bytes.channel_scales / scale, half_scales(config_));
       k_partial_.assign(bytes.partial / sizeof(float), 0.0f);
       v_window_.assign(bytes.window / sizeof(float), 0.0f);
     });
@@ -334,10 +384,13 @@ void KVCache::quantize_key_group(int64_t seq, int64_t group, int64_t rows) {
   auto* keys = reinterpret_cast<std::uint8_t*>(k_.get());
   const bool int4 = is_int4(config_);
   const int64_t row_bytes = storage_row_bytes(config_.dtype, d), levels = int4 ? 15 : 255;
+  const bool half = half_scales(config_);
+  // One head's channel scales and zero points as stored (float16 ones widened).
+  std::vector<float> scale_row(static_cast<std::size_t>(d)), zero_row(static_cast<std::size_t>(d));
+  float* scale = scale_row.data();
+  float* zero = zero_row.data();
   for (int64_t h = 0; h < hkv; ++h) {
     const auto at = static_cast<std::size_t>(((outer * groups_per_outer + group_in_outer) * hkv + h) * d);
-    float* scale = &k_channel_scale_[at];
-    float* zero = &k_channel_zero_[at];
     const auto partial_row = [&](int64_t i) {
       return &k_partial_[static_cast<std::size_t>(((seq * window_rows_ + (first + i) % window_rows_) * hkv + h) * d)];
     };
@@ -353,18 +406,27 @@ void KVCache::quantize_key_group(int64_t seq, int64_t group, int64_t rows) {
     }
     for (int64_t c = 0; c < d; ++c) {
       const float lo = std::isfinite(scale[c]) ? scale[c] : 0.0f, hi = std::isfinite(zero[c]) ? zero[c] : 0.0f;
-      scale[c] = (hi - lo) / static_cast<float>(levels);
-      zero[c] = int4 || scale[c] == 0.0f ? lo : lo + 128.0f * scale[c];
+      if (int4) {
+        const Int4Scale fit = int4_scale(lo, hi, half);
+        scale[c] = fit.scale;
+        zero[c] = fit.zero;
+      } else {
+        scale[c] = (hi - lo) / static_cast<float>(levels);
+        zero[c] = scale[c] == 0.0f ? lo : lo + 128.0f * scale[c];
+      }
+      k_channel_scale_.set(at + static_cast<std::size_t>(c), scale[c]);
+      k_channel_zero_.set(at + static_cast<std::size_t>(c), zero[c]);
     }
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t row = storage_row(seq, first + i);
       std::uint8_t* out = keys + (row * hkv + h) * row_bytes;
-      float* row_scale = &k_scale_[static_cast<std::size_t>(row * hkv + h)];
+      float row_scale = 0.0f;
       if (int4) {
-        store_int4_channel_row(partial_row(i), scale, zero, d, out, row_scale);
+        store_int4_channel_row(partial_row(i), scale, zero, d, out, &row_scale);
       } else {
-        store_int8_channel_row(partial_row(i), scale, zero, d, reinterpret_cast<std::int8_t*>(out), row_scale);
+        store_int8_channel_row(partial_row(i), scale, zero, d, reinterpret_cast<std::int8_t*>(out), &row_scale);
       }
+      k_scale_.set(static_cast<std::size_t>(row * hkv + h), row_scale);
     }
   }
 }
@@ -470,11 +532,30 @@ void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
     check.fail(std::string(rows.tokens_name) + ": the pool has " + std::to_string(free_now) + " free blocks, " +
                std::to_string(blocks_needed) + " are needed (config.num_blocks)");
 
+  // float16 scales: every finite key and value within float16's range (their zero points
+  // and scales are float16; see the header).
+  if (half_scales(config_)) {
+    const auto in_range = [&](const char* what, const float* row, int64_t count, int64_t n, int64_t t, int64_t h) {
+      for (int64_t c = 0; c < count; ++c)
+        if (std::isfinite(row[c]) && std::abs(row[c]) > 65504.0f)
+          check.fail(std::string(what) + "[" + std::to_string(n) + ", " + std::to_string(t) + ", " + std::to_string(h) +
+                     ", " + std::to_string(c) + "]: " + std::to_string(row[c]) +
+                     " is beyond float16's range (±65504), which this cache's float16 scales (config.scale_dtype) cover");
+    };
+    for (int64_t n = 0; n < rows.count; ++n)
+      for (int64_t t = 0; t < rows.tokens(n); ++t)
+        for (int64_t h = 0; h < config_.kv_heads; ++h) {
+          in_range("k", rows.k_row(n, t, h), config_.head_dim, n, t, h);
+          in_range("v", rows.v_row(n, t, h), config_.v_dim, n, t, h);
+        }
+  }
+
   // Everything checked: from here on nothing throws.
   const int64_t hkv = config_.kv_heads, d = config_.head_dim, dv = config_.v_dim;
   const auto k_row_bytes = static_cast<std::size_t>(storage_row_bytes(config_.dtype, d));
   const auto v_row_bytes = static_cast<std::size_t>(storage_row_bytes(config_.dtype, dv));
   const int64_t value_scales = is_int4(config_) ? 2 * detail::ceil_div(dv, kValueGroup) : 1;
+  std::vector<float> row_scales(static_cast<std::size_t>(value_scales));  // one row's, before they are stored
   auto* kb = reinterpret_cast<std::byte*>(k_.get());
   auto* vb = reinterpret_cast<std::byte*>(v_.get());
   for (int64_t n = 0; n < rows.count; ++n) {
@@ -499,13 +580,18 @@ void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
           std::copy(key, key + d, &k_partial_[(window_at + static_cast<std::size_t>(h)) * static_cast<std::size_t>(d)]);
         } else {
           store_row(config_.dtype, rows.k_row(n, t, h), d, kb + static_cast<std::size_t>(row * hkv + h) * k_row_bytes,
-                    k_scale_.empty() ? nullptr : &k_scale_[scale_at]);
+                    row_scales.data(), false);
+          if (!k_scale_.empty()) k_scale_.set(scale_at, row_scales[0]);
         }
-        float* v_scale = is_int4(config_)   ? &v_group_scale_[scale_at * static_cast<std::size_t>(value_scales)]
-                         : v_scale_.empty() ? nullptr
-                                            : &v_scale_[scale_at];
         store_row(config_.dtype, rows.v_row(n, t, h), dv, vb + static_cast<std::size_t>(row * hkv + h) * v_row_bytes,
-                  v_scale);
+                  row_scales.data(), half_scales(config_));
+        if (is_int4(config_)) {
+          for (int64_t i = 0; i < value_scales; ++i)
+            v_group_scale_.set(scale_at * static_cast<std::size_t>(value_scales) + static_cast<std::size_t>(i),
+                               row_scales[static_cast<std::size_t>(i)]);
+        } else if (!v_scale_.empty()) {
+          v_scale_[scale_at] = row_scales[0];
+        }
         if (window > 0) {  // attended as float32 while in the window
           const float* value = rows.v_row(n, t, h);
           std::copy(value, value + dv, &v_window_[(window_at + static_cast<std::size_t>(h)) * static_cast<std::size_t>(dv)]);
@@ -572,11 +658,11 @@ DecodeArgs<T> KVCache::views() const {
     args.block_table = TensorView<const int32_t, 2>::contiguous(table_.data(), {config_.batch, blocks_per_sequence_});
   if constexpr (storage_type_of<T> == StorageType::int8) {
     const auto shape = k_shape();
-    args.k_scale = View3<const float>::contiguous(k_scale_.data(), {shape[0], shape[1], shape[2]});
+    args.k_scale = View3<const float>::contiguous(k_scale_.span<float>("k_scales").data(), {shape[0], shape[1], shape[2]});
     args.v_scale = View3<const float>::contiguous(v_scale_.data(), {shape[0], shape[1], shape[2]});
     if (channel_scaled(config_)) {
-      args.k_channel_scale = View4<const float>::contiguous(k_channel_scale_.data(), k_channel_shape());
-      args.k_channel_zero = View4<const float>::contiguous(k_channel_zero_.data(), k_channel_shape());
+      args.k_channel_scale = View4<const float>::contiguous(k_channel_scale_.span<float>("k_channel_scales").data(), k_channel_shape());
+      args.k_channel_zero = View4<const float>::contiguous(k_channel_zero_.span<float>("k_channel_zeros").data(), k_channel_shape());
       args.key_group = config_.group_size;
     }
   }
@@ -616,6 +702,9 @@ void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
 }
 
 detail::KvSource KVCache::source() const {
+  const auto scale_ptr = [](const ScaleArray& a) {
+    return a.half() ? detail::ScalePtr(static_cast<const float16*>(a.data())) : detail::ScalePtr(static_cast<const float*>(a.data()));
+  };
   detail::KvSource s;
   const auto [outer, inner, hkv, d] = k_shape();
   const int64_t dv = config_.v_dim;
@@ -631,7 +720,7 @@ detail::KvSource KVCache::source() const {
   s.head_dim = d;
   s.v_dim = dv;
   if (!k_scale_.empty()) {
-    s.k_scale = k_scale_.data();
+    s.k_scale = scale_ptr(k_scale_);
     s.k_scale_strides = {inner * hkv, hkv, 1};
   }
   if (!v_scale_.empty()) {
@@ -640,13 +729,13 @@ detail::KvSource KVCache::source() const {
   }
   if (is_int4(config_)) {
     const int64_t scales = 2 * detail::ceil_div(dv, kValueGroup);
-    s.v_group_scale = v_group_scale_.data();
+    s.v_group_scale = scale_ptr(v_group_scale_);
     s.v_group_strides = {inner * hkv * scales, hkv * scales, scales};
     s.value_group = kValueGroup;
   }
   if (channel_scaled(config_)) {
-    s.k_channel_scale = k_channel_scale_.data();
-    s.k_channel_zero = k_channel_zero_.data();
+    s.k_channel_scale = scale_ptr(k_channel_scale_);
+    s.k_channel_zero = scale_ptr(k_channel_zero_);
     s.k_channel_strides = {k_channel_shape()[1] * hkv * d, hkv * d, d};
     s.key_group = config_.group_size;
   }

@@ -6,11 +6,35 @@
 // which validation sets whenever K/V are a plain view of the call's storage type).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "qkv/half.hpp"
 
 namespace qkv::detail {
+
+// Scales and zero points as a cache stores them: float32, or float16 (qkv::KVCache's
+// scale_dtype, for int4 caches: half the bytes of every scale). Indexed like a pointer;
+// float16 widens to float exactly, so a reader sees the same numbers either way.
+struct ScalePtr {
+  const void* data = nullptr;
+  bool half = false;  // float16, else float32
+
+  ScalePtr() = default;
+  ScalePtr(std::nullptr_t) {}                                    // NOLINT: none
+  ScalePtr(const float* p) : data(p) {}                          // NOLINT: every float scale array
+  ScalePtr(const float16* p) : data(p), half(true) {}            // NOLINT
+  float operator[](int64_t i) const {
+    return half ? static_cast<float>(static_cast<const float16*>(data)[i]) : static_cast<const float*>(data)[i];
+  }
+  ScalePtr operator+(int64_t i) const {
+    return half ? ScalePtr(static_cast<const float16*>(data) + i) : ScalePtr(static_cast<const float*>(data) + i);
+  }
+  // float32 scales in place (null for float16 ones, which a reader widens first).
+  const float* floats() const { return half ? nullptr : static_cast<const float*>(data); }
+  const float16* halves() const { return half ? static_cast<const float16*>(data) : nullptr; }
+  friend bool operator==(const ScalePtr& p, std::nullptr_t) { return p.data == nullptr; }
+};
 
 // Strides (in elements) of a [batch | pool block, key, kv head, ...] view's first three
 // axes: where each key/value row (or its int8 scale) starts.
@@ -42,6 +66,9 @@ struct RowStrides {
 // + zero point); value (b, j, h, c) = u · s + z with (s, z) of the row's channel group
 // c / value_group: the row's groups' scales then zero points, 2·⌈dv / value_group⌉
 // floats at v_group_scale + offset(v_group_strides, b, j, h).
+// Scales and zero points are float32 (ScalePtr), or float16 for an int4 KVCache with
+// scale_dtype float16 (its keys' row scales, channel scales and zero points, and value
+// group scales alike).
 // A float window (quantized caches of qkv::KVCache with a float_window): the keys j ≥
 // quantized_lengths[b] of sequence b are read, K and V, as float32 from the window rows
 // window_k / window_v, [B, window_rows, Hkv, d | dv] contiguous, key j in row j %
@@ -51,14 +78,14 @@ struct KvSource {
   const void* k = nullptr;
   const void* v = nullptr;
   RowStrides k_strides, v_strides;
-  const float* k_scale = nullptr;  // int8 only
-  const float* v_scale = nullptr;
+  ScalePtr k_scale;  // int8 and int4 (int4 values: none)
+  ScalePtr v_scale;
   RowStrides k_scale_strides, v_scale_strides;
-  const float* k_channel_scale = nullptr;  // int8 keys scaled per channel, else null
-  const float* k_channel_zero = nullptr;   // and their zero points (null: none)
+  ScalePtr k_channel_scale;  // keys scaled per channel, else null
+  ScalePtr k_channel_zero;   // and their zero points (null: none)
   RowStrides k_channel_strides;            // axes [batch | block, group, kv head], both
   int64_t key_group = 0;                   // keys per channel-scale group
-  const float* v_group_scale = nullptr;    // int4 values: scales then zero points per row
+  ScalePtr v_group_scale;                  // int4 values: scales then zero points per row
   RowStrides v_group_strides;
   int64_t value_group = 0;                 // int4 values: channels per group
   const float* window_k = nullptr;         // float window (null: none)
@@ -85,7 +112,7 @@ struct KvSource {
   }
   int64_t value_groups() const { return (v_dim + value_group - 1) / value_group; }
   // int4 values: the row's group scales (value_groups() of them, then as many zero points).
-  const float* value_group_scales(int64_t batch, int64_t key, int64_t head) const {
+  ScalePtr value_group_scales(int64_t batch, int64_t key, int64_t head) const {
     return v_group_scale + offset(v_group_strides, batch, key, head);
   }
 
@@ -95,7 +122,7 @@ struct KvSource {
     const int64_t page = block_table[batch * table_stride + key / page_size];
     return page * strides.batch + (key % page_size) * strides.row + head * strides.head;
   }
-  bool channel_scaled() const { return k_channel_scale != nullptr; }
+  bool channel_scaled() const { return !(k_channel_scale == nullptr); }
   // The d channel scales (and zero points) of key j's group (b, h): see above.
   int64_t channel_offset(int64_t batch, int64_t key, int64_t head) const {
     const RowStrides& s = k_channel_strides;
@@ -103,12 +130,12 @@ struct KvSource {
     const int64_t page = block_table[batch * table_stride + key / page_size];
     return page * s.batch + ((key % page_size) / key_group) * s.row + head * s.head;
   }
-  const float* channel_scales(int64_t batch, int64_t key, int64_t head) const {
+  ScalePtr channel_scales(int64_t batch, int64_t key, int64_t head) const {
     return k_channel_scale + channel_offset(batch, key, head);
   }
   // Null without zero points.
-  const float* channel_zeros(int64_t batch, int64_t key, int64_t head) const {
-    return k_channel_zero == nullptr ? nullptr : k_channel_zero + channel_offset(batch, key, head);
+  ScalePtr channel_zeros(int64_t batch, int64_t key, int64_t head) const {
+    return k_channel_zero == nullptr ? ScalePtr{} : k_channel_zero + channel_offset(batch, key, head);
   }
   // Keys [key, run_end(key)) lie strides.row apart (the rest of key's page).
   int64_t run_end(int64_t key) const {

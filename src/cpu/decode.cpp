@@ -72,6 +72,7 @@ namespace {
 
 using Problem = detail::ForwardProblem<float>;
 using detail::KvSource;
+using detail::ScalePtr;
 
 // ---------------------------------------------------------------------------------
 // How many units of (block, kv head) ahead of the computing one the prefetches run.
@@ -110,8 +111,13 @@ struct DecodeScratch {
   // each row's dot product with its zero points, and one vector of keys' scores when the
   // vector's keys span two groups.
   hwy::AlignedFreeUniquePtr<float[]> channel_queries, channel_bias, split_scores;
-  // int4 values: each ring row's group scales and zero points (in the ring's layout).
+  // int4 values: each ring row's group scales and zero points (in the ring's layout);
+  // float16 ones widened into v_group_floats (2·groups floats a ring row).
   std::vector<const float*> v_groups;
+  hwy::AlignedFreeUniquePtr<float[]> v_group_floats;
+  size_t v_group_ld;
+  // float16 channel scales: one group's d scales then d zero points, widened.
+  hwy::AlignedFreeUniquePtr<float[]> channel_floats;
   // A float window: the block's rows in it.
   std::vector<const float*> window_k, window_v;
   // int8 caches on VNNI (int8_dot.hpp): the tile's query rows as two int8 terms each,
@@ -143,6 +149,11 @@ struct DecodeScratch {
         channel_bias(AllocateFloats(kScaledStorage<T> ? plan.group_rows() : 0)),
         split_scores(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * VectorLanes() : 0)),
         v_groups(kGroupedValues<T> ? (kUnitsAhead + 1) * plan.block_keys : 0),
+        v_group_floats(AllocateFloats(kv.v_group_scale.half ? (kUnitsAhead + 1) * plan.block_keys * 2 *
+                                                                  static_cast<size_t>(kv.value_groups())
+                                                            : 0)),
+        v_group_ld(kv.v_group_scale.half ? 2 * static_cast<size_t>(kv.value_groups()) : 0),
+        channel_floats(AllocateFloats(kv.k_channel_scale.half ? 2 * plan.d_pad : 0)),
         window_k(kv.windowed() ? plan.block_keys : 0), window_v(kv.windowed() ? plan.block_keys : 0),
         vnni(int8_dots),
         query_ld(int8dot::query_ld(head_dim)),
@@ -170,10 +181,11 @@ void PadRows(size_t keys, size_t padded, const T** k, const T** v, float* k_scal
 // the cache (contiguous or paged), padded to `padded` entries with the last row, whose
 // scores the mask then removes (so a partial vector of keys never reads past the cache).
 // Scaled storage: the rows' scales too (int4: the keys' row scales, and each value row's
-// group scales in v_groups).
+// group scales in v_groups; float16 ones widened into group_floats, group_ld apart).
 template <class T>
 void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first, size_t keys,
-                 size_t padded, const T** k, const T** v, float* k_scale, float* v_scale, const float** v_groups) {
+                 size_t padded, const T** k, const T** v, float* k_scale, float* v_scale, const float** v_groups,
+                 float* group_floats, size_t group_ld) {
   const T* k_base = static_cast<const T*>(kv.k);
   const T* v_base = static_cast<const T*>(kv.v);
   size_t j = 0;
@@ -187,16 +199,21 @@ void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first,
       v[j + r] = v_row + static_cast<int64_t>(r) * kv.v_strides.row;
     }
     if constexpr (kScaledStorage<T>) {
-      const float* ks = kv.k_scale + kv.offset(kv.k_scale_strides, batch, key, head);
+      const ScalePtr ks = kv.k_scale + kv.offset(kv.k_scale_strides, batch, key, head);
       for (size_t r = 0; r < run; ++r) k_scale[j + r] = ks[static_cast<int64_t>(r) * kv.k_scale_strides.row];
     }
     if constexpr (kRowScaledValues<T>) {
-      const float* vs = kv.v_scale + kv.offset(kv.v_scale_strides, batch, key, head);
+      const ScalePtr vs = kv.v_scale + kv.offset(kv.v_scale_strides, batch, key, head);
       for (size_t r = 0; r < run; ++r) v_scale[j + r] = vs[static_cast<int64_t>(r) * kv.v_scale_strides.row];
     }
     if constexpr (kGroupedValues<T>) {
-      const float* vg = kv.value_group_scales(batch, key, head);
-      for (size_t r = 0; r < run; ++r) v_groups[j + r] = vg + static_cast<int64_t>(r) * kv.v_group_strides.row;
+      const ScalePtr vg = kv.value_group_scales(batch, key, head);
+      if (vg.half) {  // widened once per row, for the tiles' broadcasts
+        WidenRows(vg.halves(), kv.v_group_strides.row, run, group_ld, group_floats + j * group_ld, group_ld);
+        for (size_t r = 0; r < run; ++r) v_groups[j + r] = group_floats + (j + r) * group_ld;
+      } else {
+        for (size_t r = 0; r < run; ++r) v_groups[j + r] = vg.floats() + static_cast<int64_t>(r) * kv.v_group_strides.row;
+      }
     }
     j += run;
   }
@@ -242,6 +259,14 @@ HWY_INLINE float Dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, s
   return sum;
 }
 
+// n scales in place as floats: float32 ones as they are, float16 ones widened into `to`
+// (null stays null).
+HWY_INLINE const float* AsFloats(ScalePtr scales, size_t n, float* to) {
+  if (!scales.half) return scales.floats();
+  WidenRows(scales.halves(), 0, 1, n, to, n);
+  return to;
+}
+
 // Scores of `rows` query rows (scale·q, d_pad apart) against int8 keys scaled per
 // channel (qkv::KVCache's KeyScales::channel) read in place: key j of group γ holds
 // int8_j ⊙ c_γ + z_γ (channel-wise scales and zero points; its row scale is applied
@@ -262,8 +287,8 @@ void ChannelScaledScores(const KvSource& kv, const DecodePlan& plan, int64_t bat
   const auto scale_rows = [&](int64_t g) {
     if (g == scaled_group) return;
     scaled_group = g;
-    const float* channel = kv.channel_scales(batch, g * group, head);
-    const float* zero = kv.channel_zeros(batch, g * group, head);
+    const float* channel = AsFloats(kv.channel_scales(batch, g * group, head), d, s.channel_floats.get());
+    const float* zero = AsFloats(kv.channel_zeros(batch, g * group, head), d, s.channel_floats.get() + d_pad);
     for (size_t r = 0; r < rows; ++r) {
       const float* q = queries + r * d_pad;
       float* to = scaled + r * d_pad;
@@ -383,8 +408,8 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
       float* key = s.keys.get() + j * d_pad;
       WidenRows(k_rows[j], 0, 1, d, key, d_pad);
       if (kScaled && kv.channel_scaled()) {  // level · channel scale + zero point
-        const float* channel = kv.channel_scales(task.batch, first + static_cast<int64_t>(j), gr.head);
-        const float* zero = kv.channel_zeros(task.batch, first + static_cast<int64_t>(j), gr.head);
+        const ScalePtr channel = kv.channel_scales(task.batch, first + static_cast<int64_t>(j), gr.head);
+        const ScalePtr zero = kv.channel_zeros(task.batch, first + static_cast<int64_t>(j), gr.head);
         for (size_t c = 0; c < d; ++c) key[c] = key[c] * channel[c] + (zero != nullptr ? zero[c] : 0.0f);
       }
     }
@@ -541,12 +566,15 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
     return kScaledStorage<T> ? scales.get() + slot * slot_rows : nullptr;
   };
   const auto groups_of = [&](size_t slot) { return kGroupedValues<T> ? s.v_groups.data() + slot * slot_rows : nullptr; };
+  const auto group_floats_of = [&](size_t slot) {
+    return s.v_group_ld > 0 ? s.v_group_floats.get() + slot * slot_rows * s.v_group_ld : nullptr;
+  };
   const auto fill_slot = [&](size_t u, int64_t first, int64_t g) {
     slot_keys[u] = unit_keys(first);
     if (slot_keys[u] > 0)
       RowPointers<T>(kv, task.batch, g, first, slot_keys[u], round_up(slot_keys[u], lanes),
                      s.k_ring.data() + u * slot_rows, s.v_ring.data() + u * slot_rows, scales_of(s.k_scales, u),
-                     scales_of(s.v_scales, u), groups_of(u));
+                     scales_of(s.v_scales, u), groups_of(u), group_floats_of(u), s.v_group_ld);
   };
   // Fill the ring: units 0 .. kUnitsAhead.
   int64_t ahead_first = task.first_key, ahead_g = 0;

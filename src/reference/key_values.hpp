@@ -32,7 +32,7 @@ struct SourceKeyValues {
     const double stored = element(kv.k, kv.k_strides, kv.k_scale, kv.k_scale_strides, b, j, h, c);
     if (!kv.channel_scaled()) return stored;
     // int8 · row scale · channel scale + row scale · zero point
-    const float* zero = kv.channel_zeros(b, j, h);
+    const detail::ScalePtr zero = kv.channel_zeros(b, j, h);
     const double row_scale = kv.k_scale[kv.offset(kv.k_scale_strides, b, j, h)];
     return stored * static_cast<double>(kv.channel_scales(b, j, h)[c]) +
            (zero != nullptr ? row_scale * static_cast<double>(zero[c]) : 0.0);
@@ -40,7 +40,7 @@ struct SourceKeyValues {
   double value(int64_t b, int64_t j, int64_t h, int64_t c) const {
     if (j >= kv.quantized_length(b)) return kv.window_value(b, j, h)[c];
     if (kv.type == StorageType::int4) {  // level · s + z of the channel's group
-      const float* scales = kv.value_group_scales(b, j, h);
+      const detail::ScalePtr scales = kv.value_group_scales(b, j, h);
       const int64_t group = c / kv.value_group;
       return static_cast<double>(level(kv.v, kv.v_strides, b, j, h, c)) * static_cast<double>(scales[group]) +
              static_cast<double>(scales[kv.value_groups() + group]);
@@ -49,7 +49,7 @@ struct SourceKeyValues {
   }
 
  private:
-  double element(const void* base, const detail::RowStrides& strides, const float* scales,
+  double element(const void* base, const detail::RowStrides& strides, const detail::ScalePtr scales,
                  const detail::RowStrides& scale_strides, int64_t b, int64_t j, int64_t h,
                  int64_t c) const {
     const int64_t at = kv.offset(strides, b, j, h) + c;

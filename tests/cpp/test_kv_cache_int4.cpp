@@ -28,11 +28,14 @@ namespace {
 constexpr int64_t kBatch = 2, kCapacity = 112, kKvHeads = 2;
 const double kEps = std::numeric_limits<float>::epsilon();
 
-KVCacheConfig int4_config(int64_t d, int64_t group, int64_t window = 0, bool paged = false, int64_t block_size = 32) {
+KVCacheConfig int4_config(int64_t d, int64_t group, int64_t window = 0, bool paged = false, int64_t block_size = 32,
+                          StorageType scales = StorageType::float32) {
   return {.batch = kBatch, .capacity = kCapacity, .kv_heads = kKvHeads, .head_dim = d, .v_dim = d,
           .dtype = StorageType::int4, .paged = paged, .block_size = block_size,
-          .key_scales = KeyScales::channel, .group_size = group, .float_window = window};
+          .key_scales = KeyScales::channel, .group_size = group, .float_window = window, .scale_dtype = scales};
 }
+
+constexpr StorageType kScaleTypes[] = {StorageType::float32, StorageType::float16};
 
 // Keys with outlier channels (cache_test_support.hpp) for this file's caches.
 Tensor<float, 4> outlier_keys(int64_t tokens, int64_t d, std::uint64_t seed) {
@@ -89,6 +92,104 @@ TEST(KVCacheInt4, EveryValueIsWithinHalfAStep) {
           }
     }
   }
+}
+
+// float16's spacing at x (the gap between x and the next float16 away from 0; the
+// subnormals' 2⁻²⁴ below 2⁻¹⁴).
+double float16_spacing(double x) {
+  const double a = std::abs(x);
+  return a < std::ldexp(1.0, -14) ? std::ldexp(1.0, -24) : std::ldexp(1.0, std::ilogb(a) - 10);
+}
+
+// With float16 scales (scale_dtype float16) the zero point is lo rounded down to a
+// float16 and the scale (hi − z) / 15 rounded up: every value within half of that step
+// of its stored value, the zero point at most one float16 spacing below lo and the step
+// at most one float16 rounding and lo's spacing / 15 above (hi − lo) / 15 — against
+// ranges the test computes from the appended keys (outliers, channels offset by 1000.3
+// where lo is far from a float16, a constant channel) and values, read through the
+// cache's own float16 arrays.
+TEST(KVCacheInt4, Float16ScalesKeepEveryValueWithinHalfAStep) {
+  for (int64_t d : {40, 7}) {
+    SCOPED_TRACE("d " + std::to_string(d));
+    const int64_t group = 16, tokens = 57;
+    auto k = outlier_keys(tokens, d, 111 + d);
+    auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 112);
+    for (int64_t b = 0; b < kBatch; ++b)
+      for (int64_t j = 0; j < tokens; ++j)
+        for (int64_t h = 0; h < kKvHeads; ++h) {
+          k(b, j, h, 1) += 1000.3f;
+          k(b, j, h, 2) = 0.1f;  // one value per group: a step of at most 2⁻²⁴ covers it
+          v(b, j, h, 0) -= 200.7f;
+        }
+    KVCache cache(int4_config(d, group, 0, false, 32, StorageType::float16));
+    for (auto [from, to] : {std::pair<int64_t, int64_t>{0, 7}, {7, 8}, {8, 40}, {40, 57}}) append_range(cache, k, v, from, to);
+    ASSERT_EQ(cache.config().scale_dtype, StorageType::float16);
+    const auto scales = cache.k_channel_scales<float16>(), zeros = cache.k_channel_zeros<float16>();
+    const auto groups = cache.v_group_scales<float16>();
+    const int64_t value_groups = (d + kValueGroup - 1) / kValueGroup;
+    ASSERT_EQ(groups.size(), static_cast<std::size_t>(kBatch * kCapacity * kKvHeads * 2 * value_groups));
+    // Checks x against the stored value with (s, z) stored for the range [lo, hi].
+    const auto check = [&](float x, float stored, float s, float z, float lo, float hi, const std::string& where) {
+      ASSERT_LE(z, lo) << where;
+      ASSERT_LE(lo - z, float16_spacing(lo)) << where;
+      ASSERT_LE(s, ((double(hi) - lo) + float16_spacing(lo)) / 15.0 * (1 + std::ldexp(1.0, -10)) + std::ldexp(1.0, -24))
+          << where;
+      ASSERT_LE(std::abs(double(x) - stored), 0.5 * s * (1 + 1e-6) + 4 * kEps * (std::abs(x) + std::abs(z))) << where;
+    };
+    for (int64_t b = 0; b < kBatch; ++b) {
+      const auto [ks, vs] = cache.stored(b);
+      const auto at = [&](int64_t j, int64_t h, int64_t c) { return static_cast<std::size_t>((j * kKvHeads + h) * d + c); };
+      for (int64_t h = 0; h < kKvHeads; ++h)
+        for (int64_t j = 0; j < tokens; ++j)
+          for (int64_t c = 0; c < d; ++c) {
+            const int64_t first = j / group * group, last = std::min(first + group, tokens);
+            float lo = k(b, first, h, c), hi = lo;
+            for (int64_t i = first; i < last; ++i) {
+              lo = std::min(lo, k(b, i, h, c));
+              hi = std::max(hi, k(b, i, h, c));
+            }
+            const auto g = static_cast<std::size_t>(((b * ((kCapacity + group - 1) / group) + j / group) * kKvHeads + h) * d + c);
+            const std::string where = "key " + std::to_string(j) + " channel " + std::to_string(c);
+            check(k(b, j, h, c), ks[at(j, h, c)], scales[g], zeros[g], lo, hi, where);
+            const int64_t from = c / kValueGroup * kValueGroup, to = std::min(from + kValueGroup, d);
+            float vlo = v(b, j, h, from), vhi = vlo;
+            for (int64_t x = from; x < to; ++x) {
+              vlo = std::min(vlo, v(b, j, h, x));
+              vhi = std::max(vhi, v(b, j, h, x));
+            }
+            const auto row = static_cast<std::size_t>(((b * kCapacity + j) * kKvHeads + h) * 2 * value_groups);
+            const auto vg = static_cast<std::size_t>(c / kValueGroup);
+            check(v(b, j, h, c), vs[at(j, h, c)], groups[row + vg], groups[row + static_cast<std::size_t>(value_groups) + vg],
+                  vlo, vhi, "value: " + where);
+          }
+    }
+    // The arrays are float16: asking for float32 ones is refused by name.
+    test::expect_error([&] { (void)cache.k_channel_scales(); },
+                       "qkv::KVCache: k_channel_scales: the cache's scales are float16 (config.scale_dtype); ask for float16");
+  }
+}
+
+// Values beyond float16's range, which float16 scales cannot cover, are refused with
+// their position, the cache unchanged; NaN and ±inf rows are not (they poison as ever).
+TEST(KVCacheInt4, Float16ScalesRefuseValuesBeyondTheirRange) {
+  const int64_t d = 16;
+  KVCache cache(int4_config(d, 8, 0, false, 32, StorageType::float16));
+  auto k = test::random_tensor<float, 4>({kBatch, 3, kKvHeads, d}, 121);
+  auto v = test::random_tensor<float, 4>({kBatch, 3, kKvHeads, d}, 122);
+  append_range(cache, k, v, 0, 3);
+  const auto before = cache.stored(0);
+  k(1, 2, 1, 5) = -70000.0f;
+  test::expect_error([&] { cache.append(k.cview(), v.cview()); },
+                     "qkv::KVCache::append: k[1, 2, 1, 5]: -70000.000000 is beyond float16's range (±65504)");
+  k(1, 2, 1, 5) = 0.0f;
+  v(0, 1, 0, 3) = 65520.0f;
+  test::expect_error([&] { cache.append(k.cview(), v.cview()); }, "qkv::KVCache::append: v[0, 1, 0, 3]: 65520.000000");
+  EXPECT_EQ(cache.lengths()[0], 3);
+  EXPECT_EQ(cache.stored(0), before);
+  v(0, 1, 0, 3) = 65504.0f;  // the largest float16 is in range
+  k(0, 0, 0, 0) = std::numeric_limits<float>::infinity();
+  cache.append(k.cview(), v.cview());
+  EXPECT_EQ(cache.lengths()[0], 6);
 }
 
 // A float window of W: a group is quantized once its last key is W behind the newest, so
@@ -213,14 +314,16 @@ double kernel_bound(const KVCache& cache, const Tensor<float, 4>& q) {
 // keys split between the storage and the window); one and three queries; GQA 8 : 2.
 TEST(KVCacheInt4, DecodeMatchesTheReferenceOnEveryTarget) {
   test::for_each_simd_target([](int64_t) {
+    for (StorageType scales : kScaleTypes)
     for (int64_t d : {64, 32, 20, 7, 48})
       for (int64_t group : {16, 5})
         for (int64_t window : {0, 12}) {
-          SCOPED_TRACE("d=" + std::to_string(d) + " group=" + std::to_string(group) + " window=" + std::to_string(window));
+          SCOPED_TRACE("d=" + std::to_string(d) + " group=" + std::to_string(group) + " window=" + std::to_string(window) +
+                       " scales " + storage_name(scales));
           const int64_t tokens = 87;
           const auto k = outlier_keys(tokens, d, 41 + d + group);
           const auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 42);
-          KVCache cache(int4_config(d, group, window));
+          KVCache cache(int4_config(d, group, window, false, 32, scales));
           append_range(cache, k, v, 0, 50);
           append_range(cache, k, v, 50, tokens);
           for (int64_t q_len : {1, 3}) {
@@ -257,11 +360,13 @@ TEST(KVCacheInt4, EmptyAndPartialGroups) {
 // Paged caches (blocks of 32 and 16, groups of 16, a window of 8; the pool handed out of
 // order) hold and attend to the same bits as a contiguous one.
 TEST(KVCacheInt4, PagedEqualsContiguousBitwise) {
+  for (StorageType scales : kScaleTypes) {
+  SCOPED_TRACE(std::string("scales ") + storage_name(scales));
   const int64_t d = 64, group = 16, window = 8, tokens = 70;
   const auto k = outlier_keys(tokens, d, 51);
   const auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 52);
-  KVCache contiguous(int4_config(d, group, window)), paged32(int4_config(d, group, window, true, 32)),
-      paged16(int4_config(d, group, window, true, 16));
+  KVCache contiguous(int4_config(d, group, window, false, 32, scales)),
+      paged32(int4_config(d, group, window, true, 32, scales)), paged16(int4_config(d, group, window, true, 16, scales));
   for (KVCache* cache : {&contiguous, &paged32, &paged16})
     for (int64_t b : {1, 0}) test::append_sequence(*cache, k, v, b, 0, 9);  // sequence 1's blocks first
   for (KVCache* cache : {&contiguous, &paged32, &paged16}) append_range(*cache, k, v, 9, tokens);
@@ -272,21 +377,23 @@ TEST(KVCacheInt4, PagedEqualsContiguousBitwise) {
   const Result a = attend(contiguous, q, Backend::cpu, 2);
   EXPECT_TRUE(same_bits(a, attend(paged32, q, Backend::cpu, 2)));
   EXPECT_TRUE(same_bits(a, attend(paged16, q, Backend::cpu, 1)));
+  }
 }
 
 // A key or value row holding NaN or inf (in the quantized storage, or in the window):
 // a query that sees it gets NaN, one that does not (causal) the result without it.
 TEST(KVCacheInt4, ANonFiniteRowPoisonsOnlyTheQueriesThatSeeIt) {
+  for (StorageType scales : kScaleTypes)
   for (int64_t window : {0, 16})
     for (bool in_values : {false, true}) {
-      SCOPED_TRACE("window " + std::to_string(window) + (in_values ? " value" : " key"));
+      SCOPED_TRACE("window " + std::to_string(window) + (in_values ? " value" : " key") + " scales " + storage_name(scales));
       const int64_t d = 32, group = 16, tokens = 40;
       auto k = outlier_keys(tokens, d, 61);
       auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 62);
       // The newest key of (seq 0, head 0): with a window of 16 it is float, else quantized.
       // (NaN: a float ±inf key in the window gives a ±inf logit, which −inf makes weight 0.)
       (in_values ? v : k)(0, tokens - 1, 0, 3) = std::numeric_limits<float>::quiet_NaN();
-      KVCache cache(int4_config(d, group, window));
+      KVCache cache(int4_config(d, group, window, false, 32, scales));
       append_range(cache, k, v, 0, tokens);
       const auto q = test::random_tensor<float, 4>({kBatch, 2, 4, d}, 63);  // query 0 sees keys 0..38
       for (Backend backend : {Backend::cpu, Backend::reference}) {
@@ -382,6 +489,12 @@ using test::expect_error;
 
 TEST(KVCacheInt4, BadConfigsAndArgumentsAreNamed) {
   KVCacheConfig c = int4_config(16, 16);
+  c.scale_dtype = StorageType::bfloat16;
+  expect_error([&] { KVCache{c}; }, "qkv::KVCache: config.scale_dtype: expected float32 or float16, got bfloat16");
+  c = int4_config(16, 16, 0, false, 32, StorageType::float16);
+  c.dtype = StorageType::int8;
+  expect_error([&] { KVCache{c}; }, "config.scale_dtype: float16 scales are for int4 caches");
+  c = int4_config(16, 16);
   c.key_scales = KeyScales::row;
   expect_error([&] { KVCache{c}; }, "config.key_scales: int4 keys are scaled per channel (KeyScales::channel)");
   c = int4_config(16, 16, 8);

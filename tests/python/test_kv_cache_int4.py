@@ -64,11 +64,25 @@ def kernel_bound(q, k_stored, v_stored):
     return (48 * worst + 24) * eps * v_stored.double().abs().max().item()
 
 
+def half_step(lo, hi, scale_dtype):
+    """Half the quantizer's step for the ranges [lo, hi] (float64 tensors), with room for
+    float rounding: (hi − lo) / 15 with float32 scales; float16 ones put the zero point up
+    to one float16 spacing below lo and round the step up (tests/cpp/test_kv_cache_int4.cpp)."""
+    if scale_dtype == "float32":
+        return (hi - lo) / 30 * (1 + 1e-5) + 1e-6
+    spacing = torch.from_numpy(np.spacing(np.abs(lo.numpy()).astype(np.float16)).astype(np.float64))
+    return ((hi - lo + spacing) / 15 * (1 + 2.0 ** -10) + 2.0 ** -24) / 2 * (1 + 1e-5) + 1e-6
+
+
+@pytest.mark.parametrize("scale_dtype", ["float32", "float16"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_int4_cache_matches_attention_over_its_stored_values(paged):
+def test_int4_cache_matches_attention_over_its_stored_values(paged, scale_dtype):
     batch, hq, hkv, d, n = 2, 8, 2, 64, 83
-    cache = qkv.KVCache(batch, 128, hkv, d, dtype="int4", paged=paged, block_size=32, group_size=16)
-    assert (cache.dtype, cache.key_scales, cache.float_window) == ("int4", "channel", 0)
+    cache = qkv.KVCache(batch, 128, hkv, d, dtype="int4", paged=paged, block_size=32, group_size=16,
+                        scale_dtype=scale_dtype)
+    assert (cache.dtype, cache.key_scales, cache.float_window, cache.scale_dtype) == ("int4", "channel", 0, scale_dtype)
+    for array in (cache.scales()[0], *cache.channel_scales(), cache.value_group_scales()):
+        assert array.dtype == np.dtype(scale_dtype)
     k, v = outlier_keys(batch, hkv, n, d, 1), torch.randn(batch, hkv, n, d)
     cache.append(k[:, :, :50], v[:, :, :50])
     cache.append(k[:, :, 50:], v[:, :, 50:])
@@ -83,12 +97,12 @@ def test_int4_cache_matches_attention_over_its_stored_values(paged):
     # (values) range over 15 steps.
     for first in range(0, n, 16):
         block = k.double()[:, :, first:first + 16]
-        step = (block.amax(2, keepdim=True) - block.amin(2, keepdim=True)) / 15
-        assert ((k_stored[:, :, first:first + 16] - block).abs() <= step / 2 * (1 + 1e-5) + 1e-6).all()
+        bound = half_step(block.amin(2, keepdim=True), block.amax(2, keepdim=True), scale_dtype)
+        assert ((k_stored[:, :, first:first + 16] - block).abs() <= bound).all()
     for c0 in range(0, d, 32):
         chunk = v.double()[..., c0:c0 + 32]
-        step = (chunk.amax(-1, keepdim=True) - chunk.amin(-1, keepdim=True)) / 15
-        assert ((v_stored[..., c0:c0 + 32] - chunk).abs() <= step / 2 * (1 + 1e-5) + 1e-6).all()
+        bound = half_step(chunk.amin(-1, keepdim=True), chunk.amax(-1, keepdim=True), scale_dtype)
+        assert ((v_stored[..., c0:c0 + 32] - chunk).abs() <= bound).all()
 
     q = torch.randn(batch, hq, 3, d)
     out = cache.attend(q)
@@ -98,6 +112,27 @@ def test_int4_cache_matches_attention_over_its_stored_values(paged):
     limit = max(2 * sdpa32_error(q, k_stored.float(), v_stored.float(), [n] * batch, ref) + 1e-6,
                 kernel_bound(q, k_stored, v_stored))
     assert (out.double() - ref).abs().max().item() <= limit
+
+
+def test_float16_scales_take_fewer_bytes_and_refuse_what_they_cannot_cover():
+    """Bytes per value with every array counted: K 4 + 32/G + 16/d bits, V 5 (float16)
+    against 4 + 64/G + 32/d and 6 (float32); a value beyond ±65504 is refused by position,
+    the cache unchanged."""
+    batch, hkv, d, n, g = 1, 2, 128, 64, 64
+
+    def bits(scale_dtype):
+        cache = qkv.KVCache(batch, n, hkv, d, dtype="int4", group_size=g, scale_dtype=scale_dtype)
+        arrays = (*cache.storage(), cache.scales()[0], *cache.channel_scales(), cache.value_group_scales())
+        return 8 * sum(a.nbytes for a in arrays) / (2 * batch * n * hkv * d)
+
+    assert bits("float16") == pytest.approx(((4 + 32 / g + 16 / d) + 5) / 2)
+    assert bits("float32") == pytest.approx(((4 + 64 / g + 32 / d) + 6) / 2)
+    cache = qkv.KVCache(1, 16, 1, 8, dtype="int4", group_size=8, scale_dtype="float16")
+    k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8)
+    k[0, 0, 1, 5] = 1e5
+    with pytest.raises(qkv.Error, match=r"qkv::KVCache::append: k\[0, 1, 0, 5\]: 100000.000000 is beyond float16's range"):
+        cache.append(k, v)
+    assert cache.lengths == [0]
 
 
 @pytest.mark.parametrize("dtype", ["int4", "int8"])
@@ -145,6 +180,12 @@ def test_bad_config():
         qkv.KVCache(1, 64, 1, 16, dtype="int4", float_window=65)
     with pytest.raises(qkv.Error, match="dtype: expected float32, bfloat16, float16, int8 or int4"):
         qkv.KVCache(1, 64, 1, 16, dtype="int2")
+    with pytest.raises(qkv.Error, match="qkv::KVCache: config.scale_dtype: expected float32 or float16, got bfloat16"):
+        qkv.KVCache(1, 64, 1, 16, dtype="int4", scale_dtype="bfloat16")
+    with pytest.raises(qkv.Error, match="qkv::KVCache: config.scale_dtype: expected float32 or float16, got 'fp8'"):
+        qkv.KVCache(1, 64, 1, 16, dtype="int4", scale_dtype="fp8")
+    with pytest.raises(qkv.Error, match="config.scale_dtype: float16 scales are for int4 caches"):
+        qkv.KVCache(1, 64, 1, 16, dtype="int8", key_scales="channel", scale_dtype="float16")
     cache = qkv.KVCache(1, 64, 1, 16, dtype="int4")
     with pytest.raises(qkv.Error, match=r"qkv::KVCache::stored: seq: expected 0..0, got 1"):
         cache.stored(1)
