@@ -147,7 +147,9 @@ class KVCache {
   // The scale arrays below hold S = float, or float16 for a cache with scale_dtype
   // float16 (asking for the other type throws qkv::Error).
   // int8: the rows' scales, shaped k_shape()[0..2] (empty for other storage types); int4:
-  // the keys' row flags (1, or NaN for a row holding NaN or ±inf), same shape.
+  // the keys' row flags (1, or NaN for a row holding NaN or ±inf), [B | blocks, Hkv,
+  // capacity | block_size]: each head's rows together, so that decode widens a run of
+  // them (float16) in one pass.
   template <class S = float>
   std::span<const S> k_scales() const { return k_scale_.span<S>("k_scales"); }
   std::span<const float> v_scales() const { return v_scale_; }
@@ -160,8 +162,9 @@ class KVCache {
   std::span<const S> k_channel_zeros() const { return k_channel_zero_.span<S>("k_channel_zeros"); }
   std::array<int64_t, 4> k_channel_shape() const;
 
-  // int4: each value row's group scales then zero points, [B | blocks, capacity |
-  // block_size, Hkv, 2·⌈dv / kValueGroup⌉] (empty for other storage types).
+  // int4: each value row's group scales then zero points, [B | blocks, Hkv, capacity |
+  // block_size, 2·⌈dv / kValueGroup⌉] (empty for other storage types; heads outer, as
+  // the row flags).
   template <class S = float>
   std::span<const S> v_group_scales() const { return v_group_scale_.span<S>("v_group_scales"); }
   // With a float window: keys [0, quantized_lengths()[b]) of sequence b are read from the
@@ -241,6 +244,9 @@ class KVCache {
   std::vector<int64_t> quantized_;    // float window: keys quantized per sequence
   int64_t window_rows_ = 0;
   int64_t storage_row(int64_t seq, int64_t key) const;  // the row of (seq, key) in k_/v_
+  // Where (storage row, head)'s scale is in k_scale_ (v_group_scale_: times its 2·groups):
+  // int8 [outer, inner, Hkv]; int4 [outer, Hkv, inner].
+  int64_t row_scale_at(int64_t row, int64_t head) const;
   void quantize_key_group(int64_t seq, int64_t group, int64_t rows);
   detail::KvSource source() const;  // the cache as the kernels read it
   friend struct detail::CacheReader;  // qkv::BatchPlan::run over a cache: its source, under its lock

@@ -200,15 +200,17 @@ bool has_scales(const KVCache& cache, ScaleKind kind) {
   return half_scales(cache) ? !scales_of<float16>(cache, kind).empty() : !scales_of<float>(cache, kind).empty();
 }
 
-// A read-only NumPy view of one of the cache's scale arrays (float32 or float16).
-nb::object scale_view(nb::handle self, ScaleKind kind, std::size_t ndim, const std::size_t* shape) {
+// A read-only NumPy view of one of the cache's scale arrays (float32 or float16), shaped
+// `shape`, with `strides` in elements (null: row-major).
+nb::object scale_view(nb::handle self, ScaleKind kind, std::size_t ndim, const std::size_t* shape,
+                      const int64_t* strides = nullptr) {
   const KVCache& cache = nb::cast<KVCache&>(self);
   const bool half = half_scales(cache);
   const void* data = half ? static_cast<const void*>(scales_of<float16>(cache, kind).data())
                           : static_cast<const void*>(scales_of<float>(cache, kind).data());
   const nb::dlpack::dtype dt =
       half ? nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1} : nb::dtype<float>();
-  return nb::cast(nb::ndarray<nb::numpy, nb::ro>(const_cast<void*>(data), ndim, shape, self, nullptr, dt));
+  return nb::cast(nb::ndarray<nb::numpy, nb::ro>(const_cast<void*>(data), ndim, shape, self, strides, dt));
 }
 
 }  // namespace
@@ -297,8 +299,10 @@ void bind_decode(nb::module_& m) {
         const auto shape4 = cache.k_shape();
         const std::size_t shape[3] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
                                       static_cast<std::size_t>(shape4[2])};
-        if (cache.config().dtype == StorageType::int4)
-          return nb::make_tuple(scale_view(self, ScaleKind::key_rows, 3, shape), nb::none());
+        if (cache.config().dtype == StorageType::int4) {  // stored heads outer: [outer, Hkv, inner]
+          const int64_t strides[3] = {shape4[1] * shape4[2], 1, shape4[1]};
+          return nb::make_tuple(scale_view(self, ScaleKind::key_rows, 3, shape, strides), nb::none());
+        }
         return nb::make_tuple(nb::ndarray<nb::numpy, const float>(cache.k_scales().data(), 3, shape, self),
                               nb::ndarray<nb::numpy, const float>(cache.v_scales().data(), 3, shape, self));
       })
@@ -320,7 +324,9 @@ void bind_decode(nb::module_& m) {
         const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
                                       static_cast<std::size_t>(shape4[2]),
                                       static_cast<std::size_t>(2 * ((shape4[3] + kValueGroup - 1) / kValueGroup))};
-        return scale_view(self, ScaleKind::value_groups, 4, shape);
+        const auto groups = static_cast<int64_t>(shape[3]);  // stored heads outer: [outer, Hkv, inner, 2·groups]
+        const int64_t strides[4] = {shape4[1] * shape4[2] * groups, groups, shape4[1] * groups, 1};
+        return scale_view(self, ScaleKind::value_groups, 4, shape, strides);
       })
       .def(
           "stored",

@@ -361,6 +361,12 @@ std::array<int64_t, 4> KVCache::k_channel_shape() const {
   return {shape[0], detail::ceil_div(shape[1], config_.group_size), shape[2], shape[3]};
 }
 
+int64_t KVCache::row_scale_at(int64_t row, int64_t head) const {
+  if (!is_int4(config_)) return row * config_.kv_heads + head;
+  const int64_t inner = config_.paged ? config_.block_size : config_.capacity;
+  return (row / inner * config_.kv_heads + head) * inner + row % inner;
+}
+
 int64_t KVCache::storage_row(int64_t seq, int64_t key) const {
   if (!config_.paged) return seq * config_.capacity + key;
   const int32_t block = table_[static_cast<std::size_t>(seq * blocks_per_sequence_ + key / config_.block_size)];
@@ -426,7 +432,7 @@ void KVCache::quantize_key_group(int64_t seq, int64_t group, int64_t rows) {
       } else {
         store_int8_channel_row(partial_row(i), scale, zero, d, reinterpret_cast<std::int8_t*>(out), &row_scale);
       }
-      k_scale_.set(static_cast<std::size_t>(row * hkv + h), row_scale);
+      k_scale_.set(static_cast<std::size_t>(row_scale_at(row, h)), row_scale);
     }
   }
 }
@@ -581,13 +587,13 @@ void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
         } else {
           store_row(config_.dtype, rows.k_row(n, t, h), d, kb + static_cast<std::size_t>(row * hkv + h) * k_row_bytes,
                     row_scales.data(), false);
-          if (!k_scale_.empty()) k_scale_.set(scale_at, row_scales[0]);
+          if (!k_scale_.empty()) k_scale_.set(static_cast<std::size_t>(row_scale_at(row, h)), row_scales[0]);
         }
         store_row(config_.dtype, rows.v_row(n, t, h), dv, vb + static_cast<std::size_t>(row * hkv + h) * v_row_bytes,
                   row_scales.data(), half_scales(config_));
         if (is_int4(config_)) {
           for (int64_t i = 0; i < value_scales; ++i)
-            v_group_scale_.set(scale_at * static_cast<std::size_t>(value_scales) + static_cast<std::size_t>(i),
+            v_group_scale_.set(static_cast<std::size_t>(row_scale_at(row, h) * value_scales + i),
                                row_scales[static_cast<std::size_t>(i)]);
         } else if (!v_scale_.empty()) {
           v_scale_[scale_at] = row_scales[0];
@@ -721,7 +727,7 @@ detail::KvSource KVCache::source() const {
   s.v_dim = dv;
   if (!k_scale_.empty()) {
     s.k_scale = scale_ptr(k_scale_);
-    s.k_scale_strides = {inner * hkv, hkv, 1};
+    s.k_scale_strides = is_int4(config_) ? detail::RowStrides{inner * hkv, 1, inner} : detail::RowStrides{inner * hkv, hkv, 1};
   }
   if (!v_scale_.empty()) {
     s.v_scale = v_scale_.data();
@@ -730,7 +736,7 @@ detail::KvSource KVCache::source() const {
   if (is_int4(config_)) {
     const int64_t scales = 2 * detail::ceil_div(dv, kValueGroup);
     s.v_group_scale = scale_ptr(v_group_scale_);
-    s.v_group_strides = {inner * hkv * scales, hkv * scales, scales};
+    s.v_group_strides = {inner * hkv * scales, scales, inner * scales};  // row_scale_at's order
     s.value_group = kValueGroup;
   }
   if (channel_scaled(config_)) {

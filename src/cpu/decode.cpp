@@ -200,7 +200,11 @@ void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first,
     }
     if constexpr (kScaledStorage<T>) {
       const ScalePtr ks = kv.k_scale + kv.offset(kv.k_scale_strides, batch, key, head);
-      for (size_t r = 0; r < run; ++r) k_scale[j + r] = ks[static_cast<int64_t>(r) * kv.k_scale_strides.row];
+      if (ks.half && kv.k_scale_strides.row == 1) {  // a run of float16 flags: one widening pass
+        WidenRows(ks.halves(), 0, 1, run, k_scale + j, run);
+      } else {
+        for (size_t r = 0; r < run; ++r) k_scale[j + r] = ks[static_cast<int64_t>(r) * kv.k_scale_strides.row];
+      }
     }
     if constexpr (kRowScaledValues<T>) {
       const ScalePtr vs = kv.v_scale + kv.offset(kv.v_scale_strides, batch, key, head);
@@ -208,7 +212,10 @@ void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first,
     }
     if constexpr (kGroupedValues<T>) {
       const ScalePtr vg = kv.value_group_scales(batch, key, head);
-      if (vg.half) {  // widened once per row, for the tiles' broadcasts
+      if (vg.half && kv.v_group_strides.row == static_cast<int64_t>(group_ld)) {  // the run's scales in one pass
+        WidenRows(vg.halves(), 0, 1, run * group_ld, group_floats + j * group_ld, run * group_ld);
+        for (size_t r = 0; r < run; ++r) v_groups[j + r] = group_floats + (j + r) * group_ld;
+      } else if (vg.half) {  // widened once per row, for the tiles' broadcasts
         WidenRows(vg.halves(), kv.v_group_strides.row, run, group_ld, group_floats + j * group_ld, group_ld);
         for (size_t r = 0; r < run; ++r) v_groups[j + r] = group_floats + (j + r) * group_ld;
       } else {

@@ -157,7 +157,7 @@ TEST(KVCacheInt4, Float16ScalesKeepEveryValueWithinHalfAStep) {
               vlo = std::min(vlo, v(b, j, h, x));
               vhi = std::max(vhi, v(b, j, h, x));
             }
-            const auto row = static_cast<std::size_t>(((b * kCapacity + j) * kKvHeads + h) * 2 * value_groups);
+            const auto row = static_cast<std::size_t>(((b * kKvHeads + h) * kCapacity + j) * 2 * value_groups);
             const auto vg = static_cast<std::size_t>(c / kValueGroup);
             check(v(b, j, h, c), vs[at(j, h, c)], groups[row + vg], groups[row + static_cast<std::size_t>(value_groups) + vg],
                   vlo, vhi, "value: " + where);
