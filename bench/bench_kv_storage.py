@@ -26,7 +26,8 @@ import qkv
 
 STORAGES = [("float32", {}), ("bfloat16", {}), ("float16", {}), ("int8", {}),
             ("int8", {"key_scales": "channel", "group_size": 32}),
-            ("int4", {"group_size": 64}), ("int4", {"group_size": 64, "float_window": 32}),
+            ("int4", {"group_size": 64, "scale_dtype": "float32"}),
+            ("int4", {"group_size": 64, "float_window": 32, "scale_dtype": "float32"}),
             ("int4", {"group_size": 64, "scale_dtype": "float16"}),
             ("int4", {"group_size": 64, "float_window": 32, "scale_dtype": "float16"})]
 

@@ -60,9 +60,10 @@ REAL += [("int8, K channel G=64, newest 32 float",
 # int4: keys per channel (asymmetric), values per row and 32 channels (asymmetric), fp32
 # scales; with and without the float window for the newest tokens.
 REAL += [(f"int4, K channel G={g}" + (f", newest {w} float" if w else ""),
-          {"dtype": "int4", "group_size": g, "float_window": w})
+          {"dtype": "int4", "group_size": g, "float_window": w, "scale_dtype": "float32"})
          for w in (0, 32, 128) for g in (32, 64, 128)]
-# The same with float16 scales, zero points and row flags (scale_dtype="float16").
+# The same with float16 scales, zero points and row flags (scale_dtype="float16", the
+# default for int4).
 REAL += [(f"int4 fp16 scales, K channel G={g}" + (f", newest {w} float" if w else ""),
           {"dtype": "int4", "group_size": g, "float_window": w, "scale_dtype": "float16"})
          for w in (0, 32) for g in (32, 64, 128)]

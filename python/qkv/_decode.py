@@ -98,9 +98,9 @@ class KVCache:
     dtype="int4" (keys always per channel: key_scales defaults to "channel" for it) stores
     two values a byte: keys per channel over groups of `group_size` tokens, values per
     token over groups of 32 channels, each range mapped onto 16 levels with a scale and
-    zero point — float32, or with scale_dtype="float16" float16 (4.8 bits a value at
-    group_size 64 and head_dim 128 instead of 5.6, the same accuracy on SmolLM2; keys and
-    values must then lie within ±65504). float_window=W (int8 and int4 with channel keys) keeps the
+    zero point — float16 (scale_dtype=None or "float16": 4.8 bits a value at group_size
+    64 and head_dim 128, keys and values within ±65504) or float32 (scale_dtype="float32":
+    5.6 bits, the same accuracy on SmolLM2). float_window=W (int8 and int4 with channel keys) keeps the
     newest tokens' keys and values as float32 — at least W and fewer than W + group_size
     of them — and quantizes a group once its last key is W tokens old: attention weight
     sits on recent tokens, and on SmolLM2 a window of 32 cuts a 4-bit cache's KL
@@ -110,7 +110,7 @@ class KVCache:
 
     def __init__(self, batch, capacity, kv_heads, head_dim, *, v_dim=None, dtype="float32", paged=False,
                  block_size=16, num_blocks=None, layout="bhsd", key_scales=None, group_size=32, float_window=0,
-                 scale_dtype="float32"):
+                 scale_dtype=None):
         _check_layout("qkv.KVCache", layout)
         self.layout = layout
         storage = _storage_name(dtype)
@@ -118,7 +118,7 @@ class KVCache:
             key_scales = "channel" if storage == "int4" else "row"
         self._cache = _qkv.KVCache(batch, capacity, kv_heads, head_dim, v_dim or 0, storage,
                                    bool(paged), block_size, num_blocks or 0, key_scales, group_size,
-                                   int(float_window), _scale_dtype_name(scale_dtype))
+                                   int(float_window), "" if scale_dtype is None else _scale_dtype_name(scale_dtype))
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.v_dim = v_dim or head_dim
         # For torch.compile: the handle its operators name the cache by, and the state

@@ -282,9 +282,10 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
   if (is_int4(config) && !channel_scaled(config))
     check.fail("config.key_scales: int4 keys are scaled per channel (KeyScales::channel): one 4-bit scale per row "
                "loses most of post-RoPE keys (bench/KV_QUANTIZATION.md), got row");
-  if (config.scale_dtype != StorageType::float32 && config.scale_dtype != StorageType::float16)
-    check.fail(std::string("config.scale_dtype: expected float32 or float16, got ") + storage_name(config.scale_dtype));
-  if (half_scales(config) && !is_int4(config))
+  config_.scale_dtype = config.scale_dtype.value_or(is_int4(config) ? StorageType::float16 : StorageType::float32);
+  if (config_.scale_dtype != StorageType::float32 && config_.scale_dtype != StorageType::float16)
+    check.fail(std::string("config.scale_dtype: expected float32 or float16, got ") + storage_name(*config_.scale_dtype));
+  if (half_scales(config_) && !is_int4(config))
     check.fail(std::string("config.scale_dtype: float16 scales are for int4 caches (int8 ones keep float32, which "
                            "qkv::decode's DecodeArgs take), got dtype ") + storage_name(config.dtype));
   if (config.float_window != 0 && !channel_scaled(config))

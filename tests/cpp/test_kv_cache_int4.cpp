@@ -487,6 +487,19 @@ TEST(KVCacheInt4, BatchPlanRunsOverTheCache) {
 
 using test::expect_error;
 
+// Unset, scale_dtype is float16 for int4 and float32 for the rest (config() says which).
+TEST(KVCacheInt4, ScalesAreFloat16UnlessAsked) {
+  KVCacheConfig c = int4_config(16, 16);
+  c.scale_dtype.reset();
+  EXPECT_EQ(KVCache(c).config().scale_dtype, StorageType::float16);
+  EXPECT_EQ(KVCache(c).k_channel_scales<float16>().size(), static_cast<std::size_t>(kBatch * 7 * kKvHeads * 16));
+  c.dtype = StorageType::int8;
+  EXPECT_EQ(KVCache(c).config().scale_dtype, StorageType::float32);
+  c.scale_dtype = StorageType::float32;
+  c.dtype = StorageType::int4;
+  EXPECT_EQ(KVCache(c).config().scale_dtype, StorageType::float32);
+}
+
 TEST(KVCacheInt4, BadConfigsAndArgumentsAreNamed) {
   KVCacheConfig c = int4_config(16, 16);
   c.scale_dtype = StorageType::bfloat16;

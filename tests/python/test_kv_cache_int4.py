@@ -190,6 +190,8 @@ def test_bad_config():
     with pytest.raises(qkv.Error, match=r"qkv::KVCache::stored: seq: expected 0..0, got 1"):
         cache.stored(1)
     assert qkv.KVCache(1, 64, 1, 16, dtype="int8").value_group_scales() is None
+    assert qkv.KVCache(1, 64, 1, 16, dtype="int4").scale_dtype == "float16"  # the default
+    assert qkv.KVCache(1, 64, 1, 16, dtype="int8").scale_dtype == "float32"
 
 
 @pytest.mark.parametrize("dtype", ["int4", "int8"])
