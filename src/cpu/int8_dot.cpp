@@ -43,6 +43,14 @@ constexpr float kLoQuery = 1.0f / 254.0f;
 constexpr float kLoWeight = 1.0f / 255.0f;
 
 __mmask64 bytes_below(std::size_t n) { return n >= 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1; }
+
+// 64 bytes of a row that has n ≥ 1 left from p: a plain load when all 64 are the row's,
+// else a masked one (zeros past the row, which it never reads). Masked byte loads cost
+// far more than plain ones on the Zen 5 measured in bench/RESULTS.md §10 (most of the
+// VNNI decode's time went to them), so the whole steps take plain loads.
+__m512i load_row_bytes(const void* p, std::size_t n) {
+  return n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(bytes_below(n), p);
+}
 __mmask16 lanes_below(std::size_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
 
 std::int32_t load_word(const std::uint8_t* p) {
@@ -70,9 +78,8 @@ void score_tile(const Queries& q, const std::int8_t* const* k, std::size_t d, fl
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (std::size_t c = 0; c < d; c += kChannels) {
     // Bytes past d load as 0 and flip to 128; the query's padding is 0, so they add 0.
-    const __mmask64 m = bytes_below(d - c);
     __m512i key[4];
-    for (std::size_t j = 0; j < 4; ++j) key[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, k[j] + c), flip);
+    for (std::size_t j = 0; j < 4; ++j) key[j] = _mm512_xor_si512(load_row_bytes(k[j] + c, d - c), flip);
     for (std::size_t r = 0; r < R; ++r) {
       const __m512i qh = _mm512_loadu_si512(q.terms + 2 * r * q.ld + c);
       const __m512i ql = _mm512_loadu_si512(q.terms + (2 * r + 1) * q.ld + c);
@@ -97,10 +104,8 @@ void score_tile(const Queries& q, const std::int8_t* const* k, std::size_t d, fl
 void transpose_keys(const std::int8_t* const* k, std::size_t count, std::size_t d, __m512i* to) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (std::size_t cb = 0; cb * kChannels < d; ++cb) {
-    const __mmask64 m = bytes_below(d - cb * kChannels);
     __m512i r[16], a[16], b[16];
-    for (std::size_t i = 0; i < 16; ++i)
-      r[i] = _mm512_maskz_loadu_epi8(m, k[std::min(i, count - 1)] + cb * kChannels);
+    for (std::size_t i = 0; i < 16; ++i) r[i] = load_row_bytes(k[std::min(i, count - 1)] + cb * kChannels, d - cb * kChannels);
     for (std::size_t i = 0; i < 16; i += 2) {
       a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
       a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
@@ -318,9 +323,8 @@ bool AddWeighted(std::size_t rows, const float* p, std::size_t p_ld, std::size_t
   for (std::size_t j = 0; j < keys; j += 4) {
     for (std::size_t i = 0; i < 4; ++i) ahead(j + i);
     for (std::size_t cb = 0; cb < blocks; ++cb) {
-      const __mmask64 m = bytes_below(dv - cb * kChannels);
       __m512i row[4];
-      for (std::size_t t = 0; t < 4; ++t) row[t] = _mm512_maskz_loadu_epi8(m, v[j + t] + cb * kChannels);
+      for (std::size_t t = 0; t < 4; ++t) row[t] = load_row_bytes(v[j + t] + cb * kChannels, dv - cb * kChannels);
       const __m512i a = _mm512_unpacklo_epi8(row[0], row[1]), b = _mm512_unpackhi_epi8(row[0], row[1]);
       const __m512i c = _mm512_unpacklo_epi8(row[2], row[3]), e = _mm512_unpackhi_epi8(row[2], row[3]);
       std::int8_t* to = value_scratch + ((j / 4) * blocks + cb) * 4 * kChannels;
