@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache_test_support.hpp"
@@ -43,6 +44,31 @@ Tensor<float, 4> outlier_keys(int64_t tokens, int64_t d, std::uint64_t seed) {
 }
 
 using test::append_range;
+
+// The range [lo, hi] key (b, j, h) channel c was quantized in: its group of `group`
+// tokens (the newest, partial group over its tokens so far, of `tokens`).
+std::pair<float, float> key_group_range(const Tensor<float, 4>& k, int64_t b, int64_t j, int64_t h, int64_t c,
+                                        int64_t group, int64_t tokens) {
+  const int64_t first = j / group * group, last = std::min(first + group, tokens);
+  float lo = k(b, first, h, c), hi = lo;
+  for (int64_t i = first; i < last; ++i) {
+    lo = std::min(lo, k(b, i, h, c));
+    hi = std::max(hi, k(b, i, h, c));
+  }
+  return {lo, hi};
+}
+
+// The range of value row (b, j, h)'s group of kValueGroup channels holding channel c.
+std::pair<float, float> value_group_range(const Tensor<float, 4>& v, int64_t b, int64_t j, int64_t h, int64_t c,
+                                          int64_t d) {
+  const int64_t from = c / kValueGroup * kValueGroup, to = std::min(from + kValueGroup, d);
+  float lo = v(b, j, h, from), hi = lo;
+  for (int64_t x = from; x < to; ++x) {
+    lo = std::min(lo, v(b, j, h, x));
+    hi = std::max(hi, v(b, j, h, x));
+  }
+  return {lo, hi};
+}
 
 // x within half a step of its stored value, the step being (hi − lo) / 15 of the range
 // it was quantized in (the scale rounded to float: a relative 1e-6 more), up to the float
@@ -74,20 +100,10 @@ TEST(KVCacheInt4, EveryValueIsWithinHalfAStep) {
       for (int64_t h = 0; h < kKvHeads; ++h)
         for (int64_t j = 0; j < tokens; ++j)
           for (int64_t c = 0; c < d; ++c) {
-            const int64_t first = j / group * group, last = std::min(first + group, tokens);
-            float lo = k(b, first, h, c), hi = lo;
-            for (int64_t i = first; i < last; ++i) {
-              lo = std::min(lo, k(b, i, h, c));
-              hi = std::max(hi, k(b, i, h, c));
-            }
+            const auto [lo, hi] = key_group_range(k, b, j, h, c, group, tokens);
             const std::string where = "d " + std::to_string(d) + " key " + std::to_string(j) + " channel " + std::to_string(c);
             expect_within_half_a_step(k(b, j, h, c), ks[at(j, h, c)], lo, hi, where);
-            const int64_t from = c / kValueGroup * kValueGroup, to = std::min(from + kValueGroup, d);
-            float vlo = v(b, j, h, from), vhi = vlo;
-            for (int64_t x = from; x < to; ++x) {
-              vlo = std::min(vlo, v(b, j, h, x));
-              vhi = std::max(vhi, v(b, j, h, x));
-            }
+            const auto [vlo, vhi] = value_group_range(v, b, j, h, c, d);
             expect_within_half_a_step(v(b, j, h, c), vs[at(j, h, c)], vlo, vhi, "value: " + where);
           }
     }
@@ -142,21 +158,11 @@ TEST(KVCacheInt4, Float16ScalesKeepEveryValueWithinHalfAStep) {
       for (int64_t h = 0; h < kKvHeads; ++h)
         for (int64_t j = 0; j < tokens; ++j)
           for (int64_t c = 0; c < d; ++c) {
-            const int64_t first = j / group * group, last = std::min(first + group, tokens);
-            float lo = k(b, first, h, c), hi = lo;
-            for (int64_t i = first; i < last; ++i) {
-              lo = std::min(lo, k(b, i, h, c));
-              hi = std::max(hi, k(b, i, h, c));
-            }
+            const auto [lo, hi] = key_group_range(k, b, j, h, c, group, tokens);
             const auto g = static_cast<std::size_t>(((b * ((kCapacity + group - 1) / group) + j / group) * kKvHeads + h) * d + c);
             const std::string where = "key " + std::to_string(j) + " channel " + std::to_string(c);
             check(k(b, j, h, c), ks[at(j, h, c)], scales[g], zeros[g], lo, hi, where);
-            const int64_t from = c / kValueGroup * kValueGroup, to = std::min(from + kValueGroup, d);
-            float vlo = v(b, j, h, from), vhi = vlo;
-            for (int64_t x = from; x < to; ++x) {
-              vlo = std::min(vlo, v(b, j, h, x));
-              vhi = std::max(vhi, v(b, j, h, x));
-            }
+            const auto [vlo, vhi] = value_group_range(v, b, j, h, c, d);
             const auto row = static_cast<std::size_t>(((b * kKvHeads + h) * kCapacity + j) * 2 * value_groups);
             const auto vg = static_cast<std::size_t>(c / kValueGroup);
             check(v(b, j, h, c), vs[at(j, h, c)], groups[row + vg], groups[row + static_cast<std::size_t>(value_groups) + vg],
