@@ -45,29 +45,30 @@ Tensor<float, 4> outlier_keys(int64_t tokens, int64_t d, std::uint64_t seed) {
 
 using test::append_range;
 
+// [min, max] of x(i) over i in [from, to).
+template <class X>
+std::pair<float, float> range_of(int64_t from, int64_t to, X x) {
+  float lo = x(from), hi = lo;
+  for (int64_t i = from; i < to; ++i) {
+    lo = std::min(lo, x(i));
+    hi = std::max(hi, x(i));
+  }
+  return {lo, hi};
+}
+
 // The range [lo, hi] key (b, j, h) channel c was quantized in: its group of `group`
 // tokens (the newest, partial group over its tokens so far, of `tokens`).
 std::pair<float, float> key_group_range(const Tensor<float, 4>& k, int64_t b, int64_t j, int64_t h, int64_t c,
                                         int64_t group, int64_t tokens) {
-  const int64_t first = j / group * group, last = std::min(first + group, tokens);
-  float lo = k(b, first, h, c), hi = lo;
-  for (int64_t i = first; i < last; ++i) {
-    lo = std::min(lo, k(b, i, h, c));
-    hi = std::max(hi, k(b, i, h, c));
-  }
-  return {lo, hi};
+  const int64_t first = j / group * group;
+  return range_of(first, std::min(first + group, tokens), [&](int64_t i) { return k(b, i, h, c); });
 }
 
 // The range of value row (b, j, h)'s group of kValueGroup channels holding channel c.
 std::pair<float, float> value_group_range(const Tensor<float, 4>& v, int64_t b, int64_t j, int64_t h, int64_t c,
                                           int64_t d) {
-  const int64_t from = c / kValueGroup * kValueGroup, to = std::min(from + kValueGroup, d);
-  float lo = v(b, j, h, from), hi = lo;
-  for (int64_t x = from; x < to; ++x) {
-    lo = std::min(lo, v(b, j, h, x));
-    hi = std::max(hi, v(b, j, h, x));
-  }
-  return {lo, hi};
+  const int64_t from = c / kValueGroup * kValueGroup;
+  return range_of(from, std::min(from + kValueGroup, d), [&](int64_t x) { return v(b, j, h, x); });
 }
 
 // x within half a step of its stored value, the step being (hi − lo) / 15 of the range
