@@ -165,9 +165,9 @@ class KVCache {
   std::span<const S> k_channel_zeros() const { return k_channel_zero_.span<S>("k_channel_zeros"); }
   std::array<int64_t, 4> k_channel_shape() const;
 
-  // int4: each value row's group scales then zero points, [B | blocks, Hkv, capacity |
-  // block_size, 2·⌈dv / kValueGroup⌉] (empty for other storage types; heads outer, as
-  // the row flags).
+  // int4: the value rows' group scales then zero points, [B | blocks, Hkv, 2·⌈dv /
+  // kValueGroup⌉, capacity | block_size] (empty for other storage types): one group's
+  // scales of a head's consecutive rows together, so that decode reads them as vectors.
   template <class S = float>
   std::span<const S> v_group_scales() const { return v_group_scale_.span<S>("v_group_scales"); }
   // With a float window: keys [0, quantized_lengths()[b]) of sequence b are read from the
@@ -247,9 +247,12 @@ class KVCache {
   std::vector<int64_t> quantized_;    // float window: keys quantized per sequence
   int64_t window_rows_ = 0;
   int64_t storage_row(int64_t seq, int64_t key) const;  // the row of (seq, key) in k_/v_
-  // Where (storage row, head)'s scale is in k_scale_ (v_group_scale_: times its 2·groups):
-  // int8 [outer, inner, Hkv]; int4 [outer, Hkv, inner].
+  // Where (storage row, head)'s scale is in k_scale_: int8 [outer, inner, Hkv]; int4
+  // [outer, Hkv, inner].
   int64_t row_scale_at(int64_t row, int64_t head) const;
+  // Where its value group scale (or zero point) i is in v_group_scale_: [outer, Hkv,
+  // 2·groups, inner].
+  int64_t value_group_at(int64_t row, int64_t head, int64_t i) const;
   void quantize_key_group(int64_t seq, int64_t group, int64_t rows);
   detail::KvSource source() const;  // the cache as the kernels read it
   friend struct detail::CacheReader;  // qkv::BatchPlan::run over a cache: its source, under its lock

@@ -325,8 +325,8 @@ void bind_decode(nb::module_& m) {
         const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
                                       static_cast<std::size_t>(shape4[2]),
                                       static_cast<std::size_t>(2 * ((shape4[3] + kValueGroup - 1) / kValueGroup))};
-        const auto groups = static_cast<int64_t>(shape[3]);  // stored heads outer: [outer, Hkv, inner, 2·groups]
-        const int64_t strides[4] = {shape4[1] * shape4[2] * groups, groups, shape4[1] * groups, 1};
+        const auto groups = static_cast<int64_t>(shape[3]);  // stored [outer, Hkv, 2·groups, inner]
+        const int64_t strides[4] = {shape4[1] * shape4[2] * groups, 1, shape4[1] * groups, shape4[1]};
         return scale_view(self, ScaleKind::value_groups, 4, shape, strides);
       })
       .def(

@@ -368,6 +368,12 @@ int64_t KVCache::row_scale_at(int64_t row, int64_t head) const {
   return (row / inner * config_.kv_heads + head) * inner + row % inner;
 }
 
+int64_t KVCache::value_group_at(int64_t row, int64_t head, int64_t i) const {
+  const int64_t inner = config_.paged ? config_.block_size : config_.capacity;
+  const int64_t scales = 2 * detail::ceil_div(config_.v_dim, kValueGroup);
+  return ((row / inner * config_.kv_heads + head) * scales + i) * inner + row % inner;
+}
+
 int64_t KVCache::storage_row(int64_t seq, int64_t key) const {
   if (!config_.paged) return seq * config_.capacity + key;
   const int32_t block = table_[static_cast<std::size_t>(seq * blocks_per_sequence_ + key / config_.block_size)];
@@ -594,8 +600,7 @@ void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
                   row_scales.data(), half_scales(config_));
         if (is_int4(config_)) {
           for (int64_t i = 0; i < value_scales; ++i)
-            v_group_scale_.set(static_cast<std::size_t>(row_scale_at(row, h) * value_scales + i),
-                               row_scales[static_cast<std::size_t>(i)]);
+            v_group_scale_.set(static_cast<std::size_t>(value_group_at(row, h, i)), row_scales[static_cast<std::size_t>(i)]);
         } else if (!v_scale_.empty()) {
           v_scale_[scale_at] = row_scales[0];
         }
@@ -737,7 +742,8 @@ detail::KvSource KVCache::source() const {
   if (is_int4(config_)) {
     const int64_t scales = 2 * detail::ceil_div(dv, kValueGroup);
     s.v_group_scale = scale_ptr(v_group_scale_);
-    s.v_group_strides = {inner * hkv * scales, scales, inner * scales};  // row_scale_at's order
+    s.v_group_strides = {inner * hkv * scales, 1, inner * scales};  // value_group_at's order
+    s.v_group_stride = inner;
     s.value_group = kValueGroup;
   }
   if (channel_scaled(config_)) {

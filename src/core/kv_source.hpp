@@ -64,8 +64,10 @@ struct RowStrides {
 // int4 storage (qkv::KVCache only): rows of ⌈d / 2⌉ bytes (uint4x2, strides in bytes),
 // levels u = 0..15; keys always per channel as above, key = k_scale · (u · channel scale
 // + zero point); value (b, j, h, c) = u · s + z with (s, z) of the row's channel group
-// c / value_group: the row's groups' scales then zero points, 2·⌈dv / value_group⌉
-// floats at v_group_scale + offset(v_group_strides, b, j, h).
+// c / value_group: the row's groups' scales then zero points, 2·⌈dv / value_group⌉ of
+// them, v_group_stride apart, from v_group_scale + offset(v_group_strides, b, j, h)
+// (qkv::KVCache stores them group-major per head and block, so that one group's scales
+// of consecutive keys are contiguous: the decode kernel reads them as vectors).
 // Scales and zero points are float32 (ScalePtr), or float16 for an int4 KVCache with
 // scale_dtype float16 (its keys' row scales, channel scales and zero points, and value
 // group scales alike).
@@ -87,6 +89,7 @@ struct KvSource {
   int64_t key_group = 0;                   // keys per channel-scale group
   ScalePtr v_group_scale;                  // int4 values: scales then zero points per row
   RowStrides v_group_strides;
+  int64_t v_group_stride = 1;              // between one row's scales (and zero points)
   int64_t value_group = 0;                 // int4 values: channels per group
   const float* window_k = nullptr;         // float window (null: none)
   const float* window_v = nullptr;
@@ -111,7 +114,8 @@ struct KvSource {
     return window_v + ((batch * window_rows + key % window_rows) * kv_heads + head) * v_dim;
   }
   int64_t value_groups() const { return (v_dim + value_group - 1) / value_group; }
-  // int4 values: the row's group scales (value_groups() of them, then as many zero points).
+  // int4 values: the row's group scales (value_groups() of them, then as many zero
+  // points, v_group_stride apart).
   ScalePtr value_group_scales(int64_t batch, int64_t key, int64_t head) const {
     return v_group_scale + offset(v_group_strides, batch, key, head);
   }

@@ -111,15 +111,17 @@ struct DecodeScratch {
   // each row's dot product with its zero points, and one vector of keys' scores when the
   // vector's keys span two groups.
   hwy::AlignedFreeUniquePtr<float[]> channel_queries, channel_bias, split_scores;
-  // int4 values: each ring row's group scales and zero points (in the ring's layout);
-  // float16 ones widened into v_group_floats (2·groups floats a ring row).
-  std::vector<const float*> v_groups;
-  hwy::AlignedFreeUniquePtr<float[]> v_group_floats;
-  size_t v_group_ld;
+  // int4 values: the ring rows' group scales then zero points as float, [2·groups]
+  // [block_keys] a ring slot (group g's scales of the slot's keys contiguous, as the
+  // cache stores them; zero past the keys), and the block's weights P_rj·s_jg [row]
+  // [group][block_keys] and biases Σ_j P_rj·z_jg [row][group] (GroupedWeights).
+  hwy::AlignedFreeUniquePtr<float[]> v_groups_t, group_weights, group_bias;
   // float16 channel scales: one group's d scales then d zero points, widened.
   hwy::AlignedFreeUniquePtr<float[]> channel_floats;
   // A float window: the block's rows in it.
   std::vector<const float*> window_k, window_v;
+  // The unit after the ring's farthest: its scales' cache lines (ScaleLines).
+  std::vector<const char*> scale_lines;
   // int8 caches on VNNI (int8_dot.hpp): the tile's query rows as two int8 terms each,
   // their scales and biases; a block's weights as bytes and its values interleaved.
   bool vnni;
@@ -148,11 +150,13 @@ struct DecodeScratch {
         channel_queries(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * plan.d_pad : 0)),
         channel_bias(AllocateFloats(kScaledStorage<T> ? plan.group_rows() : 0)),
         split_scores(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * VectorLanes() : 0)),
-        v_groups(kGroupedValues<T> ? (kUnitsAhead + 1) * plan.block_keys : 0),
-        v_group_floats(AllocateFloats(kv.v_group_scale.half ? (kUnitsAhead + 1) * plan.block_keys * 2 *
-                                                                  static_cast<size_t>(kv.value_groups())
-                                                            : 0)),
-        v_group_ld(kv.v_group_scale.half ? 2 * static_cast<size_t>(kv.value_groups()) : 0),
+        v_groups_t(AllocateFloats(kGroupedValues<T> ? (kUnitsAhead + 1) * 2 * static_cast<size_t>(kv.value_groups()) *
+                                                           plan.block_keys
+                                                     : 0)),
+        group_weights(AllocateFloats(kGroupedValues<T> ? plan.group_rows() * static_cast<size_t>(kv.value_groups()) *
+                                                              plan.block_keys
+                                                        : 0)),
+        group_bias(AllocateFloats(kGroupedValues<T> ? plan.group_rows() * static_cast<size_t>(kv.value_groups()) : 0)),
         channel_floats(AllocateFloats(kv.k_channel_scale.half ? 2 * plan.d_pad : 0)),
         window_k(kv.windowed() ? plan.block_keys : 0), window_v(kv.windowed() ? plan.block_keys : 0),
         vnni(int8_dots),
@@ -166,14 +170,12 @@ struct DecodeScratch {
 
 // Entries [keys, padded) of a block's row pointers (and scales) repeat entry keys − 1.
 template <class T>
-void PadRows(size_t keys, size_t padded, const T** k, const T** v, float* k_scale, float* v_scale,
-             const float** v_groups) {
+void PadRows(size_t keys, size_t padded, const T** k, const T** v, float* k_scale, float* v_scale) {
   for (size_t j = keys; j < padded; ++j) {
     k[j] = k[keys - 1];
     v[j] = v[keys - 1];
     if constexpr (kScaledStorage<T>) k_scale[j] = k_scale[keys - 1];
     if constexpr (kRowScaledValues<T>) v_scale[j] = v_scale[keys - 1];
-    if constexpr (kGroupedValues<T>) v_groups[j] = v_groups[keys - 1];
   }
 }
 
@@ -181,11 +183,10 @@ void PadRows(size_t keys, size_t padded, const T** k, const T** v, float* k_scal
 // the cache (contiguous or paged), padded to `padded` entries with the last row, whose
 // scores the mask then removes (so a partial vector of keys never reads past the cache).
 // Scaled storage: the rows' scales too (int4: the keys' row scales, and each value row's
-// group scales in v_groups; float16 ones widened into group_floats, group_ld apart).
+// group scales and zero points as float into groups, [2·groups][t_ld], zero past `keys`).
 template <class T>
 void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first, size_t keys,
-                 size_t padded, const T** k, const T** v, float* k_scale, float* v_scale, const float** v_groups,
-                 float* group_floats, size_t group_ld) {
+                 size_t padded, const T** k, const T** v, float* k_scale, float* v_scale, float* groups, size_t t_ld) {
   const T* k_base = static_cast<const T*>(kv.k);
   const T* v_base = static_cast<const T*>(kv.v);
   size_t j = 0;
@@ -210,21 +211,76 @@ void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first,
       const ScalePtr vs = kv.v_scale + kv.offset(kv.v_scale_strides, batch, key, head);
       for (size_t r = 0; r < run; ++r) v_scale[j + r] = vs[static_cast<int64_t>(r) * kv.v_scale_strides.row];
     }
-    if constexpr (kGroupedValues<T>) {
+    if constexpr (kGroupedValues<T>) {  // each of the run's 2·groups rows of scales in one pass
       const ScalePtr vg = kv.value_group_scales(batch, key, head);
-      if (vg.half && kv.v_group_strides.row == static_cast<int64_t>(group_ld)) {  // the run's scales in one pass
-        WidenRows(vg.halves(), 0, 1, run * group_ld, group_floats + j * group_ld, run * group_ld);
-        for (size_t r = 0; r < run; ++r) v_groups[j + r] = group_floats + (j + r) * group_ld;
-      } else if (vg.half) {  // widened once per row, for the tiles' broadcasts
-        WidenRows(vg.halves(), kv.v_group_strides.row, run, group_ld, group_floats + j * group_ld, group_ld);
-        for (size_t r = 0; r < run; ++r) v_groups[j + r] = group_floats + (j + r) * group_ld;
-      } else {
-        for (size_t r = 0; r < run; ++r) v_groups[j + r] = vg.floats() + static_cast<int64_t>(r) * kv.v_group_strides.row;
+      for (int64_t m = 0; m < 2 * kv.value_groups(); ++m) {
+        const ScalePtr from = vg + m * kv.v_group_stride;
+        float* to = groups + static_cast<size_t>(m) * t_ld + j;
+        if (kv.v_group_strides.row != 1) {
+          for (size_t r = 0; r < run; ++r) to[r] = from[static_cast<int64_t>(r) * kv.v_group_strides.row];
+        } else if (from.half) {
+          WidenRows(from.halves(), 0, 1, run, to, run);
+        } else {
+          std::copy(from.floats(), from.floats() + run, to);
+        }
       }
     }
     j += run;
   }
-  PadRows<T>(keys, padded, k, v, k_scale, v_scale, v_groups);
+  if constexpr (kGroupedValues<T>) {  // zeros past the keys: their weights and biases are 0
+    for (size_t m = 0; m < 2 * static_cast<size_t>(kv.value_groups()); ++m)
+      std::fill(groups + m * t_ld + keys, groups + m * t_ld + padded, 0.0f);
+  }
+  PadRows<T>(keys, padded, k, v, k_scale, v_scale);
+}
+
+// The cache lines of the scales and zero points that keys [first, first + keys) of head
+// `head` read (quantized storage; none for the others): their row scales or flags, value
+// group scales, and the channel scales and zero points of their key groups. The rows
+// themselves are prefetched a unit ahead (Ahead); without these their scales missed in
+// RowPointers and in the channel-scaled scores, ~30% of an int4 decode's time (measured
+// with perf on the Zen 5 of bench/RESULTS.md §12, 12/12 heads, d 128, 32k keys).
+template <class T>
+void ScaleLines(const KvSource& kv, int64_t batch, int64_t head, int64_t first, size_t keys,
+                std::vector<const char*>& lines) {
+  lines.clear();
+  if constexpr (kScaledStorage<T>) {
+    const char* last = nullptr;
+    const auto add = [&](ScalePtr at, int64_t count) {  // count elements from `at`, contiguous
+      const auto* p = static_cast<const char*>(at.data);
+      const int64_t bytes = count * (at.half ? 2 : 4);
+      for (int64_t b = 0; b < bytes; b += 64) {
+        const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p + b) & ~uintptr_t{63});
+        if (line != last) lines.push_back(last = line);
+      }
+      const char* end = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p + bytes - 1) & ~uintptr_t{63});
+      if (bytes > 0 && end != last) lines.push_back(last = end);
+    };
+    // Per-row scales laid out [.., keys, heads] (int8's) are skipped: each line holds
+    // several heads' scales, which the first head's unit brings in for the others, and a
+    // line per key costs more to issue than it saves (measured: int8 rows 20% slower).
+    const auto rows = [&](ScalePtr base, int64_t stride, int64_t run, int64_t width) {
+      if (stride == width) add(base, run * width);
+    };
+    size_t j = 0;
+    while (j < keys) {
+      const int64_t key = first + static_cast<int64_t>(j);
+      const auto run = std::min<int64_t>(static_cast<int64_t>(keys - j), kv.run_end(key) - key);
+      rows(kv.k_scale + kv.offset(kv.k_scale_strides, batch, key, head), kv.k_scale_strides.row, run, 1);
+      if constexpr (kRowScaledValues<T>)
+        rows(kv.v_scale + kv.offset(kv.v_scale_strides, batch, key, head), kv.v_scale_strides.row, run, 1);
+      if constexpr (kGroupedValues<T>)
+        for (int64_t m = 0; m < 2 * kv.value_groups(); ++m)
+          rows(kv.value_group_scales(batch, key, head) + m * kv.v_group_stride, kv.v_group_strides.row, run, 1);
+      if (kv.channel_scaled())
+        for (int64_t g = key / kv.key_group; g * kv.key_group < key + run; ++g) {
+          const int64_t at = std::max(g * kv.key_group, key);
+          add(kv.channel_scales(batch, at, head), kv.head_dim);
+          if (!(kv.k_channel_zero == nullptr)) add(kv.channel_zeros(batch, at, head), kv.head_dim);
+        }
+      j += static_cast<size_t>(run);
+    }
+  }
 }
 
 // Online softmax per row over one block of scores (rows × padded, ld apart):
@@ -272,6 +328,12 @@ HWY_INLINE const float* AsFloats(ScalePtr scales, size_t n, float* to) {
   if (!scales.half) return scales.floats();
   WidenRows(scales.halves(), 0, 1, n, to, n);
   return to;
+}
+
+// The same prefetches for the VNNI kernels.
+template <class T>
+int8dot::Prefetch ToPrefetch(const Ahead<T>& ahead) {
+  return {reinterpret_cast<const void* const*>(ahead.rows), ahead.count, ahead.bytes, ahead.lines, ahead.line_count};
 }
 
 // Scores of `rows` query rows (scale·q, d_pad apart) against int8 keys scaled per
@@ -357,6 +419,32 @@ struct GroupRows {
   int64_t max_begin = 0, min_end = 0;  // keys every query of the tile sees
 };
 
+// int4 values' weights (GroupedWeights): w[r][g][j] = P_rj·s_jg and bias[r][g] =
+// Σ_j P_rj·z_jg for keys j < padded (P and the transposed scales are 0 past the block's
+// keys), from the scales transposed by RowPointers (scales_t[g·t_ld + j], then the zero
+// points from row groups on). A NaN scale of a visible key reaches its rows through
+// both, as it would through the dequantized values.
+HWY_INLINE void GroupWeights(size_t rows, const float* HWY_RESTRICT p, size_t p_ld, size_t padded,
+                             const float* HWY_RESTRICT scales_t, size_t t_ld, size_t groups, const GroupedWeights& out) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  float* w = const_cast<float*>(out.w);
+  float* bias = const_cast<float*>(out.bias);
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t g = 0; g < groups; ++g) {
+      const float* scale = scales_t + g * t_ld;
+      const float* zero = scales_t + (groups + g) * t_ld;
+      float* to = w + r * out.row_ld + g * out.keys_ld;
+      FloatVec sum = hn::Zero(df);
+      for (size_t j = 0; j < padded; j += lanes) {
+        const FloatVec pv = hn::LoadU(df, p + r * p_ld + j);
+        hn::StoreU(hn::Mul(pv, hn::LoadU(df, scale + j)), df, to + j);
+        sum = hn::MulAdd(pv, hn::LoadU(df, zero + j), sum);
+      }
+      bias[r * groups + g] = hn::GetLane(hn::SumOfLanes(df, sum));
+    }
+}
+
 // One block step of a chunk: keys [first, first + keys) of kv head gr.head against every
 // row of its group — the rows' scores, the score pipeline, the online-softmax step, then
 // acc = acc·alpha + P·V. The rows k_rows / v_rows (padded to whole vectors) are the
@@ -364,7 +452,7 @@ struct GroupRows {
 template <class T, class S>
 void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, const DecodeTask& task,
                const GroupRows& gr, DecodeScratch<T>& s, int64_t first, size_t keys, const S* const* k_rows,
-               const S* const* v_rows, const float* k_scale, const float* v_scale, const float* const* v_groups,
+               const S* const* v_rows, const float* k_scale, const float* v_scale, const float* v_groups,
                Ahead<S> k_ahead, Ahead<S> v_ahead) {
   constexpr bool kStored = std::is_same_v<S, T>;  // else the float window's rows
   constexpr bool kScaled = kStored && kScaledStorage<T>;
@@ -374,6 +462,7 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
   const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
   const size_t d_pad = plan.d_pad, dv_pad = plan.dv_pad;
   const size_t ld = task.block_keys;  // row length of the score tile
+  const size_t t_ld = plan.block_keys;  // int4 values: a group's scales of the block (RowPointers)
   const size_t padded = round_up(keys, lanes);
   const size_t rows = gr.count;
   float* scores = s.scores.get();
@@ -388,10 +477,9 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
       float* value = s.values.get() + j * dv_pad;
       WidenRows(v_rows[j], 0, 1, dv, value, dv_pad);
       if constexpr (kGrouped) {  // level · s + z of the channel's group
-        const float* group = v_groups[j];
         for (size_t c = 0; c < dv; ++c) {
           const size_t g = c / static_cast<size_t>(kv.value_group);
-          value[c] = value[c] * group[g] + group[groups + g];
+          value[c] = value[c] * v_groups[g * t_ld + j] + v_groups[(groups + g) * t_ld + j];
         }
       }
     }
@@ -403,7 +491,7 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
   if (vnni_scores) {
     if constexpr (kInt8)
       int8dot::Scores(rows, gr.quantized, k_rows, d, padded, scores, ld,
-                      {reinterpret_cast<const void* const*>(k_ahead.rows), k_ahead.count, k_ahead.bytes});
+                      ToPrefetch(k_ahead));
   } else if (kScaled && kv.channel_scaled() && !plan.packed) {
     if constexpr (kScaled) ChannelScaledScores<T>(kv, plan, task.batch, gr.head, first, keys, rows, gr.queries, k_rows, d,
                                                   k_ahead, scores, ld, s);
@@ -458,7 +546,7 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
     if constexpr (kStored && kRowScaledValues<T>) {
       hidden_non_finite = !std::isfinite(v_scale[j]);
     } else if constexpr (kGrouped) {
-      hidden_non_finite = !std::isfinite(v_groups[j][0]);  // all NaN for a non-finite row
+      hidden_non_finite = !std::isfinite(v_groups[j]);  // group 0's scale: all NaN for a non-finite row
     } else {
       hidden_non_finite = !AllFinite(v_rows[j], 0, 1, dv);
     }
@@ -469,7 +557,7 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
       const float level = WidenAt(v_rows[j], c, dv);
       if constexpr (kGrouped) {
         const size_t g = c / static_cast<size_t>(kv.value_group);
-        return level * v_groups[j][g] + v_groups[j][groups + g];
+        return level * v_groups[g * t_ld + j] + v_groups[(groups + g) * t_ld + j];
       } else {
         return level;
       }
@@ -493,16 +581,18 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
     if constexpr (kInt8) {
       if (int8dot::AddWeighted(rows, scores, ld, padded, v_rows, dv, s.alpha.get(), gr.acc, dv_pad,
                                s.weight_bytes.data(), s.value_bytes.data(),
-                               {reinterpret_cast<const void* const*>(v_ahead.rows), v_ahead.count, v_ahead.bytes}))
+                               ToPrefetch(v_ahead)))
         return;
     }
     if (plan.packed) widen_values();  // a NaN weight: the float arithmetic carries it
   }
   if (plan.packed) {
     ValueBlock(rows, scores, ld, keys, s.v_packed.data(), dv_pad, Ahead<float>{}, s.alpha.get(), gr.acc, dv_pad);
-  } else if constexpr (kGrouped) {  // int4: each V vector dequantized in registers
-    const GroupedValues dequant{v_groups, static_cast<size_t>(kv.value_groups())};  // value_group == kInt4Chunk here
-    ValueBlock(rows, scores, ld, keys, v_rows, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad, dequant);
+  } else if constexpr (kGrouped) {  // int4: levels times each group's weights, plus its bias
+    const size_t groups = static_cast<size_t>(kv.value_groups());  // of kInt4Chunk channels here
+    const GroupedWeights weights{s.group_weights.get(), groups * ld, ld, s.group_bias.get(), groups};
+    GroupWeights(rows, scores, ld, padded, v_groups, t_ld, groups, weights);
+    WeightedValues(rows, weights, keys, v_rows, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad);
   } else {
     ValueBlock(rows, scores, ld, keys, v_rows, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad);
   }
@@ -572,16 +662,16 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
   const auto scales_of = [&](const hwy::AlignedFreeUniquePtr<float[]>& scales, size_t slot) {
     return kScaledStorage<T> ? scales.get() + slot * slot_rows : nullptr;
   };
-  const auto groups_of = [&](size_t slot) { return kGroupedValues<T> ? s.v_groups.data() + slot * slot_rows : nullptr; };
-  const auto group_floats_of = [&](size_t slot) {
-    return s.v_group_ld > 0 ? s.v_group_floats.get() + slot * slot_rows * s.v_group_ld : nullptr;
+  const auto groups_of = [&](size_t slot) {
+    return kGroupedValues<T> ? s.v_groups_t.get() + slot * 2 * static_cast<size_t>(kv.value_groups()) * slot_rows
+                             : nullptr;
   };
   const auto fill_slot = [&](size_t u, int64_t first, int64_t g) {
     slot_keys[u] = unit_keys(first);
     if (slot_keys[u] > 0)
       RowPointers<T>(kv, task.batch, g, first, slot_keys[u], round_up(slot_keys[u], lanes),
                      s.k_ring.data() + u * slot_rows, s.v_ring.data() + u * slot_rows, scales_of(s.k_scales, u),
-                     scales_of(s.v_scales, u), groups_of(u), group_floats_of(u), s.v_group_ld);
+                     scales_of(s.v_scales, u), groups_of(u), slot_rows);
   };
   // Fill the ring: units 0 .. kUnitsAhead.
   int64_t ahead_first = task.first_key, ahead_g = 0;
@@ -606,12 +696,21 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
         fill_slot(far_slot, ahead_first, ahead_g);
       }
       const size_t far_keys = slot_keys[far_slot];
+      if constexpr (kScaledStorage<T>) {  // the scales of the unit the next fill reads
+        int64_t next_first = ahead_first, next_g = ahead_g;
+        following(next_first, next_g);
+        ScaleLines<T>(kv, task.batch, next_g, next_first, unit_keys(next_first), s.scale_lines);
+      }
+      // Its lines ride with the keys' prefetches, then the values' (one a key each).
+      const size_t lines = s.scale_lines.size(), k_lines = std::min(lines, far_keys);
       const size_t keys = slot_keys[slot];  // the block's stored keys
       if (keys > 0)
         BlockStep<T, T>(p, kv, plan, task, gr, s, first, keys, s.k_ring.data() + slot * slot_rows,
                         s.v_ring.data() + slot * slot_rows, scales_of(s.k_scales, slot), scales_of(s.v_scales, slot),
-                        groups_of(slot), Ahead<T>{s.k_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(d)},
-                        Ahead<T>{s.v_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(dv)});
+                        groups_of(slot),
+                        Ahead<T>{s.k_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(d), s.scale_lines.data(), k_lines},
+                        Ahead<T>{s.v_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(dv),
+                                 s.scale_lines.data() + k_lines, lines - k_lines});
       // The block's keys in the float window, after its stored ones.
       const int64_t window_first = first + static_cast<int64_t>(keys);
       const auto window_keys = static_cast<size_t>(
@@ -680,8 +779,8 @@ void RunDecode(const Problem& p, const KvSource& kv, const DecodePlan& plan) {
   const int threads = plan.threads(p.threads);
   // int8 caches: VNNI where the precision and the switch allow (this may throw: here,
   // outside the parallel region). Its blocks of keys must be whole groups of 4.
-  const bool int8_dots = std::is_same_v<T, std::int8_t> && VectorLanes() % 4 == 0 && int8_dot_products(p.precision);
   const size_t d = static_cast<size_t>(p.extents.head_dim), dv = static_cast<size_t>(p.extents.v_dim);
+  const bool int8_dots = std::is_same_v<T, std::int8_t> && VectorLanes() % 4 == 0 && int8_dot_products(p.precision);
   if (threads <= 1) {  // no parallel region for work one thread does best
     DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv);
     for (const DecodeTask& task : plan.tasks) DecodeChunk<T>(p, kv, plan, task, scratch, states.get());

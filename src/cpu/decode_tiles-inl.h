@@ -36,16 +36,24 @@ HWY_INLINE void PrefetchRow(const void* row, size_t bytes) {
 // Rows of a unit of work ahead to prefetch while the kernels read the same-numbered rows
 // of this one: spread over the arithmetic key by key, not issued in bursts that would
 // fill the core's miss buffers and stall it (rows null: nothing to prefetch).
+// Besides the rows, one cache line of `lines` per key (a later unit's scales and zero
+// points, decode.cpp's ScaleLines), so that they too arrive spread over the arithmetic.
 template <class S>
 struct Ahead {
   const S* const* rows = nullptr;
   size_t count = 0;  // rows[0, count) exist
   size_t bytes = 0;
+  const char* const* lines = nullptr;
+  size_t line_count = 0;  // lines[0, line_count) exist
 
   HWY_INLINE void operator()(size_t j) const {
     if (j < count) PrefetchRow(rows[j], bytes);
+    if (j < line_count) __builtin_prefetch(lines[j], 0, 2);
   }
-  Ahead offset(size_t j) const { return j < count ? Ahead{rows + j, count - j, bytes} : Ahead{}; }
+  Ahead offset(size_t j) const {
+    return Ahead{j < count ? rows + j : nullptr, j < count ? count - j : 0, bytes,
+                 j < line_count ? lines + j : nullptr, j < line_count ? line_count - j : 0};
+  }
 };
 
 // ---------------------------------------------------------------------------------
@@ -168,95 +176,122 @@ inline constexpr size_t kValueTileVectors = 8;  // 16 registers: R·C accumulato
 inline constexpr size_t kValueTileVectors = 16;  // 32 registers
 #endif
 
-// What a V vector becomes once loaded: itself (every storage but int4)...
-struct PlainValues {
-  HWY_INLINE FloatVec operator()(size_t /*key*/, size_t /*col*/, FloatVec levels) const { return levels; }
-};
-
-// ... or, for int4 values, level · s + z with the key's scale and zero point of the
-// vector's group of kInt4Chunk channels (a power of two: the group is a shift, not a
-// division, in this innermost loop) — one FMA in registers, shared by the tile's rows
-// (groups[j]: key j's group scales, then as many zero points).
-struct GroupedValues {
-  const float* const* groups = nullptr;
-  size_t count = 0;  // groups per row
-  HWY_INLINE FloatVec operator()(size_t key, size_t col, FloatVec levels) const {
-    const FloatTag df;
-    const float* sz = groups[key];
-    const size_t g = col / kInt4Chunk;
-    return hn::MulAdd(levels, hn::Set(df, sz[g]), hn::Set(df, sz[count + g]));
+// The weight each key's V vector is multiplied by: P[r][j] for every storage but int4...
+struct RowWeights {
+  const float* HWY_RESTRICT p = nullptr;
+  size_t p_ld = 0;
+  static constexpr bool kGrouped = false;
+  HWY_INLINE FloatVec operator()(size_t r, size_t key, size_t /*col*/) const {
+    return hn::Set(FloatTag(), p[r * p_ld + key]);
   }
 };
 
-template <size_t R, size_t C, class S, class Dequant>
-HWY_INLINE void ValueTile(const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
-                          size_t col, Ahead<S> ahead, const float* HWY_RESTRICT alpha,
-                          float* HWY_RESTRICT acc, size_t acc_ld, const Dequant& dequant) {
+// ... and for int4 values, whose channel c of key j is u·s_jg + z_jg with the scale and
+// zero point of c's group g of kInt4Chunk channels: Σ_j P_rj·(u·s_jg + z_jg) =
+// Σ_j (P_rj·s_jg)·u + Σ_j P_rj·z_jg, so each key's levels are multiplied by a weight per
+// (row, group), w[r·row_ld + g·keys_ld + j] = P_rj·s_jg, and each group's Σ_j P_rj·z_jg,
+// bias[r·groups + g], is added to its channels once per block — one FMA per vector, as
+// for the other storage types, instead of a dequantizing FMA more (GroupWeights, decode.cpp).
+struct GroupedWeights {
+  const float* HWY_RESTRICT w = nullptr;
+  size_t row_ld = 0, keys_ld = 0;
+  const float* HWY_RESTRICT bias = nullptr;
+  size_t groups = 0;
+  static constexpr bool kGrouped = true;
+  HWY_INLINE FloatVec operator()(size_t r, size_t key, size_t col) const {
+    return hn::Set(FloatTag(), w[r * row_ld + (col / kInt4Chunk) * keys_ld + key]);
+  }
+  HWY_INLINE FloatVec Bias(size_t r, size_t col) const { return hn::Set(FloatTag(), bias[r * groups + col / kInt4Chunk]); }
+};
+
+template <size_t R, size_t C, class S, class Weights>
+HWY_INLINE void ValueTile(const Weights& weight, size_t keys, const S* const* v, size_t col, Ahead<S> ahead,
+                          const float* HWY_RESTRICT alpha, float* HWY_RESTRICT acc, size_t acc_ld) {
   const FloatTag df;
   const size_t lanes = hn::Lanes(df);
+  // Grouped weights: vectors of one group share a broadcast (a vector never spans two
+  // groups: Int4Vectors, at most kInt4Chunk / 2 lanes).
+  const size_t per_group = Weights::kGrouped ? std::max<size_t>(kInt4Chunk / lanes, 1) : C;
   VecArray2<FloatTag, R, C> sum;
   for (size_t r = 0; r < R; ++r)
     for (size_t c = 0; c < C; ++c) sum[r][c] = hn::Zero(df);
   for (size_t j = 0; j < keys; ++j) {
     ahead(j);
     VecArray<FloatTag, C> vv;
-    for (size_t c = 0; c < C; ++c) vv[c] = dequant(j, col + c * lanes, LoadValues(df, v[j], col + c * lanes));
+    for (size_t c = 0; c < C; ++c) vv[c] = LoadValues(df, v[j], col + c * lanes);
     for (size_t r = 0; r < R; ++r) {
-      const FloatVec w = hn::Set(df, p[r * p_ld + j]);
-      for (size_t c = 0; c < C; ++c) sum[r][c] = hn::MulAdd(w, vv[c], sum[r][c]);
+      FloatVec w = weight(r, j, col);
+      for (size_t c = 0; c < C; ++c) {
+        if (Weights::kGrouped && c > 0 && c % per_group == 0) w = weight(r, j, col + c * lanes);
+        sum[r][c] = hn::MulAdd(w, vv[c], sum[r][c]);
+      }
     }
   }
   for (size_t r = 0; r < R; ++r) {
     const FloatVec a = hn::Set(df, alpha[r]);
     float* out = acc + r * acc_ld + col;
-    for (size_t c = 0; c < C; ++c)
-      hn::StoreU(hn::MulAdd(hn::LoadU(df, out + c * lanes), a, sum[r][c]), df, out + c * lanes);
+    for (size_t c = 0; c < C; ++c) {
+      FloatVec block = sum[r][c];
+      if constexpr (Weights::kGrouped) block = hn::Add(block, weight.Bias(r, col + c * lanes));
+      hn::StoreU(hn::MulAdd(hn::LoadU(df, out + c * lanes), a, block), df, out + c * lanes);
+    }
   }
 }
 
 // All columns [0, dim) of R rows: panels of C vectors, C as wide as the registers allow.
-template <size_t R, class S, class Dequant>
-HWY_INLINE void ValueRows(const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
-                          size_t dim, Ahead<S> ahead, const float* HWY_RESTRICT alpha,
-                          float* HWY_RESTRICT acc, size_t acc_ld, const Dequant& dequant) {
+template <size_t R, class S, class Weights>
+HWY_INLINE void ValueRows(const Weights& weight, size_t keys, const S* const* v, size_t dim, Ahead<S> ahead,
+                          const float* HWY_RESTRICT alpha, float* HWY_RESTRICT acc, size_t acc_ld) {
   const size_t lanes = VectorLanes();
   // The widest power-of-two panel whose accumulators and loads fit the registers.
   constexpr size_t kFit = kValueTileVectors / (R < 2 ? 2 : R);
   constexpr size_t kC = kFit >= 8 ? 8 : kFit >= 4 ? 4 : kFit >= 2 ? 2 : 1;
   size_t col = 0;
   for (; col + kC * lanes <= dim; col += kC * lanes) {
-    ValueTile<R, kC>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld, dequant);
+    ValueTile<R, kC>(weight, keys, v, col, ahead, alpha, acc, acc_ld);
     ahead = Ahead<S>{};  // the first panel prefetches
   }
   for (; col + 4 * lanes <= dim; col += 4 * lanes) {  // the rest in narrower panels
-    ValueTile<R, 4>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld, dequant);
+    ValueTile<R, 4>(weight, keys, v, col, ahead, alpha, acc, acc_ld);
     ahead = Ahead<S>{};
   }
   for (; col + 2 * lanes <= dim; col += 2 * lanes) {
-    ValueTile<R, 2>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld, dequant);
+    ValueTile<R, 2>(weight, keys, v, col, ahead, alpha, acc, acc_ld);
     ahead = Ahead<S>{};
   }
   for (; col < dim; col += lanes) {
-    ValueTile<R, 1>(p, p_ld, keys, v, col, ahead, alpha, acc, acc_ld, dequant);
+    ValueTile<R, 1>(weight, keys, v, col, ahead, alpha, acc, acc_ld);
     ahead = Ahead<S>{};
   }
 }
 
-template <class S, class Dequant = PlainValues>
-void ValueBlock(size_t rows, const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v,
-                size_t dim, Ahead<S> ahead, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT acc,
-                size_t acc_ld, const Dequant& dequant = {}) {
+// Weights rows from row r on (each policy's row 0 is then the tile's first).
+HWY_INLINE RowWeights RowsFrom(const RowWeights& w, size_t r) { return {w.p + r * w.p_ld, w.p_ld}; }
+HWY_INLINE GroupedWeights RowsFrom(const GroupedWeights& w, size_t r) {
+  return {w.w + r * w.row_ld, w.row_ld, w.keys_ld, w.bias + r * w.groups, w.groups};
+}
+
+template <class S, class Weights>
+void WeightedValues(size_t rows, const Weights& weights, size_t keys, const S* const* v, size_t dim, Ahead<S> ahead,
+                    const float* HWY_RESTRICT alpha, float* HWY_RESTRICT acc, size_t acc_ld) {
   size_t r = 0;
   for (; r + 4 <= rows; r += 4) {
-    ValueRows<4>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld, dequant);
+    ValueRows<4>(RowsFrom(weights, r), keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
     ahead = Ahead<S>{};
   }
   switch (rows - r) {
-    case 3: return ValueRows<3>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld, dequant);
-    case 2: return ValueRows<2>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld, dequant);
-    case 1: return ValueRows<1>(p + r * p_ld, p_ld, keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld, dequant);
+    case 3: return ValueRows<3>(RowsFrom(weights, r), keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    case 2: return ValueRows<2>(RowsFrom(weights, r), keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
+    case 1: return ValueRows<1>(RowsFrom(weights, r), keys, v, dim, ahead, alpha + r, acc + r * acc_ld, acc_ld);
     default: return;
   }
+}
+
+// acc[r] = acc[r]·alpha[r] + Σ_j P[r][j]·v_j (P row r at p + r·p_ld).
+template <class S>
+void ValueBlock(size_t rows, const float* HWY_RESTRICT p, size_t p_ld, size_t keys, const S* const* v, size_t dim,
+                Ahead<S> ahead, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT acc, size_t acc_ld) {
+  WeightedValues(rows, RowWeights{p, p_ld}, keys, v, dim, ahead, alpha, acc, acc_ld);
 }
 
 // ---------------------------------------------------------------------------------

@@ -43,12 +43,15 @@ struct Prefetch {
   const void* const* rows = nullptr;
   std::size_t count = 0;  // rows[0, count) exist
   std::size_t bytes = 0;
+  const char* const* lines = nullptr;  // and one line of these a key (a later unit's scales)
+  std::size_t line_count = 0;
 
   // Always inlined: GCC counts __builtin_prefetch as no side effect, so a call to an
   // out-of-line copy is "pure" with an unused result and is deleted — which is what
   // happened to every prefetch of these kernels until this attribute (none was in the
   // object code; the VNNI decode ran at the speed of the float one without prefetches).
   __attribute__((always_inline)) inline void operator()(std::size_t j) const {
+    if (j < line_count) __builtin_prefetch(lines[j], 0, 2);
     if (j >= count) return;
     const char* p = static_cast<const char*>(rows[j]);
     for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);

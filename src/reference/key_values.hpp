@@ -42,8 +42,9 @@ struct SourceKeyValues {
     if (kv.type == StorageType::int4) {  // level · s + z of the channel's group
       const detail::ScalePtr scales = kv.value_group_scales(b, j, h);
       const int64_t group = c / kv.value_group;
-      return static_cast<double>(level(kv.v, kv.v_strides, b, j, h, c)) * static_cast<double>(scales[group]) +
-             static_cast<double>(scales[kv.value_groups() + group]);
+      return static_cast<double>(level(kv.v, kv.v_strides, b, j, h, c)) *
+                 static_cast<double>(scales[group * kv.v_group_stride]) +
+             static_cast<double>(scales[(kv.value_groups() + group) * kv.v_group_stride]);
     }
     return element(kv.v, kv.v_strides, kv.v_scale, kv.v_scale_strides, b, j, h, c);
   }

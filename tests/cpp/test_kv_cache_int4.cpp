@@ -164,10 +164,13 @@ TEST(KVCacheInt4, Float16ScalesKeepEveryValueWithinHalfAStep) {
             const std::string where = "key " + std::to_string(j) + " channel " + std::to_string(c);
             check(k(b, j, h, c), ks[at(j, h, c)], scales[g], zeros[g], lo, hi, where);
             const auto [vlo, vhi] = value_group_range(v, b, j, h, c, d);
-            const auto row = static_cast<std::size_t>(((b * kKvHeads + h) * kCapacity + j) * 2 * value_groups);
-            const auto vg = static_cast<std::size_t>(c / kValueGroup);
-            check(v(b, j, h, c), vs[at(j, h, c)], groups[row + vg], groups[row + static_cast<std::size_t>(value_groups) + vg],
-                  vlo, vhi, "value: " + where);
+            // [B, Hkv, 2·groups, capacity]: group vg's scale, then its zero point.
+            const auto vg = c / kValueGroup;
+            const auto group_at = [&](int64_t i) {
+              return static_cast<std::size_t>(((b * kKvHeads + h) * 2 * value_groups + i) * kCapacity + j);
+            };
+            check(v(b, j, h, c), vs[at(j, h, c)], groups[group_at(vg)], groups[group_at(value_groups + vg)], vlo, vhi,
+                  "value: " + where);
           }
     }
     // The arrays are float16: asking for float32 ones is refused by name.
