@@ -5,12 +5,19 @@
 //                                        best ms and GB/s of qkv::decode, one query per
 //                                        head, N keys, TYPE f32|bf16|f16|i8, PAGE 0 = contiguous
 //                                        [1, N, HKV, D], -1 = PyTorch's [1, HKV, N, D], > 0 paged
+//   qkv_decode_probe cache HQ HKV D N TYPE THREADS
+//                                        best ms and GB/s of a qkv::KVCache's attend, one
+//                                        query per head, N keys of random values, TYPE
+//                                        f32|bf16|i8 (row scales)|i8c (channel scales,
+//                                        groups of 32)|i4 (float16 scales)|i4f32; bytes
+//                                        counted from the cache's arrays
 //   qkv_decode_probe small-call          mean µs of attention_forward on q [1,12,1,64]
 //                                        against 64 keys (1 and 2 threads), and of qkv::decode
 // Prints "key=value" lines.
 #include <omp.h>
 
 #include <qkv/decode.hpp>
+#include <qkv/kv_cache.hpp>
 #include <qkv/qkv.hpp>
 
 #include <algorithm>
@@ -20,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -148,6 +156,63 @@ void decode_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, int th
               best_cpu * 1e3, bytes / best_cpu / 1e9, best_target());
 }
 
+// attend of a KVCache of N random keys (normal values, a few outlier channels as
+// post-RoPE keys have), one query per head; bytes = every array the cache holds for
+// those keys (levels, scales, zero points).
+void cache_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, const std::string& type, int threads) {
+  using namespace qkv;
+  KVCacheConfig config{.batch = 1, .capacity = n, .kv_heads = kv_heads, .head_dim = d};
+  if (type == "bf16") config.dtype = StorageType::bfloat16;
+  if (type == "i8" || type == "i8c") config.dtype = StorageType::int8;
+  if (type == "i8c") config.key_scales = KeyScales::channel;
+  if (type == "i4" || type == "i4f32") {
+    config.dtype = StorageType::int4;
+    config.key_scales = KeyScales::channel;
+  }
+  if (type == "i4f32") config.scale_dtype = StorageType::float32;
+  KVCache cache(config);
+  std::mt19937 random(7);
+  std::normal_distribution<float> normal;
+  const int64_t chunk = 4096;
+  Tensor<float, 4> k({1, chunk, kv_heads, d}), v({1, chunk, kv_heads, d});
+  for (int64_t done = 0; done < n; done += chunk) {
+    const int64_t rows = std::min(chunk, n - done);
+    Tensor<float, 4> kk({1, rows, kv_heads, d}), vv({1, rows, kv_heads, d});
+    for (std::size_t i = 0; i < kk.size(); ++i) {
+      kk[i] = normal(random) * ((i % static_cast<std::size_t>(d)) % 16 == 3 ? 4.0f : 1.0f);
+      vv[i] = normal(random);
+    }
+    cache.append(kk.cview(), vv.cview());
+  }
+  Tensor<float, 4> q({1, 1, q_heads, d}), out({1, 1, q_heads, d});
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = normal(random);
+  DecodeOptions options;
+  options.threads = threads;
+  cache.attend(q.cview(), out.view(), {}, options);
+  double best = 1e9;
+  const char* rounds_env = std::getenv("QKV_PROBE_ROUNDS");
+  const int rounds = rounds_env != nullptr ? std::atoi(rounds_env) : 15;
+  for (int round = 0; round < rounds; ++round) {
+    const auto start = std::chrono::steady_clock::now();
+    cache.attend(q.cview(), out.view(), {}, options);
+    best = std::min(best, seconds_since(start));
+  }
+  const auto elements = [](std::array<int64_t, 4> shape) { return static_cast<double>(shape[0] * shape[1] * shape[2] * shape[3]); };
+  const double element_bytes = config.dtype == StorageType::float32    ? 4.0
+                               : config.dtype == StorageType::bfloat16 ? 2.0
+                               : config.dtype == StorageType::int4     ? 0.5  // k_shape counts values
+                                                                       : 1.0;
+  const double scale_bytes = cache.config().scale_dtype == StorageType::float16 ? 2.0 : 4.0;
+  const bool half = cache.config().scale_dtype == StorageType::float16;
+  const double scales = half ? static_cast<double>(cache.k_scales<float16>().size() + cache.k_channel_scales<float16>().size() +
+                                                   cache.k_channel_zeros<float16>().size() + cache.v_group_scales<float16>().size())
+                             : static_cast<double>(cache.k_scales().size() + cache.v_scales().size() + cache.k_channel_scales().size() +
+                                                   cache.k_channel_zeros().size() + cache.v_group_scales().size());
+  const double bytes = (elements(cache.k_shape()) + elements(cache.v_shape())) * element_bytes + scales * scale_bytes;
+  std::printf("cache_ms=%.3f cache_gbs=%.2f bytes_per_value=%.3f target=%s\n", best * 1e3, bytes / best / 1e9,
+              bytes / static_cast<double>(2 * n * kv_heads * d), best_target());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -167,10 +232,14 @@ int main(int argc, char** argv) {
     else decode_rate<float>(hq, hkv, d, n, threads, page);
     return 0;
   }
+  if (argc >= 8 && std::string(argv[1]) == "cache") {
+    cache_rate(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), argv[6], std::atoi(argv[7]));
+    return 0;
+  }
   if (argc >= 2 && std::string(argv[1]) == "small-call") {
     small_call();
     return 0;
   }
-  std::fprintf(stderr, "usage: qkv_decode_probe bandwidth THREADS | decode HQ HKV D N TYPE THREADS [PAGE] | small-call\n");
+  std::fprintf(stderr, "usage: qkv_decode_probe bandwidth THREADS | decode HQ HKV D N TYPE THREADS [PAGE] | cache HQ HKV D N TYPE THREADS | small-call\n");
   return 2;
 }
