@@ -27,10 +27,12 @@ namespace qkv::cpu::HWY_NAMESPACE {
 // Starts moving a row of `bytes` bytes towards the core: the key block after the current
 // one, so that its DRAM latency overlaps this block's arithmetic. Into L2 (locality 2):
 // a block of one head is up to 64 KiB, more than L1 holds next to the current one.
+// Each line the row touches once (a second prefetch of a line in flight still takes an
+// issue slot and a miss-queue entry: 64-byte int4 rows had two a line).
 HWY_INLINE void PrefetchRow(const void* row, size_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
-  __builtin_prefetch(p + bytes - 1, 0, 2);  // a row that starts inside a cache line
+  const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
+  const uintptr_t last = (reinterpret_cast<uintptr_t>(row) + bytes - 1) & ~uintptr_t{63};
+  for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
 }
 
 // Rows of a unit of work ahead to prefetch while the kernels read the same-numbered rows
@@ -107,12 +109,31 @@ HWY_INLINE void ScoreTree(const float* HWY_RESTRICT q, size_t q_ld, const S* con
     VecArray2<FloatTag, R, N> acc;
     for (size_t r = 0; r < R; ++r)
       for (size_t j = 0; j < N; ++j) acc[r][j] = hn::Zero(df);
-    for (size_t c = 0; c < dim; c += lanes) {
-      VecArray<FloatTag, N> kv;
-      for (size_t j = 0; j < N; ++j) kv[j] = LoadValues(df, k[j], c);
-      for (size_t r = 0; r < R; ++r) {
-        const FloatVec qv = hn::LoadU(df, q + r * q_ld + c);
-        for (size_t j = 0; j < N; ++j) acc[r][j] = hn::MulAdd(qv, kv[j], acc[r][j]);
+    if constexpr (std::is_same_v<S, uint4x2>) {
+      // int4 (dim whole chunks): the vectors at c and c + 16 from one widening of their
+      // bytes, both into the key's accumulator.
+      constexpr size_t kHalf = kInt4Chunk / 2;
+      for (size_t c = 0; c < dim; c += lanes) {
+        if (c % kInt4Chunk >= kHalf) continue;  // taken with c − 16
+        VecArray<FloatTag, R> q_low, q_high;
+        for (size_t r = 0; r < R; ++r) {
+          q_low[r] = hn::LoadU(df, q + r * q_ld + c);
+          q_high[r] = hn::LoadU(df, q + r * q_ld + c + kHalf);
+        }
+        for (size_t j = 0; j < N; ++j) {
+          FloatVec low, high;
+          LoadLevelPair(df, k[j], c, low, high);
+          for (size_t r = 0; r < R; ++r) acc[r][j] = hn::MulAdd(q_high[r], high, hn::MulAdd(q_low[r], low, acc[r][j]));
+        }
+      }
+    } else {
+      for (size_t c = 0; c < dim; c += lanes) {
+        VecArray<FloatTag, N> kv;
+        for (size_t j = 0; j < N; ++j) kv[j] = LoadValues(df, k[j], c);
+        for (size_t r = 0; r < R; ++r) {
+          const FloatVec qv = hn::LoadU(df, q + r * q_ld + c);
+          for (size_t j = 0; j < N; ++j) acc[r][j] = hn::MulAdd(qv, kv[j], acc[r][j]);
+        }
       }
     }
     for (size_t r = 0; r < R; ++r) out[r] = CombineKeys<N>(acc[r]);
@@ -215,10 +236,23 @@ HWY_INLINE void ValueTile(const Weights& weight, size_t keys, const S* const* v,
   VecArray2<FloatTag, R, C> sum;
   for (size_t r = 0; r < R; ++r)
     for (size_t c = 0; c < C; ++c) sum[r][c] = hn::Zero(df);
+  // int4 panels of whole chunks: the vectors at c and c + 16 from one widening (a panel
+  // of half a chunk loads vector by vector).
+  constexpr bool kInt4 = std::is_same_v<S, uint4x2>;
+  const size_t half = kInt4Chunk / 2, pair = half / lanes;  // vectors from c to c + 16
+  const bool paired = kInt4 && (C * lanes) % kInt4Chunk == 0 && col % kInt4Chunk == 0;
   for (size_t j = 0; j < keys; ++j) {
     ahead(j);
     VecArray<FloatTag, C> vv;
-    for (size_t c = 0; c < C; ++c) vv[c] = LoadValues(df, v[j], col + c * lanes);
+    for (size_t c = 0; c < C; ++c) {
+      if constexpr (kInt4) {
+        if (paired) {
+          if ((c * lanes) % kInt4Chunk < half) LoadLevelPair(df, v[j], col + c * lanes, vv[c], vv[c + pair]);
+          continue;
+        }
+      }
+      vv[c] = LoadValues(df, v[j], col + c * lanes);
+    }
     for (size_t r = 0; r < R; ++r) {
       FloatVec w = weight(r, j, col);
       for (size_t c = 0; c < C; ++c) {

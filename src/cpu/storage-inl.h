@@ -168,6 +168,25 @@ HWY_INLINE hn::Vec<D> LoadValues(D df, const T* HWY_RESTRICT row, size_t c) {
   }
 }
 
+// The int4 levels of channels [c, c + Lanes) and [c + 16, c + 16 + Lanes) of a row, c in
+// the first half of its chunk of 32 (where Int4Vectors): the low and the high nibbles of
+// the same Lanes bytes, widened once for both (LoadValues widens them once per vector).
+template <class D>
+HWY_INLINE void LoadLevelPair(D df, const uint4x2* HWY_RESTRICT row, size_t c, hn::Vec<D>& low, hn::Vec<D>& high) {
+#if HWY_TARGET == HWY_SCALAR
+  low = LoadValues(df, row, c);
+  high = LoadValues(df, row, c + kInt4Chunk / 2);
+#else
+  const hn::Rebind<uint8_t, D> d8;
+  const hn::RebindToUnsigned<D> du;
+  const hn::RebindToSigned<D> di;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(row) + c / kInt4Chunk * (kInt4Chunk / 2) + c % kInt4Chunk;
+  const auto levels = hn::PromoteTo(du, hn::LoadU(d8, bytes));
+  low = hn::ConvertTo(df, hn::BitCast(di, hn::And(levels, hn::Set(du, 0x0F))));
+  high = hn::ConvertTo(df, hn::BitCast(di, hn::ShiftRight<4>(levels)));
+#endif
+}
+
 // One rounding to T (to nearest, ties to even; qkv/half.hpp, tested on every tie).
 template <class T>
 HWY_INLINE T StoreAs(float x) {
