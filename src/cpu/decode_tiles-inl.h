@@ -27,12 +27,10 @@ namespace qkv::cpu::HWY_NAMESPACE {
 // Starts moving a row of `bytes` bytes towards the core: the key block after the current
 // one, so that its DRAM latency overlaps this block's arithmetic. Into L2 (locality 2):
 // a block of one head is up to 64 KiB, more than L1 holds next to the current one.
-// Each line the row touches once (a second prefetch of a line in flight still takes an
-// issue slot and a miss-queue entry: 64-byte int4 rows had two a line).
 HWY_INLINE void PrefetchRow(const void* row, size_t bytes) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
-  const uintptr_t last = (reinterpret_cast<uintptr_t>(row) + bytes - 1) & ~uintptr_t{63};
-  for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+  const char* p = static_cast<const char*>(row);
+  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+  __builtin_prefetch(p + bytes - 1, 0, 2);  // a row that starts inside a cache line
 }
 
 // Rows of a unit of work ahead to prefetch while the kernels read the same-numbered rows
