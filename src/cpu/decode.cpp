@@ -115,7 +115,7 @@ struct DecodeScratch {
   // [block_keys] a ring slot (group g's scales of the slot's keys contiguous, as the
   // cache stores them; zero past the keys), and the block's weights P_rj·s_jg [row]
   // [group][block_keys] and biases Σ_j P_rj·z_jg [row][group] (GroupedWeights).
-  hwy::AlignedFreeUniquePtr<float[]> v_groups_t, group_weights, group_bias;
+  hwy::AlignedFreeUniquePtr<float[]> group_scales, group_weights, group_bias;
   // float16 channel scales: one group's d scales then d zero points, widened.
   hwy::AlignedFreeUniquePtr<float[]> channel_floats;
   // A float window: the block's rows in it.
@@ -150,7 +150,7 @@ struct DecodeScratch {
         channel_queries(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * plan.d_pad : 0)),
         channel_bias(AllocateFloats(kScaledStorage<T> ? plan.group_rows() : 0)),
         split_scores(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * VectorLanes() : 0)),
-        v_groups_t(AllocateFloats(kGroupedValues<T> ? (kUnitsAhead + 1) * 2 * static_cast<size_t>(kv.value_groups()) *
+        group_scales(AllocateFloats(kGroupedValues<T> ? (kUnitsAhead + 1) * 2 * static_cast<size_t>(kv.value_groups()) *
                                                            plan.block_keys
                                                      : 0)),
         group_weights(AllocateFloats(kGroupedValues<T> ? plan.group_rows() * static_cast<size_t>(kv.value_groups()) *
@@ -663,7 +663,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
     return kScaledStorage<T> ? scales.get() + slot * slot_rows : nullptr;
   };
   const auto groups_of = [&](size_t slot) {
-    return kGroupedValues<T> ? s.v_groups_t.get() + slot * 2 * static_cast<size_t>(kv.value_groups()) * slot_rows
+    return kGroupedValues<T> ? s.group_scales.get() + slot * 2 * static_cast<size_t>(kv.value_groups()) * slot_rows
                              : nullptr;
   };
   const auto fill_slot = [&](size_t u, int64_t first, int64_t g) {
