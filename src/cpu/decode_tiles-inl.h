@@ -245,7 +245,12 @@ HWY_INLINE void ValueTile(const Weights& weight, size_t keys, const S* const* v,
     for (size_t c = 0; c < C; ++c) {
       if constexpr (kInt4) {
         if (paired) {
-          if ((c * lanes) % kInt4Chunk < half) LoadLevelPair(df, v[j], col + c * lanes, vv[c], vv[c + pair]);
+          if ((c * lanes) % kInt4Chunk < half) {
+            FloatVec low, high;  // (on SVE vv's entries are proxies, not vectors to bind)
+            LoadLevelPair(df, v[j], col + c * lanes, low, high);
+            vv[c] = low;
+            vv[c + pair] = high;
+          }
           continue;
         }
       }
