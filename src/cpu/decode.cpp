@@ -419,22 +419,21 @@ struct GroupRows {
   int64_t max_begin = 0, min_end = 0;  // keys every query of the tile sees
 };
 
-// int4 values' weights (GroupedWeights): w[r][g][j] = P_rj·s_jg and bias[r][g] =
-// Σ_j P_rj·z_jg for keys j < padded (P and the transposed scales are 0 past the block's
-// keys), from the scales transposed by RowPointers (scales_t[g·t_ld + j], then the zero
-// points from row groups on). A NaN scale of a visible key reaches its rows through
-// both, as it would through the dequantized values.
+// int4 values' weights (GroupedWeights): w[r·row_ld + g·keys_ld + j] = P_rj·s_jg and
+// bias[r·groups + g] = Σ_j P_rj·z_jg for keys j < padded, from the block's group scales
+// as RowPointers lays them out (group g's scales at scales[g·t_ld + j], its zero points
+// at scales[(groups + g)·t_ld + j]; P and both are 0 past the block's keys). A NaN scale
+// of a visible key reaches its rows through both, as through a dequantized value.
 HWY_INLINE void GroupWeights(size_t rows, const float* HWY_RESTRICT p, size_t p_ld, size_t padded,
-                             const float* HWY_RESTRICT scales_t, size_t t_ld, size_t groups, const GroupedWeights& out) {
+                             const float* HWY_RESTRICT scales, size_t t_ld, size_t groups, float* HWY_RESTRICT w,
+                             size_t row_ld, size_t keys_ld, float* HWY_RESTRICT bias) {
   const FloatTag df;
   const size_t lanes = hn::Lanes(df);
-  float* w = const_cast<float*>(out.w);
-  float* bias = const_cast<float*>(out.bias);
   for (size_t r = 0; r < rows; ++r)
     for (size_t g = 0; g < groups; ++g) {
-      const float* scale = scales_t + g * t_ld;
-      const float* zero = scales_t + (groups + g) * t_ld;
-      float* to = w + r * out.row_ld + g * out.keys_ld;
+      const float* scale = scales + g * t_ld;
+      const float* zero = scales + (groups + g) * t_ld;
+      float* to = w + r * row_ld + g * keys_ld;
       FloatVec sum = hn::Zero(df);
       for (size_t j = 0; j < padded; j += lanes) {
         const FloatVec pv = hn::LoadU(df, p + r * p_ld + j);
@@ -590,8 +589,9 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
     ValueBlock(rows, scores, ld, keys, s.v_packed.data(), dv_pad, Ahead<float>{}, s.alpha.get(), gr.acc, dv_pad);
   } else if constexpr (kGrouped) {  // int4: levels times each group's weights, plus its bias
     const size_t groups = static_cast<size_t>(kv.value_groups());  // of kInt4Chunk channels here
+    GroupWeights(rows, scores, ld, padded, v_groups, t_ld, groups, s.group_weights.get(), groups * ld, ld,
+                 s.group_bias.get());
     const GroupedWeights weights{s.group_weights.get(), groups * ld, ld, s.group_bias.get(), groups};
-    GroupWeights(rows, scores, ld, padded, v_groups, t_ld, groups, weights);
     WeightedValues(rows, weights, keys, v_rows, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad);
   } else {
     ValueBlock(rows, scores, ld, keys, v_rows, dv, v_ahead, s.alpha.get(), gr.acc, dv_pad);
