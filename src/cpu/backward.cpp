@@ -53,6 +53,7 @@
 #include "cpu/block_mask.hpp"
 #include "cpu/finite_scan.hpp"
 #include "cpu/mask_tiles.hpp"
+#include "cpu/amx_dot.hpp"
 #include "cpu/bf16_dot.hpp"
 #include "cpu/blocking.hpp"
 #include "cpu/cpu_backend.hpp"
@@ -210,8 +211,8 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
   }
   const auto access = p.rows();
   if constexpr (std::is_same_v<T, bfloat16>) {
-    if (c.packed.dots)  // the forward's scores bit for bit (bf16_dot.hpp), K read in place
-      bf16dot::ScoresTransposed(access.k(rows.batch, first_key, e.kv_head_of(rows.head)), p.args.k.strides[1], kn,
+    if (c.packed.dots)  // the forward's scores bit for bit (the same unit), K read in place
+      (c.packed.amx ? amx::ScoresTransposed : bf16dot::ScoresTransposed)(access.k(rows.batch, first_key, e.kv_head_of(rows.head)), p.args.k.strides[1], kn,
                                 static_cast<size_t>(e.head_dim),
                                 c.packed.q_pairs_block(rows.batch, rows.head, rows.first), kBlockQueries, width,
                                 static_cast<float>(p.scale), s.pt.get(), width);
@@ -234,7 +235,7 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
 
   if constexpr (std::is_same_v<T, bfloat16>) {
     if (c.packed.dots)  // dPᵀ = V·dOᵀ: products of bfloat16 values, exact in float32
-      bf16dot::ScoresTransposed(access.v(rows.batch, first_key, e.kv_head_of(rows.head)), p.args.v.strides[1], kn,
+      (c.packed.amx ? amx::ScoresTransposed : bf16dot::ScoresTransposed)(access.v(rows.batch, first_key, e.kv_head_of(rows.head)), p.args.v.strides[1], kn,
                                 static_cast<size_t>(e.v_dim),
                                 c.packed.dout_pairs_block(rows.batch, rows.head, rows.first), kBlockQueries, width,
                                 1.0f, s.dst.get(), width);
@@ -265,12 +266,12 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
 
 // dK_blk += dSᵀ·Q_blk with dot products: dSᵀ (kn rows of `width` floats, columns <
 // count) as bfloat16 pairs along the queries, Q's rows paired across them (Packed).
-inline void AddKeyGradient(const float* dst, size_t width, size_t kn, size_t count, const uint32_t* q_pairs,
+inline void AddKeyGradient(bool on_tiles, const float* dst, size_t width, size_t kn, size_t count, const uint32_t* q_pairs,
                            size_t q_ld, size_t d, float* dk, size_t dk_ld, BackwardScratch& s) {
   constexpr size_t a_ld = kBlockQueries / 2;
   bf16dot::PairsAlongRows(dst, width, kn, count, kKeyGradientTerms, s.ds_pairs.data(), a_ld);
   const bf16dot::LeftPairs a{s.ds_pairs.data(), a_ld, 1, kKeyGradientTerms, kn * a_ld};
-  bf16dot::AddProduct(a, kn, (count + 1) / 2, q_pairs, q_ld, d, dk, dk_ld);
+  (on_tiles ? amx::AddProduct : bf16dot::AddProduct)(a, kn, (count + 1) / 2, q_pairs, q_ld, d, dk, dk_ld);
 }
 
 // dQ_rows += dS·K_blk for the tile just scored (dS read in place from dSᵀ in s.dst).
@@ -374,7 +375,7 @@ void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
                    dout_rows.data + static_cast<size_t>(first) * dout_rows.ld, dout_rows.ld,
                    dv_acc, packed.dv_ld);
       if (packed.dots)
-        AddKeyGradient(s.dst.get(), width, kn, count, packed.q_row_pairs_block(b, h, first), packed.q_row_pair_ld,
+        AddKeyGradient(packed.amx, s.dst.get(), width, kn, count, packed.q_row_pairs_block(b, h, first), packed.q_row_pair_ld,
                        d, dk_acc, packed.d_ld, s);
       else
         GemmAddBlock(kn, packed.d_ld, count, StridedA{s.dst.get(), width, 1},
@@ -469,8 +470,8 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
   }
 
   // May throw (QKV_DOT_PRODUCTS=on without the unit): here, before the parallel region.
-  const bool use_dots = std::is_same_v<T, bfloat16> && bf16_dot_products(p.precision);
-  Packed packed(e, p.mask.sequences, lanes, kIsHalf<T>, use_dots);
+  const Bf16Unit unit = std::is_same_v<T, bfloat16> ? bf16_unit(p.precision) : Bf16Unit::fp32_fma;
+  Packed packed(e, p.mask.sequences, lanes, kIsHalf<T>, unit);
   KeyValueFinite finite(e);
   const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
   const SharedMaskTiles shared(p.mask, e, plan);

@@ -19,6 +19,7 @@
 #include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
 #include "cpu/bf16_dot.hpp"
+#include "cpu/dot_products.hpp"
 #include "cpu/block_ops-inl.h"
 #include "cpu/blocking.hpp"
 #include "cpu/storage-inl.h"
@@ -53,6 +54,7 @@ struct Packed {
   // paired across queries (dK's, columns = the head dim). Unscaled Q: the products of
   // two bfloat16 values are exact in float32, scale·q would not be.
   bool dots = false;
+  bool amx = false;  // the products on the AMX tiles (amx_dot.hpp), as the forward's
   size_t q_pair_words = 0, dout_pair_words = 0, q_row_pair_ld = 0;
   std::vector<uint32_t> q_pairs, dout_pairs, q_row_pairs;
   const detail::Extents* e = nullptr;
@@ -60,7 +62,7 @@ struct Packed {
 
   // widen: the storage type is not float, so Q and dO rows need float copies anyway.
   Packed(const detail::Extents& extents, const detail::Sequences& seqs, size_t vector_lanes,
-         bool widen, bool use_dots)
+         bool widen, Bf16Unit unit)
       : lanes(vector_lanes),
         d_ld(round_up(static_cast<size_t>(extents.head_dim), vector_lanes)),
         dv_ld(round_up(static_cast<size_t>(extents.v_dim), vector_lanes)),
@@ -80,7 +82,8 @@ struct Packed {
     sink_terms = AllocateFloats(columns);
     q_rows = AllocateFloats(pad_q_rows ? columns * d_ld : 0);
     dout_rows = AllocateFloats(pad_dout_rows ? columns * dv_ld : 0);
-    dots = use_dots;
+    dots = unit != Bf16Unit::fp32_fma;
+    amx = unit == Bf16Unit::amx;
     if (dots) {  // per query block: ⌈d/2⌉ × 64 and 32 × pair_ld(d) words (⌈dv/2⌉ × 64 for dO)
       const size_t d = static_cast<size_t>(extents.head_dim), dv = static_cast<size_t>(extents.v_dim);
       q_pair_words = (d + 1) / 2 * kBlockQueries;

@@ -6,6 +6,7 @@
 #include <string>
 #include <strings.h>
 
+#include "cpu/amx_dot.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::cpu {
@@ -13,25 +14,37 @@ namespace {
 
 enum class Choice { automatic, off, on };
 
+Choice read_choice(const char* variable) {
+  const char* wanted = std::getenv(variable);
+  if (wanted == nullptr || *wanted == '\0' || strcasecmp(wanted, "auto") == 0) return Choice::automatic;
+  if (strcasecmp(wanted, "off") == 0) return Choice::off;
+  if (strcasecmp(wanted, "on") == 0) return Choice::on;
+  throw Error(std::string(variable) + "=" + wanted + ": expected auto, on or off");
+}
+
+// Read once; a bad word throws on every call instead (the static stays unset).
 Choice environment_choice() {
-  // Read once; a bad word throws on every call instead (the static stays unset).
-  static const Choice choice = [] {
-    const char* wanted = std::getenv("QKV_DOT_PRODUCTS");
-    if (wanted == nullptr || *wanted == '\0' || strcasecmp(wanted, "auto") == 0) return Choice::automatic;
-    if (strcasecmp(wanted, "off") == 0) return Choice::off;
-    if (strcasecmp(wanted, "on") == 0) return Choice::on;
-    throw Error(std::string("QKV_DOT_PRODUCTS=") + wanted + ": expected auto, on or off");
-  }();
+  static const Choice choice = read_choice("QKV_DOT_PRODUCTS");
+  return choice;
+}
+Choice environment_amx_choice() {
+  static const Choice choice = read_choice("QKV_AMX");
   return choice;
 }
 
-// The test hook: -1 the environment's choice, 0 off, 1 on.
+// The test hooks: -1 the environment's choice, 0 off, 1 on.
 std::atomic<int> forced_for_test{-1};
+std::atomic<int> amx_forced_for_test{-1};
 
 Choice current_choice() {
   const int forced = forced_for_test.load(std::memory_order_relaxed);
   if (forced >= 0) return forced == 1 ? Choice::on : Choice::off;
   return environment_choice();
+}
+Choice current_amx_choice() {
+  const int forced = amx_forced_for_test.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced == 1 ? Choice::on : Choice::off;
+  return environment_amx_choice();
 }
 
 }  // namespace
@@ -66,13 +79,23 @@ bool cpu_has_bf16_dot() {
 #endif
 }
 
-bool bf16_dot_products(Precision precision) {
-  const Choice choice = current_choice();
+bool cpu_has_amx_bf16() { return amx::available(); }
+
+Bf16Unit bf16_unit(Precision precision) {
+  const Choice choice = current_choice(), amx = current_amx_choice();
   if (choice == Choice::on && !cpu_has_bf16_dot())
     throw Error("QKV_DOT_PRODUCTS=on: this CPU has no AVX512-BF16 dot products");
-  if (precision == Precision::exact || choice == Choice::off) return false;
-  return cpu_has_bf16_dot() && (choice == Choice::on || bf16_dot_pays());
+  if (amx == Choice::on && !cpu_has_amx_bf16())
+    throw Error("QKV_AMX=on: this CPU has no AMX-BF16 tiles (or the OS does not grant them)");
+  if (precision == Precision::exact || choice == Choice::off) return Bf16Unit::fp32_fma;
+  // The tiles pay wherever they exist (bench/RESULTS.md §10: on the Xeon measured, the
+  // forward several times the fp32 FMAs' speed, where vdpbf16ps was slower than them).
+  if (amx != Choice::off && cpu_has_amx_bf16()) return Bf16Unit::amx;
+  if (cpu_has_bf16_dot() && (choice == Choice::on || bf16_dot_pays())) return Bf16Unit::avx512_bf16;
+  return Bf16Unit::fp32_fma;
 }
+
+bool bf16_dot_products(Precision precision) { return bf16_unit(precision) != Bf16Unit::fp32_fma; }
 
 bool cpu_has_int8_dot() {
 #if defined(__x86_64__)
@@ -108,8 +131,16 @@ void set_dot_products_for_test(std::optional<bool> forced) {
   forced_for_test.store(forced ? (*forced ? 1 : 0) : -1, std::memory_order_relaxed);
 }
 
+void set_amx_for_test(std::optional<bool> forced) {
+  amx_forced_for_test.store(forced ? (*forced ? 1 : 0) : -1, std::memory_order_relaxed);
+}
+
 const char* bf16_arithmetic_name() {
-  return bf16_dot_products(Precision::fast) ? "bf16-dot" : "fp32-fma";
+  switch (bf16_unit(Precision::fast)) {
+    case Bf16Unit::amx: return "bf16-amx";
+    case Bf16Unit::avx512_bf16: return "bf16-dot";
+    default: return "fp32-fma";
+  }
 }
 
 const char* int8_arithmetic_name() { return int8_dot_products(Precision::fast) ? "int8-dot" : "fp32-fma"; }

@@ -11,6 +11,16 @@
 //   on               always: a CPU without them makes every call throw qkv::Error
 // and, for tests, set_dot_products_for_test (which wins over the environment). Like
 // QKV_SIMD_TARGET it changes arithmetic, never which calls are accepted.
+//
+// For bfloat16 there are two units: AVX512-BF16's vdpbf16ps (bf16_dot.hpp) and, on Intel
+// from Sapphire Rapids on, the AMX tiles (amx_dot.hpp), which take the same operands. A
+// call that takes the dot products takes the tiles where the CPU has them, unless
+// QKV_AMX says otherwise (read once; case-insensitive):
+//   auto (or unset)  the tiles where the CPU and OS have them
+//   off              never (vdpbf16ps, where QKV_DOT_PRODUCTS lets the dot products run)
+//   on               always: a CPU without them makes every bfloat16 call throw
+// and set_amx_for_test. So on an AMX machine both units are tested: QKV_DOT_PRODUCTS=on
+// with QKV_AMX=off forces vdpbf16ps, with QKV_AMX=on the tiles.
 #pragma once
 
 #include <optional>
@@ -26,9 +36,17 @@ bool cpu_has_bf16_dot();
 // no — measured, see dot_products.cpp), never a timing, so bits never depend on load.
 bool bf16_dot_pays();
 
-// Whether a call with this precision on bfloat16 storage takes the dot-product kernels.
-// Throws qkv::Error when QKV_DOT_PRODUCTS=on (or the test hook) asks for units the CPU
-// lacks, or QKV_DOT_PRODUCTS holds another word.
+// Whether this CPU has AMX-BF16 tiles that the OS grants this process (amx_dot.hpp).
+bool cpu_has_amx_bf16();
+
+// The arithmetic of a bfloat16 call: the float32 FMAs (Precision::exact's), vdpbf16ps,
+// or the AMX tiles. Throws qkv::Error when QKV_DOT_PRODUCTS=on or QKV_AMX=on (or their
+// test hooks) ask for units the CPU lacks, or either variable holds another word.
+enum class Bf16Unit { fp32_fma, avx512_bf16, amx };
+Bf16Unit bf16_unit(Precision precision);
+
+// Whether a call with this precision on bfloat16 storage takes the dot-product kernels
+// (either unit: bf16_unit(precision) != fp32_fma).
 bool bf16_dot_products(Precision precision);
 
 // Whether this CPU (and OS) runs the AVX512-VNNI kernels (int8_dot.hpp).
@@ -44,9 +62,12 @@ bool int8_dot_products(Precision precision);
 // Tests: nullopt restores the environment's choice; true / false force either path
 // (true on a CPU without the units makes calls throw, as QKV_DOT_PRODUCTS=on does).
 void set_dot_products_for_test(std::optional<bool> forced);
+// The same for QKV_AMX: true forces the tiles (throwing where there are none), false
+// keeps bfloat16 dot products on vdpbf16ps, nullopt restores the environment's choice.
+void set_amx_for_test(std::optional<bool> forced);
 
-// "bf16-dot" or "fp32-fma": what a bfloat16 call in the default precision runs, for
-// benchmarks and `qkv bench`.
+// "bf16-amx", "bf16-dot" or "fp32-fma": what a bfloat16 call in the default precision
+// runs, for benchmarks and `qkv bench`.
 const char* bf16_arithmetic_name();
 // "int8-dot" or "fp32-fma": the same for decode over int8 caches.
 const char* int8_arithmetic_name();

@@ -51,6 +51,7 @@
 #include "cpu/block_mask.hpp"
 #include "cpu/finite_scan.hpp"
 #include "cpu/mask_tiles.hpp"
+#include "cpu/amx_dot.hpp"
 #include "cpu/bf16_dot.hpp"
 #include "cpu/blocking.hpp"
 #include "cpu/cpu_backend.hpp"
@@ -81,14 +82,15 @@ struct ForwardScratch {
   // split_k_logits_for; decode_tiles-inl.h), so that its backward sees the same logits.
   bool split_k_logits;
   SplitKLogits split_k;
-  // bfloat16 with dot products (dot_products.hpp, bf16_dot.hpp): Q, P and V as pairs.
-  bool dots;
+  // bfloat16 with dot products (dot_products.hpp, bf16_dot.hpp): Q, P and V as pairs;
+  // `amx`: the products on the AMX tiles (amx_dot.hpp), else on vdpbf16ps.
+  bool dots, amx;
   std::vector<uint32_t> q_pairs, p_pairs, v_pairs;
 
   template <class T>
-  // `use_dots`: bf16_dot_products, decided once before the parallel region (it may throw,
-  // and an exception must not leave an OpenMP region).
-  ForwardScratch(const detail::ForwardProblem<T>& p, size_t lanes, bool use_dots)
+  // `unit`: bf16_unit, decided once before the parallel region (it may throw, and an
+  // exception must not leave an OpenMP region).
+  ForwardScratch(const detail::ForwardProblem<T>& p, size_t lanes, Bf16Unit unit)
       : width(round_up(kBlockQueries, lanes)),
         dv_ld(round_up(static_cast<size_t>(p.extents.v_dim), lanes)),
         qt(AllocateFloats(static_cast<size_t>(p.extents.head_dim) * width)),
@@ -106,7 +108,8 @@ struct ForwardScratch {
         dropout_keys(width, 0),
         split_k_logits(std::is_same_v<T, float> && split_k_eligible(p.mask, p.modifiers)),
         split_k(static_cast<size_t>(p.extents.head_dim), kBlockQueries, kBlockKeys, split_k_logits),
-        dots(use_dots),
+        dots(unit != Bf16Unit::fp32_fma),
+        amx(unit == Bf16Unit::amx),
         q_pairs(dots ? (static_cast<size_t>(p.extents.head_dim) + 1) / 2 * bf16dot::pair_ld(kBlockQueries) : 0),
         p_pairs(dots ? 2 * (kBlockKeys / 2) * bf16dot::pair_ld(kBlockQueries) : 0),
         v_pairs(dots ? kBlockKeys / 2 * bf16dot::pair_ld(static_cast<size_t>(p.extents.v_dim)) : 0) {}
@@ -233,9 +236,9 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
     }
     if constexpr (std::is_same_v<T, bfloat16>) {
       if (s.dots)
-        bf16dot::ScoresTransposed(rows_of.k(b, first_key, kv_head), k_row, static_cast<size_t>(keys), d,
-                                  s.q_pairs.data(), bf16dot::pair_ld(kBlockQueries), width,
-                                  static_cast<float>(p.scale), s.st.get(), width);
+        (s.amx ? amx::ScoresTransposed : bf16dot::ScoresTransposed)(
+            rows_of.k(b, first_key, kv_head), k_row, static_cast<size_t>(keys), d, s.q_pairs.data(),
+            bf16dot::pair_ld(kBlockQueries), width, static_cast<float>(p.scale), s.st.get(), width);
     }
     if (!split_k_logits && !s.dots)
       Gemm(static_cast<size_t>(keys), width, d, StridedA{k, k_ld, 1},
@@ -277,9 +280,9 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
     }
     if constexpr (std::is_same_v<T, bfloat16>) {
       if (s.dots) {  // P as two bfloat16 terms (bf16_dot.hpp); the sums stay float32
-        bf16dot::RescaleAddWeighted(s.st.get(), width, count, static_cast<size_t>(keys),
-                                    rows_of.v(b, first_key, kv_head), v_row, dv,
-                                    {s.p_pairs.data(), s.v_pairs.data()}, s.acc.get(), s.dv_ld, alpha);
+        (s.amx ? amx::RescaleAddWeighted : bf16dot::RescaleAddWeighted)(
+            s.st.get(), width, count, static_cast<size_t>(keys), rows_of.v(b, first_key, kv_head), v_row, dv,
+            {s.p_pairs.data(), s.v_pairs.data()}, s.acc.get(), s.dv_ld, alpha);
         continue;
       }
     }
@@ -345,7 +348,7 @@ void ForwardImpl(const detail::ForwardProblem<T>& p) {
   const std::vector<KeyBlock> scans = finite.blocks_to_scan(plan, p.mask.sequences);
   const SharedMaskTiles shared(p.mask, p.extents, plan);
   const int threads = threads_for(p.threads, tasks.size(), forward_flops(tasks, p.extents));
-  const bool use_dots = std::is_same_v<T, bfloat16> && bf16_dot_products(p.precision);  // may throw: here
+  const Bf16Unit unit = std::is_same_v<T, bfloat16> ? bf16_unit(p.precision) : Bf16Unit::fp32_fma;  // may throw: here
 #pragma omp parallel num_threads(threads) if (threads > 1)  // one thread: no region at all
   {
     // Non-finite K/V scan of the key blocks that partial tiles read, once per call.
@@ -354,7 +357,7 @@ void ForwardImpl(const detail::ForwardProblem<T>& p) {
     // The mask tiles shared by every head, once per call.
 #pragma omp for schedule(dynamic, 4)
     for (size_t t = 0; t < shared.size(); ++t) shared.build(p.mask, plan, t);
-    ForwardScratch scratch(p, VectorLanes(), use_dots);
+    ForwardScratch scratch(p, VectorLanes(), unit);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < tasks.size(); ++t)
       ForwardBlock(p, plan, finite, shared, tasks[t], scratch,

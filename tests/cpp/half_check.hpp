@@ -31,6 +31,7 @@
 
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "cpu/dot_products.hpp"
 #include "cpu_check.hpp"
@@ -45,6 +46,38 @@ class ForcedDotProducts {
   ForcedDotProducts(const ForcedDotProducts&) = delete;
   ForcedDotProducts& operator=(const ForcedDotProducts&) = delete;
   ~ForcedDotProducts() { cpu::set_dot_products_for_test(std::nullopt); }
+};
+
+// The same for the AMX tiles (QKV_AMX): on forces them, off keeps the dot products on
+// vdpbf16ps.
+class ForcedAmx {
+ public:
+  explicit ForcedAmx(bool on) { cpu::set_amx_for_test(on); }
+  ForcedAmx(const ForcedAmx&) = delete;
+  ForcedAmx& operator=(const ForcedAmx&) = delete;
+  ~ForcedAmx() { cpu::set_amx_for_test(std::nullopt); }
+};
+
+// The bfloat16 dot-product units this CPU has, each forced in turn by ForcedBf16Unit.
+inline std::vector<cpu::Bf16Unit> bf16_units_here() {
+  std::vector<cpu::Bf16Unit> units;
+  if (cpu::cpu_has_bf16_dot()) units.push_back(cpu::Bf16Unit::avx512_bf16);
+  if (cpu::cpu_has_amx_bf16()) units.push_back(cpu::Bf16Unit::amx);
+  return units;
+}
+
+inline const char* unit_name(cpu::Bf16Unit unit) {
+  return unit == cpu::Bf16Unit::amx ? "AMX tiles" : unit == cpu::Bf16Unit::avx512_bf16 ? "vdpbf16ps" : "fp32 FMAs";
+}
+
+// Precision::fast on one unit for a scope: the dot products forced on, the tiles on or off.
+class ForcedBf16Unit {
+ public:
+  explicit ForcedBf16Unit(cpu::Bf16Unit unit) : dots_(true), amx_(unit == cpu::Bf16Unit::amx) {}
+
+ private:
+  ForcedDotProducts dots_;
+  ForcedAmx amx_;
 };
 
 template <class T>

@@ -4,8 +4,10 @@
 // (half_check.hpp's GradientWeightRounding); forced off and Precision::exact, the
 // float32 arithmetic bit for bit; thread-count determinism; odd head and value dims
 // (the pairs padded, never refused); variants and varlen against the exact path; the
-// option's validation. On a CPU without AVX512-BF16 the forced-on tests are skipped
-// (the switch then makes calls throw, which one test checks).
+// option's validation. Each forced-on test runs on every bfloat16 unit the CPU has: the
+// AVX512-BF16 kernels (bf16_dot.hpp) and, where there are AMX tiles, amx_dot.hpp's, each
+// forced in turn (test::ForcedBf16Unit). On a CPU without AVX512-BF16 the forced-on tests
+// are skipped (the switch then makes calls throw, which one test checks).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -21,6 +23,7 @@ namespace qkv {
 namespace {
 
 using test::CaseSpec;
+using test::ForcedBf16Unit;
 using test::ForcedDotProducts;
 
 #define QKV_REQUIRE_BF16_DOT() \
@@ -67,9 +70,12 @@ class Bf16DotAgainstReference : public ::testing::TestWithParam<DotCase> {};
 
 TEST_P(Bf16DotAgainstReference, WithinTheFastContract) {
   QKV_REQUIRE_BF16_DOT();
-  const ForcedDotProducts on(true);
   const DotCase& c = GetParam();
-  test::check_half_case<bfloat16>(c.spec, c.threads, c.bhsd, 1234, Precision::fast);
+  for (const cpu::Bf16Unit unit : test::bf16_units_here()) {
+    SCOPED_TRACE(test::unit_name(unit));
+    const ForcedBf16Unit on(unit);
+    test::check_half_case<bfloat16>(c.spec, c.threads, c.bhsd, 1234, Precision::fast);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, Bf16DotAgainstReference, ::testing::ValuesIn(dot_cases()),
@@ -79,12 +85,15 @@ INSTANTIATE_TEST_SUITE_P(Cases, Bf16DotAgainstReference, ::testing::ValuesIn(dot
 // runs the softmax and the masks) must not matter.
 TEST(Bf16Dot, EverySimdTargetWithinTheFastContract) {
   QKV_REQUIRE_BF16_DOT();
-  const ForcedDotProducts on(true);
-  test::for_each_simd_target([](int64_t) {
-    test::check_half_case<bfloat16>({.name = "t_odd", .q_len = 33, .k_len = 47, .head_dim = 59, .v_dim = 13,
-                                     .bias_mask = true, .key_padding = true},
-                                    2, false, 1234, Precision::fast);
-  });
+  for (const cpu::Bf16Unit unit : test::bf16_units_here()) {
+    SCOPED_TRACE(test::unit_name(unit));
+    const ForcedBf16Unit on(unit);
+    test::for_each_simd_target([](int64_t) {
+      test::check_half_case<bfloat16>({.name = "t_odd", .q_len = 33, .k_len = 47, .head_dim = 59, .v_dim = 13,
+                                       .bias_mask = true, .key_padding = true},
+                                      2, false, 1234, Precision::fast);
+    });
+  }
 }
 
 bool same_bits(const test::Results& a, const test::Results& b) {
@@ -111,8 +120,9 @@ TEST(Bf16Dot, ExactIsTheFloat32ArithmeticWhateverTheSwitch) {
     fast_off = test::run_cpu_half<bfloat16>(c, &dout, 2, false, Precision::fast);
   }
   EXPECT_TRUE(same_bits(exact_off, fast_off));
-  if (!cpu::cpu_has_bf16_dot()) return;
-  const ForcedDotProducts on(true);
+  for (const cpu::Bf16Unit unit : test::bf16_units_here()) {
+  SCOPED_TRACE(test::unit_name(unit));
+  const ForcedBf16Unit on(unit);
   EXPECT_TRUE(same_bits(exact_off, test::run_cpu_half<bfloat16>(c, &dout, 2, false, Precision::exact)));
   const test::Results fast_on = test::run_cpu_half<bfloat16>(c, &dout, 2, false, Precision::fast);
   EXPECT_NE(std::memcmp(fast_on.out.data(), exact_off.out.data(), fast_on.out.size() * sizeof(float)), 0)
@@ -132,6 +142,41 @@ TEST(Bf16Dot, ExactIsTheFloat32ArithmeticWhateverTheSwitch) {
     EXPECT_LE(std::abs(a - b), std::abs(b) * 0x1p-7f + 1e-5f * largest) << i;  // one ulp, or noise
   }
   EXPECT_LE(differ, fast_on.out.size() / 20) << differ << " of " << fast_on.out.size() << " differ";
+  }
+}
+
+// Where both units exist, forcing one or the other really changes the kernels: the AMX
+// tiles sum the same exact products in another order, so some bits differ, but the
+// float32 sums agree to ~1e-6 and each result (out and the gradients, all stored as
+// bfloat16) moves by one bfloat16 ulp at most, where a near-tie rounds the other way.
+TEST(Bf16Dot, TheTwoUnitsAreDifferentKernelsWithTheSameProducts) {
+  if (test::bf16_units_here().size() < 2) GTEST_SKIP() << "this CPU has one bfloat16 unit at most";
+  Tensor<float, 4> dout;
+  const test::Case<float> c = test::half_case<bfloat16>(kMixed, 5, dout);
+  test::Results avx512, tiles;
+  {
+    const ForcedBf16Unit on(cpu::Bf16Unit::avx512_bf16);
+    avx512 = test::run_cpu_half<bfloat16>(c, &dout, 2, false, Precision::fast);
+  }
+  {
+    const ForcedBf16Unit on(cpu::Bf16Unit::amx);
+    tiles = test::run_cpu_half<bfloat16>(c, &dout, 2, false, Precision::fast);
+  }
+  EXPECT_FALSE(same_bits(avx512, tiles)) << "forcing the tiles gave vdpbf16ps's bits: AMX never ran";
+  auto largest = [](const Tensor<float, 4>& x) {
+    float m = 0.0f;
+    for (std::size_t i = 0; i < x.size(); ++i) m = std::max(m, std::abs(x[i]));
+    return m;
+  };
+  auto worst = [](const Tensor<float, 4>& a, const Tensor<float, 4>& b) {
+    float w = 0.0f;
+    for (std::size_t i = 0; i < a.size(); ++i) w = std::max(w, std::abs(a[i] - b[i]));
+    return w;
+  };
+  EXPECT_LE(worst(avx512.out, tiles.out), 0x1p-7f * largest(avx512.out));
+  EXPECT_LE(worst(avx512.dq, tiles.dq), 0x1p-7f * largest(avx512.dq));
+  EXPECT_LE(worst(avx512.dk, tiles.dk), 0x1p-7f * largest(avx512.dk));
+  EXPECT_LE(worst(avx512.dv, tiles.dv), 0x1p-7f * largest(avx512.dv));
 }
 
 // float16 and float32 storage have no dot product here: fast is exact for them.
@@ -145,7 +190,9 @@ TEST(Bf16Dot, OtherStorageTypesIgnoreThePrecision) {
 
 TEST(Bf16Dot, BitwiseIdenticalForAnyThreadCount) {
   QKV_REQUIRE_BF16_DOT();
-  const ForcedDotProducts on(true);
+  for (const cpu::Bf16Unit unit : test::bf16_units_here()) {
+  SCOPED_TRACE(test::unit_name(unit));
+  const ForcedBf16Unit on(unit);
   for (int64_t batch : {int64_t{1}, int64_t{2} * std::max(1u, std::thread::hardware_concurrency())}) {
     CaseSpec spec = kMixed;
     spec.batch = batch;
@@ -155,6 +202,7 @@ TEST(Bf16Dot, BitwiseIdenticalForAnyThreadCount) {
     for (int threads : {2, 3, 8})
       EXPECT_TRUE(same_bits(first, test::run_cpu_half<bfloat16>(c, &dout, threads, false, Precision::fast)))
           << "batch " << batch << ", " << threads << " threads";
+  }
   }
 }
 
@@ -171,7 +219,9 @@ struct Variant {
 
 TEST(Bf16Dot, VariantsWithinTheWeightRoundingOfTheExactPath) {
   QKV_REQUIRE_BF16_DOT();
-  const ForcedDotProducts on(true);
+  for (const cpu::Bf16Unit unit : test::bf16_units_here()) {
+  SCOPED_TRACE(test::unit_name(unit));
+  const ForcedBf16Unit on(unit);
   const CaseSpec spec{.name = "variants", .batch = 2, .q_len = 90, .k_len = 130, .q_heads = 4, .kv_heads = 2,
                       .head_dim = 33, .v_dim = 24, .causal = Causal::bottom_right, .keep_mask = true,
                       .bias_mask = true, .key_padding = true};
@@ -211,12 +261,23 @@ TEST(Bf16Dot, VariantsWithinTheWeightRoundingOfTheExactPath) {
     EXPECT_LE(worst, u * max_v / (1.0 - v.dropout) + 2.0 * u * max_out + 1e-5 * std::max(1.0, max_out));
     EXPECT_LE(worst_lse, 1e-5) << "lse (the logits differ only by fp32 sums; Q·Kᵀ's products are exact)";
   }
+  }
 }
 
 // Forced on where the CPU lacks the unit: every bfloat16 call says so (as QKV_DOT_PRODUCTS=on).
 TEST(Bf16Dot, ForcedOnWithoutTheUnitThrows) {
   if (cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "this CPU has AVX512-BF16";
   const ForcedDotProducts on(true);
+  Tensor<float, 4> dout;
+  const test::Case<float> c = test::half_case<bfloat16>(kMixed, 5, dout);
+  EXPECT_THROW(test::run_cpu_half<bfloat16>(c, nullptr, 2, false, Precision::fast), Error);
+}
+
+// The same for the tiles (QKV_AMX=on) where there are none; Precision::exact throws too,
+// as QKV_DOT_PRODUCTS=on makes it: the switch names hardware the process lacks.
+TEST(Bf16Dot, ForcedAmxWithoutTheTilesThrows) {
+  if (cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "this CPU has AMX-BF16 tiles";
+  const test::ForcedAmx on(true);
   Tensor<float, 4> dout;
   const test::Case<float> c = test::half_case<bfloat16>(kMixed, 5, dout);
   EXPECT_THROW(test::run_cpu_half<bfloat16>(c, nullptr, 2, false, Precision::fast), Error);

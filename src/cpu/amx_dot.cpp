@@ -1,0 +1,328 @@
+// The AMX kernels of amx_dot.hpp (the pragma below is the target attribute on each).
+//
+// One product serves all three: C (M × N float32) = Σ over the terms of A_t·B, A row-major
+// bfloat16 (M rows × K values), B pair-major (⌈K/2⌉ rows of N words), M ≤ 64. Tiles: C in
+// tmm0–3 as 2 × 2 blocks of 16 × 16, A in tmm4–5 (16 rows × 32 values), B in tmm6–7 (16
+// pairs × 16 columns); each step of 32 reduction values issues 4 tdpbf16ps from 4 tile
+// loads. The C tiles are stored into this thread's scratch and each caller's epilogue
+// takes what it needs (scale, online-softmax rescale, or a plain add) with AVX-512.
+#include "cpu/amx_dot.hpp"
+
+#if defined(__x86_64__)
+// GCC 12's intrinsics build on _mm512_undefined_*(): see bf16_dot.cpp.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace qkv::cpu::amx {
+
+bool available() {
+  static const bool granted = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
+    const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl");
+    if (!amx_bf16 || !amx_tile || !avx512_bf16) return false;
+    // Linux enables the 8 KiB tile state per process on request (XFEATURE_XTILEDATA = 18);
+    // a kernel without the request, or one that refuses, leaves AMX unusable.
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return granted;
+}
+
+}  // namespace qkv::cpu::amx
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+
+namespace qkv::cpu::amx {
+namespace {
+
+constexpr std::size_t kTileRows = 16;    // rows of every tile
+constexpr std::size_t kTileValues = 32;  // bfloat16 values of an A tile's row (64 bytes)
+constexpr std::size_t kTileWords = 16;   // words of a B tile's row (16 columns)
+constexpr std::size_t kMaxRows = 64;     // M of every product here (a block of keys or queries)
+
+// Palette 1, all 8 tiles 16 rows × 64 bytes (the layout of ldtilecfg's 64-byte operand).
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t bytes_per_row[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+// Loads the configuration for this call and releases the tiles when it ends.
+class Tiles {
+ public:
+  Tiles() {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = kTileRows;
+    _tile_loadconfig(&config);
+  }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+  ~Tiles() { _tile_release(); }
+};
+
+// A: value (r, x) at data[r·stride + x] for r < rows, x < values.
+struct Left {
+  const std::uint16_t* data;
+  std::size_t stride;  // bfloat16 values between rows
+  std::size_t rows, values;
+};
+
+// B: word (p, n) at data[p·ld + n] for p < pairs; columns up to a multiple of 16 readable.
+struct Right {
+  const std::uint32_t* data;
+  std::size_t ld, pairs;
+};
+
+// This thread's scratch: C tiles (kMaxRows × round_up(N, 32) floats) and the padded copies
+// of partial tiles.
+struct Scratch {
+  std::vector<float> c;
+  alignas(64) std::uint16_t a_tile[kTileRows * kTileValues];
+  alignas(64) std::uint32_t b_tile[kTileRows * kTileWords];
+  alignas(64) std::uint16_t p_terms[2][kMaxRows * kMaxRows];  // P's hi and lo terms, row-major
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+constexpr std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
+
+__mmask16 lanes_below(std::size_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// The A tile at rows [row, row + 16), values [x, x + 32): in place when whole, else
+// copied with zeros past the operand (tile loads read all 16 rows × 64 bytes).
+const std::uint16_t* left_tile(const Left& a, std::size_t row, std::size_t x, std::size_t& stride_bytes) {
+  if (row + kTileRows <= a.rows && x + kTileValues <= a.values) {
+    stride_bytes = a.stride * sizeof(std::uint16_t);
+    return a.data + row * a.stride + x;
+  }
+  std::uint16_t* tile = scratch().a_tile;
+  std::memset(tile, 0, sizeof scratch().a_tile);
+  const std::size_t rows = a.rows > row ? std::min(kTileRows, a.rows - row) : 0;
+  const std::size_t values = a.values > x ? std::min(kTileValues, a.values - x) : 0;
+  for (std::size_t r = 0; r < rows; ++r)
+    std::memcpy(tile + r * kTileValues, a.data + (row + r) * a.stride + x, values * sizeof(std::uint16_t));
+  stride_bytes = kTileValues * sizeof(std::uint16_t);
+  return tile;
+}
+
+const std::uint32_t* right_tile(const Right& b, std::size_t pair, std::size_t column, std::size_t& stride_bytes) {
+  if (pair + kTileRows <= b.pairs) {
+    stride_bytes = b.ld * sizeof(std::uint32_t);
+    return b.data + pair * b.ld + column;
+  }
+  std::uint32_t* tile = scratch().b_tile;
+  std::memset(tile, 0, sizeof scratch().b_tile);
+  for (std::size_t p = pair; p < b.pairs; ++p)
+    std::memcpy(tile + (p - pair) * kTileWords, b.data + p * b.ld + column, kTileWords * sizeof(std::uint32_t));
+  stride_bytes = kTileWords * sizeof(std::uint32_t);
+  return tile;
+}
+
+// C[m0..m0+32) × [n0..n0+32) (fewer where `two_rows` / `two_columns` say one tile) for
+// every term, stored at out (ld floats a row). Tile numbers are immediates, hence the
+// four spelled-out shapes.
+template <bool kTwoRows, bool kTwoColumns>
+void block(const Left* terms, std::size_t term_count, const Right& b, std::size_t m0, std::size_t n0, float* out,
+           std::size_t ld) {
+  _tile_zero(0);
+  if constexpr (kTwoColumns) _tile_zero(1);
+  if constexpr (kTwoRows) _tile_zero(2);
+  if constexpr (kTwoRows && kTwoColumns) _tile_zero(3);
+  for (std::size_t t = 0; t < term_count; ++t) {
+    const Left& a = terms[t];
+    for (std::size_t x = 0; x < a.values; x += kTileValues) {
+      std::size_t stride = 0;
+      // Copies of partial tiles share one scratch tile each: load every tile right after
+      // it is made.
+      const std::uint32_t* b0 = right_tile(b, x / 2, n0, stride);
+      _tile_loadd(6, b0, stride);
+      if constexpr (kTwoColumns) {
+        const std::uint32_t* b1 = right_tile(b, x / 2, n0 + kTileWords, stride);
+        _tile_loadd(7, b1, stride);
+      }
+      const std::uint16_t* a0 = left_tile(a, m0, x, stride);
+      _tile_loadd(4, a0, stride);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (kTwoColumns) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (kTwoRows) {
+        const std::uint16_t* a1 = left_tile(a, m0 + kTileRows, x, stride);
+        _tile_loadd(5, a1, stride);
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (kTwoColumns) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+  }
+  const std::size_t row_bytes = ld * sizeof(float);
+  _tile_stored(0, out + m0 * ld + n0, row_bytes);
+  if constexpr (kTwoColumns) _tile_stored(1, out + m0 * ld + n0 + kTileWords, row_bytes);
+  if constexpr (kTwoRows) _tile_stored(2, out + (m0 + kTileRows) * ld + n0, row_bytes);
+  if constexpr (kTwoRows && kTwoColumns) _tile_stored(3, out + (m0 + kTileRows) * ld + n0 + kTileWords, row_bytes);
+}
+
+// C = Σ_t A_t·B for rows < m (≤ kMaxRows), columns < n, into this thread's scratch (rows
+// up to round_up(m, 16), ld = round_up(n, 32) floats). Returns the scratch and its ld.
+float* product(const Left* terms, std::size_t term_count, const Right& b, std::size_t m, std::size_t n,
+               std::size_t& ld) {
+  ld = round_up(n, 2 * kTileWords);
+  std::vector<float>& c = scratch().c;
+  if (c.size() < kMaxRows * ld) c.resize(kMaxRows * ld);
+  const Tiles tiles;
+  for (std::size_t n0 = 0; n0 < n; n0 += 2 * kTileWords) {
+    const bool two_columns = n0 + kTileWords < n;
+    for (std::size_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
+      const bool two_rows = m0 + kTileRows < m;
+      if (two_rows && two_columns) block<true, true>(terms, term_count, b, m0, n0, c.data(), ld);
+      else if (two_rows) block<true, false>(terms, term_count, b, m0, n0, c.data(), ld);
+      else if (two_columns) block<false, true>(terms, term_count, b, m0, n0, c.data(), ld);
+      else block<false, false>(terms, term_count, b, m0, n0, c.data(), ld);
+    }
+  }
+  return c.data();
+}
+
+__m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
+__m256i to_bf16(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
+
+// Transposes 16 rows of 16 floats in place (r[i] lane j ↔ r[j] lane i).
+void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  // r[4q + m] now holds, in 128-bit lane L, row 4L..4L+3's... of the group q: a 4 × 4
+  // transpose of 128-bit lanes across the groups finishes it.
+  for (int m = 0; m < 4; ++m) {
+    const __m512 a = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x44), b = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x44);
+    const __m512 c = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xEE), d = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xEE);
+    t[m] = _mm512_shuffle_f32x4(a, b, 0x88);
+    t[4 + m] = _mm512_shuffle_f32x4(a, b, 0xDD);
+    t[8 + m] = _mm512_shuffle_f32x4(c, d, 0x88);
+    t[12 + m] = _mm512_shuffle_f32x4(c, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+}  // namespace
+
+void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, std::size_t d,
+                      const std::uint32_t* qp, std::size_t q_ld, std::size_t width, float scale,
+                      float* st, std::size_t st_ld) {
+  if (keys == 0 || width == 0) return;
+  const Left a{&k->bits, static_cast<std::size_t>(k_row), keys, d};
+  const Right b{qp, q_ld, (d + 1) / 2};
+  std::size_t ld = 0;
+  const float* c = product(&a, 1, b, keys, width, ld);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (std::size_t j = 0; j < keys; ++j)
+    for (std::size_t i = 0; i < width; i += 16)
+      _mm512_mask_storeu_ps(st + j * st_ld + i, lanes_below(width - i), _mm512_mul_ps(_mm512_loadu_ps(c + j * ld + i), s));
+}
+
+void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
+                        const bfloat16* v, std::int64_t v_row, std::size_t dv, bf16dot::PvScratch pairs,
+                        float* acc, std::size_t acc_ld, const float* alpha) {
+  if (count == 0 || dv == 0) return;
+  // P = (Pᵀ)ᵀ as two bfloat16 terms, row-major (row i: query i's weights over the keys),
+  // zero past the keys up to whole tiles; hi = bf16(P), lo = bf16(P − hi) as bf16_dot.cpp.
+  Scratch& s = scratch();
+  const std::size_t values = round_up(keys, kTileValues), rows = round_up(count, kTileRows);
+  for (std::size_t i0 = 0; i0 < rows; i0 += 16) {
+    const __mmask16 columns = i0 < count ? lanes_below(count - i0) : 0;
+    for (std::size_t j0 = 0; j0 < values; j0 += 16) {
+      __m512 r[16];
+      for (std::size_t j = 0; j < 16; ++j)
+        r[j] = j0 + j < keys ? _mm512_maskz_loadu_ps(columns, pt + (j0 + j) * pt_ld + i0) : _mm512_setzero_ps();
+      transpose16(r);  // r[i]: query i0 + i's weights of keys j0..j0+15
+      for (std::size_t i = 0; i < 16; ++i) {
+        const __m256i hi = to_bf16(r[i]);
+        const __m256i lo = to_bf16(_mm512_sub_ps(r[i], widen(hi)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.p_terms[0] + (i0 + i) * kMaxRows + j0), hi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.p_terms[1] + (i0 + i) * kMaxRows + j0), lo);
+      }
+    }
+  }
+  const std::size_t v_ld = bf16dot::pair_ld(dv);
+  bf16dot::PackRowPairs(v, v_row, keys, dv, pairs.v_pairs, v_ld);
+  const Left terms[2] = {{s.p_terms[0], kMaxRows, rows, values}, {s.p_terms[1], kMaxRows, rows, values}};
+  const Right b{pairs.v_pairs, v_ld, (keys + 1) / 2};
+  std::size_t ld = 0;
+  const float* c = product(terms, 2, b, count, dv, ld);
+  for (std::size_t i = 0; i < count; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[i]);
+    float* out = acc + i * acc_ld;
+    for (std::size_t x = 0; x < dv; x += 16) {
+      const __mmask16 m = lanes_below(dv - x);
+      // acc·alpha + sum in one rounding, as bf16_dot.cpp and gemm-inl.h do.
+      _mm512_mask_storeu_ps(out + x, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, out + x), a, _mm512_loadu_ps(c + i * ld + x)));
+    }
+  }
+}
+
+void AddProduct(const bf16dot::LeftPairs& a, std::size_t rows, std::size_t pairs, const std::uint32_t* b,
+                std::size_t b_ld, std::size_t n, float* c, std::size_t c_ld) {
+  if (rows == 0 || n == 0) return;
+  if (a.pair_step != 1 || rows > kMaxRows)  // not the layout the tiles load: the AVX512-BF16 kernel
+    return bf16dot::AddProduct(a, rows, pairs, b, b_ld, n, c, c_ld);
+  const auto* words = reinterpret_cast<const std::uint16_t*>(a.words);
+  const Left terms[2] = {{words, 2 * a.row_step, rows, 2 * pairs},
+                         {words + 2 * a.terms_at, 2 * a.row_step, rows, 2 * pairs}};
+  const Right right{b, b_ld, pairs};
+  std::size_t ld = 0;
+  const float* sum = product(terms, a.terms == bf16dot::Terms::two ? 2 : 1, right, rows, n, ld);
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t x = 0; x < n; x += 16) {
+      const __mmask16 m = lanes_below(n - x);
+      float* out = c + r * c_ld + x;
+      _mm512_mask_storeu_ps(out, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), _mm512_loadu_ps(sum + r * ld + x)));
+    }
+}
+
+}  // namespace qkv::cpu::amx
+
+#pragma GCC pop_options
+#pragma GCC diagnostic pop
+
+#else  // not x86-64: available() is false, so the kernels are never called.
+
+#include "qkv/error.hpp"
+
+namespace qkv::cpu::amx {
+bool available() { return false; }
+[[noreturn]] static void unavailable() { throw Error("AMX tiles: not compiled for this CPU"); }
+void ScoresTransposed(const bfloat16*, std::int64_t, std::size_t, std::size_t, const std::uint32_t*, std::size_t,
+                      std::size_t, float, float*, std::size_t) { unavailable(); }
+void RescaleAddWeighted(const float*, std::size_t, std::size_t, std::size_t, const bfloat16*, std::int64_t,
+                        std::size_t, bf16dot::PvScratch, float*, std::size_t, const float*) { unavailable(); }
+void AddProduct(const bf16dot::LeftPairs&, std::size_t, std::size_t, const std::uint32_t*, std::size_t, std::size_t,
+                float*, std::size_t) { unavailable(); }
+}  // namespace qkv::cpu::amx
+#endif
