@@ -231,6 +231,42 @@ void transpose16(__m512 r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// acc_i = acc_i·alpha_i + Σ_j P_ij·v_j with V's pairs in b.
+void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys, const Right& b,
+              std::size_t dv, float* acc, std::size_t acc_ld, const float* alpha) {
+  // P = (Pᵀ)ᵀ as two bfloat16 terms, row-major (row i: query i's weights over the keys),
+  // zero past the keys up to whole tiles; hi = bf16(P), lo = bf16(P − hi) as bf16_dot.cpp.
+  Scratch& s = scratch();
+  const std::size_t values = round_up(keys, kTileValues), rows = round_up(count, kTileRows);
+  for (std::size_t i0 = 0; i0 < rows; i0 += 16) {
+    const __mmask16 columns = i0 < count ? lanes_below(count - i0) : 0;
+    for (std::size_t j0 = 0; j0 < values; j0 += 16) {
+      __m512 r[16];
+      for (std::size_t j = 0; j < 16; ++j)
+        r[j] = j0 + j < keys ? _mm512_maskz_loadu_ps(columns, pt + (j0 + j) * pt_ld + i0) : _mm512_setzero_ps();
+      transpose16(r);  // r[i]: query i0 + i's weights of keys j0..j0+15
+      for (std::size_t i = 0; i < 16; ++i) {
+        const __m256i hi = to_bf16(r[i]);
+        const __m256i lo = to_bf16(_mm512_sub_ps(r[i], widen(hi)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.p_terms[0] + (i0 + i) * kMaxRows + j0), hi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.p_terms[1] + (i0 + i) * kMaxRows + j0), lo);
+      }
+    }
+  }
+  const Left terms[2] = {{s.p_terms[0], kMaxRows, rows, values}, {s.p_terms[1], kMaxRows, rows, values}};
+  std::size_t ld = 0;
+  const float* c = product(terms, 2, b, count, dv, ld);
+  for (std::size_t i = 0; i < count; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[i]);
+    float* out = acc + i * acc_ld;
+    for (std::size_t x = 0; x < dv; x += 16) {
+      const __mmask16 m = lanes_below(dv - x);
+      // acc·alpha + sum in one rounding, as bf16_dot.cpp and gemm-inl.h do.
+      _mm512_mask_storeu_ps(out + x, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, out + x), a, _mm512_loadu_ps(c + i * ld + x)));
+    }
+  }
+}
+
 }  // namespace
 
 void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, std::size_t d,
@@ -251,40 +287,20 @@ void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, s
                         const bfloat16* v, std::int64_t v_row, std::size_t dv, bf16dot::PvScratch pairs,
                         float* acc, std::size_t acc_ld, const float* alpha) {
   if (count == 0 || dv == 0) return;
-  // P = (Pᵀ)ᵀ as two bfloat16 terms, row-major (row i: query i's weights over the keys),
-  // zero past the keys up to whole tiles; hi = bf16(P), lo = bf16(P − hi) as bf16_dot.cpp.
-  Scratch& s = scratch();
-  const std::size_t values = round_up(keys, kTileValues), rows = round_up(count, kTileRows);
-  for (std::size_t i0 = 0; i0 < rows; i0 += 16) {
-    const __mmask16 columns = i0 < count ? lanes_below(count - i0) : 0;
-    for (std::size_t j0 = 0; j0 < values; j0 += 16) {
-      __m512 r[16];
-      for (std::size_t j = 0; j < 16; ++j)
-        r[j] = j0 + j < keys ? _mm512_maskz_loadu_ps(columns, pt + (j0 + j) * pt_ld + i0) : _mm512_setzero_ps();
-      transpose16(r);  // r[i]: query i0 + i's weights of keys j0..j0+15
-      for (std::size_t i = 0; i < 16; ++i) {
-        const __m256i hi = to_bf16(r[i]);
-        const __m256i lo = to_bf16(_mm512_sub_ps(r[i], widen(hi)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.p_terms[0] + (i0 + i) * kMaxRows + j0), hi);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.p_terms[1] + (i0 + i) * kMaxRows + j0), lo);
-      }
-    }
-  }
   const std::size_t v_ld = bf16dot::pair_ld(dv);
   bf16dot::PackRowPairs(v, v_row, keys, dv, pairs.v_pairs, v_ld);
-  const Left terms[2] = {{s.p_terms[0], kMaxRows, rows, values}, {s.p_terms[1], kMaxRows, rows, values}};
-  const Right b{pairs.v_pairs, v_ld, (keys + 1) / 2};
-  std::size_t ld = 0;
-  const float* c = product(terms, 2, b, count, dv, ld);
-  for (std::size_t i = 0; i < count; ++i) {
-    const __m512 a = _mm512_set1_ps(alpha[i]);
-    float* out = acc + i * acc_ld;
-    for (std::size_t x = 0; x < dv; x += 16) {
-      const __mmask16 m = lanes_below(dv - x);
-      // acc·alpha + sum in one rounding, as bf16_dot.cpp and gemm-inl.h do.
-      _mm512_mask_storeu_ps(out + x, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, out + x), a, _mm512_loadu_ps(c + i * ld + x)));
-    }
-  }
+  // Pair rows past (keys + 1)/2 are not zeroed here: a partial tile of them is copied
+  // with zeros (right_tile reads only the rows below `pairs`).
+  weighted(pt, pt_ld, count, keys, Right{pairs.v_pairs, v_ld, (keys + 1) / 2}, dv, acc, acc_ld, alpha);
+}
+
+void AddWeightedPairs(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
+                      const std::uint32_t* v_pairs, std::size_t v_ld, std::size_t dv, float* acc,
+                      std::size_t acc_ld, const float* alpha) {
+  if (count == 0 || dv == 0) return;
+  // Zero up to 32 pair rows: every tile loads in place.
+  weighted(pt, pt_ld, count, keys, Right{v_pairs, v_ld, round_up((keys + 1) / 2, kTileRows)}, dv, acc, acc_ld,
+           alpha);
 }
 
 void AddProduct(const bf16dot::LeftPairs& a, std::size_t rows, std::size_t pairs, const std::uint32_t* b,
@@ -324,5 +340,7 @@ void RescaleAddWeighted(const float*, std::size_t, std::size_t, std::size_t, con
                         std::size_t, bf16dot::PvScratch, float*, std::size_t, const float*) { unavailable(); }
 void AddProduct(const bf16dot::LeftPairs&, std::size_t, std::size_t, const std::uint32_t*, std::size_t, std::size_t,
                 float*, std::size_t) { unavailable(); }
+void AddWeightedPairs(const float*, std::size_t, std::size_t, std::size_t, const std::uint32_t*, std::size_t, std::size_t,
+                      float*, std::size_t, const float*) { unavailable(); }
 }  // namespace qkv::cpu::amx
 #endif

@@ -42,6 +42,13 @@ void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, s
                         const bfloat16* v, std::int64_t v_row, std::size_t dv, bf16dot::PvScratch scratch,
                         float* acc, std::size_t acc_ld, const float* alpha);
 
+// The same with V's pairs already packed (bf16dot::PackRowPairs's layout, v_ld words a
+// pair row, rows (keys + 1)/2 .. 32 zero): the forward packs each key block's V once per
+// call when several query blocks read it, instead of once per (query block, key block).
+void AddWeightedPairs(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
+                      const std::uint32_t* v_pairs, std::size_t v_ld, std::size_t dv, float* acc,
+                      std::size_t acc_ld, const float* alpha);
+
 // As bf16dot::AddProduct for a left operand paired along its rows (a.pair_step == 1, as
 // the backward's dK = dSᵀ·Q has it): c_r += Σ_k a(r, k)·b_k, the sum from zero first.
 void AddProduct(const bf16dot::LeftPairs& a, std::size_t rows, std::size_t pairs, const std::uint32_t* b,

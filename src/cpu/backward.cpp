@@ -98,8 +98,9 @@ struct BackwardScratch {
   std::vector<int32_t> key_begin, key_end;  // width (0 past the block's queries)
   std::vector<uint32_t> dropout_keys;       // width: dropout row keys of the block
   SplitKLogits split_k;                     // the split-K schedule's logits (Context::split_k_logits)
-  // bfloat16 with dot products (Packed::dots): dSᵀ paired along queries (dK's left operand).
-  std::vector<uint32_t> ds_pairs;
+  // bfloat16 with dot products (Packed::dots): dSᵀ paired along queries (dK's left operand);
+  // on the tiles also Pᵀ's two terms (dV's).
+  std::vector<uint32_t> ds_pairs, p_pairs;
 
   // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass); split_k_head_dim: the
   // head dim when the logits are the split-K schedule's, else 0.
@@ -119,7 +120,8 @@ struct BackwardScratch {
         key_end(width, 0),
         dropout_keys(width, 0),
         split_k(split_k_head_dim, kBlockQueries, kBlockKeys, split_k_head_dim > 0),
-        ds_pairs(packed.dots ? kBlockKeys * (kBlockQueries / 2) : 0) {
+        ds_pairs(packed.dots ? kBlockKeys * (kBlockQueries / 2) : 0),
+        p_pairs(packed.amx ? 2 * kBlockKeys * (kBlockQueries / 2) : 0) {
     // Padding columns never get a derivative; ChainScoreMod ignores them (dS = 0 there),
     // but they should not be read uninitialized.
     if (score_mod) std::fill(mod_slope.get(), mod_slope.get() + kBlockKeys * width, 1.0f);
@@ -274,6 +276,17 @@ inline void AddKeyGradient(bool on_tiles, const float* dst, size_t width, size_t
   (on_tiles ? amx::AddProduct : bf16dot::AddProduct)(a, kn, (count + 1) / 2, q_pairs, q_ld, d, dk, dk_ld);
 }
 
+// dV_blk += Pᵀ·dO_blk on the AMX tiles: Pᵀ (kn rows of `width` floats, columns < count)
+// as two bfloat16 terms paired along the queries (the float32 path's accuracy, as the
+// forward's P·V), dO's rows paired across them (Packed).
+inline void AddValueGradient(const float* pt, size_t width, size_t kn, size_t count, const uint32_t* dout_pairs,
+                             size_t dout_ld, size_t dv, float* dv_acc, size_t dv_ld, BackwardScratch& s) {
+  constexpr size_t a_ld = kBlockQueries / 2;
+  bf16dot::PairsAlongRows(pt, width, kn, count, bf16dot::Terms::two, s.p_pairs.data(), a_ld);
+  const bf16dot::LeftPairs a{s.p_pairs.data(), a_ld, 1, bf16dot::Terms::two, kn * a_ld};
+  amx::AddProduct(a, kn, (count + 1) / 2, dout_pairs, dout_ld, dv, dv_acc, dv_ld);
+}
+
 // dQ_rows += dS·K_blk for the tile just scored (dS read in place from dSᵀ in s.dst).
 template <class T>
 void AccumulateQueryGradient(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
@@ -371,9 +384,13 @@ void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
       const size_t width = ScoreBlock(c, rows, tile, kv, first_key, keys, s, alibi_sum);
       const size_t count = static_cast<size_t>(rows.count);
       // dV += Pᵀ·dO_blk and dK += dSᵀ·Q_blk (the sum runs over this block's queries).
-      GemmAddBlock(kn, packed.dv_ld, count, StridedA{s.pt.get(), width, 1},
-                   dout_rows.data + static_cast<size_t>(first) * dout_rows.ld, dout_rows.ld,
-                   dv_acc, packed.dv_ld);
+      if (packed.amx)
+        AddValueGradient(s.pt.get(), width, kn, count, packed.dout_row_pairs_block(b, h, first),
+                         packed.dout_row_pair_ld, dv, dv_acc, packed.dv_ld, s);
+      else
+        GemmAddBlock(kn, packed.dv_ld, count, StridedA{s.pt.get(), width, 1},
+                     dout_rows.data + static_cast<size_t>(first) * dout_rows.ld, dout_rows.ld,
+                     dv_acc, packed.dv_ld);
       if (packed.dots)
         AddKeyGradient(packed.amx, s.dst.get(), width, kn, count, packed.q_row_pairs_block(b, h, first), packed.q_row_pair_ld,
                        d, dk_acc, packed.d_ld, s);

@@ -57,6 +57,10 @@ struct Packed {
   bool amx = false;  // the products on the AMX tiles (amx_dot.hpp), as the forward's
   size_t q_pair_words = 0, dout_pair_words = 0, q_row_pair_ld = 0;
   std::vector<uint32_t> q_pairs, dout_pairs, q_row_pairs;
+  // On the AMX tiles dV = Pᵀ·dO runs on them too (P as two bf16 terms): dO paired across
+  // the block's queries, as Q is for dK.
+  size_t dout_row_pair_ld = 0;
+  std::vector<uint32_t> dout_row_pairs;
   const detail::Extents* e = nullptr;
   const detail::Sequences* sequences = nullptr;
 
@@ -93,6 +97,10 @@ struct Packed {
       q_pairs.assign(blocks * q_pair_words, 0);
       dout_pairs.assign(blocks * dout_pair_words, 0);
       q_row_pairs.assign(blocks * kBlockQueries / 2 * q_row_pair_ld, 0);
+      if (amx) {
+        dout_row_pair_ld = bf16dot::pair_ld(dv);
+        dout_row_pairs.assign(blocks * kBlockQueries / 2 * dout_row_pair_ld, 0);
+      }
     }
   }
   size_t block_index(int64_t b, int64_t h, int64_t first) const {
@@ -107,6 +115,9 @@ struct Packed {
   }
   const uint32_t* q_row_pairs_block(int64_t b, int64_t h, int64_t first) const {
     return q_row_pairs.data() + block_index(b, h, first) * (kBlockQueries / 2) * q_row_pair_ld;
+  }
+  const uint32_t* dout_row_pairs_block(int64_t b, int64_t h, int64_t first) const {
+    return dout_row_pairs.data() + block_index(b, h, first) * (kBlockQueries / 2) * dout_row_pair_ld;
   }
 
 
@@ -187,6 +198,10 @@ void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan&
       bf16dot::PackQueryPairs(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, block, kBlockQueries);
       block = const_cast<uint32_t*>(packed.q_row_pairs_block(b, h, first));
       bf16dot::PackRowPairs(rows.q(b, first, h), p.args.q.strides[1], count, d, block, packed.q_row_pair_ld);
+      if (packed.amx) {
+        block = const_cast<uint32_t*>(packed.dout_row_pairs_block(b, h, first));
+        bf16dot::PackRowPairs(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, block, packed.dout_row_pair_ld);
+      }
     }
   }
   if (packed.pad_q_rows)

@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "core/head_stats.hpp"
@@ -144,10 +145,77 @@ void RowStatistics(const detail::ForwardProblem<T>& p, const QueryRows& rows,
   sum = block;
 }
 
+// bfloat16 on the AMX tiles: every key block's V as pairs (bf16dot::PackRowPairs's
+// layout, zero pair rows up to 32), packed once per call, when a key block is read by more
+// than one query block (a GQA group's heads, or a head's query blocks) and the copy stays
+// under kMaxBytes; otherwise each (query block, key block) packs its own. Packing per block
+// measured ~20% of the AMX P·V's time (64 × 64 keys × queries, dv 128, Xeon of §10).
+template <class T>
+class PackedValues {
+ public:
+  static constexpr size_t kMaxBytes = size_t{512} << 20;
+
+  PackedValues(const detail::ForwardProblem<T>& p, Bf16Unit unit) {
+    const detail::Extents& e = p.extents;
+    if (!std::is_same_v<T, bfloat16> || unit != Bf16Unit::amx) return;
+    if (e.group() == 1 && e.q_len <= kBlockQueries) return;  // each key block read once
+    ld_ = bf16dot::pair_ld(static_cast<size_t>(e.v_dim));
+    block_words_ = kBlockKeys / 2 * ld_;
+    size_t blocks = 0;
+    for (int64_t b = 0; b < e.batch; ++b) {
+      first_.push_back(blocks);
+      const int64_t key_blocks = (p.mask.sequences.k_len(b) + kBlockKeys - 1) / kBlockKeys;
+      for (int64_t h = 0; h < e.kv_heads; ++h)
+        for (int64_t k = 0; k < key_blocks; ++k) items_.push_back({b, h, k});
+      blocks += static_cast<size_t>(e.kv_heads * key_blocks);
+    }
+    if (blocks * block_words_ * sizeof(uint32_t) > kMaxBytes) {
+      items_.clear();
+      return;
+    }
+    words_.reset(new uint32_t[blocks * block_words_]);  // every word is written by pack()
+  }
+
+  bool active() const { return words_ != nullptr; }
+  size_t size() const { return active() ? items_.size() : 0; }
+
+  void pack(const detail::ForwardProblem<T>& p, size_t item) const {
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      const Item& it = items_[item];
+      const int64_t first_key = it.k_block * kBlockKeys;
+      const size_t keys = static_cast<size_t>(std::min(kBlockKeys, p.mask.sequences.k_len(it.batch) - first_key));
+      uint32_t* out = const_cast<uint32_t*>(block(p, it.batch, it.kv_head, it.k_block));
+      bf16dot::PackRowPairs(p.rows().v(it.batch, first_key, it.kv_head), p.args.v.strides[1], keys,
+                            static_cast<size_t>(p.extents.v_dim), out, ld_);
+      const size_t packed = (keys + 1) / 2 * ld_;
+      std::fill(out + packed, out + block_words_, 0u);
+    } else {
+      (void)p, (void)item;
+    }
+  }
+
+  const uint32_t* block(const detail::ForwardProblem<T>& p, int64_t b, int64_t kv_head, int64_t k_block) const {
+    const size_t key_blocks = static_cast<size_t>((p.mask.sequences.k_len(b) + kBlockKeys - 1) / kBlockKeys);
+    const size_t index = first_[static_cast<size_t>(b)] + static_cast<size_t>(kv_head) * key_blocks +
+                         static_cast<size_t>(k_block);
+    return words_.get() + index * block_words_;
+  }
+  size_t ld() const { return ld_; }
+
+ private:
+  struct Item {
+    int64_t batch, kv_head, k_block;
+  };
+  size_t ld_ = 0, block_words_ = 0;
+  std::vector<size_t> first_;  // per batch entry: its first block
+  std::vector<Item> items_;
+  std::unique_ptr<uint32_t[]> words_;
+};
+
 // block_stats: where the block's statistics go, or null when none are asked for.
 template <class T>
 void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& plan,
-                  const KeyValueFinite& finite, const SharedMaskTiles& shared,
+                  const KeyValueFinite& finite, const SharedMaskTiles& shared, const PackedValues<T>& packed_values,
                   const ForwardTask& task, ForwardScratch& s, detail::HeadStatsSum* block_stats) {
   const detail::Extents& e = p.extents;
   const auto rows_of = p.rows();
@@ -279,6 +347,12 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
       continue;
     }
     if constexpr (std::is_same_v<T, bfloat16>) {
+      if (s.dots && packed_values.active()) {  // V's pairs packed once per call (the tiles)
+        amx::AddWeightedPairs(s.st.get(), width, count, static_cast<size_t>(keys),
+                              packed_values.block(p, b, kv_head, k_block), packed_values.ld(), dv, s.acc.get(),
+                              s.dv_ld, alpha);
+        continue;
+      }
       if (s.dots) {  // P as two bfloat16 terms (bf16_dot.hpp); the sums stay float32
         (s.amx ? amx::RescaleAddWeighted : bf16dot::RescaleAddWeighted)(
             s.st.get(), width, count, static_cast<size_t>(keys), rows_of.v(b, first_key, kv_head), v_row, dv,
@@ -349,18 +423,22 @@ void ForwardImpl(const detail::ForwardProblem<T>& p) {
   const SharedMaskTiles shared(p.mask, p.extents, plan);
   const int threads = threads_for(p.threads, tasks.size(), forward_flops(tasks, p.extents));
   const Bf16Unit unit = std::is_same_v<T, bfloat16> ? bf16_unit(p.precision) : Bf16Unit::fp32_fma;  // may throw: here
+  const PackedValues<T> packed_values(p, unit);
 #pragma omp parallel num_threads(threads) if (threads > 1)  // one thread: no region at all
   {
     // Non-finite K/V scan of the key blocks that partial tiles read, once per call.
 #pragma omp for schedule(dynamic, 16) nowait
     for (size_t t = 0; t < scans.size(); ++t) ScanKeyValueBlock(p, scans[t], finite);
+    // The AMX tiles' V pairs, once per call (done before the tasks: the barrier below).
+#pragma omp for schedule(dynamic, 16) nowait
+    for (size_t t = 0; t < packed_values.size(); ++t) packed_values.pack(p, t);
     // The mask tiles shared by every head, once per call.
 #pragma omp for schedule(dynamic, 4)
     for (size_t t = 0; t < shared.size(); ++t) shared.build(p.mask, plan, t);
     ForwardScratch scratch(p, VectorLanes(), unit);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < tasks.size(); ++t)
-      ForwardBlock(p, plan, finite, shared, tasks[t], scratch,
+      ForwardBlock(p, plan, finite, shared, packed_values, tasks[t], scratch,
                    p.collect_stats ? &block_stats[t] : nullptr);
   }
   if (p.collect_stats) WriteHeadStatistics(p, tasks, block_stats);
