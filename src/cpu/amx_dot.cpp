@@ -231,7 +231,7 @@ void transpose16(__m512 r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// acc_i = acc_i·alpha_i + Σ_j P_ij·v_j with V's pairs in b.
+// acc_i = acc_i·alpha_i + Σ_j P_ij·v_j with V's pairs in b (alpha null: acc_i + Σ).
 void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys, const Right& b,
               std::size_t dv, float* acc, std::size_t acc_ld, const float* alpha) {
   // P = (Pᵀ)ᵀ as two bfloat16 terms, row-major (row i: query i's weights over the keys),
@@ -257,8 +257,15 @@ void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t
   std::size_t ld = 0;
   const float* c = product(terms, 2, b, count, dv, ld);
   for (std::size_t i = 0; i < count; ++i) {
-    const __m512 a = _mm512_set1_ps(alpha[i]);
     float* out = acc + i * acc_ld;
+    if (alpha == nullptr) {
+      for (std::size_t x = 0; x < dv; x += 16) {
+        const __mmask16 m = lanes_below(dv - x);
+        _mm512_mask_storeu_ps(out + x, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out + x), _mm512_loadu_ps(c + i * ld + x)));
+      }
+      continue;
+    }
+    const __m512 a = _mm512_set1_ps(alpha[i]);
     for (std::size_t x = 0; x < dv; x += 16) {
       const __mmask16 m = lanes_below(dv - x);
       // acc·alpha + sum in one rounding, as bf16_dot.cpp and gemm-inl.h do.
@@ -303,6 +310,15 @@ void AddWeightedPairs(const float* pt, std::size_t pt_ld, std::size_t count, std
            alpha);
 }
 
+void AddTransposedProduct(const float* at, std::size_t at_ld, std::size_t rows, std::size_t inner,
+                          const bfloat16* b, std::int64_t b_row, std::size_t n, std::uint32_t* b_pairs, float* c,
+                          std::size_t c_ld) {
+  if (rows == 0 || n == 0) return;
+  const std::size_t b_ld = bf16dot::pair_ld(n);
+  bf16dot::PackRowPairs(b, b_row, inner, n, b_pairs, b_ld);
+  weighted(at, at_ld, rows, inner, Right{b_pairs, b_ld, (inner + 1) / 2}, n, c, c_ld, nullptr);
+}
+
 void AddProduct(const bf16dot::LeftPairs& a, std::size_t rows, std::size_t pairs, const std::uint32_t* b,
                 std::size_t b_ld, std::size_t n, float* c, std::size_t c_ld) {
   if (rows == 0 || n == 0) return;
@@ -342,5 +358,7 @@ void AddProduct(const bf16dot::LeftPairs&, std::size_t, std::size_t, const std::
                 float*, std::size_t) { unavailable(); }
 void AddWeightedPairs(const float*, std::size_t, std::size_t, std::size_t, const std::uint32_t*, std::size_t, std::size_t,
                       float*, std::size_t, const float*) { unavailable(); }
+void AddTransposedProduct(const float*, std::size_t, std::size_t, std::size_t, const bfloat16*, std::int64_t, std::size_t,
+                          std::uint32_t*, float*, std::size_t) { unavailable(); }
 }  // namespace qkv::cpu::amx
 #endif

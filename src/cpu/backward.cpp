@@ -99,8 +99,8 @@ struct BackwardScratch {
   std::vector<uint32_t> dropout_keys;       // width: dropout row keys of the block
   SplitKLogits split_k;                     // the split-K schedule's logits (Context::split_k_logits)
   // bfloat16 with dot products (Packed::dots): dSᵀ paired along queries (dK's left operand);
-  // on the tiles also Pᵀ's two terms (dV's).
-  std::vector<uint32_t> ds_pairs, p_pairs;
+  // on the tiles also Pᵀ's two terms (dV's) and K's pairs (dQ's).
+  std::vector<uint32_t> ds_pairs, p_pairs, k_pairs;
 
   // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass); split_k_head_dim: the
   // head dim when the logits are the split-K schedule's, else 0.
@@ -121,7 +121,8 @@ struct BackwardScratch {
         dropout_keys(width, 0),
         split_k(split_k_head_dim, kBlockQueries, kBlockKeys, split_k_head_dim > 0),
         ds_pairs(packed.dots ? kBlockKeys * (kBlockQueries / 2) : 0),
-        p_pairs(packed.amx ? 2 * kBlockKeys * (kBlockQueries / 2) : 0) {
+        p_pairs(packed.amx ? 2 * kBlockKeys * (kBlockQueries / 2) : 0),
+        k_pairs(packed.amx ? kBlockKeys / 2 * bf16dot::pair_ld(packed.d_ld) : 0) {
     // Padding columns never get a derivative; ChainScoreMod ignores them (dS = 0 there),
     // but they should not be read uninitialized.
     if (score_mod) std::fill(mod_slope.get(), mod_slope.get() + kBlockKeys * width, 1.0f);
@@ -303,6 +304,14 @@ void AccumulateQueryGradient(const Context<T>& c, const QueryRows& rows, detail:
       !c.finite.keys(rows.batch, kv_head, first_key / kBlockKeys)) {
     AccumulateSkippingZeros(s.dst.get(), width, count, kn, k, k_row, d, dq_rows, packed.d_ld);
     return;
+  }
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (packed.amx) {  // dS as two bfloat16 terms on the tiles: the float32 path's accuracy
+      const auto access = c.p.rows();
+      amx::AddTransposedProduct(s.dst.get(), width, count, kn, access.k(rows.batch, first_key, kv_head),
+                                c.p.args.k.strides[1], d, s.k_pairs.data(), dq_rows, packed.d_ld);
+      return;
+    }
   }
   const float* k_operand = k;
   size_t k_ld = kv.k_ld;
