@@ -94,6 +94,17 @@ def shapes(quick: bool, half: bool = False) -> list[Shape]:
 
 
 BF16_PEAK: dict[int, float] = {}  # threads → the bf16 dot peak (GFLOP/s; 0: no unit)
+AMX_PEAK: dict[int, float] = {}  # threads → the AMX tiles' bf16 peak (GFLOP/s; 0: none)
+
+
+def bf16_unit_peak(threads: int) -> tuple[str, float]:
+    """The unit qkv's bfloat16 calls run on here (src/cpu/dot_products.hpp: the AMX tiles
+    where the CPU has them unless QKV_AMX=off, else vdpbf16ps) and its peak."""
+    dots = os.environ.get("QKV_DOT_PRODUCTS", "auto").lower()
+    amx = os.environ.get("QKV_AMX", "auto").lower()
+    if dots != "off" and amx != "off" and AMX_PEAK.get(threads, 0.0) > 0:
+        return "amx", AMX_PEAK[threads]
+    return "bf16 dot", BF16_PEAK.get(threads, 0.0)
 
 
 def fma_peak(threads: int) -> tuple[float, str]:
@@ -105,6 +116,7 @@ def fma_peak(threads: int) -> tuple[float, str]:
         fields = dict(f.split("=") for f in line.split())
         if int(fields["threads"]) == threads:
             BF16_PEAK[threads] = float(fields.get("bf16_gflops", 0))
+            AMX_PEAK[threads] = float(fields.get("amx_gflops", 0))
             return float(fields["gflops"]), fields.get("target", "?")
     raise RuntimeError(out)
 
@@ -125,6 +137,8 @@ def fma_peak_thread_time() -> tuple[float, str]:
     header = out.splitlines()[0]
     if "bf16 dot peak " in out:
         BF16_PEAK[1] = float(out.split("bf16 dot peak ")[1].split()[0])
+    if "AMX bf16 peak " in out:
+        AMX_PEAK[1] = float(out.split("AMX bf16 peak ")[1].split()[0])
     gflops = float(header.split("FMA peak ")[1].split()[0])
     return gflops, header.rsplit("(", 1)[1].rstrip(")")
 
@@ -248,10 +262,12 @@ def main() -> int:
           f"{os.environ.get('ATEN_CPU_CAPABILITY', 'default')}; QKV_DOT_PRODUCTS "
           f"{os.environ.get('QKV_DOT_PRODUCTS', 'auto')}; load {os.getloadavg()[0]:.1f}; FMA peak "
           + ", ".join(f"{t} thr {p:.0f} GFLOP/s" for t, p in peaks.items())
-          + "; bf16 dot peak " + ", ".join(f"{t} thr {p:.0f} GFLOP/s" for t, p in BF16_PEAK.items()))
+          + "; bf16 dot peak " + ", ".join(f"{t} thr {p:.0f} GFLOP/s" for t, p in BF16_PEAK.items())
+          + "; AMX bf16 peak " + ", ".join(f"{t} thr {p:.0f} GFLOP/s" for t, p in AMX_PEAK.items())
+          + (f"; bfloat16 on: {bf16_unit_peak(next(iter(peaks)))[0]} (its peak in '% unit peak')" if half else ""))
     if half:
         print("| shape | pass | thr | torch ms | qkv ms | qkv fp32 ms | qkv fp32/half speed | "
-              "qkv GFLOP/s | % fp32 peak | % bf16 peak | qkv/torch speed | qkv err | torch err |")
+              "qkv GFLOP/s | % fp32 peak | % unit peak | qkv/torch speed | qkv err | torch err |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     else:
         print("| shape | pass | thr | torch ms | qkv ms | qkv GFLOP/s | % peak | qkv/torch speed | "
@@ -283,7 +299,7 @@ def main() -> int:
                     e_qkv = max_error(run_qkv(s, q, k, v, dout, backward, threads), reference)
                     gflops = flops / t_qkv / 1e9
                     if half:
-                        bf16_peak = BF16_PEAK.get(threads, 0.0)
+                        bf16_peak = bf16_unit_peak(threads)[1] if dtype == torch.bfloat16 else 0.0
                         print(f"| {s.label()} | {'fwd+bwd' if backward else 'fwd'} | {threads} | "
                               f"{t_torch * 1e3:.1f} | {t_qkv * 1e3:.1f} | {t_fp32 * 1e3:.1f} | "
                               f"{t_fp32 / t_qkv:.2f}× | {gflops:.1f} | "

@@ -89,11 +89,12 @@ int main(int argc, char** argv) try {
   const qkv::bench::FmaPeak fma = qkv::bench::measure_fma_peak_cpu_time(100'000'000, 3);
   const double peak = fma.gflops;
   const double bf16_peak = qkv::bench::measure_dot_peak_cpu_time(qkv::bench::DotUnit::bf16, 100'000'000, 3);
+  const double amx_peak = bf16 ? qkv::bench::measure_dot_peak_cpu_time(qkv::bench::DotUnit::amx_bf16, 100'000'000, 3) : 0.0;
   std::printf("N=%lld d=%lld heads=%lld %s %s, 1 thread, fastest of %d by thread CPU time; "
               "FMA peak %.1f GFLOP/s (%s)\n",
               static_cast<long long>(n), static_cast<long long>(d),
               static_cast<long long>(heads), causal ? "causal" : "dense", bhsd ? "bhsd" : "bshd", repeats, peak, fma.target.c_str());
-  if (bf16) std::printf("  bfloat16 storage; bf16 dot peak %.1f GFLOP/s\n", bf16_peak);
+  if (bf16) std::printf("  bfloat16 storage; bf16 dot peak %.1f GFLOP/s; AMX bf16 peak %.1f GFLOP/s\n", bf16_peak, amx_peak);
   // The same buffers seen in either layout (the values are random either way).
   auto in = [&](const qkv::Tensor<float, 4>& t) {
     return bhsd ? qkv::View4<const float>::from_bhsd(t.data(), 1, heads, n, d) : t.cview();
@@ -128,6 +129,7 @@ int main(int argc, char** argv) try {
     std::printf("  fwd  %8.2f ms  %6.1f GFLOP/s  %4.0f%% of peak", 1e3 * t, flops / t / 1e9,
                 100 * flops / t / 1e9 / peak);
     if (bf16 && bf16_peak > 0) std::printf("  %4.0f%% of the bf16 dot peak", 100 * flops / t / 1e9 / bf16_peak);
+    if (bf16 && amx_peak > 0) std::printf("  %4.1f%% of the AMX peak", 100 * flops / t / 1e9 / amx_peak);
     std::printf("\n");
   } else {
     forward();

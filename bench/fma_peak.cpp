@@ -1,6 +1,6 @@
 // Prints the machine's fp32 FMA peak (fma_probe.hpp) and its dot-product peaks
 // (dot_peak.hpp; 0 where the CPU lacks the unit) for 1..max threads, one line each:
-// "threads=T gflops=G target=NAME bf16_gflops=B int8_gops=I". bench/bench_attention.py
+// "threads=T gflops=G target=NAME bf16_gflops=B int8_gops=I amx_gflops=A". bench/bench_attention.py
 // and bench_decode.py read it to state every kernel's share of its own unit's peak.
 #include <omp.h>
 
@@ -16,8 +16,9 @@ int main(int argc, char** argv) {
     const qkv::bench::FmaPeak peak = qkv::bench::measure_fma_peak(threads, 100'000'000, 3);
     const double bf16 = qkv::bench::measure_dot_peak(qkv::bench::DotUnit::bf16, threads, 100'000'000, 3);
     const double int8 = qkv::bench::measure_dot_peak(qkv::bench::DotUnit::int8, threads, 100'000'000, 3);
-    std::printf("threads=%d gflops=%.1f target=%s bf16_gflops=%.1f int8_gops=%.1f\n", threads, peak.gflops,
-                peak.target.c_str(), bf16, int8);
+    const double amx = qkv::bench::measure_dot_peak(qkv::bench::DotUnit::amx_bf16, threads, 100'000'000, 3);
+    std::printf("threads=%d gflops=%.1f target=%s bf16_gflops=%.1f int8_gops=%.1f amx_gflops=%.1f\n", threads,
+                peak.gflops, peak.target.c_str(), bf16, int8, amx);
   }
   return 0;
 }

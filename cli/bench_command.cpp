@@ -8,7 +8,7 @@
 // table reports the median and the fastest run, GFLOP/s from the median, and that as a
 // share of the machine's fp32 FMA peak, measured just before with the same threads by
 // the probe bench/bench_attention.py uses (bench/fma_probe.hpp). The dot-product units'
-// peaks (bf16 vdpbf16ps, int8 vpdpbusd; bench/dot_peak.hpp) are measured and printed next
+// peaks (bf16 vdpbf16ps, int8 vpdpbusd, AMX tdpbf16ps; bench/dot_peak.hpp) are measured and printed next
 // to it, so a bf16 or int8 kernel's share of its own unit's peak can be read off them.
 #include <algorithm>
 #include <chrono>
@@ -197,6 +197,7 @@ int bench(BenchFlags flags, Streams streams) {
   const bench::FmaPeak peak = bench::measure_fma_peak(threads, kPeakIterations, kPeakRepeats);
   const double bf16_peak = bench::measure_dot_peak(bench::DotUnit::bf16, threads, kPeakIterations, kPeakRepeats);
   const double int8_peak = bench::measure_dot_peak(bench::DotUnit::int8, threads, kPeakIterations, kPeakRepeats);
+  const double amx_peak = bench::measure_dot_peak(bench::DotUnit::amx_bf16, threads, kPeakIterations, kPeakRepeats);
   const auto unit_peak = [](double ops, const char* unit) {
     return ops > 0 ? format("%.1f", ops) + unit : std::string("none on this CPU");
   };
@@ -210,7 +211,8 @@ int bench(BenchFlags flags, Streams streams) {
                 << " GFLOP/s on " << threads << (threads == 1 ? " thread" : " threads") << " ("
                 << peak.target << ")\n"
                 << "  dot-product peaks measured now: bf16 (vdpbf16ps) " << unit_peak(bf16_peak, " GFLOP/s")
-                << ", int8 (vpdpbusd) " << unit_peak(int8_peak, " GOP/s") << "\n\n";
+                << ", int8 (vpdpbusd) " << unit_peak(int8_peak, " GOP/s") << ", AMX bf16 (tdpbf16ps) "
+                << unit_peak(amx_peak, " GFLOP/s") << "\n\n";
   }
   // Rows are printed as they finish (slow backends take a while), so the table's widths
   // are fixed here rather than fitted.
@@ -244,6 +246,7 @@ int bench(BenchFlags flags, Streams streams) {
               {"simd_target", peak.target},
               {"bf16_dot_peak_gflops", json_number(bf16_peak)},
               {"int8_dot_peak_gops", json_number(int8_peak)},
+              {"amx_bf16_peak_gflops", json_number(amx_peak)},
               {"rows", Json::array()}};
     for (const BenchRow& r : rows) {
       json["rows"].push_back({{"batch", r.shape.batch},

@@ -117,6 +117,9 @@ TEST(Bench, PrintsATableAndJson) {
   // The dot-product peaks (0 where the CPU lacks the unit), in the table's header too.
   EXPECT_GE(parsed.at("bf16_dot_peak_gflops").get<double>(), 0.0);
   EXPECT_GE(parsed.at("int8_dot_peak_gops").get<double>(), 0.0);
+  // The AMX peak: 0 exactly where the table says the CPU has no tiles.
+  const bool no_tiles = table.out.find("AMX bf16 (tdpbf16ps) none on this CPU") != std::string::npos;
+  EXPECT_EQ(parsed.at("amx_bf16_peak_gflops").get<double>() == 0.0, no_tiles) << table.out;
   EXPECT_NE(table.out.find("dot-product peaks measured now: bf16 (vdpbf16ps) "), std::string::npos) << table.out;
   for (const auto& row : parsed.at("rows")) {
     EXPECT_DOUBLE_EQ(row.at("peak_share").get<double>(), row.at("gflops").get<double>() / json_peak);
