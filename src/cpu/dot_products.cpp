@@ -57,8 +57,10 @@ bool bf16_dot_pays() {
   // §10). Intel's cores with AVX512-BF16 (Cooper Lake, Sapphire and
   // Emerald Rapids) issue it at a quarter of the FMA rate in multiply-adds: measured on
   // an Emerald Rapids Xeon, 86 GFLOP/s against 175 for fp32 FMAs per core, and the tiled
-  // bf16 forward 1.8× (one bf16 P) to 2.5× (the two-term P) slower with it (bench/RESULTS.md §10). There AMX is the unit to use
-  // (README, "Backends"); until it is built the fp32 FMAs are the faster arithmetic.
+  // bf16 forward 1.8× (one bf16 P) to 2.5× (the two-term P) slower with it (bench/RESULTS.md
+  // §10; again on a Granite-Rapids-class Xeon, 108 against 218). Those Xeons from Sapphire
+  // Rapids on have the AMX tiles, which bf16_unit takes first; an Intel without them keeps
+  // the fp32 FMAs.
 #if defined(__x86_64__)
   static const bool pays = __builtin_cpu_is("amd");
   return pays;
