@@ -57,8 +57,11 @@ from ._attention import attention as _qkv_attention
 
 NAME = "qkv"
 
-# The dtypes qkv's kernels take today; other floating dtypes are computed in float32.
-_NATIVE_DTYPES = (torch.float32, torch.float64)
+# The dtypes qkv's kernels take (bfloat16 and float16 with float32 sums and one rounding
+# of the output, bfloat16 on the CPU's dot-product units or AMX tiles where they pay);
+# other floating dtypes are computed in float32. Until 2026-12-02 bfloat16 and float16
+# were widened to float32 here, which made a bf16 model's attention run at fp32 speed.
+_NATIVE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -100,8 +103,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     dtype = query.dtype
     if dtype not in _NATIVE_DTYPES:
         query, key, value = (x.float() for x in (query, key, value))
-        if mask is not None and mask.is_floating_point():
-            mask = mask.float()
+    if mask is not None and mask.is_floating_point() and mask.dtype not in (torch.float32, torch.float64):
+        mask = mask.float()  # a bf16/fp16 additive mask: qkv adds float32 (exact widening)
 
     # Attention health: while qkv.torch.collect_stats() is active (eager), each layer's
     # call records its softmax statistics, labelled with the layer (see _layer_label).

@@ -336,7 +336,7 @@ def test_softcap_and_sinks_models_match_eager(family):
                                    f"gradient of {n}")
 
 
-def test_half_precision_models_run_in_float32_and_round_once():
+def test_half_precision_models_sum_in_float32_and_round_once():
     models = _build(transformers.LlamaForCausalLM, _llama_config(), seed=6)
     ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -345,8 +345,9 @@ def test_half_precision_models_run_in_float32_and_round_once():
             got = copy.deepcopy(models["qkv"]).to(dtype)(input_ids=ids).logits
             want = copy.deepcopy(models["sdpa"]).to(dtype)(input_ids=ids).logits
             assert got.dtype == dtype
-            # Both run the whole model in `dtype`; only attention differs (qkv: float32
-            # inside). Each is within the dtype's rounding of the float32 model.
+            # Both run the whole model in `dtype`; only attention differs (qkv takes the
+            # half tensors natively, sums in float32 and rounds its output once). Each is
+            # within the dtype's rounding of the float32 model.
             bound = 16 * torch.finfo(dtype).eps * reference.abs().max()
             assert (got.float() - reference).abs().max() <= bound
             assert (want.float() - reference).abs().max() <= bound
