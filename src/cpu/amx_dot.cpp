@@ -1,6 +1,6 @@
 // The AMX kernels of amx_dot.hpp (the pragma below is the target attribute on each).
 //
-// One product serves all three: C (M × N float32) = Σ over the terms of A_t·B, A row-major
+// One product serves every function here: C (M × N float32) = Σ over the terms of A_t·B, A row-major
 // bfloat16 (M rows × K values), B pair-major (⌈K/2⌉ rows of N words), M ≤ 64. Tiles: C in
 // tmm0–3 as 2 × 2 blocks of 16 × 16, A in tmm4–5 (16 rows × 32 values), B in tmm6–7 (16
 // pairs × 16 columns); each step of 32 reduction values issues 4 tdpbf16ps from 4 tile

@@ -1,12 +1,13 @@
 // The bfloat16 block products of bf16_dot.hpp on Intel's AMX tiles (AMX-BF16, Sapphire
 // Rapids and later): tdpbf16ps multiplies a 16 × 32 bf16 tile by a 32 × 16 one (pairs,
 // the layout of bf16_dot.hpp) into a 16 × 16 float32 tile, 8192 multiply-adds an
-// instruction — on the Xeon measured in bench/RESULTS.md §10 about 8× the fp32 FMAs'
-// rate, where vdpbf16ps runs at half of it. Same operands, same contract as bf16_dot.hpp:
+// instruction — on the Xeon of bench/RESULTS.md §10a 3.0–3.1 TFLOP/s a core, 14× its
+// fp32 FMAs, where vdpbf16ps runs at half of them. Same operands, same contract as bf16_dot.hpp:
 // products of two bfloat16 values are exact in float32 and summed in float32 (in the
 // unit's own order, fixed by the shape: results never depend on threads), bf16 inputs
-// that are subnormal count as 0 (as vdpbf16ps does), and P enters P·V as two bfloat16
-// terms. What differs is only the order of the float32 sums, so a call that takes AMX
+// that are subnormal count as 0 (as vdpbf16ps does), and P (and in the backward P and
+// dS for dV and dQ, which the vdpbf16ps path leaves to the fp32 FMAs) enters as two
+// bfloat16 terms. What differs is only the order of the float32 sums, so a call that takes AMX
 // for its forward must take it for its backward's recomputed scores too (forward.cpp and
 // backward.cpp decide once per call from dot_products.hpp's bf16_unit).
 //

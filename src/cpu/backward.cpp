@@ -25,7 +25,8 @@
 // scratch (float K and V are read in place). dQ, dK, dV are rounded to T once.
 // bfloat16 in Precision::fast where the CPU's dot products pay (dot_products.hpp): S,
 // dP and dK on AVX512-BF16 (bf16_dot.hpp), from pair panels of Q and dO packed once per
-// query block (Packed); dV and dQ keep the float32 FMAs (kKeyGradientTerms says why).
+// query block (Packed); dV and dQ keep the float32 FMAs (kKeyGradientTerms says why). On
+// the AMX tiles (amx_dot.hpp) all five products: dV and dQ with P and dS as two terms.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -74,7 +75,9 @@ namespace {
 //     error against fp64 stayed 1.4–4.3× below PyTorch bf16's on every row measured;
 //   dV += Pᵀ·dO and dQ += dS·K stay float32: with P or dS as one bfloat16 term dv and dq
 //     came out level with PyTorch's error and above it on some rows (dq 9.6e-3 against
-//     8.2e-3), and as two terms (bf16_dot.hpp) they ran slower than the float32 FMAs.
+//     8.2e-3), and as two terms (bf16_dot.hpp) they ran slower than the float32 FMAs —
+//     except on the AMX tiles, where two terms cost little: there they take them
+//     (AddValueGradient, amx::AddTransposedProduct; the float32 path's errors, §10c).
 constexpr bf16dot::Terms kKeyGradientTerms = bf16dot::Terms::one;
 
 // A B-operand: row-major rows `ld` floats apart, each padded to whole vectors.
