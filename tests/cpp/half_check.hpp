@@ -30,6 +30,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -38,25 +39,21 @@
 
 namespace qkv::test {
 
-// Forces the bf16 dot products on or off (cpu/dot_products.hpp) for one scope; the
+// Forces one of cpu/dot_products.hpp's switches on or off for one scope; the
 // environment's choice comes back even when an ASSERT returns early.
-class ForcedDotProducts {
+template <void (*kSet)(std::optional<bool>)>
+class ForcedSwitch {
  public:
-  explicit ForcedDotProducts(bool on) { cpu::set_dot_products_for_test(on); }
-  ForcedDotProducts(const ForcedDotProducts&) = delete;
-  ForcedDotProducts& operator=(const ForcedDotProducts&) = delete;
-  ~ForcedDotProducts() { cpu::set_dot_products_for_test(std::nullopt); }
+  explicit ForcedSwitch(bool on) { kSet(on); }
+  ForcedSwitch(const ForcedSwitch&) = delete;
+  ForcedSwitch& operator=(const ForcedSwitch&) = delete;
+  ~ForcedSwitch() { kSet(std::nullopt); }
 };
 
-// The same for the AMX tiles (QKV_AMX): on forces them, off keeps the dot products on
-// vdpbf16ps.
-class ForcedAmx {
- public:
-  explicit ForcedAmx(bool on) { cpu::set_amx_for_test(on); }
-  ForcedAmx(const ForcedAmx&) = delete;
-  ForcedAmx& operator=(const ForcedAmx&) = delete;
-  ~ForcedAmx() { cpu::set_amx_for_test(std::nullopt); }
-};
+// The dot products (QKV_DOT_PRODUCTS), and the AMX tiles (QKV_AMX: on forces them, off
+// keeps the bf16 dot products on vdpbf16ps).
+using ForcedDotProducts = ForcedSwitch<cpu::set_dot_products_for_test>;
+using ForcedAmx = ForcedSwitch<cpu::set_amx_for_test>;
 
 // The bfloat16 dot-product units this CPU has, each forced in turn by ForcedBf16Unit.
 inline std::vector<cpu::Bf16Unit> bf16_units_here() {
