@@ -1,11 +1,11 @@
 // The AMX kernels of amx_dot.hpp (the pragma below is the target attribute on each).
 //
-// One product serves every function here: C (M × N float32) = Σ over the terms of A_t·B, A row-major
-// bfloat16 (M rows × K values), B pair-major (⌈K/2⌉ rows of N words), M ≤ 64. Tiles: C in
+// One product serves every function here: C (M × N float32) = Σ over the terms of A_t·B_t, A
+// row-major bfloat16 (M rows × K values), B pair-major (⌈K/2⌉ rows of N words). Tiles: C in
 // tmm0–3 as 2 × 2 blocks of 16 × 16, A in tmm4–5 (16 rows × 32 values), B in tmm6–7 (16
-// pairs × 16 columns); each step of 32 reduction values issues 4 tdpbf16ps from 4 tile
-// loads. The C tiles are stored into this thread's scratch and each caller's epilogue
-// takes what it needs (scale, online-softmax rescale, or a plain add) with AVX-512.
+// pairs × 16 columns); each step of 32 reduction values issues 4 tdpbf16ps a term. Each
+// block's C tiles are stored into this thread's scratch and the caller's epilogue takes
+// what it needs from them (scale, online-softmax rescale, or a plain add) with AVX-512.
 #include "cpu/amx_dot.hpp"
 
 #if defined(__x86_64__)
@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 namespace qkv::cpu::amx {
 
@@ -88,10 +87,11 @@ struct Right {
   std::size_t ld, pairs;
 };
 
-// This thread's scratch: C tiles (kMaxRows × round_up(N, 32) floats) and the padded copies
-// of partial tiles.
+// This thread's scratch: a 2 × 2 block of C tiles (32 × 32 floats, 64-byte aligned: tile
+// stores to rows that straddle cache lines made the P·V tile products ~60% slower,
+// measured) and the padded copies of partial tiles.
 struct Scratch {
-  std::vector<float> c;
+  alignas(64) float c[2 * kTileRows * 2 * kTileWords];
   alignas(64) std::uint16_t a_tile[kTileRows * kTileValues];
   alignas(64) std::uint32_t b_tile[kTileRows * kTileWords];
   alignas(64) std::uint16_t p_terms[2][kMaxRows * kMaxRows];  // P's hi and lo terms, row-major
@@ -138,66 +138,85 @@ const std::uint32_t* right_tile(const Right& b, std::size_t pair, std::size_t co
   return tile;
 }
 
-// C[m0..m0+32) × [n0..n0+32) (fewer where `two_rows` / `two_columns` say one tile) for
-// every term, stored at out (ld floats a row). Tile numbers are immediates, hence the
+constexpr std::size_t kCBlockLd = 2 * kTileWords;  // floats a row of the scratch's C block
+
+// One term of a product: A_t·B_t. Terms that share an operand (P's two terms times V, the
+// backward's dS terms times K or Q) load it once a step: tile loads wait for the products
+// still reading the tile they overwrite.
+struct Term {
+  Left a;
+  Right b;
+};
+
+// C[m0..m0+32) × [n0..n0+32) (fewer where `two_rows` / `two_columns` say one tile) summed
+// over the terms, stored in the scratch's C block. Tile numbers are immediates, hence the
 // four spelled-out shapes.
 template <bool kTwoRows, bool kTwoColumns>
-void block(const Left* terms, std::size_t term_count, const Right& b, std::size_t m0, std::size_t n0, float* out,
-           std::size_t ld) {
+void block(const Term* terms, std::size_t term_count, std::size_t m0, std::size_t n0) {
   _tile_zero(0);
   if constexpr (kTwoColumns) _tile_zero(1);
   if constexpr (kTwoRows) _tile_zero(2);
   if constexpr (kTwoRows && kTwoColumns) _tile_zero(3);
-  for (std::size_t t = 0; t < term_count; ++t) {
-    const Left& a = terms[t];
-    for (std::size_t x = 0; x < a.values; x += kTileValues) {
-      std::size_t stride = 0;
+  for (std::size_t x = 0; x < terms[0].a.values; x += kTileValues) {
+    std::size_t stride = 0;
+    for (std::size_t t = 0; t < term_count; ++t) {
+      const Left& a = terms[t].a;
+      const Right& b = terms[t].b;
+      const bool new_a = t == 0 || a.data != terms[t - 1].a.data, new_b = t == 0 || b.data != terms[t - 1].b.data;
       // Copies of partial tiles share one scratch tile each: load every tile right after
       // it is made.
-      const std::uint32_t* b0 = right_tile(b, x / 2, n0, stride);
-      _tile_loadd(6, b0, stride);
-      if constexpr (kTwoColumns) {
-        const std::uint32_t* b1 = right_tile(b, x / 2, n0 + kTileWords, stride);
-        _tile_loadd(7, b1, stride);
+      if (new_b) {
+        _tile_loadd(6, right_tile(b, x / 2, n0, stride), stride);
+        if constexpr (kTwoColumns) _tile_loadd(7, right_tile(b, x / 2, n0 + kTileWords, stride), stride);
       }
-      const std::uint16_t* a0 = left_tile(a, m0, x, stride);
-      _tile_loadd(4, a0, stride);
+      if (new_a) _tile_loadd(4, left_tile(a, m0, x, stride), stride);
       _tile_dpbf16ps(0, 4, 6);
       if constexpr (kTwoColumns) _tile_dpbf16ps(1, 4, 7);
       if constexpr (kTwoRows) {
-        const std::uint16_t* a1 = left_tile(a, m0 + kTileRows, x, stride);
-        _tile_loadd(5, a1, stride);
+        if (new_a) _tile_loadd(5, left_tile(a, m0 + kTileRows, x, stride), stride);
         _tile_dpbf16ps(2, 5, 6);
         if constexpr (kTwoColumns) _tile_dpbf16ps(3, 5, 7);
       }
     }
   }
-  const std::size_t row_bytes = ld * sizeof(float);
-  _tile_stored(0, out + m0 * ld + n0, row_bytes);
-  if constexpr (kTwoColumns) _tile_stored(1, out + m0 * ld + n0 + kTileWords, row_bytes);
-  if constexpr (kTwoRows) _tile_stored(2, out + (m0 + kTileRows) * ld + n0, row_bytes);
-  if constexpr (kTwoRows && kTwoColumns) _tile_stored(3, out + (m0 + kTileRows) * ld + n0 + kTileWords, row_bytes);
+  float* out = scratch().c;
+  constexpr std::size_t row_bytes = kCBlockLd * sizeof(float);
+  _tile_stored(0, out, row_bytes);
+  if constexpr (kTwoColumns) _tile_stored(1, out + kTileWords, row_bytes);
+  if constexpr (kTwoRows) _tile_stored(2, out + kTileRows * kCBlockLd, row_bytes);
+  if constexpr (kTwoRows && kTwoColumns) _tile_stored(3, out + kTileRows * kCBlockLd + kTileWords, row_bytes);
 }
 
-// C = Σ_t A_t·B for rows < m (≤ kMaxRows), columns < n, into this thread's scratch (rows
-// up to round_up(m, 16), ld = round_up(n, 32) floats). Returns the scratch and its ld.
-float* product(const Left* terms, std::size_t term_count, const Right& b, std::size_t m, std::size_t n,
-               std::size_t& ld) {
-  ld = round_up(n, 2 * kTileWords);
-  std::vector<float>& c = scratch().c;
-  if (c.size() < kMaxRows * ld) c.resize(kMaxRows * ld);
+// C = Σ_t A_t·B_t for rows < m, columns < n (every term as long as the first), one 32 × 32
+// block at a time: `epilogue(m0, n0, c)` takes rows [m0, m0 + 32) and columns [n0, n0 + 32)
+// (those below m and n) from c, kCBlockLd floats a row, while the block is in L1. (A
+// whole 64 × 128 C stored first and read after, beside a 64 × 128 accumulator and the
+// operands, did not fit L1: the P·V product with its epilogue went 4.0 → 3.5 µs a 64 × 64
+// block at dv 128 with this and the aligned scratch together, measured.)
+template <class Epilogue>
+void product(const Term* terms, std::size_t term_count, std::size_t m, std::size_t n, Epilogue&& epilogue) {
   const Tiles tiles;
   for (std::size_t n0 = 0; n0 < n; n0 += 2 * kTileWords) {
     const bool two_columns = n0 + kTileWords < n;
     for (std::size_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
       const bool two_rows = m0 + kTileRows < m;
-      if (two_rows && two_columns) block<true, true>(terms, term_count, b, m0, n0, c.data(), ld);
-      else if (two_rows) block<true, false>(terms, term_count, b, m0, n0, c.data(), ld);
-      else if (two_columns) block<false, true>(terms, term_count, b, m0, n0, c.data(), ld);
-      else block<false, false>(terms, term_count, b, m0, n0, c.data(), ld);
+      if (two_rows && two_columns) block<true, true>(terms, term_count, m0, n0);
+      else if (two_rows) block<true, false>(terms, term_count, m0, n0);
+      else if (two_columns) block<false, true>(terms, term_count, m0, n0);
+      else block<false, false>(terms, term_count, m0, n0);
+      epilogue(m0, n0, static_cast<const float*>(scratch().c));
     }
   }
-  return c.data();
+}
+
+// Calls f(r, x, mask, c_row + x) for rows [m0, min(m0 + 32, m)) and the vectors of columns
+// [n0, min(n0 + 32, n)) of a C block.
+template <class F>
+void for_block_vectors(std::size_t m0, std::size_t m, std::size_t n0, std::size_t n, const float* c, F&& f) {
+  const std::size_t rows = std::min(m - m0, 2 * kTileRows);
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t x = n0; x < n && x < n0 + 2 * kTileWords; x += 16)
+      f(m0 + r, x, lanes_below(n - x), c + r * kCBlockLd + (x - n0));
 }
 
 __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
@@ -253,25 +272,17 @@ void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t
       }
     }
   }
-  const Left terms[2] = {{s.p_terms[0], kMaxRows, rows, values}, {s.p_terms[1], kMaxRows, rows, values}};
-  std::size_t ld = 0;
-  const float* c = product(terms, 2, b, count, dv, ld);
-  for (std::size_t i = 0; i < count; ++i) {
-    float* out = acc + i * acc_ld;
-    if (alpha == nullptr) {
-      for (std::size_t x = 0; x < dv; x += 16) {
-        const __mmask16 m = lanes_below(dv - x);
-        _mm512_mask_storeu_ps(out + x, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out + x), _mm512_loadu_ps(c + i * ld + x)));
-      }
-      continue;
-    }
-    const __m512 a = _mm512_set1_ps(alpha[i]);
-    for (std::size_t x = 0; x < dv; x += 16) {
-      const __mmask16 m = lanes_below(dv - x);
+  const Term terms[2] = {{{s.p_terms[0], kMaxRows, rows, values}, b}, {{s.p_terms[1], kMaxRows, rows, values}, b}};
+  product(terms, 2, count, dv, [&](std::size_t m0, std::size_t n0, const float* c) {
+    for_block_vectors(m0, count, n0, dv, c, [&](std::size_t i, std::size_t x, __mmask16 m, const float* sum) {
+      float* out = acc + i * acc_ld + x;
+      const __m512 block_sum = _mm512_maskz_loadu_ps(m, sum);
       // acc·alpha + sum in one rounding, as bf16_dot.cpp and gemm-inl.h do.
-      _mm512_mask_storeu_ps(out + x, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, out + x), a, _mm512_loadu_ps(c + i * ld + x)));
-    }
-  }
+      _mm512_mask_storeu_ps(out, m, alpha == nullptr ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), block_sum)
+                                                     : _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, out),
+                                                                       _mm512_set1_ps(alpha[i]), block_sum));
+    });
+  });
 }
 
 }  // namespace
@@ -280,14 +291,13 @@ void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, s
                       const std::uint32_t* qp, std::size_t q_ld, std::size_t width, float scale,
                       float* st, std::size_t st_ld) {
   if (keys == 0 || width == 0) return;
-  const Left a{&k->bits, static_cast<std::size_t>(k_row), keys, d};
-  const Right b{qp, q_ld, (d + 1) / 2};
-  std::size_t ld = 0;
-  const float* c = product(&a, 1, b, keys, width, ld);
+  const Term term{{&k->bits, static_cast<std::size_t>(k_row), keys, d}, {qp, q_ld, (d + 1) / 2}};
   const __m512 s = _mm512_set1_ps(scale);
-  for (std::size_t j = 0; j < keys; ++j)
-    for (std::size_t i = 0; i < width; i += 16)
-      _mm512_mask_storeu_ps(st + j * st_ld + i, lanes_below(width - i), _mm512_mul_ps(_mm512_loadu_ps(c + j * ld + i), s));
+  product(&term, 1, keys, width, [&](std::size_t m0, std::size_t n0, const float* c) {
+    for_block_vectors(m0, keys, n0, width, c, [&](std::size_t j, std::size_t i, __mmask16 m, const float* sum) {
+      _mm512_mask_storeu_ps(st + j * st_ld + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sum), s));
+    });
+  });
 }
 
 void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
@@ -325,17 +335,15 @@ void AddProduct(const bf16dot::LeftPairs& a, std::size_t rows, std::size_t pairs
   if (a.pair_step != 1 || rows > kMaxRows)  // not the layout the tiles load: the AVX512-BF16 kernel
     return bf16dot::AddProduct(a, rows, pairs, b, b_ld, n, c, c_ld);
   const auto* words = reinterpret_cast<const std::uint16_t*>(a.words);
-  const Left terms[2] = {{words, 2 * a.row_step, rows, 2 * pairs},
-                         {words + 2 * a.terms_at, 2 * a.row_step, rows, 2 * pairs}};
   const Right right{b, b_ld, pairs};
-  std::size_t ld = 0;
-  const float* sum = product(terms, a.terms == bf16dot::Terms::two ? 2 : 1, right, rows, n, ld);
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t x = 0; x < n; x += 16) {
-      const __mmask16 m = lanes_below(n - x);
+  const Term terms[2] = {{{words, 2 * a.row_step, rows, 2 * pairs}, right},
+                         {{words + 2 * a.terms_at, 2 * a.row_step, rows, 2 * pairs}, right}};
+  product(terms, a.terms == bf16dot::Terms::two ? 2 : 1, rows, n, [&](std::size_t m0, std::size_t n0, const float* sum) {
+    for_block_vectors(m0, rows, n0, n, sum, [&](std::size_t r, std::size_t x, __mmask16 m, const float* block_sum) {
       float* out = c + r * c_ld + x;
-      _mm512_mask_storeu_ps(out, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), _mm512_loadu_ps(sum + r * ld + x)));
-    }
+      _mm512_mask_storeu_ps(out, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), _mm512_maskz_loadu_ps(m, block_sum)));
+    });
+  });
 }
 
 }  // namespace qkv::cpu::amx
