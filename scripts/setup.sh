@@ -6,6 +6,7 @@ set -euo pipefail
 
 apt_packages=(
   g++ make ninja-build pkg-config
+  ccache                      # compiler cache: CI and rebuilds compile only what changed
   libgtest-dev libgmock-dev   # GoogleTest
   libhwy-dev                  # Google Highway: SIMD with runtime dispatch
   libcli11-dev                # CLI11: the qkv command line

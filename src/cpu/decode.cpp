@@ -778,9 +778,11 @@ void RunDecode(const Problem& p, const KvSource& kv, const DecodePlan& plan) {
   hwy::AlignedFreeUniquePtr<float[]> states = AllocateFloats(plan.state_floats);
   const int threads = plan.threads(p.threads);
   // int8 caches: VNNI where the precision and the switch allow (this may throw: here,
-  // outside the parallel region). Its blocks of keys must be whole groups of 4.
+  // outside the parallel region). The switch is asked before the target is: forcing the unit
+  // on a CPU without it is an error under every compiled target, the scalar one included.
+  // Its blocks of keys must be whole groups of 4.
   const size_t d = static_cast<size_t>(p.extents.head_dim), dv = static_cast<size_t>(p.extents.v_dim);
-  const bool int8_dots = std::is_same_v<T, std::int8_t> && VectorLanes() % 4 == 0 && int8_dot_products(p.precision);
+  const bool int8_dots = std::is_same_v<T, std::int8_t> && int8_dot_products(p.precision) && VectorLanes() % 4 == 0;
   if (threads <= 1) {  // no parallel region for work one thread does best
     DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv);
     for (const DecodeTask& task : plan.tasks) DecodeChunk<T>(p, kv, plan, task, scratch, states.get());
