@@ -5,6 +5,7 @@
 #include "qkv/batch_plan.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -343,11 +344,11 @@ void widen_row(const detail::KvSource& kv, bool keys, int64_t b, int64_t j, int6
       const detail::ScalePtr scales = keys ? kv.k_scale : kv.v_scale;
       const float scale = scales[kv.offset(keys ? kv.k_scale_strides : kv.v_scale_strides, b, j, h)];
       const auto* row = static_cast<const std::int8_t*>(base) + at;
-      if (keys && kv.channel_scaled()) {  // row scale · (int8 · channel scale + zero point)
+      if (keys && kv.channel_scaled()) {  // row scale · (int8 · channel scale + zero point), one rounding inside
         const detail::ScalePtr channel = kv.channel_scales(b, j, h);
         const detail::ScalePtr zero = kv.channel_zeros(b, j, h);
         for (int64_t c = 0; c < dim; ++c)
-          to[c] = (static_cast<float>(row[c]) * channel[c] + (zero != nullptr ? zero[c] : 0.0f)) * scale;
+          to[c] = std::fma(static_cast<float>(row[c]), channel[c], zero != nullptr ? zero[c] : 0.0f) * scale;
         return;
       }
       return widen_row(row, dim, scale, to);

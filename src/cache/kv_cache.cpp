@@ -95,7 +95,7 @@ void store_int8_channel_row(const float* src, const float* scale, const float* z
 }
 
 // The scale and zero point of int4 levels 0..15 for the range [lo, hi]: float32 scales
-// (hi − lo) / 15 and lo; float16 ones the zero point rounded down and the scale rounded
+// hi/15 − lo/15 and lo; float16 ones the zero point rounded down and the scale rounded
 // up (from the rounded zero point), so that z + 15·s ≥ hi still and every value of the
 // range is within half a step of a level. Ranges within ±65504 (append checks) keep
 // both finite.
@@ -103,7 +103,7 @@ struct Int4Scale {
   float scale, zero;
 };
 Int4Scale int4_scale(float lo, float hi, bool half) {
-  if (!half) return {(hi - lo) / 15.0f, lo};
+  if (!half) return {hi / 15.0f - lo / 15.0f, lo};  // hi − lo itself overflows for ranges past ±1.7e38
   float16 zero(lo);
   if (static_cast<float>(zero) > lo) zero = float16::from_bits(half_detail::next_float16_down(zero.bits));
   const double step = (static_cast<double>(hi) - static_cast<float>(zero)) / 15.0;
@@ -382,9 +382,9 @@ int64_t KVCache::storage_row(int64_t seq, int64_t key) const {
 
 // Group `group` of sequence seq's keys, whose first `rows` keys are in k_partial_: per kv
 // head and channel, over the group's finite rows, the range [lo, hi] mapped onto the 256
-// int8 levels — scale = (hi − lo) / 255, zero point = lo + 128·scale, so −128 is lo and 127
+// int8 levels — scale = hi/255 − lo/255, zero point = lo + 128·scale, so −128 is lo and 127
 // is hi (KIVI's asymmetric quantization: a channel's values need not be centred on 0) —
-// or the 16 int4 levels 0..15 (scale = (hi − lo) / 15, zero point lo), then every row
+// or the 16 int4 levels 0..15 (scale = hi/15 − lo/15, zero point lo), then every row
 // against them. A channel with one value (or none finite) gets scale 0 and zero point lo
 // (0).
 void KVCache::quantize_key_group(int64_t seq, int64_t group, int64_t rows) {
@@ -424,8 +424,10 @@ void KVCache::quantize_key_group(int64_t seq, int64_t group, int64_t rows) {
         scale[c] = fit.scale;
         zero[c] = fit.zero;
       } else {
-        scale[c] = (hi - lo) / static_cast<float>(levels);
-        zero[c] = scale[c] == 0.0f ? lo : lo + 128.0f * scale[c];
+        // hi/255 − lo/255, not (hi − lo)/255, and the zero point summed in double: a channel
+        // holding both ±3e38 has a range past float's, and stays finite this way.
+        scale[c] = hi / static_cast<float>(levels) - lo / static_cast<float>(levels);
+        zero[c] = scale[c] == 0.0f ? lo : static_cast<float>(static_cast<double>(lo) + 128.0 * static_cast<double>(scale[c]));
       }
       k_channel_scale_.set(at + static_cast<std::size_t>(c), scale[c]);
       k_channel_zero_.set(at + static_cast<std::size_t>(c), zero[c]);

@@ -85,6 +85,14 @@ constexpr size_t kUnitsAhead = 2;
 // Storage whose rows carry a scale (value = element · scale): int8, and int4's keys.
 template <class T>
 inline constexpr bool kScaledStorage = std::is_same_v<T, std::int8_t> || std::is_same_v<T, uint4x2>;
+
+// AllocateFloats, zero-filled.
+inline hwy::AlignedFreeUniquePtr<float[]> AllocateZeroedFloats(size_t count) {
+  hwy::AlignedFreeUniquePtr<float[]> memory = AllocateFloats(count);
+  std::fill(memory.get(), memory.get() + count, 0.0f);
+  return memory;
+}
+
 // Values scaled per row (int8); int4 values carry a scale and zero point per group of
 // channels instead.
 template <class T>
@@ -107,16 +115,16 @@ struct DecodeScratch {
   // int8 caches: the rows' scales, in the ring's layout.
   hwy::AlignedFreeUniquePtr<float[]> k_scales, v_scales;
   std::vector<const float*> k_packed, v_packed;  // rows of `keys` / `values`
-  // int8 keys scaled per channel: the group's rows of `queries` times its channel scales,
-  // each row's dot product with its zero points, and one vector of keys' scores when the
-  // vector's keys span two groups.
-  hwy::AlignedFreeUniquePtr<float[]> channel_queries, channel_bias, split_scores;
+  // Keys scaled per channel: one vector of keys' scores when the vector's keys span two
+  // groups.
+  hwy::AlignedFreeUniquePtr<float[]> split_scores;
   // int4 values: the ring rows' group scales then zero points as float, [2·groups]
   // [block_keys] a ring slot (group g's scales of the slot's keys contiguous, as the
   // cache stores them; zero past the keys), and the block's weights P_rj·s_jg [row]
   // [group][block_keys] and biases Σ_j P_rj·z_jg [row][group] (GroupedWeights).
   hwy::AlignedFreeUniquePtr<float[]> group_scales, group_weights, group_bias;
-  // float16 channel scales: one group's d scales then d zero points, widened.
+  // Keys scaled per channel: one group's d scales then d zero points, widened from float16
+  // (d_pad apart), then d_pad zeros, the zero points of a cache that stores none.
   hwy::AlignedFreeUniquePtr<float[]> channel_floats;
   // A float window: the block's rows in it.
   std::vector<const float*> window_k, window_v;
@@ -147,8 +155,6 @@ struct DecodeScratch {
         k_scales(AllocateFloats(kScaledStorage<T> ? (kUnitsAhead + 1) * plan.block_keys : 0)),
         v_scales(AllocateFloats(kScaledStorage<T> ? (kUnitsAhead + 1) * plan.block_keys : 0)),
         k_packed(plan.packed ? plan.block_keys : 0), v_packed(plan.packed ? plan.block_keys : 0),
-        channel_queries(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * plan.d_pad : 0)),
-        channel_bias(AllocateFloats(kScaledStorage<T> ? plan.group_rows() : 0)),
         split_scores(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * VectorLanes() : 0)),
         group_scales(AllocateFloats(kGroupedValues<T> ? (kUnitsAhead + 1) * 2 * static_cast<size_t>(kv.value_groups()) *
                                                            plan.block_keys
@@ -157,7 +163,7 @@ struct DecodeScratch {
                                                               plan.block_keys
                                                         : 0)),
         group_bias(AllocateFloats(kGroupedValues<T> ? plan.group_rows() * static_cast<size_t>(kv.value_groups()) : 0)),
-        channel_floats(AllocateFloats(kv.k_channel_scale.half ? 2 * plan.d_pad : 0)),
+        channel_floats(AllocateZeroedFloats(kv.channel_scaled() ? 3 * plan.d_pad : 0)),
         window_k(kv.windowed() ? plan.block_keys : 0), window_v(kv.windowed() ? plan.block_keys : 0),
         vnni(int8_dots),
         query_ld(int8dot::query_ld(head_dim)),
@@ -336,41 +342,31 @@ int8dot::Prefetch ToPrefetch(const Ahead<T>& ahead) {
   return {reinterpret_cast<const void* const*>(ahead.rows), ahead.count, ahead.bytes, ahead.lines, ahead.line_count};
 }
 
-// Scores of `rows` query rows (scale·q, d_pad apart) against int8 keys scaled per
+// Scores of `rows` query rows (scale·q, d_pad apart) against int8/int4 keys scaled per
 // channel (qkv::KVCache's KeyScales::channel) read in place: key j of group γ holds
-// int8_j ⊙ c_γ + z_γ (channel-wise scales and zero points; its row scale is applied
-// after, as for every int8 row), so (scale·q)·k_j = ((scale·q) ⊙ c_γ)·int8_j + (scale·q)·z_γ
-// — the rows are scaled once per group, the integers widened in the loads, and the
-// group's one number per row added to its keys' scores. A vector of keys that spans two groups (a group that is
-// not whole vectors, or a block that does not start on one) is scored once per group,
-// each lane taken from its own group's pass.
+// level_j ⊙ c_γ + z_γ (channel-wise scales and zero points; its row scale, 1 or NaN, is
+// applied after, as for every scaled row). The tile kernel maps each loaded key vector
+// through (c_γ, z_γ) with one rounding (decode_tiles-inl.h's KeyAffine) before its dot
+// products, so the scores are those of the stored keys within float32's dot-product error.
+// A vector of keys that spans two groups (a group that is not whole vectors, or a block
+// that does not start on one) is scored once per group, each lane taken from its own
+// group's pass.
 template <class T>
 void ChannelScaledScores(const KvSource& kv, const DecodePlan& plan, int64_t batch, int64_t head, int64_t first,
                          size_t keys, size_t rows, const float* queries, const T* const* k_rows, size_t d,
                          Ahead<T> ahead, float* scores, size_t ld, DecodeScratch<T>& s) {
   const size_t lanes = VectorLanes(), d_pad = plan.d_pad;
   const int64_t group = kv.key_group;
-  float* scaled = s.channel_queries.get();
-  float* bias = s.channel_bias.get();
-  int64_t scaled_group = -1;  // the group whose channel scales `scaled` holds
-  const auto scale_rows = [&](int64_t g) {
-    if (g == scaled_group) return;
-    scaled_group = g;
-    const float* channel = AsFloats(kv.channel_scales(batch, g * group, head), d, s.channel_floats.get());
-    const float* zero = AsFloats(kv.channel_zeros(batch, g * group, head), d, s.channel_floats.get() + d_pad);
-    for (size_t r = 0; r < rows; ++r) {
-      const float* q = queries + r * d_pad;
-      float* to = scaled + r * d_pad;
-      for (size_t c = 0; c < d; ++c) to[c] = q[c] * channel[c];
-      std::fill(to + d, to + d_pad, 0.0f);
-      bias[r] = zero != nullptr ? Dot(q, zero, d) : 0.0f;
-    }
-  };
-  const FloatTag df;
-  const auto add_bias = [&](float* to, size_t row_stride) {  // one vector of keys' scores per row
-    if (kv.k_channel_zero == nullptr) return;
-    for (size_t r = 0; r < rows; ++r)
-      hn::StoreU(hn::Add(hn::LoadU(df, to + r * row_stride), hn::Set(df, bias[r])), df, to + r * row_stride);
+  KeyAffine affine;
+  int64_t affine_group = -1;  // the group whose scales and zero points `affine` points at
+  const auto use_group = [&](int64_t g) {
+    if (g == affine_group) return;
+    affine_group = g;
+    affine.scale = AsFloats(kv.channel_scales(batch, g * group, head), d, s.channel_floats.get());
+    // No zero points: the scratch's zeros past the scales (DecodeScratch sizes it so).
+    const ScalePtr zero = kv.channel_zeros(batch, g * group, head);
+    affine.zero = zero == nullptr ? s.channel_floats.get() + 2 * d_pad
+                                  : AsFloats(zero, d, s.channel_floats.get() + d_pad);
   };
   const size_t padded = round_up(keys, lanes);
   // The group of the vector's first key, and where the next one starts: followed key by
@@ -385,16 +381,14 @@ void ChannelScaledScores(const KvSource& kv, const DecodePlan& plan, int64_t bat
       next_group += group;
     }
     if (last < next_group) {
-      scale_rows(key_group);
-      ScoreKeys(rows, scaled, d_pad, k_rows + j, d, prefetch, scores + j, ld);
-      add_bias(scores + j, ld);
+      use_group(key_group);
+      ScoreKeys<true>(rows, queries, d_pad, k_rows + j, d, prefetch, scores + j, ld, affine);
       continue;
     }
     for (int64_t g = key_group; g <= last / group; ++g) {
-      scale_rows(g);
-      ScoreKeys(rows, scaled, d_pad, k_rows + j, d, g == key_group ? prefetch : Ahead<T>{}, s.split_scores.get(),
-                lanes);
-      add_bias(s.split_scores.get(), lanes);
+      use_group(g);
+      ScoreKeys<true>(rows, queries, d_pad, k_rows + j, d, g == key_group ? prefetch : Ahead<T>{},
+                      s.split_scores.get(), lanes, affine);
       const auto from = static_cast<size_t>(std::max<int64_t>(g * group - key, 0));
       const auto to = static_cast<size_t>(std::min<int64_t>((g + 1) * group - key, static_cast<int64_t>(lanes)));
       for (size_t r = 0; r < rows; ++r)
@@ -504,7 +498,7 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
       if (kScaled && kv.channel_scaled()) {  // level · channel scale + zero point
         const ScalePtr channel = kv.channel_scales(task.batch, first + static_cast<int64_t>(j), gr.head);
         const ScalePtr zero = kv.channel_zeros(task.batch, first + static_cast<int64_t>(j), gr.head);
-        for (size_t c = 0; c < d; ++c) key[c] = key[c] * channel[c] + (zero != nullptr ? zero[c] : 0.0f);
+        for (size_t c = 0; c < d; ++c) key[c] = std::fma(key[c], channel[c], zero != nullptr ? zero[c] : 0.0f);
       }
     }
     for (size_t j = 0; j < padded; ++j) s.k_packed[j] = s.keys.get() + std::min(j, keys - 1) * d_pad;

@@ -10,6 +10,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -95,10 +96,38 @@ HWY_INLINE FloatVec CombineKeys(Vectors v) {
   }
 }
 
-// out[r] (N keys' partial sums, as the tree above) for keys k[0, N), rows q + r·q_ld.
-template <size_t N, size_t R, class S>
+// Keys scaled per channel (qkv::KVCache's KeyScales::channel): key_c = level_c·scale_c +
+// zero_c, the group's scales and zero points [dim] as floats. The map is applied to every
+// loaded key vector with one rounding, so the scores are those of the stored keys up to
+// float32's dot-product error relative to Σ|q_c·key_c|. (Summing q·(scale⊙level) and q·zero
+// apart instead cancels on a channel with a wide range: a key entry of 1e8 gave zero points
+// of 5e7 and moved the scores of rows that never saw it by units, issue 45.)
+struct KeyAffine {
+  const float* HWY_RESTRICT scale = nullptr;
+  const float* HWY_RESTRICT zero = nullptr;
+};
+
+// level · scale + zero with one rounding. hn::MulAdd is fused on every target but the
+// emulated ones (EMU128, SCALAR: a product then a sum), which take std::fma lane by lane.
+HWY_INLINE FloatVec AffineKey(FloatVec level, FloatVec scale, FloatVec zero) {
+#if HWY_TARGET == HWY_EMU128 || HWY_TARGET == HWY_SCALAR
+  const FloatTag df;
+  HWY_ALIGN float l[hn::MaxLanes(df)], s[hn::MaxLanes(df)], z[hn::MaxLanes(df)];
+  hn::Store(level, df, l);
+  hn::Store(scale, df, s);
+  hn::Store(zero, df, z);
+  for (size_t t = 0; t < hn::Lanes(df); ++t) l[t] = std::fma(l[t], s[t], z[t]);
+  return hn::Load(df, l);
+#else
+  return hn::MulAdd(level, scale, zero);
+#endif
+}
+
+// out[r] (N keys' partial sums, as the tree above) for keys k[0, N), rows q + r·q_ld;
+// with kAffine, of the keys `affine` maps their stored levels to.
+template <size_t N, size_t R, bool kAffine, class S>
 HWY_INLINE void ScoreTree(const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
-                          Ahead<S> ahead, VecArray<FloatTag, R>& out) {
+                          Ahead<S> ahead, const KeyAffine& affine, VecArray<FloatTag, R>& out) {
   const FloatTag df;
   constexpr size_t kLeaf = kLeafKeys<R>;
   if constexpr (N <= kLeaf) {
@@ -121,6 +150,10 @@ HWY_INLINE void ScoreTree(const float* HWY_RESTRICT q, size_t q_ld, const S* con
         for (size_t j = 0; j < N; ++j) {
           FloatVec low, high;
           LoadLevelPair(df, k[j], c, low, high);
+          if constexpr (kAffine) {
+            low = AffineKey(low, hn::LoadU(df, affine.scale + c), hn::LoadU(df, affine.zero + c));
+            high = AffineKey(high, hn::LoadU(df, affine.scale + c + kHalf), hn::LoadU(df, affine.zero + c + kHalf));
+          }
           for (size_t r = 0; r < R; ++r) acc[r][j] = hn::MulAdd(q_high[r], high, hn::MulAdd(q_low[r], low, acc[r][j]));
         }
       }
@@ -128,6 +161,10 @@ HWY_INLINE void ScoreTree(const float* HWY_RESTRICT q, size_t q_ld, const S* con
       for (size_t c = 0; c < dim; c += lanes) {
         VecArray<FloatTag, N> kv;
         for (size_t j = 0; j < N; ++j) kv[j] = LoadValues(df, k[j], c);
+        if constexpr (kAffine) {
+          const FloatVec scale = hn::LoadU(df, affine.scale + c), zero = hn::LoadU(df, affine.zero + c);
+          for (size_t j = 0; j < N; ++j) kv[j] = AffineKey(kv[j], scale, zero);
+        }
         for (size_t r = 0; r < R; ++r) {
           const FloatVec qv = hn::LoadU(df, q + r * q_ld + c);
           for (size_t j = 0; j < N; ++j) acc[r][j] = hn::MulAdd(qv, kv[j], acc[r][j]);
@@ -137,48 +174,49 @@ HWY_INLINE void ScoreTree(const float* HWY_RESTRICT q, size_t q_ld, const S* con
     for (size_t r = 0; r < R; ++r) out[r] = CombineKeys<N>(acc[r]);
   } else {
     VecArray<FloatTag, R> lo, hi;
-    ScoreTree<N / 2, R>(q, q_ld, k, dim, ahead, lo);
-    ScoreTree<N / 2, R>(q, q_ld, k + N / 2, dim, ahead.offset(N / 2), hi);
+    ScoreTree<N / 2, R, kAffine>(q, q_ld, k, dim, ahead, affine, lo);
+    ScoreTree<N / 2, R, kAffine>(q, q_ld, k + N / 2, dim, ahead.offset(N / 2), affine, hi);
     for (size_t r = 0; r < R; ++r) out[r] = Combine(lo[r], hi[r]);
   }
 }
 
 // scores[r·ld + t] for rows r < R and the L keys k[0, L).
-template <size_t R, class S>
+template <size_t R, bool kAffine, class S>
 HWY_INLINE void ScoreRows(const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
-                          Ahead<S> ahead, float* HWY_RESTRICT scores, size_t ld) {
+                          Ahead<S> ahead, const KeyAffine& affine, float* HWY_RESTRICT scores, size_t ld) {
   const FloatTag df;
   VecArray<FloatTag, R> s;
   if constexpr (kSizelessVectors) {
     // SVE: the tree needs the number of lanes, which is the CPU's vector length (for
     // Highway a power of two, 4 to 64 floats), known only at run time.
     switch (hn::Lanes(df)) {
-      case 4: ScoreTree<4, R>(q, q_ld, k, dim, ahead, s); break;
-      case 8: ScoreTree<8, R>(q, q_ld, k, dim, ahead, s); break;
-      case 16: ScoreTree<16, R>(q, q_ld, k, dim, ahead, s); break;
-      case 32: ScoreTree<32, R>(q, q_ld, k, dim, ahead, s); break;
-      default: ScoreTree<kLanes, R>(q, q_ld, k, dim, ahead, s); break;
+      case 4: ScoreTree<4, R, kAffine>(q, q_ld, k, dim, ahead, affine, s); break;
+      case 8: ScoreTree<8, R, kAffine>(q, q_ld, k, dim, ahead, affine, s); break;
+      case 16: ScoreTree<16, R, kAffine>(q, q_ld, k, dim, ahead, affine, s); break;
+      case 32: ScoreTree<32, R, kAffine>(q, q_ld, k, dim, ahead, affine, s); break;
+      default: ScoreTree<kLanes, R, kAffine>(q, q_ld, k, dim, ahead, affine, s); break;
     }
   } else {
-    ScoreTree<kLanes, R>(q, q_ld, k, dim, ahead, s);
+    ScoreTree<kLanes, R, kAffine>(q, q_ld, k, dim, ahead, affine, s);
   }
   for (size_t r = 0; r < R; ++r) hn::StoreU(s[r], df, scores + r * ld);
 }
 
 // One vector of keys against every row, rows in tiles of up to 4: the keys' rows are
 // read from memory by the first tile (which also prefetches) and from L1 by the others.
-template <class S>
+// With kAffine, the keys are the levels `affine` maps (keys scaled per channel).
+template <bool kAffine = false, class S>
 void ScoreKeys(size_t rows, const float* HWY_RESTRICT q, size_t q_ld, const S* const* k, size_t dim,
-               Ahead<S> ahead, float* HWY_RESTRICT scores, size_t ld) {
+               Ahead<S> ahead, float* HWY_RESTRICT scores, size_t ld, const KeyAffine& affine = {}) {
   size_t r = 0;
   for (; r + 4 <= rows; r += 4) {
-    ScoreRows<4>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
+    ScoreRows<4, kAffine>(q + r * q_ld, q_ld, k, dim, ahead, affine, scores + r * ld, ld);
     ahead = Ahead<S>{};
   }
   switch (rows - r) {
-    case 3: return ScoreRows<3>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
-    case 2: return ScoreRows<2>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
-    case 1: return ScoreRows<1>(q + r * q_ld, q_ld, k, dim, ahead, scores + r * ld, ld);
+    case 3: return ScoreRows<3, kAffine>(q + r * q_ld, q_ld, k, dim, ahead, affine, scores + r * ld, ld);
+    case 2: return ScoreRows<2, kAffine>(q + r * q_ld, q_ld, k, dim, ahead, affine, scores + r * ld, ld);
+    case 1: return ScoreRows<1, kAffine>(q + r * q_ld, q_ld, k, dim, ahead, affine, scores + r * ld, ld);
     default: return;
   }
 }

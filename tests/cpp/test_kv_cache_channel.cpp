@@ -94,8 +94,10 @@ TEST(KVCacheChannel, EveryKeyIsWithinHalfAStep) {
             lowest = std::min(lowest, int(stored_key(cache, b, i, h).ints[c]));
             highest = std::max(highest, int(stored_key(cache, b, i, h).ints[c]));
           }
-          EXPECT_EQ(s.channel[c], (hi - lo) / 255.0f) << j << " " << c;
-          EXPECT_EQ(s.zero[c], lo + 128.0f * s.channel[c]) << j << " " << c;
+          // hi/255 − lo/255 (hi − lo itself overflows for a range past float's), the zero
+          // point summed in double: both finite for any finite keys.
+          EXPECT_EQ(s.channel[c], hi / 255.0f - lo / 255.0f) << j << " " << c;
+          EXPECT_EQ(s.zero[c], static_cast<float>(double{lo} + 128.0 * double{s.channel[c]})) << j << " " << c;
           EXPECT_EQ(lowest, -128) << j << " " << c;
           EXPECT_EQ(highest, 127) << j << " " << c;
         }
@@ -132,9 +134,10 @@ using test::same_bits;
 // The error bound of the fp32 kernel against the fp64 reference over the same stored
 // values: a logit's dot product over d terms, summed in lanes and then a tree, is within
 // (d/lanes + log2(lanes) + 3)·ε·Σ_c|scale·q_c·k_c| ≤ 24·ε·L for d ≤ 64 (L the largest such
-// sum over the integer and zero-point terms: the kernel sums (q⊙c)·int8 and q·zero apart,
-// each term one rounding more), which moves the softmax's output by at most 2·that·max|v|;
-// plus P·V's own 4·ε·max|v|.
+// sum over the stored keys k_c = int8·c + z: the kernel maps each level to its key with one
+// rounding before the dot product, so the bound is relative to the stored keys themselves,
+// not to their integer and zero-point terms, which cancel on a channel with a wide range),
+// which moves the softmax's output by at most 2·that·max|v|; plus P·V's own 4·ε·max|v|.
 double kernel_bound(const KVCache& cache, const Tensor<float, 4>& q, const Tensor<float, 4>& v) {
   double max_v = 0.0;
   for (std::size_t x = 0; x < v.size(); ++x) max_v = std::max(max_v, double(std::abs(v[x])));
@@ -149,7 +152,7 @@ double kernel_bound(const KVCache& cache, const Tensor<float, 4>& q, const Tenso
           const StoredKey s = stored_key(cache, b, j, hq / group);
           double sum = 0.0;
           for (int64_t x = 0; x < c.head_dim; ++x)
-            sum += std::abs(scale * q(b, i, hq, x)) * (std::abs(s.ints[x] * s.channel[x]) + std::abs(s.zero[x]));
+            sum += std::abs(scale * q(b, i, hq, x)) * std::abs(s.value(x));
           largest_sum = std::max(largest_sum, sum);
         }
   const double eps = std::numeric_limits<float>::epsilon();
@@ -174,6 +177,57 @@ TEST(KVCacheChannel, DecodeMatchesTheReferenceOnEveryTarget) {
           const auto q = test::random_tensor<float, 4>({kBatch, q_len, 8, d}, 33 + q_len);
           test::expect_kernel_matches_reference(cache, q, kernel_bound(cache, q, v));
         }
+      }
+  });
+}
+
+// One key entry far outside its channel (issue 45: 1e8 gave zero points of ~5e7, and the
+// kernel's q·(c⊙int8) and q·z, summed apart, cancelled: rows that never saw that key moved
+// by 0.87), and a channel holding both ±3e38 (hi − lo overflowed: the group stored
+// non-finite, attend gave NaN). Every key stored finite, and each query row within
+// kernel_bound's form taken over the keys that row sees — relative to the stored keys, so
+// rows that do not see the outlier key keep a tight bound — on every target (EMU128's
+// affine map takes std::fma). The outlier is the last key: the first two of three queries
+// (bottom-right causal) see the rest of its group but not it.
+TEST(KVCacheChannel, WideRangeChannelsMatchTheReferenceOnEveryTarget) {
+  test::for_each_simd_target([](int64_t) {
+    for (int64_t d : {64, 20})
+      for (float outlier : {1e6f, 1e8f, -1e8f, 3e38f}) {
+        SCOPED_TRACE("d=" + std::to_string(d) + " outlier=" + std::to_string(outlier));
+        const int64_t tokens = 40, group = 16, q_len = 3, q_heads = 8;
+        auto k = outlier_keys(tokens, d, 41);
+        for (int64_t b = 0; b < kBatch; ++b) k(b, tokens - 1, 0, 3) = outlier;
+        if (outlier == 3e38f) k(1, 33, 1, 2) = outlier, k(1, 35, 1, 2) = -outlier;
+        const auto v = test::random_tensor<float, 4>({kBatch, tokens, kKvHeads, d}, 42);
+        KVCache cache(channel_config(d, group));
+        append_range(cache, k, v, 0, tokens);
+        for (int64_t b = 0; b < kBatch; ++b)
+          for (int64_t j = 0; j < tokens; ++j)
+            for (int64_t h = 0; h < kKvHeads; ++h)
+              for (int64_t c = 0; c < d; ++c) ASSERT_TRUE(std::isfinite(stored_key(cache, b, j, h).value(c))) << j;
+        // Queries small enough that float32 scores of keys ~3e38 stay finite.
+        auto q = test::random_tensor<float, 4>({kBatch, q_len, q_heads, d}, 43);
+        if (outlier == 3e38f)
+          for (std::size_t x = 0; x < q.size(); ++x) q[x] *= 1e-37f;
+        const Result fast = attend(cache, q, Backend::cpu, 2), ref = attend(cache, q, Backend::reference, 1);
+        double max_v = 0.0;
+        for (std::size_t x = 0; x < v.size(); ++x) max_v = std::max(max_v, double(std::abs(v[x])));
+        const double eps = std::numeric_limits<float>::epsilon(), scale = 1.0 / std::sqrt(double(d));
+        for (int64_t b = 0; b < kBatch; ++b)
+          for (int64_t i = 0; i < q_len; ++i)
+            for (int64_t hq = 0; hq < q_heads; ++hq) {
+              double largest_sum = 0.0;
+              for (int64_t j = 0; j <= tokens - q_len + i; ++j) {  // the keys row i sees
+                const StoredKey key = stored_key(cache, b, j, hq / (q_heads / kKvHeads));
+                double sum = 0.0;
+                for (int64_t x = 0; x < d; ++x) sum += std::abs(scale * q(b, i, hq, x) * key.value(x));
+                largest_sum = std::max(largest_sum, sum);
+              }
+              const double bound = (48.0 * largest_sum + 4.0) * eps * max_v;
+              for (int64_t c = 0; c < d; ++c)
+                ASSERT_LE(std::abs(double(fast.out(b, i, hq, c)) - ref.out(b, i, hq, c)), bound)
+                    << "b " << b << " row " << i << " head " << hq;
+            }
       }
   });
 }
