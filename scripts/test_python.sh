@@ -32,7 +32,12 @@ pip_install=("$python" -m pip install --quiet --disable-pip-version-check --root
 # without an isolated environment (which would move nanobind and force a full rebuild).
 "${pip_install[@]}" "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja
 
-"${pip_install[@]}" --no-build-isolation .
+# QKV_WERROR=ON as in the release preset, and CMake's default compiler (c++; pip would pick
+# Python's own, g++, which ccache hashes as another compiler): warnings are errors in CI's
+# bindings too, and the library's objects compile with the release build's command lines,
+# so ccache has them already.
+"${pip_install[@]}" --no-build-isolation --config-settings=cmake.define.QKV_WERROR=ON \
+  --config-settings=cmake.define.CMAKE_CXX_COMPILER=c++ .
 
 # From the repository root, `import qkv` finds the installed package (the sources
 # live in python/qkv, which is not on sys.path), so the tests test what pip installed.
