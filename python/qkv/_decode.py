@@ -136,8 +136,9 @@ class KVCache:
         self._state = torch.tensor(self.lengths, dtype=torch.int64)
 
     @property
-    def handle(self) -> int:
-        """The int torch.ops.qkv.kv_cache_append / kv_cache_attend name this cache by."""
+    def handle(self):
+        """The int64 scalar tensor torch.ops.qkv.kv_cache_append / kv_cache_attend name this
+        cache by (a graph input under torch.compile: qkv/_handles.py)."""
         if self._handle is None:
             self._register_for_torch()
         return self._handle
