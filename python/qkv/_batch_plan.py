@@ -59,7 +59,7 @@ class BatchPlan:
         if block_table is not None and block_size is None:
             raise Error(f"{fn}: block_size: expected the pool's rows per block with a block_table")
         self._v_dim = int(v_dim or head_dim)
-        first = "float32" if dtype is None else _storage_name(dtype)
+        first = "float32" if dtype is None else _storage_name(dtype, fn)
         self._plans = {first: self._plan(first)}  # validates the layout now
         # The traced operator's name for this plan (qkv/_torch_ops_plan.py), made here, out of
         # any trace; a plan made before torch is imported is not traceable.

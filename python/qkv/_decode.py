@@ -113,7 +113,7 @@ class KVCache:
                  scale_dtype=None):
         _check_layout("qkv.KVCache", layout)
         self.layout = layout
-        storage = _storage_name(dtype)
+        storage = _storage_name(dtype, "qkv.KVCache")
         if key_scales is None:
             key_scales = "channel" if storage == "int4" else "row"
         self._cache = _qkv.KVCache(batch, capacity, kv_heads, head_dim, v_dim or 0, storage,
