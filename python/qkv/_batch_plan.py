@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from . import _qkv
-from ._decode_eager import _cache_array, _float32_packed, _int_array, _is_torch, _storage_name
+from ._decode_eager import _cache_array, _float32_packed, _int_array, _is_torch, _storage_name, refuse_grad
 from ._options import make_options
 from ._arrays import Error, NumPy, Torch
 from ._decode import KVCache
@@ -89,7 +89,9 @@ class BatchPlan:
         (int4 and float windows too), its lengths and block table the plan's. Returns out
         ``[total_q, Hq, dv]`` (q's dtype when floating) or
         ``(out, lse [Hq, total_q])``. Traceable (torch.compile fullgraph, torch.export):
-        torch.ops.qkv.batch_plan_run, the plan named by a handle."""
+        torch.ops.qkv.batch_plan_run, the plan named by a handle. Forward-only: an input
+        that requires grad (with grad mode on) is an error."""
+        refuse_grad("qkv.BatchPlan.run", q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
         if _is_torch(q):
             from . import _torch_ops_plan
 

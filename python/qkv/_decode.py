@@ -16,8 +16,7 @@ import numpy as np
 from . import _decode_eager, _qkv
 from ._arrays import Error
 from ._decode_eager import (_check_layout, _empty_out, _float32_logical, _float32_packed, _int_array, _is_torch,
-                            _options,
-                            _storage_name)
+                            _options, _storage_name, refuse_grad)
 
 
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
@@ -47,6 +46,8 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     """
     fn = "qkv.decode"
     _check_layout(fn, layout)
+    refuse_grad(fn, q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale,
+                alibi_slopes=alibi_slopes, sinks=sinks)
     if _is_torch(q):
         from . import _torch_ops_cache
 
@@ -218,6 +219,7 @@ class KVCache:
         aligned with each sequence's newest keys. window, softcap, alibi_slopes, sinks,
         precision: as in ``qkv.decode``. Returns out like q, or (out, lse)."""
         fn = "qkv.KVCache.attend"
+        refuse_grad(fn, q=q, alibi_slopes=alibi_slopes, sinks=sinks)
         if _is_torch(q):
             from . import _torch_ops_cache
 

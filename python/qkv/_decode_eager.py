@@ -48,6 +48,19 @@ def _check_layout(function: str, layout: str) -> None:
         raise Error(f"{function}: layout: expected 'bhsd' or 'bshd', got {layout!r}")
 
 
+def refuse_grad(function: str, **arrays) -> None:
+    """Decoding (qkv.decode, KVCache.attend, BatchPlan.run) is forward-only: an input that
+    requires grad while grad mode is on would get an output without a graph and no word of
+    it, so it is an error (detach it, or call under torch.no_grad(), as generation does)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.is_grad_enabled():
+        return
+    for name, x in arrays.items():
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise Error(f"{function}: {name}: requires grad, but {function} is forward-only (it has no "
+                        "backward): detach it, or call under torch.no_grad()")
+
+
 def _float32_logical(x, layout: str, name: str, function: str):
     """x as the library's float32 [batch, seq, heads, dim] array (a view when x is
     float32 already; a converted copy otherwise: queries and new tokens are small)."""

@@ -172,7 +172,34 @@ def test_every_entry_point_has_rows():
     assert _entry_points() <= covered, sorted(_entry_points() - covered)
 
 
-# -- issue 45 item 5: the offsets' dtype message ---------------------------------------
+# -- issue 45 item 5: decoding is forward-only -----------------------------------------
+
+
+def test_decoding_refuses_an_input_that_requires_grad():
+    """BatchPlan.run, KVCache.attend and qkv.decode have no backward: an input that
+    requires grad used to come back as an output without grad, silently. Now it is an
+    error naming the function and the argument; under torch.no_grad it runs."""
+    q = torch.zeros(2, 2, 8, requires_grad=True)
+    cache = torch.zeros(2, 8, 1, 8)
+    plan = _plan()
+    with pytest.raises(qkv.Error, match=r"qkv\.BatchPlan\.run: q: requires grad.*forward-only"):
+        plan.run(q, cache, cache)
+    with pytest.raises(qkv.Error, match=r"qkv\.BatchPlan\.run: v_cache: requires grad"):
+        plan.run(q.detach(), cache, cache.clone().requires_grad_())
+    kv = qkv.KVCache(2, 8, 1, 8)
+    kv.append(torch.ones(2, 1, 2, 8), torch.ones(2, 1, 2, 8))
+    dq = torch.zeros(2, 2, 1, 8, requires_grad=True)
+    with pytest.raises(qkv.Error, match=r"qkv\.KVCache\.attend: q: requires grad"):
+        kv.attend(dq)
+    k_cache = torch.zeros(2, 1, 8, 8)
+    with pytest.raises(qkv.Error, match=r"qkv\.decode: q: requires grad"):
+        qkv.decode(dq, k_cache, k_cache, [3, 3])
+    with pytest.raises(qkv.Error, match=r"qkv\.decode: sinks: requires grad"):
+        qkv.decode(dq.detach(), k_cache, k_cache, [3, 3], sinks=torch.zeros(2, requires_grad=True))
+    with torch.no_grad():
+        assert torch.equal(plan.run(q, cache, cache), plan.run(q.detach(), cache, cache))
+        assert torch.equal(kv.attend(dq), kv.attend(dq.detach()))
+        assert torch.equal(qkv.decode(dq, k_cache, k_cache, [3, 3]), qkv.decode(dq.detach(), k_cache, k_cache, [3, 3]))
 
 
 def test_offsets_of_another_integer_dtype_name_the_dtypes_taken():
