@@ -257,6 +257,26 @@ def test_one_compiled_step_serves_many_kv_caches_without_recompiling(backend):
     _caches_compiled_once(backend)
 
 
+def test_torch_export_of_a_plan_run_and_a_cache_attend_runs():
+    """torch.export over a layer holding a plan and a cache: their handle tensors become
+    the program's constants, and the program computes the eager layer's bits."""
+    plan = qkv.BatchPlan(torch.tensor([0, 1, 3]), torch.tensor([4, 9]), num_heads=2, num_kv_heads=1, head_dim=DIM)
+    cache = qkv.KVCache(2, 32, 1, DIM)
+    cache.append(torch.randn(2, 1, 3, DIM), torch.randn(2, 1, 3, DIM))
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v, dq):
+            return plan.run(q, k, v), cache.attend(dq)
+
+    args = (torch.randn(3, 2, DIM), torch.randn(2, 16, 1, DIM), torch.randn(2, 16, 1, DIM),
+            torch.randn(2, 2, 1, DIM))
+    program = torch.export.export(Layer(), args)
+    targets = {str(node.target) for node in program.graph.nodes}
+    assert {"qkv.batch_plan_run.default", "qkv.kv_cache_attend.default"} <= targets
+    for a, b in zip(program.module()(*args), Layer()(*args)):
+        assert torch.equal(a, b)
+
+
 def test_batch_plan_run_operator_fake_needs_no_plan():
     """The fake implementation takes out's head dim from v_cache: a handle whose plan is
     gone still traces (the real run, which needs the plan, says it is gone)."""
