@@ -182,9 +182,10 @@ def _int_array(values, dtype, name: str, function: str):
     if _is_torch(values):
         values = values.detach().cpu().numpy()
     array = np.asarray(values)
-    # NumPy keeps Python ints past uint64 as objects, and a cast would wrap uint64 past int64.
+    # NumPy keeps Python ints past uint64 as objects, and the cast to int64 below would wrap
+    # uint64 past int64 (without a dtype the binding checks the uint64 entries itself).
     if array.dtype == object and all(isinstance(x, numbers.Integral) for x in array.flat) or (
-            array.dtype == np.uint64 and dtype != np.uint64 and array.size and array.max() >= 2**63):
+            array.dtype == np.uint64 and dtype is np.int64 and array.size and array.max() >= 2**63):
         raise Error(f"{function}: {name}: expected integers in [-2**63, 2**63), got {max(array.flat, key=abs)}")
     if array.size and array.dtype.kind not in "iu":
         raise TypeError(f"{function}: {name}: expected integers, got dtype {array.dtype}")

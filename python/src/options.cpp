@@ -385,7 +385,7 @@ void bind_options(nb::module_& m) {
           "replace",
           [](const BoundOptions& self, const nb::kwargs& changes) {
             BoundOptions copy = self;
-            set_fields(copy, "qkv", changes);
+            set_fields(copy, self.function.c_str(), changes);
             return copy;
           },
           "A copy with the given fields changed (the constructor's names).")
