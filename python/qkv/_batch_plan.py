@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from . import _qkv
-from ._decode_eager import _cache_array, _float32_packed, _int_array, _is_torch, _storage_name
+from ._decode_eager import _cache_array, _float32_packed, _int_array, _is_torch, _storage_name, refuse_grad
 from ._options import make_options
 from ._arrays import Error, NumPy, Torch
 from ._decode import KVCache
@@ -59,7 +59,7 @@ class BatchPlan:
         if block_table is not None and block_size is None:
             raise Error(f"{fn}: block_size: expected the pool's rows per block with a block_table")
         self._v_dim = int(v_dim or head_dim)
-        first = "float32" if dtype is None else _storage_name(dtype)
+        first = "float32" if dtype is None else _storage_name(dtype, fn)
         self._plans = {first: self._plan(first)}  # validates the layout now
         # The traced operator's name for this plan (qkv/_torch_ops_plan.py), made here, out of
         # any trace; a plan made before torch is imported is not traceable.
@@ -89,7 +89,9 @@ class BatchPlan:
         (int4 and float windows too), its lengths and block table the plan's. Returns out
         ``[total_q, Hq, dv]`` (q's dtype when floating) or
         ``(out, lse [Hq, total_q])``. Traceable (torch.compile fullgraph, torch.export):
-        torch.ops.qkv.batch_plan_run, the plan named by a handle."""
+        torch.ops.qkv.batch_plan_run, the plan named by a handle. Forward-only: an input
+        that requires grad (with grad mode on) is an error."""
+        refuse_grad("qkv.BatchPlan.run", q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
         if _is_torch(q):
             from . import _torch_ops_plan
 

@@ -16,8 +16,7 @@ import numpy as np
 from . import _decode_eager, _qkv
 from ._arrays import Error
 from ._decode_eager import (_check_layout, _empty_out, _float32_logical, _float32_packed, _int_array, _is_torch,
-                            _options,
-                            _storage_name)
+                            _options, _storage_name, refuse_grad)
 
 
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
@@ -47,6 +46,8 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     """
     fn = "qkv.decode"
     _check_layout(fn, layout)
+    refuse_grad(fn, q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale,
+                alibi_slopes=alibi_slopes, sinks=sinks)
     if _is_torch(q):
         from . import _torch_ops_cache
 
@@ -113,7 +114,7 @@ class KVCache:
                  scale_dtype=None):
         _check_layout("qkv.KVCache", layout)
         self.layout = layout
-        storage = _storage_name(dtype)
+        storage = _storage_name(dtype, "qkv.KVCache")
         if key_scales is None:
             key_scales = "channel" if storage == "int4" else "row"
         self._cache = _qkv.KVCache(batch, capacity, kv_heads, head_dim, v_dim or 0, storage,
@@ -136,8 +137,9 @@ class KVCache:
         self._state = torch.tensor(self.lengths, dtype=torch.int64)
 
     @property
-    def handle(self) -> int:
-        """The int torch.ops.qkv.kv_cache_append / kv_cache_attend name this cache by."""
+    def handle(self):
+        """The int64 scalar tensor torch.ops.qkv.kv_cache_append / kv_cache_attend name this
+        cache by (a graph input under torch.compile: qkv/_handles.py)."""
         if self._handle is None:
             self._register_for_torch()
         return self._handle
@@ -217,6 +219,7 @@ class KVCache:
         aligned with each sequence's newest keys. window, softcap, alibi_slopes, sinks,
         precision: as in ``qkv.decode``. Returns out like q, or (out, lse)."""
         fn = "qkv.KVCache.attend"
+        refuse_grad(fn, q=q, alibi_slopes=alibi_slopes, sinks=sinks)
         if _is_torch(q):
             from . import _torch_ops_cache
 

@@ -10,6 +10,7 @@ paged cache is always the vLLM pool ``[num_blocks, block_size, kv_heads, dim]``.
 
 from __future__ import annotations
 
+import numbers
 import sys
 
 import numpy as np
@@ -26,7 +27,7 @@ def _is_torch(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _storage_name(dtype) -> str:
+def _storage_name(dtype, function: str = "qkv") -> str:
     """'float32', 'bfloat16', 'float16', 'int8' or 'int4' from a name, a NumPy or a torch dtype."""
     name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
     if name in ("int8", "<class 'numpy.int8'>"):
@@ -39,12 +40,25 @@ def _storage_name(dtype) -> str:
         return "float16"
     if name in ("bfloat16",):
         return "bfloat16"
-    raise Error(f"dtype: expected float32, bfloat16, float16, int8 or int4, got {dtype!r}")
+    raise Error(f"{function}: dtype: expected float32, bfloat16, float16, int8 or int4, got {dtype!r}")
 
 
 def _check_layout(function: str, layout: str) -> None:
     if layout not in LAYOUTS:
         raise Error(f"{function}: layout: expected 'bhsd' or 'bshd', got {layout!r}")
+
+
+def refuse_grad(function: str, **arrays) -> None:
+    """Decoding (qkv.decode, KVCache.attend, BatchPlan.run) is forward-only: an input that
+    requires grad while grad mode is on would get an output without a graph and no word of
+    it, so it is an error (detach it, or call under torch.no_grad(), as generation does)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.is_grad_enabled():
+        return
+    for name, x in arrays.items():
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise Error(f"{function}: {name}: requires grad, but {function} is forward-only (it has no "
+                        "backward): detach it, or call under torch.no_grad()")
 
 
 def _float32_logical(x, layout: str, name: str, function: str):
@@ -59,6 +73,7 @@ def _float32_logical(x, layout: str, name: str, function: str):
             raise TypeError(f"{function}: {name}: expected a CPU tensor, got device {x.device}")
         x = x.detach()
         if x.dtype != torch.float32:
+            _expect_real(x.is_complex() or x.dtype == torch.bool, x.dtype, name, function)
             x = x.to(torch.float32)
         if layout == "bhsd":
             x = x.transpose(1, 2)
@@ -68,6 +83,7 @@ def _float32_logical(x, layout: str, name: str, function: str):
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{function}: {name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
     if x.dtype != np.float32:
+        _expect_real(x.dtype.kind not in "iuf", x.dtype, name, function)
         x = x.astype(np.float32)
     return x.swapaxes(1, 2) if layout == "bhsd" else x
 
@@ -82,11 +98,23 @@ def _float32_packed(x, name: str, function: str):
         if x.device.type != "cpu":
             raise TypeError(f"{function}: {name}: expected a CPU tensor, got device {x.device}")
         x = x.detach()
-        x = x if x.dtype == torch.float32 else x.to(torch.float32)
+        if x.dtype != torch.float32:
+            _expect_real(x.is_complex() or x.dtype == torch.bool, x.dtype, name, function)
+            x = x.to(torch.float32)
         return (x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()).numpy()
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{function}: {name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
-    return x if x.dtype == np.float32 else x.astype(np.float32)
+    if x.dtype != np.float32:
+        _expect_real(x.dtype.kind not in "iuf", x.dtype, name, function)
+        x = x.astype(np.float32)
+    return x
+
+
+def _expect_real(refused: bool, dtype, name: str, function: str) -> None:
+    """Queries and new keys of any real dtype are converted to float32; others refused
+    here, before a conversion that would drop an imaginary part or fail naming nothing."""
+    if refused:
+        raise TypeError(f"{function}: {name}: expected a real (integer or float) dtype, got {dtype}")
 
 
 def _empty_out(like, batch: int, seq: int, heads: int, dim: int, layout: str):
@@ -154,6 +182,11 @@ def _int_array(values, dtype, name: str, function: str):
     if _is_torch(values):
         values = values.detach().cpu().numpy()
     array = np.asarray(values)
+    # NumPy keeps Python ints past uint64 as objects, and the cast to int64 below would wrap
+    # uint64 past int64 (without a dtype the binding checks the uint64 entries itself).
+    if array.dtype == object and all(isinstance(x, numbers.Integral) for x in array.flat) or (
+            array.dtype == np.uint64 and dtype is np.int64 and array.size and array.max() >= 2**63):
+        raise Error(f"{function}: {name}: expected integers in [-2**63, 2**63), got {max(array.flat, key=abs)}")
     if array.size and array.dtype.kind not in "iu":
         raise TypeError(f"{function}: {name}: expected integers, got dtype {array.dtype}")
     if dtype is None and array.dtype.kind not in "iu":

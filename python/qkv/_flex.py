@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from . import _autograd, _torch_ops, mods
 from ._arrays import Torch
@@ -42,7 +43,12 @@ _CHUNK_ELEMENTS = 1 << 22  # mask_mod evaluated over at most this many pairs at 
 
 @torch.compiler.assume_constant_result
 def mask_mod_handle(mask_mod) -> int:
-    handle = _HANDLES.get(mask_mod)
+    try:
+        handle = _HANDLES.get(mask_mod)
+    except TypeError:  # held weakly (above): an object without weak references cannot be
+        raise TypeError(f"{_FN}: block_mask.mask_mod: expected a function or an object that can be weakly "
+                        f"referenced (qkv holds mask_mods weakly), got {type(mask_mod).__qualname__}: "
+                        "wrap it in a def or lambda when creating the BlockMask") from None
     if handle is None:
         handle = len(_HANDLES) + 1
         while handle in _MASK_MODS:
@@ -152,6 +158,9 @@ def _check(query, key, value, block_mask, enable_gqa):
                     f"enable_gqa=True, got {k_heads}")
     if block_mask is None:
         return
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"{_FN}: block_mask: expected None or a BlockMask (create_block_mask), got "
+                        f"{type(block_mask).__qualname__}")
     q_len, k_len = query.shape[2], key.shape[2]
     if tuple(block_mask.seq_lengths) != (q_len, k_len):
         raise Error(f"{_FN}: block_mask: made for (Q_LEN, KV_LEN) = "
@@ -216,7 +225,8 @@ def _bias(bias, query, key, block_mask, variants):
     if not isinstance(bias, Tensor) or not bias.is_floating_point():
         raise TypeError(f"{_FN}: qkv.mods.bias: expected a float torch.Tensor")
     shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-    if bias.ndim > 4 or torch.broadcast_shapes(bias.shape, shape) != shape:
+    # Checked here, not by torch.broadcast_shapes, whose RuntimeError names no argument.
+    if bias.ndim > 4 or any(n not in (1, m) for n, m in zip(reversed(bias.shape), reversed(shape))):
         raise Error(f"{_FN}: qkv.mods.bias: shape {tuple(bias.shape)} does not broadcast to "
                     f"{shape}")
     if block_mask is not None:

@@ -24,7 +24,7 @@ from . import _qkv
 from ._arrays import NumPy, Torch
 
 
-def _as_array(name: str, x):
+def _as_array(fn: str, name: str, x):
     """(framework, x) with lists and non-float NumPy arrays promoted to float64."""
     if Torch.owns(x):
         return Torch, x
@@ -32,14 +32,14 @@ def _as_array(name: str, x):
         return NumPy, x
     array = np.asarray(x)
     if array.dtype.kind not in "biuf":
-        raise TypeError(f"qkv: {name}: expected real numbers, got dtype {array.dtype}")
+        raise TypeError(f"{fn}: {name}: expected real numbers, got dtype {array.dtype}")
     return NumPy, array.astype(np.float64)
 
 
-def _rows(fw, x):
+def _rows(fn: str, name: str, fw, x):
     """x as a [rows, n] array with C-order rows (a copy only when x is not C-order)."""
     if x.ndim == 0:
-        raise ValueError("qkv: expected at least 1 dimension (the softmax axis), got a scalar")
+        raise _qkv.Error(f"{fn}: {name}: expected at least 1 dimension (the softmax axis), got a scalar")
     shape = (math.prod(x.shape[:-1]), x.shape[-1])
     if fw is Torch:
         return x.detach().contiguous().reshape(shape)
@@ -52,8 +52,8 @@ def _empty(fw, shape, like):
 
 def softmax(x):
     """softmax along the last axis, computed as qkv::softmax (float64 sums)."""
-    fw, x = _as_array("x", x)
-    rows = _rows(fw, x)
+    fw, x = _as_array("qkv.softmax", "x", x)
+    rows = _rows("qkv.softmax", "x", fw, x)
     out = _empty(fw, tuple(rows.shape), rows)
     _qkv.softmax_rows(rows, out)
     return out.reshape(tuple(x.shape))
@@ -61,8 +61,8 @@ def softmax(x):
 
 def log_softmax(x):
     """log_softmax along the last axis: x − max − log Σ exp(x − max)."""
-    fw, x = _as_array("x", x)
-    rows = _rows(fw, x)
+    fw, x = _as_array("qkv.log_softmax", "x", x)
+    rows = _rows("qkv.log_softmax", "x", fw, x)
     out = _empty(fw, tuple(rows.shape), rows)
     _qkv.log_softmax_rows(rows, out)
     return out.reshape(tuple(x.shape))
@@ -71,8 +71,8 @@ def log_softmax(x):
 def softmax_jacobian(s):
     """J = diag(s) − s·sᵀ for each softmax vector s along the last axis: shape
     ``s.shape + (n,)``. J[..., i, j] = ∂s_i/∂x_j."""
-    fw, s = _as_array("s", s)
-    rows = _rows(fw, s)
+    fw, s = _as_array("qkv.softmax_jacobian", "s", s)
+    rows = _rows("qkv.softmax_jacobian", "s", fw, s)
     n = rows.shape[1]
     jacobian = _empty(fw, (rows.shape[0], n, n), rows)
     _qkv.softmax_jacobian_rows(rows, jacobian)
@@ -82,8 +82,9 @@ def softmax_jacobian(s):
 def softmax_backward(s, g):
     """∂L/∂x = Jᵀ·g = s ⊙ (g − ⟨s, g⟩) for s = softmax(x) and g = ∂L/∂s, along the last
     axis, without building J."""
-    fw, s = _as_array("s", s)
-    fw_g, g = _as_array("g", g)
+    fn = "qkv.softmax_backward"
+    fw, s = _as_array(fn, "s", s)
+    fw_g, g = _as_array(fn, "g", g)
     if fw_g is not fw:
         raise TypeError("qkv.softmax_backward: s and g must be of one array type")
     if tuple(g.shape) != tuple(s.shape):
@@ -91,7 +92,7 @@ def softmax_backward(s, g):
             f"qkv.softmax_backward: g.shape: expected {tuple(s.shape)} (as s), "
             f"got {tuple(g.shape)}"
         )
-    s_rows, g_rows = _rows(fw, s), _rows(fw, g)
+    s_rows, g_rows = _rows(fn, "s", fw, s), _rows(fn, "g", fw, g)
     dx = _empty(fw, tuple(s_rows.shape), s_rows)
     _qkv.softmax_backward_rows(s_rows, g_rows, dx)
     return dx.reshape(tuple(s.shape))

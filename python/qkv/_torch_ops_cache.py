@@ -3,16 +3,19 @@ qkv.decode and qkv.KVCache:
 
     torch.ops.qkv.decode(q, k_cache, v_cache, cache_lengths, ...)   -> (out, lse)
     torch.ops.qkv.kv_cache_append(state!, handle, k, v, seqs)       mutates `state`
-    torch.ops.qkv.kv_cache_attend(state, handle, q, ...)            -> (out, lse)
+    torch.ops.qkv.kv_cache_attend(state, handle, q, layout, v_dim, ...)   -> (out, lse)
 
 Each runs the eager function (qkv/_decode.py) when it executes, so a traced call is
 the eager call. None is differentiable (decoding has no backward).
 
 A KVCache owns its memory in C++, out of the graph's sight; the operators name it by a
-handle (an int, constant in a graph) and carry its `state`, an int64 [batch] tensor
-holding the keys cached per sequence as of the last traced append. append declares
+handle (an int64 scalar tensor the cache holds, a graph input: qkv/_handles.py, so one
+compiled function serves any number of caches) and carry its `state`, an int64 [batch]
+tensor holding the keys cached per sequence as of the last traced append. append declares
 `state` mutated (it writes the new lengths there) and attend reads it, so a compiler
-keeps every append before the attends that follow it, as written.
+keeps every append before the attends that follow it, as written. attend's fake needs
+the cache's layout and v_dim: they are arguments, read from the cache's attributes at
+trace time (guarded, as any attribute a traced function reads), never from the cache.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ._arrays import Error
 from ._handles import Handles
 from ._torch_ops import TORCH_THREADS, _checked_scalars, per_head_vector
 
@@ -77,7 +81,7 @@ def _(q, k_cache, v_cache, cache_lengths, block_table, k_scale, v_scale, scale, 
 
 
 @torch.library.custom_op("qkv::kv_cache_append", mutates_args=("state",))
-def kv_cache_append(state: Tensor, handle: int, k: Tensor, v: Tensor,
+def kv_cache_append(state: Tensor, handle: Tensor, k: Tensor, v: Tensor,
                     seqs: Optional[List[int]]) -> None:
     cache = _cache(handle)
     cache.append(k, v, seqs)
@@ -91,19 +95,21 @@ def _(state, handle, k, v, seqs):
 
 @torch.library.custom_op("qkv::kv_cache_attend", mutates_args=())
 def kv_cache_attend(
-    state: Tensor, handle: int, q: Tensor, scale: Optional[float], causal: str, threads: int,
-    window_left: int = -1, window_right: int = -1, alibi_slopes: Optional[Tensor] = None,
-    softcap: float = 0.0, sinks: Optional[Tensor] = None,
+    state: Tensor, handle: Tensor, q: Tensor, layout: str, v_dim: int, scale: Optional[float],
+    causal: str, threads: int, window_left: int = -1, window_right: int = -1,
+    alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    return _cache(handle).attend(q, scale=scale, causal=_causal(causal), return_lse=True,
-                                 **_variants(window_left, window_right, softcap,
-                                             alibi_slopes, sinks, threads))
+    cache = _cache(handle)
+    if (layout, v_dim) != (cache.layout, cache.v_dim):  # what the fake's shapes were made from
+        raise Error(f"qkv.KVCache.attend: layout, v_dim: expected the cache's ({cache.layout!r}, "
+                    f"{cache.v_dim}), got ({layout!r}, {v_dim})")
+    return cache.attend(q, scale=scale, causal=_causal(causal), return_lse=True,
+                        **_variants(window_left, window_right, softcap, alibi_slopes, sinks, threads))
 
 
 @kv_cache_attend.register_fake
-def _(state, handle, q, *rest):
-    cache = _cache(handle)
-    return _outputs(q, cache.layout, cache.v_dim)
+def _(state, handle, q, layout, v_dim, *rest):
+    return _outputs(q, layout, v_dim)
 
 
 def traced(x) -> bool:
@@ -150,8 +156,8 @@ def traced_attend(cache, q, *, scale, causal, return_lse, threads, window, softc
                   alibi_slopes, sinks):
     scale, causal, threads, left, right, slopes, softcap, sinks = _scalars(
         "qkv.KVCache.attend", q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
-    out, lse = kv_cache_attend(cache.torch_state(), cache.handle, q, scale, causal, threads,
-                               left, right, slopes, softcap, sinks)
+    out, lse = kv_cache_attend(cache.torch_state(), cache.handle, q, cache.layout, cache.v_dim, scale, causal,
+                               threads, left, right, slopes, softcap, sinks)
     return (out, lse) if return_lse else out
 
 

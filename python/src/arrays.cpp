@@ -25,20 +25,62 @@ std::string dtype_name(nb::dlpack::dtype dtype) {
   return name;
 }
 
+thread_local const char* Caller::current_ = nullptr;
+
+std::string Caller::named(const char* name) {
+  return current_ == nullptr ? std::string(name) : std::string(current_) + ": " + name;
+}
+
+void argument_type_error(const char* name, const std::string& what) {
+  throw nb::type_error((Caller::named(name) + ": " + what).c_str());
+}
+
+int64_t int64_argument(const char* name, nb::handle value) {
+  // Python's bool is an int; anything with __index__ (a NumPy integer) is taken as one.
+  if (!PyIndex_Check(value.ptr()))
+    argument_type_error(name, std::string("expected an int, got ") + nb::type_name(value.type()).c_str() + " " +
+                                  nb::repr(value).c_str());
+  const nb::object index = nb::steal(PyNumber_Index(value.ptr()));
+  if (!index.is_valid()) throw nb::python_error();
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (n == -1 && PyErr_Occurred()) throw nb::python_error();
+  if (overflow != 0)
+    throw Error(Caller::named(name) + ": expected an int in [-2**63, 2**63), got " + nb::repr(index).c_str());
+  return n;
+}
+
+std::optional<std::vector<int64_t>> int64_list_argument(const char* name, nb::handle value) {
+  if (value.is_none()) return std::nullopt;
+  if (!PySequence_Check(value.ptr()))
+    argument_type_error(name, std::string("expected None or a list of ints, got ") +
+                                  nb::type_name(value.type()).c_str());
+  std::vector<int64_t> out;
+  const nb::sequence items = nb::borrow<nb::sequence>(value);
+  const std::size_t n = nb::len(items);
+  out.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::string entry = std::string(name) + "[" + std::to_string(i) + "]";
+    const nb::object item = items[i];
+    out.push_back(int64_argument(entry.c_str(), item));
+  }
+  return out;
+}
+
 void expect_cpu(const char* name, int device_type) {
   if (device_type != nb::device::cpu::value) {
-    throw nb::type_error((std::string(name) + ": expected an array in CPU memory, got DLPack "
-                          "device type " + std::to_string(device_type) +
-                          " (qkv computes on the CPU; move it with .cpu())")
-                             .c_str());
+    argument_type_error(name, "expected an array in CPU memory, got DLPack device type " +
+                                  std::to_string(device_type) +
+                                  " (qkv computes on the CPU; move it with .cpu())");
   }
 }
 
 void expect_rank(const char* name, std::size_t actual, int expected) {
   if (actual != static_cast<std::size_t>(expected)) {
     std::ostringstream out;
-    out << name << ": expected " << expected << " dimensions, got " << actual;
-    throw nb::value_error(out.str().c_str());
+    out << Caller::named(name) << ": expected " << expected << (expected == 1 ? " dimension" : " dimensions")
+        << ", got " << actual;
+    throw Error(out.str());
   }
 }
 
@@ -46,9 +88,9 @@ void expect_dtype(const char* name, nb::dlpack::dtype actual, nb::dlpack::dtype 
                   const char* because) {
   if (actual != expected) {
     std::ostringstream out;
-    out << name << ": expected dtype " << dtype_name(expected) << " (" << because << "), got "
+    out << "expected dtype " << dtype_name(expected) << " (" << because << "), got "
         << dtype_name(actual);
-    throw nb::type_error(out.str().c_str());
+    argument_type_error(name, out.str());
   }
 }
 
@@ -56,8 +98,8 @@ CallStorage call_storage(const ArrayRef& q, bool bfloat16_bits) {
   expect_cpu("q", q.device_type());
   if (bfloat16_bits) {
     if (q.dtype() != dlpack_dtype<bfloat16>() && !holds_16_bit_patterns(q.dtype())) {
-      throw nb::type_error(("q: expected dtype bfloat16 (or 16-bit integers holding bfloat16 "
-                            "bits), got " + dtype_name(q.dtype())).c_str());
+      argument_type_error("q", "expected dtype bfloat16 (or 16-bit integers holding bfloat16 bits), got " +
+                                   dtype_name(q.dtype()));
     }
     return {Storage::bfloat16, true};
   }
@@ -65,9 +107,7 @@ CallStorage call_storage(const ArrayRef& q, bool bfloat16_bits) {
   if (q.dtype() == nb::dtype<double>()) return {Storage::float64, false};
   if (q.dtype() == dlpack_dtype<bfloat16>()) return {Storage::bfloat16, false};
   if (q.dtype() == dlpack_dtype<float16>()) return {Storage::float16, false};
-  throw nb::type_error(("q: expected dtype float32, float64, bfloat16 or float16, got " +
-                        dtype_name(q.dtype()))
-                           .c_str());
+  argument_type_error("q", "expected dtype float32, float64, bfloat16 or float16, got " + dtype_name(q.dtype()));
 }
 
 namespace {
@@ -227,7 +267,7 @@ ArrayRef ArrayRef::from(nb::handle object, bool writable, const char* name) {
     InArray array;
     if (nb::try_cast(object, array)) return from_ndarray(array);
   }
-  throw Error(std::string(name) + ": " + unreadable_array(object, writable));
+  throw Error(Caller::named(name) + ": " + unreadable_array(object, writable));
 }
 
 ArrayRef ArrayRef::swapped_1_2() const {

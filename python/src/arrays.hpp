@@ -15,6 +15,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "qkv/half.hpp"
 #include "qkv/tensor.hpp"
@@ -29,11 +30,42 @@ using OutArray = nb::ndarray<>;       // written in place
 // "float32", "bool", ... for messages.
 std::string dtype_name(nb::dlpack::dtype dtype);
 
-// The checks every array passes before it becomes a view.
+// The Python entry point a binding call serves ("qkv.BatchPlan.run"), for the messages of
+// the array checks below it: one check (expect_rank) serves every binding and knows only
+// the argument, and `except qkv.Error` callers need the function named too. A binding
+// sets it for the duration of its call, on its own thread (arguments are checked with the
+// GIL held; a call nested in another restores the outer name when it returns).
+class Caller {
+ public:
+  explicit Caller(const char* function) : previous_(current_) { current_ = function; }
+  ~Caller() { current_ = previous_; }
+  Caller(const Caller&) = delete;
+  Caller& operator=(const Caller&) = delete;
+
+  // "<function>: <name>", or the name alone outside any binding call.
+  static std::string named(const char* name);
+
+ private:
+  static thread_local const char* current_;
+  const char* previous_;
+};
+
+// The checks every array passes before it becomes a view: device and dtype are
+// TypeErrors, rank a qkv::Error (qkv.Error), each naming Caller's function and the argument.
 void expect_cpu(const char* name, int device_type);
 void expect_rank(const char* name, std::size_t actual, int expected);
 void expect_dtype(const char* name, nb::dlpack::dtype actual, nb::dlpack::dtype expected,
                   const char* because);
+// A TypeError "<function>: <name>: <what>".
+[[noreturn]] void argument_type_error(const char* name, const std::string& what);
+
+// An int argument (a size, a count, a sequence index) as int64, range-checked before it is
+// narrowed: bindings take such arguments as handles, because nanobind refuses an int past
+// int64 (2**64) for the whole call ("incompatible function arguments", naming nothing).
+// Past int64: a qkv::Error naming Caller's function and `name`; not an int: a TypeError.
+int64_t int64_argument(const char* name, nb::handle value);
+// None: nullopt; else a sequence of ints, each as int64_argument ("seqs[2]").
+std::optional<std::vector<int64_t>> int64_list_argument(const char* name, nb::handle value);
 
 // `array` as a rank-R view of T, without looking at its dtype. Strides are the array's
 // own, in elements, except for an array with no elements: NumPy and PyTorch give those
@@ -174,8 +206,7 @@ void dispatch_on_q(const InArray& q, Float32&& float32, Float64&& float64) {
   expect_cpu("q", q.device_type());
   if (q.dtype() == nb::dtype<float>()) return float32();
   if (q.dtype() == nb::dtype<double>()) return float64();
-  throw nb::type_error(
-      ("q: expected dtype float32 or float64, got " + dtype_name(q.dtype())).c_str());
+  argument_type_error("q", "expected dtype float32 or float64, got " + dtype_name(q.dtype()));
 }
 
 }  // namespace qkv::python

@@ -114,6 +114,7 @@ void backward_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& v, con
 void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
              nb::handle weights, const std::optional<nb::dict>& stats,
              const BoundOptions& bound, bool bhsd, bool bfloat16_bits) {
+  const Caller caller(bound.function.c_str());
   const ArrayRef qa = logical("q", q, false, bhsd), ka = logical("k", k, false, bhsd),
                  va = logical("v", v, false, bhsd), oa = logical("out", out, true, bhsd);
   const std::optional<ArrayRef> la = optional_array("lse", lse), wa = optional_array("weights", weights);
@@ -127,6 +128,7 @@ void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handl
 void backward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
               nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv, nb::handle dsinks,
               const BoundOptions& bound, bool bhsd, bool bfloat16_bits, nb::handle dalibi) {
+  const Caller caller(bound.function.c_str());
   const ArrayRef qa = logical("q", q, false, bhsd), ka = logical("k", k, false, bhsd),
                  va = logical("v", v, false, bhsd), oa = logical("out", out, false, bhsd),
                  la = ArrayRef::from(lse, false, "lse"), da = logical("dout", dout, false, bhsd),

@@ -24,11 +24,15 @@ namespace nb = nanobind;
 SeqOffsets offsets_of(const char* name, const ArrayRef& array) {
   if (array.dtype() == nb::dtype<int32_t>()) {
     const auto view = view_of<const int32_t, 1>(name, array, "int32 or int64");
-    if (view.shape[0] > 1 && view.strides[0] != 1) throw Error(std::string("qkv::BatchPlan: ") + name + ": expected a contiguous array");
+    if (view.shape[0] > 1 && view.strides[0] != 1) throw Error(Caller::named(name) + ": expected a contiguous array");
     return std::span<const int32_t>(view.data, static_cast<std::size_t>(view.shape[0]));
   }
+  if (array.dtype() != nb::dtype<int64_t>()) {
+    expect_cpu(name, array.device_type());
+    argument_type_error(name, "expected dtype int32 or int64, got " + dtype_name(array.dtype()));
+  }
   const auto view = view_of<const int64_t, 1>(name, array, "int32 or int64");
-  if (view.shape[0] > 1 && view.strides[0] != 1) throw Error(std::string("qkv::BatchPlan: ") + name + ": expected a contiguous array");
+  if (view.shape[0] > 1 && view.strides[0] != 1) throw Error(Caller::named(name) + ": expected a contiguous array");
   return std::span<const int64_t>(view.data, static_cast<std::size_t>(view.shape[0]));
 }
 
@@ -50,12 +54,13 @@ void run_typed(const BatchPlan& plan, const ArrayRef& q, const ArrayRef& k_cache
 
 void run_any(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle out,
              nb::handle lse, const std::string& bits_as, nb::handle k_scale, nb::handle v_scale) {
+  const Caller caller("qkv.BatchPlan.run");
   const ArrayRef qa = ArrayRef::from(q, false, "q"), ka = ArrayRef::from(k_cache, false, "k_cache"),
                  va = ArrayRef::from(v_cache, false, "v_cache"), oa = ArrayRef::from(out, true, "out");
   const std::optional<ArrayRef> la = lse.is_none() ? std::nullopt : std::optional(ArrayRef::from(lse, true, "lse"));
   const std::optional<ArrayRef> ks = optional_in("k_scale", k_scale), vs = optional_in("v_scale", v_scale);
   const StorageType type = cache_storage("k_cache", ka, bits_as);
-  if (cache_storage("v_cache", va, bits_as) != type) throw nb::type_error("v_cache: expected the dtype of k_cache");
+  if (cache_storage("v_cache", va, bits_as) != type) argument_type_error("v_cache", "expected the dtype of k_cache");
   switch (type) {
     case StorageType::float32: return run_typed<float>(plan, qa, ka, va, oa, la, ks, vs);
     case StorageType::bfloat16: return run_typed<bfloat16>(plan, qa, ka, va, oa, la, ks, vs);
@@ -72,9 +77,10 @@ void bind_batch_plan(nb::module_& m) {
   nb::class_<BatchPlan>(m, "BatchPlan")
       .def(
           "__init__",
-          [](BatchPlan* self, nb::handle cu_seqlens_q, nb::handle cache_lengths, int64_t num_heads,
-             int64_t num_kv_heads, int64_t head_dim, int64_t v_dim, nb::handle block_table, int64_t block_size,
-             const std::string& storage, const BoundOptions& bound) {
+          [](BatchPlan* self, nb::handle cu_seqlens_q, nb::handle cache_lengths, nb::handle num_heads,
+             nb::handle num_kv_heads, nb::handle head_dim, nb::handle v_dim, nb::handle block_table,
+             nb::handle block_size, const std::string& storage, const BoundOptions& bound) {
+            const Caller caller(bound.function.c_str());
             BatchLayout layout;
             const ArrayRef cu = ArrayRef::from(cu_seqlens_q, false, "cu_seqlens_q");
             const ArrayRef lengths = ArrayRef::from(cache_lengths, false, "cache_lengths");
@@ -83,11 +89,11 @@ void bind_batch_plan(nb::module_& m) {
             std::vector<int32_t> table_storage;
             const std::optional<ArrayRef> table = optional_in("block_table", block_table);
             if (table) layout.block_table = block_table_view(*table, table_storage, "qkv::BatchPlan");
-            layout.block_size = block_size;
-            layout.num_heads = num_heads;
-            layout.num_kv_heads = num_kv_heads;
-            layout.head_dim = head_dim;
-            layout.v_dim = v_dim;
+            layout.block_size = int64_argument("block_size", block_size);
+            layout.num_heads = int64_argument("num_heads", num_heads);
+            layout.num_kv_heads = int64_argument("num_kv_heads", num_kv_heads);
+            layout.head_dim = int64_argument("head_dim", head_dim);
+            layout.v_dim = int64_argument("v_dim", v_dim);
             layout.storage = parse_storage(storage);
             new (self) BatchPlan(layout, bound.for_call());
           },
@@ -103,6 +109,7 @@ void bind_batch_plan(nb::module_& m) {
       .def(
           "run_cache",
           [](const BatchPlan& self, nb::handle q, const KVCache& cache, nb::handle out, nb::handle lse) {
+            const Caller caller("qkv.BatchPlan.run");
             const auto qv = view_of<const float, 3>("q", ArrayRef::from(q, false, "q"), "queries are float32");
             const auto ov = view_of<float, 3>("out", ArrayRef::from(out, true, "out"), "the output is float32");
             TensorView<float, 2> lv;

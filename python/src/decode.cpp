@@ -30,7 +30,8 @@ StorageType parse_storage(const std::string& name) {
   if (name == "float16") return StorageType::float16;
   if (name == "int8") return StorageType::int8;
   if (name == "int4") return StorageType::int4;
-  throw Error("dtype: expected 'float32', 'bfloat16', 'float16', 'int8' or 'int4', got '" + name + "'");
+  throw Error(Caller::named("dtype") + ": expected 'float32', 'bfloat16', 'float16', 'int8' or 'int4', got '" + name +
+              "'");
 }
 
 // The storage type of a cache array: its own dtype, or `bits_as` for 16-bit integers.
@@ -45,9 +46,7 @@ StorageType cache_storage(const char* name, const ArrayRef& array, const std::st
     const StorageType type = parse_storage(bits_as);
     if (type == StorageType::bfloat16 || type == StorageType::float16) return type;
   }
-  throw nb::type_error((std::string(name) + ": expected dtype float32, float16, bfloat16 or int8, got " +
-                        dtype_name(dt))
-                           .c_str());
+  argument_type_error(name, "expected dtype float32, float16, bfloat16 or int8, got " + dtype_name(dt));
 }
 
 std::span<const int64_t> lengths_of(const ArrayRef& lengths) {
@@ -81,11 +80,11 @@ TensorView<const int32_t, 2> block_table_view(const ArrayRef& table, std::vector
   const bool integer = (dt.code == static_cast<uint8_t>(Code::Int) || dt.code == static_cast<uint8_t>(Code::UInt)) &&
                        dt.lanes == 1 && (dt.bits == 8 || dt.bits == 16 || dt.bits == 32 || dt.bits == 64);
   if (!integer) {
-    throw nb::type_error(("block_table: expected dtype int32 or int64 (block ids), got " + dtype_name(dt)).c_str());
+    argument_type_error("block_table", "expected dtype int32 or int64 (block ids), got " + dtype_name(dt));
   }
   const int64_t rows = static_cast<int64_t>(table.shape(0)), columns = static_cast<int64_t>(table.shape(1));
   if (table.size() > 0 && (table.stride(1) != 1 || (rows > 1 && table.stride(0) != columns))) {
-    throw Error("block_table: expected a C-contiguous array");
+    throw Error(Caller::named("block_table") + ": expected a C-contiguous array");
   }
   const bool is_signed = dt.code == static_cast<uint8_t>(Code::Int);
   storage.resize(table.size());
@@ -139,6 +138,7 @@ void decode_typed(const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_
 void decode_any(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle cache_lengths, nb::handle out,
                 nb::handle lse, nb::handle block_table, const std::string& bits_as, nb::handle k_scale,
                 nb::handle v_scale, const BoundOptions& bound) {
+  const Caller caller(bound.function.c_str());
   const ArrayRef qa = ArrayRef::from(q, false, "q"), ka = ArrayRef::from(k_cache, false, "k_cache"),
                  va = ArrayRef::from(v_cache, false, "v_cache"), oa = ArrayRef::from(out, true, "out"),
                  la = ArrayRef::from(cache_lengths, false, "cache_lengths");
@@ -146,8 +146,7 @@ void decode_any(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle
   const std::optional<ArrayRef> table = optional_in("block_table", block_table),
                                 ks = optional_in("k_scale", k_scale), vs = optional_in("v_scale", v_scale);
   const StorageType k_type = cache_storage("k_cache", ka, bits_as);
-  if (cache_storage("v_cache", va, bits_as) != k_type)
-    throw nb::type_error("v_cache: expected the dtype of k_cache");
+  if (cache_storage("v_cache", va, bits_as) != k_type) argument_type_error("v_cache", "expected the dtype of k_cache");
   const AttentionOptions options = bound.for_call();
   const auto lengths = lengths_of(la);
   switch (k_type) {
@@ -227,16 +226,23 @@ void bind_decode(nb::module_& m) {
   nb::class_<KVCache>(m, "KVCache")
       .def(
           "__init__",
-          [](KVCache* self, int64_t batch, int64_t capacity, int64_t kv_heads, int64_t head_dim, int64_t v_dim,
-             const std::string& dtype, bool paged, int64_t block_size, int64_t num_blocks,
-             const std::string& key_scales, int64_t group_size, int64_t float_window, const std::string& scale_dtype) {
+          [](KVCache* self, nb::handle batch, nb::handle capacity, nb::handle kv_heads, nb::handle head_dim,
+             nb::handle v_dim, const std::string& dtype, bool paged, nb::handle block_size, nb::handle num_blocks,
+             const std::string& key_scales, nb::handle group_size, nb::handle float_window,
+             const std::string& scale_dtype) {
+            const Caller caller("qkv.KVCache");
             if (key_scales != "row" && key_scales != "channel")
               throw Error("qkv::KVCache: config.key_scales: expected 'row' or 'channel', got '" + key_scales + "'");
-            new (self) KVCache({.batch = batch, .capacity = capacity, .kv_heads = kv_heads, .head_dim = head_dim,
-                                .v_dim = v_dim, .dtype = parse_storage(dtype), .paged = paged,
-                                .block_size = block_size, .num_blocks = num_blocks,
+            new (self) KVCache({.batch = int64_argument("batch", batch),
+                                .capacity = int64_argument("capacity", capacity),
+                                .kv_heads = int64_argument("kv_heads", kv_heads),
+                                .head_dim = int64_argument("head_dim", head_dim),
+                                .v_dim = int64_argument("v_dim", v_dim), .dtype = parse_storage(dtype), .paged = paged,
+                                .block_size = int64_argument("block_size", block_size),
+                                .num_blocks = int64_argument("num_blocks", num_blocks),
                                 .key_scales = key_scales == "channel" ? KeyScales::channel : KeyScales::row,
-                                .group_size = group_size, .float_window = float_window,
+                                .group_size = int64_argument("group_size", group_size),
+                                .float_window = int64_argument("float_window", float_window),
                                 .scale_dtype = scale_dtype.empty() ? std::nullopt
                                                                    : std::optional(parse_storage(scale_dtype))});
           },
@@ -246,7 +252,9 @@ void bind_decode(nb::module_& m) {
           nb::arg("float_window") = 0, nb::arg("scale_dtype") = "")
       .def(
           "append",
-          [](KVCache& self, const InArray& k, const InArray& v, std::optional<std::vector<int64_t>> seqs) {
+          [](KVCache& self, const InArray& k, const InArray& v, nb::handle seq_list) {
+            const Caller caller("qkv.KVCache.append");
+            const std::optional<std::vector<int64_t>> seqs = int64_list_argument("seq", seq_list);
             const auto kv = view_of<const float, 4>("k", k, "appended keys are float32");
             const auto vv = view_of<const float, 4>("v", v, "appended values are float32");
             const std::vector<int64_t> chosen = seqs.value_or(std::vector<int64_t>{});
@@ -257,8 +265,11 @@ void bind_decode(nb::module_& m) {
           nb::arg("k"), nb::arg("v"), nb::arg("seqs").none() = nb::none())
       .def(
           "append_varlen",
-          [](KVCache& self, const InArray& k, const InArray& v, const std::vector<int64_t>& cu_seqlens,
-             std::optional<std::vector<int64_t>> seqs) {
+          [](KVCache& self, const InArray& k, const InArray& v, nb::handle cu_seqlens_list, nb::handle seq_list) {
+            const Caller caller("qkv.KVCache.append_varlen");
+            const std::vector<int64_t> cu_seqlens = int64_list_argument("cu_seqlens", cu_seqlens_list).value_or(
+                std::vector<int64_t>{});
+            const std::optional<std::vector<int64_t>> seqs = int64_list_argument("seq", seq_list);
             const auto kv = view_of<const float, 3>("k", k, "appended keys are float32");
             const auto vv = view_of<const float, 3>("v", v, "appended values are float32");
             const std::vector<int64_t> chosen = seqs.value_or(std::vector<int64_t>{});
@@ -270,6 +281,7 @@ void bind_decode(nb::module_& m) {
       .def(
           "attend",
           [](const KVCache& self, nb::handle q, nb::handle out, nb::handle lse, const BoundOptions& bound) {
+            const Caller caller(bound.function.c_str());
             const AttentionOptions options = bound.for_call();
             const auto qv = view_of<const float, 4>("q", ArrayRef::from(q, false, "q"), "queries are float32");
             const auto ov = view_of<float, 4>("out", ArrayRef::from(out, true, "out"), "the output is float32");
@@ -279,8 +291,14 @@ void bind_decode(nb::module_& m) {
             self.attend(qv, ov, lv, options);
           },
           nb::arg("q"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(), nb::arg("options"))
-      .def("reset", [](KVCache& self) { self.reset(); })
-      .def("reset", [](KVCache& self, int64_t seq) { self.reset(seq); }, nb::arg("seq"))
+      .def(
+          "reset",
+          [](KVCache& self, nb::handle seq) {
+            const Caller caller("qkv.KVCache.reset");
+            if (seq.is_none()) return self.reset();
+            self.reset(int64_argument("seq", seq));
+          },
+          nb::arg("seq").none() = nb::none())
       .def_prop_ro("lengths", [](const KVCache& self) {
         return std::vector<int64_t>(self.lengths().begin(), self.lengths().end());
       })
@@ -331,7 +349,11 @@ void bind_decode(nb::module_& m) {
       })
       .def(
           "stored",
-          [](const KVCache& self, int64_t seq) {
+          [](const KVCache& self, nb::handle seq_arg) {
+            const int64_t seq = [&] {
+              const Caller caller("qkv.KVCache.stored");
+              return int64_argument("seq", seq_arg);
+            }();
             // The keys and values attention reads for `seq`, float32 [length, Hkv, d | dv] copies.
             std::pair<std::vector<float>, std::vector<float>> rows;
             {

@@ -15,6 +15,7 @@ void bind_dropout(nanobind::module_& m) {
   m.def(
       "dropout_mask",
       [](const OutArray& keep, float p, std::uint64_t seed, std::uint64_t offset) {
+        const Caller caller("qkv.dropout_mask");
         const auto view = view_of<bool, 4>("keep", keep, "a bool array [B, H, Nq, Nk]");
         if (!(p >= 0.0f && p < 1.0f))
           throw Error("dropout_p: expected a probability in [0, 1), got " + std::to_string(p));

@@ -362,6 +362,7 @@ void bind_options(nb::module_& m) {
           "__init__",
           [](BoundOptions* self, const char* function, const nb::args& values, const nb::kwargs& changes) {
             BoundOptions* o = new (self) BoundOptions();
+            o->function = function;
             if (values.size() > std::size(kFields))
               type_error(function, "Options: at most " + std::to_string(std::size(kFields)) + " fields by position");
             for (std::size_t i = 0; i < values.size(); ++i) {
@@ -384,7 +385,7 @@ void bind_options(nb::module_& m) {
           "replace",
           [](const BoundOptions& self, const nb::kwargs& changes) {
             BoundOptions copy = self;
-            set_fields(copy, "qkv", changes);
+            set_fields(copy, self.function.c_str(), changes);
             return copy;
           },
           "A copy with the given fields changed (the constructor's names).")

@@ -27,6 +27,9 @@ namespace qkv::python {
 
 struct BoundOptions {
   AttentionOptions options;  // everything but the arrays below (spans and views empty)
+  // The Python entry point the options were made for ("qkv.decode"): the bindings that take
+  // them name it in their array checks' messages (Caller in arrays.hpp).
+  std::string function = "qkv";
   nanobind::object keep, bias, key_lengths, alibi_slopes, sinks;  // None when not given
   // block_mask: (state, slot, bytes, block_q, block_k) as qkv.flex_attention builds it
   // (qkv/block_sparse.hpp), and the checked mask over those arrays, whose hook a call

@@ -85,9 +85,7 @@ void by_dtype(const char* name, const InArray& first, Body&& body) {
   expect_cpu(name, first.device_type());
   if (first.dtype() == nanobind::dtype<float>()) return body(float{});
   if (first.dtype() == nanobind::dtype<double>()) return body(double{});
-  throw nanobind::type_error((std::string(name) + ": expected dtype float32 or float64, got " +
-                              dtype_name(first.dtype()))
-                                 .c_str());
+  argument_type_error(name, "expected dtype float32 or float64, got " + dtype_name(first.dtype()));
 }
 
 }  // namespace
@@ -97,6 +95,7 @@ void bind_softmax(nanobind::module_& m) {
   m.def(
       "softmax_rows",
       [](const InArray& x, const OutArray& out) {
+        const Caller caller("qkv.softmax");
         by_dtype("x", x, [&](auto zero) {
           using T = decltype(zero);
           unary_rows<T>("softmax", &qkv::softmax, x, out, "the dtype of x");
@@ -106,6 +105,7 @@ void bind_softmax(nanobind::module_& m) {
   m.def(
       "log_softmax_rows",
       [](const InArray& x, const OutArray& out) {
+        const Caller caller("qkv.log_softmax");
         by_dtype("x", x, [&](auto zero) {
           using T = decltype(zero);
           unary_rows<T>("log_softmax", &qkv::log_softmax, x, out, "the dtype of x");
@@ -115,6 +115,7 @@ void bind_softmax(nanobind::module_& m) {
   m.def(
       "softmax_jacobian_rows",
       [](const InArray& s, const OutArray& jacobian) {
+        const Caller caller("qkv.softmax_jacobian");
         by_dtype("s", s, [&](auto zero) { jacobian_rows<decltype(zero)>(s, jacobian); });
       },
       nb::arg("s"), nb::arg("jacobian"),
@@ -122,6 +123,7 @@ void bind_softmax(nanobind::module_& m) {
   m.def(
       "softmax_backward_rows",
       [](const InArray& s, const InArray& g, const OutArray& dx) {
+        const Caller caller("qkv.softmax_backward");
         by_dtype("s", s, [&](auto zero) { backward_rows<decltype(zero)>(s, g, dx); });
       },
       nb::arg("s"), nb::arg("g"), nb::arg("dx"),

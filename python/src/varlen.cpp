@@ -23,7 +23,7 @@ SeqOffsets offsets_of(const char* name, const InArray& array) {
   expect_cpu(name, array.device_type());
   expect_rank(name, array.ndim(), 1);
   if (array.size() > 1 && array.stride(0) != 1) {
-    throw Error(std::string(name) + ": expected a contiguous array, got stride " +
+    throw Error(Caller::named(name) + ": expected a contiguous array, got stride " +
                 std::to_string(array.stride(0)));
   }
   const auto* data = static_cast<const char*>(array.data_handle()) + array.byte_offset();
@@ -31,9 +31,7 @@ SeqOffsets offsets_of(const char* name, const InArray& array) {
     return std::span<const int32_t>(reinterpret_cast<const int32_t*>(data), array.size());
   if (array.dtype() == nanobind::dtype<int64_t>())
     return std::span<const int64_t>(reinterpret_cast<const int64_t*>(data), array.size());
-  throw nanobind::type_error((std::string(name) + ": expected dtype int32 or int64, got " +
-                              dtype_name(array.dtype()))
-                                 .c_str());
+  argument_type_error(name, "expected dtype int32 or int64, got " + dtype_name(array.dtype()));
 }
 
 template <class T>
@@ -100,7 +98,10 @@ void bind_varlen(nanobind::module_& m) {
       "varlen_forward",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, const InArray& cu_q,
          const InArray& cu_k, nb::handle lse, std::optional<nb::dict> stats,
-         const BoundOptions& bound, int64_t max_q, int64_t max_k, bool bfloat16_bits) {
+         const BoundOptions& bound, nb::handle max_q_arg, nb::handle max_k_arg, bool bfloat16_bits) {
+        const Caller caller(bound.function.c_str());
+        const int64_t max_q = int64_argument("max_seqlen_q", max_q_arg),
+                      max_k = int64_argument("max_seqlen_k", max_k_arg);
         const ArrayRef qa = ArrayRef::from(q, false, "q"), ka = ArrayRef::from(k, false, "k"),
                        va = ArrayRef::from(v, false, "v"), oa = ArrayRef::from(out, true, "out");
         const std::optional<ArrayRef> la = optional_array("lse", lse);
@@ -122,8 +123,11 @@ void bind_varlen(nanobind::module_& m) {
       "varlen_backward",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
          nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv, const InArray& cu_q,
-         const InArray& cu_k, nb::handle dsinks, const BoundOptions& bound, int64_t max_q,
-         int64_t max_k, bool bfloat16_bits, nb::handle dalibi) {
+         const InArray& cu_k, nb::handle dsinks, const BoundOptions& bound, nb::handle max_q_arg,
+         nb::handle max_k_arg, bool bfloat16_bits, nb::handle dalibi) {
+        const Caller caller(bound.function.c_str());
+        const int64_t max_q = int64_argument("max_seqlen_q", max_q_arg),
+                      max_k = int64_argument("max_seqlen_k", max_k_arg);
         const ArrayRef qa = ArrayRef::from(q, false, "q"), ka = ArrayRef::from(k, false, "k"),
                        va = ArrayRef::from(v, false, "v"), oa = ArrayRef::from(out, false, "out"),
                        la = ArrayRef::from(lse, false, "lse"), da = ArrayRef::from(dout, false, "dout"),

@@ -93,7 +93,7 @@ def _op_cases():
                     None, None, "bottom_right", "bhsd", 1, 4, -1, None, 2.0, sinks.detach())),
         "kv_cache_attend": (torch.ops.qkv.kv_cache_attend,
                             (cache.torch_state(), cache.handle, torch.randn(2, HEADS, 2, DIM),
-                             None, "bottom_right", 1, -1, -1, slopes.detach()), cache),
+                             "bhsd", DIM, None, "bottom_right", 1, -1, -1, slopes.detach()), cache),
     }
 
 
@@ -178,6 +178,119 @@ def test_decode_and_a_kv_cache_loop_compile_to_the_eager_result():
         k, v, q = torch.randn(2, 2, tokens, DIM), torch.randn(2, 2, tokens, DIM), torch.randn(2, HEADS, tokens, DIM)
         assert torch.equal(step(eager_cache, k, v, q), compiled(traced_cache, k, v, q))
         assert traced_cache.lengths == eager_cache.lengths == traced_cache.torch_state().tolist()
+
+
+# -- one compiled function, many plans and caches (issue 45) ----------------------------
+
+
+def _counting(backend):
+    """(a backend that compiles with `backend` and counts the graphs it is given, the list
+    of those graphs): one graph per compilation, so len(graphs) counts recompilations."""
+    graphs = []
+
+    def compile_fn(gm, example_inputs):
+        graphs.append(gm)
+        if backend == "eager":
+            return gm.forward
+        if backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        return torch._dynamo.backends.registry.lookup_backend(backend)(gm, example_inputs)
+
+    return compile_fn, graphs
+
+
+# Five serving steps over the same caches: each its own plan (other sequence splits and
+# cache lengths), three new queries per step.
+STEPS = [([0, 1, 3], [4, 9]), ([0, 2, 3], [5, 16]), ([0, 0, 3], [2, 3]), ([0, 3, 3], [8, 1]),
+         ([0, 1, 3], [1, 2])]
+
+
+def _plans_compiled_once(backend):
+    torch._dynamo.reset()
+    counted, graphs = _counting(backend)
+    layer = torch.compile(lambda plan, q, k, v: plan.run(q, k, v), fullgraph=True, backend=counted)
+    g = torch.Generator().manual_seed(45)
+    k, v = torch.randn(2, 16, 1, DIM, generator=g), torch.randn(2, 16, 1, DIM, generator=g)
+    for cu, lengths in STEPS:
+        plan = qkv.BatchPlan(torch.tensor(cu), torch.tensor(lengths), num_heads=2, num_kv_heads=1, head_dim=DIM)
+        q = torch.randn(3, 2, DIM, generator=g)
+        assert torch.equal(layer(plan, q, k, v), plan.run(q, k, v))
+    assert len(graphs) == 1, f"{len(graphs)} compilations for {len(STEPS)} plans"
+
+
+def _caches_compiled_once(backend):
+    """Three caches (float32, bfloat16, int8; other lengths each) through one compiled
+    generation step; each against an eager twin fed the same tokens."""
+    torch._dynamo.reset()
+    counted, graphs = _counting(backend)
+
+    def step(cache, k, v, q):
+        cache.append(k, v)
+        return cache.attend(q)
+
+    compiled = torch.compile(step, fullgraph=True, backend=counted)
+    g = torch.Generator().manual_seed(46)
+    for dtype, prompt in (("float32", 3), ("bfloat16", 7), ("int8", 1)):
+        traced, eager = (qkv.KVCache(2, 32, 2, DIM, dtype=dtype) for _ in range(2))
+        k, v = torch.randn(2, 2, prompt, DIM, generator=g), torch.randn(2, 2, prompt, DIM, generator=g)
+        traced.append(k, v)
+        eager.append(k, v)
+        for _ in range(2):
+            k, v, q = (torch.randn(2, heads, 1, DIM, generator=g) for heads in (2, 2, HEADS))
+            assert torch.equal(compiled(traced, k, v, q), step(eager, k, v, q))
+            assert traced.lengths == eager.lengths == traced.torch_state().tolist()
+    assert len(graphs) == 1, f"{len(graphs)} compilations for 3 caches"
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_one_compiled_layer_runs_a_new_plan_every_step_without_recompiling(backend):
+    """A plan is named in the graph by a tensor handle (a graph input), never by an int
+    the graph would specialize on: the second plan used to fail ('unhashable type:
+    non-nested SymInt'), and each plan would otherwise cost a compilation."""
+    _plans_compiled_once(backend)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_one_compiled_step_serves_many_kv_caches_without_recompiling(backend):
+    _caches_compiled_once(backend)
+
+
+def test_torch_export_of_a_plan_run_and_a_cache_attend_runs():
+    """torch.export over a layer holding a plan and a cache: their handle tensors become
+    the program's constants, and the program computes the eager layer's bits."""
+    plan = qkv.BatchPlan(torch.tensor([0, 1, 3]), torch.tensor([4, 9]), num_heads=2, num_kv_heads=1, head_dim=DIM)
+    cache = qkv.KVCache(2, 32, 1, DIM)
+    cache.append(torch.randn(2, 1, 3, DIM), torch.randn(2, 1, 3, DIM))
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v, dq):
+            return plan.run(q, k, v), cache.attend(dq)
+
+    args = (torch.randn(3, 2, DIM), torch.randn(2, 16, 1, DIM), torch.randn(2, 16, 1, DIM),
+            torch.randn(2, 2, 1, DIM))
+    program = torch.export.export(Layer(), args)
+    targets = {str(node.target) for node in program.graph.nodes}
+    assert {"qkv.batch_plan_run.default", "qkv.kv_cache_attend.default"} <= targets
+    for a, b in zip(program.module()(*args), Layer()(*args)):
+        assert torch.equal(a, b)
+
+
+def test_batch_plan_run_operator_fake_needs_no_plan():
+    """The fake implementation takes out's head dim from v_cache: a handle whose plan is
+    gone still traces (the real run, which needs the plan, says it is gone)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    handle = qkv.BatchPlan(torch.tensor([0, 1]), torch.tensor([4]), num_heads=2, num_kv_heads=1,
+                           head_dim=DIM, v_dim=3)._handle  # the plan is dropped here
+    with FakeTensorMode() as mode:
+        out, lse = torch.ops.qkv.batch_plan_run(mode.from_tensor(handle), torch.empty(1, 2, DIM),
+                                                torch.empty(1, 16, 1, DIM), torch.empty(1, 16, 1, 3), None, None)
+    assert out.shape == (1, 2, 3) and lse.shape == (2, 1)
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        torch.ops.qkv.batch_plan_run(handle, torch.zeros(1, 2, DIM), torch.zeros(1, 16, 1, DIM),
+                                     torch.zeros(1, 16, 1, 3), None, None)
 
 
 # -- tiny transformers models ----------------------------------------------------------
@@ -266,3 +379,9 @@ def test_inductor_reproduces_eager_dropout_sinks_and_a_kv_cache():
         lambda: qt.scaled_dot_product_attention(q * 2, k, v, dropout_p=0.3, sinks=sinks,
                                                 window=(2, 2)),
         (q, k, v, sinks), backend="inductor"))
+
+
+@inductor
+def test_inductor_runs_many_plans_and_caches_without_recompiling():
+    _plans_compiled_once("inductor")
+    _caches_compiled_once("inductor")
