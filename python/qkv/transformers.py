@@ -309,14 +309,20 @@ def _route(mask, batch, q_len, k_len) -> Route:
 def _as_keep(mask):
     """The boolean mask (True: attend) that means what ``mask`` means, or None for a float
     mask that cannot be one: entries other than 0 and "removed", or rows that remove every
-    key (there a float mask averages every value, as sdpa does; qkv's removal gives 0)."""
+    key with a finite value (there a float mask averages every value, as eager and sdpa
+    do; qkv's removal gives 0, which -inf entries give too)."""
     if mask.dtype == torch.bool:
         return mask
     if not mask.is_floating_point():
         return None
+    built = getattr(mask, _BUILT_FROM, None)
+    if built is not None and built[0] == mask._version:
+        return built[1]  # additive_mask's own, unchanged: read from the boolean it came from
     keep = mask == 0
     removed = mask <= torch.finfo(mask.dtype).min
-    if not bool((keep | removed).all()) or not bool(keep.any(-1).all()):
+    if not bool((keep | removed).all()):
+        return None
+    if not bool(keep.any(-1).all()) and not bool(torch.equal(torch.isneginf(mask), removed)):
         return None
     return keep
 
@@ -355,8 +361,18 @@ def additive_mask(*args, dtype: torch.dtype = torch.float32, config=None,
     keep = sdpa_mask(*args, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
     if keep is None:
         return None
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(
-        ~keep, float("-inf"))
+    keep = keep.to(torch.bool)  # (an integer padding mask gives integers)
+    mask = torch.where(keep, torch.zeros((), dtype=dtype, device=keep.device),
+                       torch.full((), float("-inf"), dtype=dtype, device=keep.device))
+    if not torch.compiler.is_compiling():
+        # route_mask reads the boolean instead of comparing the floats, while the mask is
+        # unchanged (its version); a model's cat or slice makes a new tensor, read in full.
+        setattr(mask, _BUILT_FROM, (mask._version, keep))
+    return mask
+
+
+# The attribute by which additive_mask's masks carry the boolean they were built from.
+_BUILT_FROM = "_qkv_built_from"
 
 
 def register() -> None:
