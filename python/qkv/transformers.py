@@ -224,8 +224,11 @@ def _layer_label(module) -> str:
     return f"layer {index}" if index is not None else type(module).__name__
 
 
-# The mask of one forward pass is the same tensor for every layer: route it once.
-_last_route: Optional[tuple] = None
+# The masks of one forward pass are the same few tensors for every layer (a full and a
+# sliding one where layers alternate them, as Gemma's and gpt-oss's do): each is routed
+# once. The routes of the last _ROUTES_KEPT masks are kept, newest last.
+_ROUTES_KEPT = 4
+_recent_routes: list = []  # (weak reference to the mask as given, its key, Route)
 
 
 class Route(NamedTuple):
@@ -240,23 +243,25 @@ class Route(NamedTuple):
 def route_mask(mask: Optional[torch.Tensor], batch: int, q_len: int, k_len: int) -> Route:
     """The qkv call (a Route) that means what ``mask`` means for
     ``[batch, ·, q_len, k_len]`` attention."""
-    global _last_route
     if mask is None:
         return Route(None, None, None)
+    given = mask  # the cache's key: a static cache's slice below is a new tensor each call
     if mask.ndim == 4 and mask.shape[-1] > k_len:
         mask = mask[..., :k_len]  # static caches build masks over their whole capacity
     if torch.compiler.is_compiling() or mask.ndim != 4 or mask.device.type != "cpu":
         return Route(None, None, _inner_contiguous(mask))
-    key = (mask._version, batch, q_len, k_len, mask.data_ptr(), tuple(mask.stride()))
-    if _last_route is not None:
-        ref, last_key, result = _last_route
-        if ref() is mask and last_key == key:
+    key = (given._version, batch, q_len, k_len, given.data_ptr(), tuple(given.stride()),
+           tuple(given.shape))
+    for ref, known, result in _recent_routes:
+        if ref() is given and known == key:
             return result
     result = _route(mask, batch, q_len, k_len)
     try:
-        _last_route = (weakref.ref(mask), key, result)
+        entry = (weakref.ref(given), key, result)
     except TypeError:  # a tensor subclass without weak references: route every call
-        _last_route = None
+        return result
+    live = [kept for kept in _recent_routes if kept[0]() is not None]
+    _recent_routes[:] = live[-(_ROUTES_KEPT - 1):] + [entry]
     return result
 
 

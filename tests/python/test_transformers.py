@@ -504,6 +504,29 @@ def test_route_mask_is_computed_once_per_mask():
     assert route_mask(mask, 2, 6, 6)[2] is not None
 
 
+def test_alternating_and_static_cache_masks_are_routed_once_each(monkeypatch):
+    """Models that alternate a full and a sliding mask layer by layer (Gemma, gpt-oss),
+    and static caches (masks wider than the keys, sliced per call), route each mask once
+    per forward, not once per layer."""
+    routed = []
+    original = qkv.transformers._route
+
+    def count(mask, *args):
+        routed.append(mask.shape)
+        return original(mask, *args)
+
+    monkeypatch.setattr(qkv.transformers, "_route", count)
+    keys, rows = torch.arange(8), torch.arange(8)[:, None]
+    full = (keys <= rows).expand(2, 1, 8, 8).clone()
+    sliding = full & (keys > rows - 3)
+    wide = torch.cat([full, torch.zeros(2, 1, 8, 4, dtype=torch.bool)], dim=-1)
+    for _ in range(6):  # six "layers"
+        assert route_mask(full, 2, 8, 8).causal == "top_left"
+        assert route_mask(sliding, 2, 8, 8).window == (2, -1)
+        assert route_mask(wide, 2, 8, 8).causal == "top_left"
+    assert len(routed) == 3
+
+
 def test_collect_stats_logs_every_layer(monkeypatch):
     """Under qkv.torch.collect_stats() each layer's attention records its softmax
     statistics, labelled with the layer; the logits do not change."""
