@@ -8,9 +8,12 @@ masks it is given), so that every attention layer of a model runs on qkv::
     model = AutoModel.from_pretrained(name, attn_implementation="qkv")
     # or, on a loaded model: model.set_attn_implementation("qkv")
 
-Masks are built as for ``"sdpa"`` (boolean, ``[B, 1, Nq, Nk]``, or None where a causal
-flag or no mask says the same). Before calling qkv, a mask is read once per forward and
-routed to the cheapest qkv call that means the same thing:
+Masks are built as for ``"sdpa"`` (``[B, 1, Nq, Nk]``, or None where a causal flag or no
+mask says the same), as additive floats in the model's dtype (0 attends, -inf removes):
+models compose masks that way (DeepSeek-V4 appends a 0 / -inf bias, which a boolean
+mask would invert), and models that append keys always get a mask (additive_mask).
+Before calling qkv, a mask is read once per forward and routed to the cheapest qkv call
+that means the same thing:
 
 - every key kept                      → no mask
 - each batch entry keeps a prefix of its keys (right padding of an encoder batch)
@@ -25,21 +28,37 @@ routed to the cheapest qkv call that means the same thing:
 
 Key lengths and causality let qkv skip whole key blocks instead of reading a mask per
 element. Float masks whose entries are 0 or "removed" (-inf or the dtype's most negative
-value, as older transformers models build them) are routed the same way when every query
-row keeps at least one key; otherwise they are passed unchanged, so fully masked rows
-give what ``"sdpa"`` gives.
+value) are routed so when every query row keeps at least one key; otherwise (a left-padded
+query under a causal mask keeps none) they are passed unchanged: a row that keeps no key
+gives 0 where its entries are -inf (additive_mask's, as ``"sdpa"``'s boolean masks), and
+the average of the values where they are finite (a model's own eager-style mask, as
+``"eager"`` and ``"sdpa"`` give). Boolean masks (a model's own) are routed the same way.
 
 Inside ``with qkv.torch.collect_stats() as stats:`` every layer's call also records its
 softmax statistics (largest weight, entropy, saturated share per head; see qkv.torch),
 labelled ``"layer <layer_idx>"`` unless a ``qkv.torch.stats_label`` is active.
 
-Model features passed through to qkv's fused variants: attention dropout in training
-(the keep mask drawn from torch's default generator, so ``torch.manual_seed`` reproduces
-a run), logit soft-capping (Gemma 2's ``softcap``) and attention sinks (gpt-oss's
-``s_aux``, with their gradient). Where this backend differs from ``"sdpa"``:
-``output_attentions`` returns None weights, as ``"sdpa"`` does; ``position_bias`` (T5's
-learned relative bias) raises NotImplementedError. float16 and bfloat16 models are computed in float32 (inputs widened,
-the output rounded once to the model's dtype) until qkv's kernels take half precision.
+What a model passes, and what happens to it. Never a silent wrong answer: a keyword
+that is neither computed nor known to be redundant raises NotImplementedError naming
+the keyword and the model's class (the lists are IMPLEMENTED and CARRY_NOTHING).
+
+- computed: the mask, ``is_causal``, ``scaling``; attention dropout in training (the keep
+  mask drawn from torch's default generator, so ``torch.manual_seed`` reproduces a run);
+  logit soft-capping (Gemma 2's ``softcap``); per-head attention sinks (gpt-oss's and
+  DeepSeek-V4's ``s_aux``, with their gradient); grouped-query attention, ``dv != d``
+  and K = V (DeepSeek-V4's one shared head of 512) read in place.
+- ignored, because the mask or the call already says it: ``sliding_window``,
+  ``position_ids``, flash-attention's varlen keywords (``cu_seq_lens_q/k``,
+  ``max_length_q/k``; several packed sequences with no mask are refused), ``seq_idx``,
+  ``deterministic``, and output requests (``output_attentions`` gives None weights, as
+  ``"sdpa"``; ``use_cache``, ``output_router_logits``, ...).
+- refused (NotImplementedError): ``indices`` (DeepSeek Sparse Attention's top-k keys:
+  DeepSeek-V3.2, GLM-5) until qkv has sparse attention (_sparse_indices);
+  ``position_bias`` (T5's learned relative bias), per-query ``sinks``, ``block_indices``
+  and any keyword not listed.
+
+bfloat16 and float16 tensors go to qkv as they are (float32 sums, the output rounded
+once); other floating dtypes are computed in float32.
 """
 
 from __future__ import annotations
@@ -49,7 +68,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.masking_utils import sdpa_mask
 
 from . import _torch_ops, _torch_stats
 from . import torch as _qkv_torch  # noqa: F401  (registers every torch.ops.qkv operator)
@@ -74,11 +93,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     added to the logits) → ``(out [B, Nq, Hq, dv], None)``, contiguous.
 
     ``is_causal`` (or the module's ``is_causal``, default True, as for ``"sdpa"``) makes a
-    call with several queries and no mask causal."""
-    if kwargs.get("position_bias") is not None:
-        raise NotImplementedError(
-            "qkv.transformers: position_bias is not supported by the qkv attention backend; "
-            "use attn_implementation='eager' for this model")
+    call with several queries and no mask causal. Other keywords: those in IMPLEMENTED
+    are computed, those in CARRY_NOTHING are ignored (each says why), any other one
+    that is not None raises NotImplementedError naming it and the model's class."""
+    _check_keywords(module, kwargs, attention_mask)
     # Variants: dropout only in training (transformers passes 0.0 in eval already), the
     # soft-cap as given, sinks as float32 (a cast keeps their gradient).
     variants = {}
@@ -99,6 +117,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # Several queries and no mask: transformers left the causal mask out (as for
         # sdpa's is_causal, top-left). One query attends to every key.
         causal = "top_left"
+    if kwargs.get("indices") is not None:
+        return _sparse_indices(module, query, key, value, kwargs["indices"],
+                               Route(causal, key_lengths, mask, window), scaling, variants)
 
     dtype = query.dtype
     if dtype not in _NATIVE_DTYPES:
@@ -130,14 +151,84 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.to(dtype), None
 
 
+# Keywords (beyond the named parameters) that this backend computes.
+IMPLEMENTED = frozenset({
+    "softcap",  # Gemma 2's logit soft-cap → qkv's softcap variant
+    "s_aux",    # per-head attention sinks (gpt-oss, DeepSeek-V4) → qkv's sinks
+    "indices",  # DeepSeek Sparse Attention's top-k keys → _sparse_indices
+})
+
+# Keywords known to carry nothing the mask does not already say, or nothing attention
+# computes: ignored whatever their value. Read from what transformers 5.24's models pass
+# to their attention functions (explicitly, or in the **kwargs they forward, which are
+# transformers' TransformersKwargs and FlashAttentionKwargs).
+CARRY_NOTHING = frozenset({
+    # The window is in the mask: sliding layers' masks come from
+    # create_sliding_window_causal_mask (route_mask turns the band back into `window`).
+    "sliding_window",
+    # Read by the mask builder: packed sequences (positions restarting at 0) make a
+    # block-diagonal mask.
+    "position_ids",
+    # flash-attention's view of packed sequences, which the mask built from position_ids
+    # already separates (a call with several packed sequences and no mask is refused).
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+    "seq_idx",  # the same packing, for linear-attention (Mamba) layers
+    # Requests about outputs: attention weights are not returned (None, as "sdpa"), the
+    # rest concern other layers or the loss.
+    "output_attentions", "output_hidden_states", "output_router_logits", "use_cache",
+    "num_items_in_batch",
+    "deterministic",  # flash-attention's deterministic backward; qkv's always is
+})
+
+
+def _check_keywords(module, kwargs, attention_mask) -> None:
+    """Never a silent wrong answer: a keyword this backend neither computes nor knows to
+    be redundant would be dropped, so it is refused instead."""
+    for name, value in kwargs.items():
+        if value is None or name in IMPLEMENTED or name in CARRY_NOTHING:
+            continue
+        raise NotImplementedError(
+            f"qkv.transformers: {type(module).__name__} passes `{name}` to its attention "
+            f"function, which the qkv attention backend does not implement; use "
+            f"attn_implementation='eager' for this model")
+    packed = kwargs.get("cu_seq_lens_q")
+    if attention_mask is None and packed is not None and packed.numel() > 2:
+        raise NotImplementedError(
+            f"qkv.transformers: {type(module).__name__} passes `cu_seq_lens_q` for "
+            f"{packed.numel() - 1} packed sequences and no mask; pass position_ids that "
+            f"restart at each sequence so that transformers builds the mask that separates them")
+
+
+def _sparse_indices(module, query, key, value, indices, route: "Route", scale, variants):
+    """Attention over the keys ``indices`` lists: ``[B, Nq, topk]`` integers (DeepSeek
+    Sparse Attention's top-k, one set per query shared by every head; DeepSeek-V3.2,
+    GLM-5), a listed key taking part only where ``route`` (the routed mask) allows it as
+    well: transformers' indexer lists removed keys when a row allows fewer than topk.
+
+    qkv has no sparse attention yet, so this refuses: attending every key the mask allows
+    (what ignoring ``indices`` did) gives wrong logits with no error. When
+    ``qkv.sparse_attention`` lands, the body becomes its call: the route's mask or key
+    lengths folded into the indices (-1 where the key is removed), then
+    ``sparse_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+    indices, scale=scale, causal=route.causal, layout="bshd", **variants)`` with the
+    output returned as attention_forward returns its own."""
+    raise NotImplementedError(
+        f"qkv.transformers: {type(module).__name__} passes `indices` (the top-k keys of "
+        f"DeepSeek Sparse Attention) to its attention function; qkv has no sparse "
+        f"attention yet. Use attn_implementation='eager' or 'sdpa' for this model")
+
+
 def _layer_label(module) -> str:
     """"layer 3" for transformers' attention modules (their layer_idx), else the class."""
     index = getattr(module, "layer_idx", None)
     return f"layer {index}" if index is not None else type(module).__name__
 
 
-# The mask of one forward pass is the same tensor for every layer: route it once.
-_last_route: Optional[tuple] = None
+# The masks of one forward pass are the same few tensors for every layer (a full and a
+# sliding one where layers alternate them, as Gemma's and gpt-oss's do): each is routed
+# once. The routes of the last _ROUTES_KEPT masks are kept, newest last.
+_ROUTES_KEPT = 4
+_recent_routes: list = []  # (weak reference to the mask as given, its key, Route)
 
 
 class Route(NamedTuple):
@@ -152,23 +243,25 @@ class Route(NamedTuple):
 def route_mask(mask: Optional[torch.Tensor], batch: int, q_len: int, k_len: int) -> Route:
     """The qkv call (a Route) that means what ``mask`` means for
     ``[batch, ·, q_len, k_len]`` attention."""
-    global _last_route
     if mask is None:
         return Route(None, None, None)
+    given = mask  # the cache's key: a static cache's slice below is a new tensor each call
     if mask.ndim == 4 and mask.shape[-1] > k_len:
         mask = mask[..., :k_len]  # static caches build masks over their whole capacity
     if torch.compiler.is_compiling() or mask.ndim != 4 or mask.device.type != "cpu":
         return Route(None, None, _inner_contiguous(mask))
-    key = (mask._version, batch, q_len, k_len, mask.data_ptr(), tuple(mask.stride()))
-    if _last_route is not None:
-        ref, last_key, result = _last_route
-        if ref() is mask and last_key == key:
+    key = (given._version, batch, q_len, k_len, given.data_ptr(), tuple(given.stride()),
+           tuple(given.shape))
+    for ref, known, result in _recent_routes:
+        if ref() is given and known == key:
             return result
     result = _route(mask, batch, q_len, k_len)
     try:
-        _last_route = (weakref.ref(mask), key, result)
+        entry = (weakref.ref(given), key, result)
     except TypeError:  # a tensor subclass without weak references: route every call
-        _last_route = None
+        return result
+    live = [kept for kept in _recent_routes if kept[0]() is not None]
+    _recent_routes[:] = live[-(_ROUTES_KEPT - 1):] + [entry]
     return result
 
 
@@ -221,14 +314,20 @@ def _route(mask, batch, q_len, k_len) -> Route:
 def _as_keep(mask):
     """The boolean mask (True: attend) that means what ``mask`` means, or None for a float
     mask that cannot be one: entries other than 0 and "removed", or rows that remove every
-    key (there a float mask averages every value, as sdpa does; qkv's removal gives 0)."""
+    key with a finite value (there a float mask averages every value, as eager and sdpa
+    do; qkv's removal gives 0, which -inf entries give too)."""
     if mask.dtype == torch.bool:
         return mask
     if not mask.is_floating_point():
         return None
+    built = getattr(mask, _BUILT_FROM, None)
+    if built is not None and built[0] == mask._version:
+        return built[1]  # additive_mask's own, unchanged: read from the boolean it came from
     keep = mask == 0
     removed = mask <= torch.finfo(mask.dtype).min
-    if not bool((keep | removed).all()) or not bool(keep.any(-1).all()):
+    if not bool((keep | removed).all()):
+        return None
+    if not bool(keep.any(-1).all()) and not bool(torch.equal(torch.isneginf(mask), removed)):
         return None
     return keep
 
@@ -241,13 +340,54 @@ def _inner_contiguous(mask):
     return mask if mask.stride(-1) == 1 or mask.shape[-1] <= 1 else mask.contiguous()
 
 
+# Model types whose attention layers append keys, and the mask entries for them, to the
+# mask they are given: DeepSeek-V4's compressed layers concatenate their compressed
+# entries' 0 / -inf block bias. A mask left out (None: "plain causal") has nothing to
+# append to, and a causal flag then hides those entries, which eager attention shows.
+_MODELS_THAT_EXTEND_MASKS = frozenset({"deepseek_v4"})
+
+
+def additive_mask(*args, dtype: torch.dtype = torch.float32, config=None,
+                  allow_is_causal_skip: bool = True, **kwargs) -> Optional[torch.Tensor]:
+    """The masks ``"qkv"`` is given: ``"sdpa"``'s (None where a causal flag or no mask
+    says the same), as additive floats in the model's dtype: 0 attends, -inf removes.
+    Models compose masks as floats: DeepSeek-V4 concatenates a 0 / -inf bias cast to the
+    mask's dtype, which a boolean mask would invert (-inf → True). route_mask turns the
+    result back into causal / key_lengths / window once per forward (or a boolean mask
+    where it has no pattern).
+
+    -inf, not ``"eager"``'s most negative finite value: a query row that keeps no key (a
+    left-padded position under a causal mask) then gives 0, as with ``"sdpa"``'s boolean
+    masks and by qkv's own contract, where the finite value would make qkv, as eager,
+    average every value of the row. Such rows are padding; the one before the first
+    real token still enters a training loss (it predicts that token)."""
+    if getattr(config, "model_type", None) in _MODELS_THAT_EXTEND_MASKS:
+        allow_is_causal_skip = False
+    keep = sdpa_mask(*args, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    if keep is None:
+        return None
+    keep = keep.to(torch.bool)  # (an integer padding mask gives integers)
+    mask = torch.where(keep, torch.zeros((), dtype=dtype, device=keep.device),
+                       torch.full((), float("-inf"), dtype=dtype, device=keep.device))
+    if not torch.compiler.is_compiling():
+        # route_mask reads the boolean instead of comparing the floats, while the mask is
+        # unchanged (its version); a model's cat or slice makes a new tensor, read in full.
+        setattr(mask, _BUILT_FROM, (mask._version, keep))
+    return mask
+
+
+# The attribute by which additive_mask's masks carry the boolean they were built from.
+_BUILT_FROM = "_qkv_built_from"
+
+
 def register() -> None:
     """Registers ``"qkv"`` with transformers (done once on import; calling it again is
-    harmless). Masks for ``"qkv"`` are built by the function registered for ``"sdpa"``."""
+    harmless): attention_forward for the attention, additive_mask for its masks."""
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(NAME, additive_mask)
 
 
 register()
 
-__all__ = ["NAME", "Route", "attention_forward", "register", "route_mask"]
+__all__ = ["CARRY_NOTHING", "IMPLEMENTED", "NAME", "Route", "additive_mask", "attention_forward",
+           "register", "route_mask"]

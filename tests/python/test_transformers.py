@@ -408,6 +408,39 @@ def test_route_mask_finds_key_lengths_and_causality():
     assert route_mask(wide, 3, 6, 6)[1].tolist() == [6, 4, 1]
 
 
+def test_additive_masks_route_as_their_boolean_and_empty_rows_give_what_they_mean():
+    """"qkv"'s masks are floats (0 / -inf) that route as the boolean they were built from:
+    causal + right padding is still causal + key lengths, no mask read per element. A
+    row that keeps no key (left padding under causality) gives 0 where its entries are
+    -inf (the boolean's meaning) and the values' average where they are the dtype's
+    finite minimum (eager-style masks, as sdpa computes them)."""
+    from transformers.masking_utils import causal_mask_function
+
+    def build(padding):
+        return qkv.transformers.additive_mask(
+            batch_size=3, q_length=6, kv_length=6, mask_function=causal_mask_function,
+            attention_mask=padding.bool(), allow_is_causal_skip=True)
+
+    right = build(_padding_mask([6, 4, 1], 6))
+    assert right.dtype == torch.float32 and set(right.unique().tolist()) == {0.0, float("-inf")}
+    got_causal, got_lengths, got_mask, _ = route_mask(right, 3, 6, 6)
+    assert (got_causal, got_lengths.tolist(), got_mask) == ("top_left", [6, 4, 1], None)
+    assert route_mask(right.clone(), 3, 6, 6)[1].tolist() == [6, 4, 1]  # read in full: same
+
+    left = build(_padding_mask([6, 4, 1], 6, left=True))
+    empty = ~(left == 0).any(-1, keepdim=True)  # [3, 1, 6, 1]: rows that keep no key
+    assert empty.any()
+    for mask in (left, left.clone()):  # as built, and as a model's copy of it
+        routed = route_mask(mask, 3, 6, 6).mask
+        assert routed is not None and routed.dtype == torch.bool
+        got, want = _sdpa_and_qkv(mask)
+        assert torch.all(got.transpose(1, 2)[empty.expand(3, 2, 6, 1).squeeze(-1)] == 0)
+    finite = left.masked_fill(left == float("-inf"), torch.finfo(torch.float32).min)
+    assert route_mask(finite, 3, 6, 6).mask is finite  # passed as it is
+    got, want = _sdpa_and_qkv(finite)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)  # the average, as sdpa
+
+
 def test_route_mask_finds_sliding_windows():
     """Causal sliding windows (Mistral's, Gemma 2's and gpt-oss's sliding layers) become
     qkv's window=(left, -1), bottom-right aligned: prefill, chunked prefill and one decode
@@ -469,6 +502,29 @@ def test_route_mask_is_computed_once_per_mask():
     mask = mask.clone()
     mask[1, 0, :, 4] = True  # now not a prefix: a new tensor, routed again
     assert route_mask(mask, 2, 6, 6)[2] is not None
+
+
+def test_alternating_and_static_cache_masks_are_routed_once_each(monkeypatch):
+    """Models that alternate a full and a sliding mask layer by layer (Gemma, gpt-oss),
+    and static caches (masks wider than the keys, sliced per call), route each mask once
+    per forward, not once per layer."""
+    routed = []
+    original = qkv.transformers._route
+
+    def count(mask, *args):
+        routed.append(mask.shape)
+        return original(mask, *args)
+
+    monkeypatch.setattr(qkv.transformers, "_route", count)
+    keys, rows = torch.arange(8), torch.arange(8)[:, None]
+    full = (keys <= rows).expand(2, 1, 8, 8).clone()
+    sliding = full & (keys > rows - 3)
+    wide = torch.cat([full, torch.zeros(2, 1, 8, 4, dtype=torch.bool)], dim=-1)
+    for _ in range(6):  # six "layers"
+        assert route_mask(full, 2, 8, 8).causal == "top_left"
+        assert route_mask(sliding, 2, 8, 8).window == (2, -1)
+        assert route_mask(wide, 2, 8, 8).causal == "top_left"
+    assert len(routed) == 3
 
 
 def test_collect_stats_logs_every_layer(monkeypatch):
