@@ -1,8 +1,8 @@
 """precision= on every entry point (qkv/options.hpp's Precision; docs/numerics.md): one
-option through the one options table, the same error for a bad value everywhere; "exact" is the float32 arithmetic bit for bit on every machine. Where the
-CPU runs bf16 dot products (QKV_DOT_PRODUCTS=on forces them; a subprocess here), the
-default "fast" forward and backward on bfloat16 stay within PyTorch's bf16 error against
-fp64."""
+option through the one options table, the same error for a bad value everywhere; "exact"
+is the float32 arithmetic bit for bit on every machine. Where the CPU runs bf16 dot
+products (QKV_DOT_PRODUCTS=on forces them; a subprocess here), the default "fast" forward
+and backward on bfloat16 stay within PyTorch's bf16 error against fp64."""
 from __future__ import annotations
 
 import os
