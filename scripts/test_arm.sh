@@ -7,7 +7,7 @@
 # the arm64 builds of Highway and GoogleTest (multiarch). Idempotent: packages already
 # there are not touched, and build/arm64 is reused.
 #
-# Emulation says nothing about speed; see README "Platforms" for what this covers.
+# Emulation says nothing about speed; see docs/platforms-and-performance.md, "aarch64", for what this covers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -40,7 +40,7 @@ enum class Backend {
   cpu,        // fused FlashAttention-2 style kernels (fp32)
 };
 
-// The arithmetic of the fused kernels (README "Numerics contract", bench/RESULTS.md §10):
+// The arithmetic of the fused kernels (docs/numerics.md, bench/RESULTS.md §10):
 //   fast:  the default. Where the CPU has dot-product units for the storage type that
 //          beat its float32 FMAs (AVX512-BF16 on AMD Zen 4/5 for bfloat16; not Intel's,
 //          which run them at a quarter of the FMA rate), the block products use them: Q·Kᵀ from exact

@@ -12,7 +12,7 @@
 // and written with Store through a reference proxy (VecRef), so that the kernels' code
 // reads the same on every target and computes the same sums in the same order. The
 // tiles then live in L1 rather than in registers (GCC 12 does not promote them): correct
-// on every vector length, not tuned for speed (README "Platforms").
+// on every vector length, not tuned for speed (docs/platforms-and-performance.md).
 //
 // Per-target include guard (Highway's toggle idiom).
 #if defined(QKV_CPU_VEC_ARRAY_INL_H_) == defined(HWY_TARGET_TOGGLE)

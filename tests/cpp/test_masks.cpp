@@ -291,7 +291,7 @@ TEST(CpuMasks, PaddingMaskGivesTheBitsOfKeyLengths) {
   EXPECT_TRUE(same(a.dv, b.dv));
 }
 
-// The README's contract, now kept by both backends: a removed key is not read. A −inf or
+// The numerics contract (docs/numerics.md), kept by both backends: a removed key is not read. A −inf or
 // finfo.min bias on a key whose K and V rows hold NaN leaves the row finite.
 TEST(CpuMasks, RemovedKeysAreNotReadByEitherBackend) {
   const CaseSpec spec{.name = "nan", .q_len = 70, .k_len = 70, .head_dim = 16, .v_dim = 16};

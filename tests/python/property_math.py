@@ -1,7 +1,7 @@
 """Attention with every mask and variant written out in plain PyTorch, for the property
 tests (test_properties.py): in float64 it is an independent exact result to check qkv's
 reference backend against, in float32 the "plain unfused fp32 implementation" that the
-README's accuracy bound is stated relative to (products summed in order, like
+accuracy bound of docs/numerics.md is stated relative to (products summed in order, like
 tests/cpp/plain_fp32.hpp). Differentiable (torch autograd)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 def sequential_matmul(a, b):
     """a @ b summed term by term in a's dtype, as a plain loop does (tests/cpp/plain_fp32.hpp):
-    the yardstick of the README's bound is that loop, whose error grows with the length of
+    the yardstick of docs/numerics.md's bound is that loop, whose error grows with the length of
     the sum, not a blocked GEMM's (PyTorch's float32 matmul is several times more exact at
     d = 256, which would make the 2x rule a rule about summation order)."""
     if a.shape[-1] == 0:  # an empty sum (no keys): zeros that autograd still tracks

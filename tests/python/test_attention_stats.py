@@ -430,8 +430,8 @@ def test_variants_stats_float32_cpu_against_float64_reference(variant):
 def test_half_inputs_give_float32_statistics_of_the_widened_values(dtype):
     """16-bit inputs are widened exactly to float32: the statistics (float32, like lse)
     are the bits of a float32 call on the widened values. precision="exact": the default
-    "fast" may sum bfloat16 Q·Kᵀ on the CPU's dot-product units in another order (README,
-    "Numerics contract"; AMD's AVX512-BF16)."""
+    "fast" may sum bfloat16 Q·Kᵀ on the CPU's dot-product units in another order (docs/numerics.md;
+    AMD's AVX512-BF16)."""
     q, k, v = (x.to(dtype) for x in random_qkv(2, 4, 2, 40, 50, 16, seed=12))
     _, stats = qkv.attention(q, k, v, causal="bottom_right", return_row_stats=True,
                              backend="cpu", precision="exact")

@@ -2,7 +2,7 @@
 reference: random serving steps (query counts 0, 1, 3, 17, 200+; cache lengths ≥ query
 counts; shuffled block tables; float32/bfloat16/int8 caches; GQA; the variants).
 
-Bound: the README's float32 contract against attention over the values the cache stores
+Bound: the float32 contract of docs/numerics.md against attention over the values the cache stores
 — max error ≤ 2 × plain float32's (property_math.plain_attention in float32 on the same
 stored values) + 8 float32 ulps of max(1, max|exact|) — per sequence.
 """

@@ -2,7 +2,7 @@
 both judged against the exact (float64) result, forward and every gradient; NumPy
 float16 (and ml_dtypes bfloat16 when installed); varlen; no copies; masks of every dtype.
 
-The contract (README, "Numerics contract"): on the same 16-bit inputs, qkv's max error
+The contract (docs/numerics.md): on the same 16-bit inputs, qkv's max error
 against the float64 result is at most PyTorch's (plus 8 float32 ulps of the largest
 exact value: both compute in float32 and round once, so on a near-tie the two may
 round one element to its two neighbours, each half an ulp of T from exact), and its

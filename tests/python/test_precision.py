@@ -1,9 +1,8 @@
-"""precision= on every entry point (qkv/options.hpp's Precision; README, "Numerics
-contract"): one option through the one options table, the same error for a bad value
-everywhere; "exact" is the float32 arithmetic bit for bit on every machine. Where the
-CPU runs bf16 dot products (QKV_DOT_PRODUCTS=on forces them; a subprocess here), the
-default "fast" forward and backward on bfloat16 stay within PyTorch's bf16 error against
-fp64."""
+"""precision= on every entry point (qkv/options.hpp's Precision; docs/numerics.md): one
+option through the one options table, the same error for a bad value everywhere; "exact"
+is the float32 arithmetic bit for bit on every machine. Where the CPU runs bf16 dot
+products (QKV_DOT_PRODUCTS=on forces them; a subprocess here), the default "fast" forward
+and backward on bfloat16 stay within PyTorch's bf16 error against fp64."""
 from __future__ import annotations
 
 import os
@@ -172,6 +171,6 @@ print("ok")
 
 def test_forced_int8_dot_products_within_their_bound():
     """Decode over an int8 cache on VNNI (forced: Precision.fast does not take it on any
-    CPU yet, README "Numerics"): against float64 attention over the cache's stored
+    CPU yet, docs/platforms-and-performance.md): against float64 attention over the cache's stored
     values, within PyTorch's float32 error plus the two-term split's derived bound."""
     run_forced(FORCED_INT8, "avx512_vnni", "AVX512-VNNI")

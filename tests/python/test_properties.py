@@ -3,7 +3,7 @@ varlen batches, decode calls and KV caches, each checked against exact results.
 
 The exact result of a case is qkv's fp64 reference backend on the same (widened) inputs,
 itself checked against property_math.plain_attention in float64 (to 1e-10). The bound is
-the README's numerics contract:
+the numerics contract of docs/numerics.md:
 
 * float32 (``backend="cpu"``): max error (forward, and dq/dk/dv where drawn) at most
   2 × that of plain_attention in float32 on the same inputs, plus a floor of 8 float32
@@ -51,7 +51,7 @@ pytestmark = pytest.mark.skipif("cpu" not in qkv.available_backends(), reason="c
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 0.0}
-DECODE_QUERIES = 16  # README: attention_forward uses the decode kernel up to here
+DECODE_QUERIES = 16  # docs/decode-and-caches.md: attention_forward uses the decode kernel up to here
 
 
 def budget(examples: int, at_least: bool = False):
@@ -71,7 +71,7 @@ def budget(examples: int, at_least: bool = False):
 
 
 def check_bound(ours, plain32, exact, what: str, dtype=torch.float32, terms=0.0, rounding_terms=0.0):
-    """The README's bound (module docstring) for one output or gradient; `terms`: the
+    """The bound of docs/numerics.md (module docstring) for one output or gradient; `terms`: the
     size of the terms a gradient is a difference of; `rounding_terms`: the derived size,
     in units of ε₃₂, of the float32 roundings that reach it through the softmax (the
     logits', the lse's; see check_attention_case)."""
@@ -306,7 +306,7 @@ def test_float32_gradients_within_the_documented_bound(case):
 
 
 # Issue 22 item 6: the forward of a decode-shaped call runs the split-K schedule; its
-# backward takes the same logits (README, "Decoding with a KV cache"), so the gradients
+# backward takes the same logits (docs/decode-and-caches.md, "The decode kernel"), so the gradients
 # keep the bound.
 @budget(40, at_least=True)
 @given(attention_cases(grad=True, schedule_of="decode kernel"))
