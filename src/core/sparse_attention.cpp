@@ -41,8 +41,12 @@ template <class T>
 void backward_entry(const SparseBackwardArgs<T>& args, const AttentionOptions& options) {
   const auto problem = detail::validate(args, options);
   const Backend backend = resolve_backend(options, std::is_same_v<T, double>, false);
-  (void)backend;  // the cpu backward is not written yet: the reference computes it
-  out_of_memory_as_error("backward", [&] { reference::sparse_backward(problem); });
+  out_of_memory_as_error("backward", [&] {
+    if constexpr (!std::is_same_v<T, double>) {
+      if (backend == Backend::cpu) return cpu::sparse_backward(problem);
+    }
+    reference::sparse_backward(problem);
+  });
 }
 
 }  // namespace

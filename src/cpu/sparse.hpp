@@ -13,5 +13,8 @@ namespace qkv::cpu {
 void sparse_forward(const detail::SparseForwardProblem<float>& problem);
 void sparse_forward(const detail::SparseForwardProblem<bfloat16>& problem);
 void sparse_forward(const detail::SparseForwardProblem<float16>& problem);
+void sparse_backward(const detail::SparseBackwardProblem<float>& problem);
+void sparse_backward(const detail::SparseBackwardProblem<bfloat16>& problem);
+void sparse_backward(const detail::SparseBackwardProblem<float16>& problem);
 
 }  // namespace qkv::cpu

@@ -31,7 +31,9 @@
 #define QKV_CPU_SPARSE_FORWARD_ONCE_
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "core/score_pipeline.hpp"

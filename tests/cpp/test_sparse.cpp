@@ -90,6 +90,35 @@ TEST_P(SparseCases, CpuForwardIsBitwiseTheSameForAnyThreadCount) {
   }
 }
 
+// Gradients: dK and dV sum over every query that lists the key (up to Nq·G terms), dQ
+// over the row's attended keys; the bound scales with the largest gradient.
+TEST_P(SparseCases, CpuBackwardMatchesReferenceOnEverySimdTarget) {
+  const SparseSpec& s = GetParam();
+  const auto in = sparse_inputs<float>(s, 23);
+  const auto ref = run_sparse(s, convert<double>(in), Backend::reference, 1, true);
+  for_each_simd_target([&](int64_t) {
+    const auto cpu = run_sparse(s, in, Backend::cpu, 2, true);
+    EXPECT_LE(max_error(cpu.dq, ref.dq), fp32_tolerance(max_abs(ref.dq)));
+    EXPECT_LE(max_error(cpu.dk, ref.dk), fp32_tolerance(max_abs(ref.dk)));
+    EXPECT_LE(max_error(cpu.dv, ref.dv), fp32_tolerance(max_abs(ref.dv)));
+    for (std::size_t h = 0; h < cpu.dsinks.size(); ++h)
+      EXPECT_NEAR(cpu.dsinks[h], ref.dsinks[h], fp32_tolerance(std::abs(ref.dsinks[h])));
+  });
+}
+
+TEST_P(SparseCases, CpuBackwardIsBitwiseTheSameForAnyThreadCount) {
+  const SparseSpec& s = GetParam();
+  const auto in = sparse_inputs<float>(s, 33);
+  const auto one = run_sparse(s, in, Backend::cpu, 1, true);
+  for (int threads : {2, 3, 7}) {
+    const auto many = run_sparse(s, in, Backend::cpu, threads, true);
+    EXPECT_EQ(0, std::memcmp(one.dq.data(), many.dq.data(), one.dq.size() * sizeof(float))) << threads;
+    EXPECT_EQ(0, std::memcmp(one.dk.data(), many.dk.data(), one.dk.size() * sizeof(float))) << threads;
+    EXPECT_EQ(0, std::memcmp(one.dv.data(), many.dv.data(), one.dv.size() * sizeof(float))) << threads;
+    EXPECT_EQ(one.dsinks, many.dsinks) << threads;
+  }
+}
+
 // 16-bit storage: widened exactly, fp32 arithmetic, rounded once on store; against the
 // reference on the same (16-bit) inputs, the bound is the output's own rounding
 // (2^-9 relative for bfloat16, 2^-12 for float16) plus the fp32 error.
@@ -101,6 +130,15 @@ void expect_half_close(const SparseSpec& s, double rounding) {
   const double scale = std::max(1.0, max_abs(ref.out));
   EXPECT_LE(max_error(cpu.out, ref.out), 2.0 * rounding * scale + fp32_tolerance(scale));
   EXPECT_LE(max_error(cpu.lse, ref.lse), fp32_tolerance(max_abs(ref.lse)));
+  const auto cpu_grad = run_sparse(s, in, Backend::cpu, 2, true);
+  const auto ref_grad = run_sparse(s, convert<double>(in), Backend::reference, 1, true);
+  // The backward's D = ⟨dO, O⟩ reads the stored O, rounded to T (as any 16-bit backward
+  // does): that rounding enters every dS of the row a second time, hence 4 roundings.
+  for (const auto& [fast, exact] : {std::pair{&cpu_grad.dq, &ref_grad.dq}, std::pair{&cpu_grad.dk, &ref_grad.dk},
+                                    std::pair{&cpu_grad.dv, &ref_grad.dv}}) {
+    const double grad_scale = std::max(1.0, max_abs(*exact));
+    EXPECT_LE(max_error(*fast, *exact), 4.0 * rounding * grad_scale + fp32_tolerance(grad_scale));
+  }
 }
 
 TEST_P(SparseCases, HalfStorageWithinItsRounding) {
