@@ -13,7 +13,9 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
+#include <vector>
 
 #include "core/problem.hpp"
 #include "qkv/sparse.hpp"
@@ -34,17 +36,42 @@ struct KeySelection {
   }
 
   // Writes A(b, list, i) into keys[0, count) and returns count (≤ topk). Indices were
-  // validated to lie in [−1, Nk).
-  int64_t attended_keys(const MaskRule& mask, int64_t b, int64_t list, int64_t i,
-                        int32_t* keys) const {
+  // validated to lie in [−1, Nk). `marks`: the caller's scratch of ⌈Nk/64⌉ zero words,
+  // left zero. Sorting topk keys costs ~topk·log2(topk) steps (~45 µs for 2048, a third
+  // of the row's arithmetic at d = 128); marking them in a bit set and reading the set
+  // words in order costs topk + key_end/64 — used whenever the bit set is that small.
+  int64_t attended_keys(const MaskRule& mask, int64_t b, int64_t list, int64_t i, int32_t* keys,
+                        std::vector<uint64_t>& marks) const {
     const int64_t end = mask.key_end(b, i);  // window and key_lengths are refused: begin 0
-    int64_t count = 0;
+    const int64_t words = (end + 63) / 64;
+    if (words > 4 * topk || static_cast<int64_t>(marks.size()) < words) {
+      int64_t count = 0;
+      for (int64_t t = 0; t < topk; ++t) {
+        const int64_t j = listed(b, list, i, t);
+        if (j >= 0 && j < end) keys[count++] = static_cast<int32_t>(j);
+      }
+      std::sort(keys, keys + count);
+      return std::unique(keys, keys + count) - keys;
+    }
     for (int64_t t = 0; t < topk; ++t) {
       const int64_t j = listed(b, list, i, t);
-      if (j >= 0 && j < end) keys[count++] = static_cast<int32_t>(j);
+      if (j >= 0 && j < end) marks[static_cast<std::size_t>(j >> 6)] |= uint64_t{1} << (j & 63);
     }
-    std::sort(keys, keys + count);
-    return std::unique(keys, keys + count) - keys;
+    int64_t count = 0;
+    for (int64_t w = 0; w < words; ++w) {
+      uint64_t word = marks[static_cast<std::size_t>(w)];
+      marks[static_cast<std::size_t>(w)] = 0;
+      while (word != 0) {
+        keys[count++] = static_cast<int32_t>(w * 64 + std::countr_zero(word));
+        word &= word - 1;
+      }
+    }
+    return count;
+  }
+
+  // Scratch for attended_keys: one bit per key of the call.
+  std::vector<uint64_t> marks_for(int64_t k_len) const {
+    return std::vector<uint64_t>(static_cast<std::size_t>((k_len + 63) / 64), 0);
   }
 };
 

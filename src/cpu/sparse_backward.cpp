@@ -66,8 +66,9 @@ struct Workspace {
 // One thread's scratch for passes C and D (rows: the group's heads in C, entries in D).
 template <class T>
 struct Scratch {
-  explicit Scratch(const detail::Extents& e)
-      : block(static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
+  Scratch(const detail::Extents& e, const detail::KeySelection& selection)
+      : marks(selection.marks_for(e.k_len)),
+        block(static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
         rows(std::max<size_t>(static_cast<size_t>(e.group()), 1)),
         scores(AllocateFloats(rows * kGatherKeys)),
         d_scores(AllocateFloats(rows * kGatherKeys)),
@@ -83,6 +84,7 @@ struct Scratch {
         q_rows(kGatherKeys),
         dout_rows(kGatherKeys) {}
 
+  std::vector<uint64_t> marks;  // attended_keys's bit set
   GatheredBlock<T> block;
   size_t rows;
   hwy::AlignedFreeUniquePtr<float[]> scores, d_scores, slope, acc, dk, dv, key, value;
@@ -110,13 +112,14 @@ HWY_INLINE void WeightsAndGradients(float* HWY_RESTRICT s, float* HWY_RESTRICT d
 
 // Pass A, row (b, i): the sets of every list, scale·q and dO in float, D = ⟨dO, O⟩.
 template <class T>
-void PrepareRow(const detail::SparseBackwardProblem<T>& problem, Workspace& w, int64_t b, int64_t i) {
+void PrepareRow(const detail::SparseBackwardProblem<T>& problem, Workspace& w, int64_t b, int64_t i,
+                std::vector<uint64_t>& marks) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
   for (int64_t list = 0; list < w.lists; ++list) {
     const int64_t at = w.row(b, list, i);
-    w.set_sizes[at] = static_cast<int32_t>(problem.keys.attended_keys(dense.mask, b, list, i, w.sets.data() + at * w.topk));
+    w.set_sizes[at] = static_cast<int32_t>(problem.keys.attended_keys(dense.mask, b, list, i, w.sets.data() + at * w.topk, marks));
   }
   const float scale = static_cast<float>(dense.scale);
   for (int64_t h = 0; h < e.q_heads; ++h) {
@@ -274,11 +277,12 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
   const int threads = std::max(dense.threads, 1);
   std::vector<Scratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) scratch.emplace_back(e);
+  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys);
 
   const int64_t query_rows = e.batch * e.q_len;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
-  for (int64_t u = 0; u < query_rows; ++u) PrepareRow(problem, w, u / e.q_len, u % e.q_len);
+  for (int64_t u = 0; u < query_rows; ++u)
+    PrepareRow(problem, w, u / e.q_len, u % e.q_len, scratch[static_cast<size_t>(omp_get_thread_num())].marks);
   const int64_t list_groups = e.batch * w.lists;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t u = 0; u < list_groups; ++u) InvertSets(w, u / w.lists, u % w.lists);

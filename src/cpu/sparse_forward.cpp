@@ -47,8 +47,9 @@ namespace {
 // One thread's scratch, reused by its units.
 template <class T>
 struct ForwardScratch {
-  ForwardScratch(const detail::Extents& e, int64_t topk)
-      : keys(static_cast<size_t>(topk)),
+  ForwardScratch(const detail::Extents& e, const detail::KeySelection& selection)
+      : keys(static_cast<size_t>(selection.topk)),
+        marks(selection.marks_for(e.k_len)),
         block(static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
         queries(AllocateFloats(static_cast<size_t>(e.group()) * block.d_pad())),
         scores(AllocateFloats(static_cast<size_t>(e.group()) * kGatherKeys)),
@@ -58,6 +59,7 @@ struct ForwardScratch {
         alpha(m.size()) {}
 
   std::vector<int32_t> keys;     // the unit's attended set
+  std::vector<uint64_t> marks;   // attended_keys's bit set
   GatheredBlock<T> block;        // one block of its K/V rows
   hwy::AlignedFreeUniquePtr<float[]> queries, scores, acc;  // G × d_pad, G × 64, G × dv_pad
   std::vector<float> m, l, alpha;  // online-softmax state per head of the group
@@ -73,7 +75,7 @@ void ForwardUnit(const detail::SparseForwardProblem<T>& problem, int64_t b, int6
   const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
   const size_t d_pad = s.block.d_pad(), dv_pad = s.block.dv_pad();
   const size_t lanes = VectorLanes();
-  const auto count = static_cast<size_t>(problem.keys.attended_keys(dense.mask, b, problem.keys.list_of(g), i, s.keys.data()));
+  const auto count = static_cast<size_t>(problem.keys.attended_keys(dense.mask, b, problem.keys.list_of(g), i, s.keys.data(), s.marks));
   const float scale = static_cast<float>(dense.scale);
   for (size_t r = 0; r < group; ++r)
     ScaledRow(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, d_pad, scale, s.queries.get() + r * d_pad);
@@ -131,7 +133,7 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   const int threads = static_cast<int>(std::min<int64_t>(problem.dense.threads, units));
   std::vector<ForwardScratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys.topk);
+  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
   for (int64_t u = 0; u < units; ++u) {
     const int64_t g = u % e.kv_heads, i = (u / e.kv_heads) % e.q_len, b = u / (e.kv_heads * e.q_len);

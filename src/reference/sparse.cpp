@@ -24,6 +24,7 @@ namespace {
 // and d logit / d(scale·q·k) of each key (the soft-cap's 1 − tanh²).
 struct GatheredRow {
   std::vector<int32_t> keys;
+  std::vector<uint64_t> marks;  // KeySelection::attended_keys's scratch
   std::vector<double> scores, weights, slope;
   int64_t count = 0;
   double lse = 0.0;
@@ -36,7 +37,8 @@ void gather_row(const Problem& dense, const detail::KeySelection& selection, con
   const auto& mods = dense.modifiers;
   const int64_t kv_head = e.kv_head_of(h);
   row.keys.resize(static_cast<std::size_t>(selection.topk));
-  row.count = selection.attended_keys(dense.mask, b, selection.list_of(kv_head), i, row.keys.data());
+  if (row.marks.empty()) row.marks = selection.marks_for(e.k_len);
+  row.count = selection.attended_keys(dense.mask, b, selection.list_of(kv_head), i, row.keys.data(), row.marks);
   const int64_t entries = row.count + (mods.has_sinks() ? 1 : 0);
   row.scores.assign(entries, 0.0);
   row.weights.assign(entries, 0.0);

@@ -33,6 +33,9 @@ const SparseSpec kCases[] = {
      .v_dim = 17, .topk = 80},
     {.name = "mla_like_16_heads", .batch = 1, .q_len = 3, .k_len = 300, .q_heads = 16, .kv_heads = 1,
      .head_dim = 64, .v_dim = 32, .topk = 200, .causal = Causal::bottom_right},
+    // Nk > 256·topk: the attended set is sorted, not marked in a bit set (KeySelection).
+    {.name = "few_keys_long_sequence", .batch = 1, .q_len = 4, .k_len = 600, .q_heads = 2, .kv_heads = 1,
+     .head_dim = 8, .v_dim = 8, .topk = 2, .causal = Causal::bottom_right},
     {.name = "per_head_sinks_top_left", .batch = 2, .q_len = 8, .k_len = 8, .q_heads = 4, .kv_heads = 4,
      .head_dim = 16, .v_dim = 8, .topk = 4, .shared = false, .causal = Causal::top_left, .sinks = true},
 };
