@@ -174,11 +174,14 @@ void QueryGradients(const detail::SparseBackwardProblem<T>& problem, const Works
     const int32_t* keys = set + start;
     s.block.Gather(n, padded, [&](size_t j) { return rows.k(b, keys[j], g); },
                    [&](size_t j) { return rows.v(b, keys[j], g); });
-    s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim) {
+    const int32_t* next = keys + n;  // the next block, prefetched while this one computes
+    s.block.GatherNext(std::min(kGatherKeys, count - start - n), [&](size_t j) { return rows.k(b, next[j], g); },
+                       [&](size_t j) { return rows.v(b, next[j], g); });
+    s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
       using S = std::remove_cv_t<std::remove_pointer_t<std::remove_pointer_t<decltype(k_rows)>>>;
       for (size_t j = 0; j < padded; j += lanes) {
-        ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, Ahead<S>{}, s.scores.get() + j, kGatherKeys);
-        ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, Ahead<S>{}, s.d_scores.get() + j, kGatherKeys);
+        ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, k_ahead.offset(j), s.scores.get() + j, kGatherKeys);
+        ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, v_ahead.offset(j), s.d_scores.get() + j, kGatherKeys);
       }
       for (size_t r = 0; r < group; ++r) {
         const int64_t h = g * e.group() + static_cast<int64_t>(r);

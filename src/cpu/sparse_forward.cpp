@@ -88,10 +88,12 @@ void ForwardUnit(const detail::SparseForwardProblem<T>& problem, int64_t b, int6
     const int32_t* keys = s.keys.data() + start;
     s.block.Gather(n, padded, [&](size_t j) { return rows.k(b, keys[j], g); },
                    [&](size_t j) { return rows.v(b, keys[j], g); });
-    s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim) {
-      using S = std::remove_cv_t<std::remove_pointer_t<std::remove_pointer_t<decltype(k_rows)>>>;
+    const int32_t* next = keys + n;  // the next block, prefetched while this one computes
+    s.block.GatherNext(std::min(kGatherKeys, count - start - n), [&](size_t j) { return rows.k(b, next[j], g); },
+                       [&](size_t j) { return rows.v(b, next[j], g); });
+    s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
       for (size_t j = 0; j < padded; j += lanes)
-        ScoreKeys(group, s.queries.get(), d_pad, k_rows + j, k_dim, Ahead<S>{}, s.scores.get() + j, kGatherKeys);
+        ScoreKeys(group, s.queries.get(), d_pad, k_rows + j, k_dim, k_ahead.offset(j), s.scores.get() + j, kGatherKeys);
       // The score pipeline per head; its mask stage removes the padding past the block.
       for (size_t r = 0; r < group; ++r)
         detail::apply_score_pipeline(
@@ -101,7 +103,7 @@ void ForwardUnit(const detail::SparseForwardProblem<T>& problem, int64_t b, int6
                       .padded = padded, .key_begin = 0, .key_end = static_cast<int64_t>(n),
                       .s = s.scores.get() + r * kGatherKeys});
       SoftmaxRows(group, padded, s.scores.get(), kGatherKeys, s.m.data(), s.l.data(), s.alpha.data());
-      ValueBlock(group, s.scores.get(), kGatherKeys, n, v_rows, v_dim, Ahead<S>{}, s.alpha.data(), s.acc.get(), dv_pad);
+      ValueBlock(group, s.scores.get(), kGatherKeys, n, v_rows, v_dim, v_ahead, s.alpha.data(), s.acc.get(), dv_pad);
     });
   }
 
