@@ -5,6 +5,7 @@
 #include "core/validate_sparse.hpp"
 
 #include <array>
+#include <span>
 #include <string>
 
 #include "core/checker.hpp"
@@ -59,7 +60,7 @@ void expect_indices_in_range(const Checker& check, const TensorView<const I, 4>&
 
 template <class I>
 KeySelection checked_view(const Checker& check, const KeyIndices& indices, const TensorView<const I, 4>& view,
-                          const Extents& e, const Described& out) {
+                          const Extents& e, std::span<const Described> outputs) {
   const bool shared = indices.shared_by_heads();
   const Described d = described_indices(view, shared);
   check.expect_well_formed(d, /*inner_contiguous=*/false);
@@ -70,18 +71,19 @@ KeySelection checked_view(const Checker& check, const KeyIndices& indices, const
     check.expect_extent(d, 1, "heads", e.kv_heads, "as k.shape[2], the key/value heads");
     check.expect_extent(d, 2, "queries", e.q_len, "as q.shape[1]");
   }
-  check.expect_outputs_apart(std::array{out}, std::array{d});
+  check.expect_outputs_apart(outputs, std::array{d});
   expect_indices_in_range(check, view, shared, e.k_len);
   return KeySelection{indices, view.shape[1], view.shape[3]};
 }
 
+// `outputs`: the call's outputs, none of which may overlap the lists.
 KeySelection checked_selection(const Checker& check, const KeyIndices& indices, const Extents& e,
-                               const Described& out) {
+                               std::span<const Described> outputs) {
   if (indices.empty()) {
     check.fail("indices: required, [B, Nq, topk] or [B, Hkv, Nq, topk] of int32 or int64");
   }
-  return indices.is_int64() ? checked_view(check, indices, indices.int64_view(), e, out)
-                            : checked_view(check, indices, indices.int32_view(), e, out);
+  return indices.is_int64() ? checked_view(check, indices, indices.int64_view(), e, outputs)
+                            : checked_view(check, indices, indices.int32_view(), e, outputs);
 }
 
 }  // namespace
@@ -92,7 +94,9 @@ SparseForwardProblem<T> validate(const SparseForwardArgs<T>& args, const Attenti
   refuse_unsupported(check, options);
   ForwardArgs<T> dense{.q = args.q, .k = args.k, .v = args.v, .out = args.out, .lse = args.lse};
   SparseForwardProblem<T> problem{validate_as(dense, options, kForwardName), {}};
-  problem.keys = checked_selection(check, args.indices, problem.dense.extents, describe("out", args.out));
+  DescribedList<2> outputs{describe("out", args.out)};
+  if (!args.lse.empty()) outputs.push_back(describe("lse", args.lse));
+  problem.keys = checked_selection(check, args.indices, problem.dense.extents, outputs);
   return problem;
 }
 
@@ -105,13 +109,8 @@ SparseBackwardProblem<T> validate(const SparseBackwardArgs<T>& args, const Atten
                         .dsinks = args.dsinks, .dalibi_slopes = {}};
   SparseBackwardProblem<T> problem{validate_as(dense, options, kBackwardName), {}};
   const Extents& e = problem.dense.extents;
-  problem.keys = checked_selection(check, args.indices, e, describe("dq", args.dq));
-  for (const Described& gradient : {describe("dk", args.dk), describe("dv", args.dv)}) {
-    const Described indices = args.indices.is_int64()
-                                  ? described_indices(args.indices.int64_view(), args.indices.shared_by_heads())
-                                  : described_indices(args.indices.int32_view(), args.indices.shared_by_heads());
-    check.expect_outputs_apart(std::array{gradient}, std::array{indices});
-  }
+  const DescribedList<3> gradients{describe("dq", args.dq), describe("dk", args.dk), describe("dv", args.dv)};
+  problem.keys = checked_selection(check, args.indices, e, gradients);
   return problem;
 }
 
