@@ -11,5 +11,6 @@
 #include "qkv/names.hpp"
 #include "qkv/options.hpp"
 #include "qkv/softmax.hpp"
+#include "qkv/sparse.hpp"
 #include "qkv/tensor.hpp"
 #include "qkv/version.hpp"

@@ -11,6 +11,9 @@ Functions (NumPy arrays or torch tensors, float32 or float64, CPU, never copied)
     attention_weights(q, k, v, ...)    the weights P of the exact reference backend
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)   packed sequences, no padding
     varlen_attention_backward(...)     its dq, dk, dv
+    sparse_attention(q, k, v, indices, ...)   attention over the keys each query lists
+                                       (DeepSeek's top-k); differentiable for torch tensors
+    sparse_attention_backward(...)     its dq, dk, dv
     softmax, log_softmax, softmax_jacobian, softmax_backward   the textbook math
     available_backends()               which backends this build runs
     KVCache(batch, capacity, kv_heads, head_dim, dtype=..., paged=...)   a key/value
@@ -44,6 +47,7 @@ from ._decode import KVCache, decode
 from ._batch_plan import BatchPlan
 from ._softmax import log_softmax, softmax, softmax_backward, softmax_jacobian
 from ._varlen import varlen_attention, varlen_attention_backward
+from ._sparse import sparse_attention, sparse_attention_backward
 from ._dropout import dropout_mask
 
 Error.__module__ = "qkv"  # raised as qkv.Error (a ValueError), however deep it came from
@@ -63,6 +67,8 @@ __all__ = [
     "softmax",
     "softmax_backward",
     "softmax_jacobian",
+    "sparse_attention",
+    "sparse_attention_backward",
     "varlen_attention",
     "varlen_attention_backward",
 ]

@@ -118,7 +118,13 @@ Described checked_lse(const Checker& check, const View3<L>& view, const Extents&
 
 template <class T>
 ForwardProblem<T> validate(const ForwardArgs<T>& args, const AttentionOptions& options) {
-  const Checker check("qkv::attention_forward");
+  return validate_as(args, options, "qkv::attention_forward");
+}
+
+template <class T>
+ForwardProblem<T> validate_as(const ForwardArgs<T>& args, const AttentionOptions& options,
+                              std::string_view function) {
+  const Checker check(function);
   ForwardProblem<T> problem;
   check_common<T>(check, args.q, args.k, args.v, options, problem);
   const Extents& e = problem.extents;
@@ -169,7 +175,13 @@ ForwardProblem<T> validate(const ForwardArgs<T>& args, const AttentionOptions& o
 
 template <class T>
 BackwardProblem<T> validate(const BackwardArgs<T>& args, const AttentionOptions& options) {
-  const Checker check("qkv::attention_backward");
+  return validate_as(args, options, "qkv::attention_backward");
+}
+
+template <class T>
+BackwardProblem<T> validate_as(const BackwardArgs<T>& args, const AttentionOptions& options,
+                               std::string_view function) {
+  const Checker check(function);
   BackwardProblem<T> problem;
   check_common<T>(check, args.q, args.k, args.v, options, problem);
   const Extents& e = problem.extents;
@@ -214,5 +226,16 @@ BackwardProblem<T> validate(const BackwardArgs<T>& args, const AttentionOptions&
 }
 
 QKV_INSTANTIATE_VALIDATE(ForwardArgs, BackwardArgs)
+
+#define QKV_INSTANTIATE_VALIDATE_AS(T)                                                   \
+  template ForwardProblem<T> validate_as(const ForwardArgs<T>&, const AttentionOptions&,   \
+                                         std::string_view);                                \
+  template BackwardProblem<T> validate_as(const BackwardArgs<T>&, const AttentionOptions&, \
+                                          std::string_view);
+QKV_INSTANTIATE_VALIDATE_AS(float)
+QKV_INSTANTIATE_VALIDATE_AS(double)
+QKV_INSTANTIATE_VALIDATE_AS(bfloat16)
+QKV_INSTANTIATE_VALIDATE_AS(float16)
+#undef QKV_INSTANTIATE_VALIDATE_AS
 
 }  // namespace qkv::detail

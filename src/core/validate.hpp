@@ -3,6 +3,8 @@
 // any output. Instantiated for every storage type: float, double, bfloat16, float16.
 #pragma once
 
+#include <string_view>
+
 #include "core/problem.hpp"
 
 namespace qkv::detail {
@@ -11,6 +13,14 @@ template <class T>
 ForwardProblem<T> validate(const ForwardArgs<T>& args, const AttentionOptions& options);
 template <class T>
 BackwardProblem<T> validate(const BackwardArgs<T>& args, const AttentionOptions& options);
+// The same checks, the messages naming `function`: for entry points that are a dense call
+// plus something more (qkv::sparse_attention_forward: the dense call and its key lists).
+template <class T>
+ForwardProblem<T> validate_as(const ForwardArgs<T>& args, const AttentionOptions& options,
+                              std::string_view function);
+template <class T>
+BackwardProblem<T> validate_as(const BackwardArgs<T>& args, const AttentionOptions& options,
+                               std::string_view function);
 
 class Checker;
 

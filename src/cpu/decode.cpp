@@ -289,32 +289,6 @@ void ScaleLines(const KvSource& kv, int64_t batch, int64_t head, int64_t first, 
   }
 }
 
-// Online softmax per row over one block of scores (rows × padded, ld apart):
-// m' = max(m, max_j S), alpha = e^(m − m'), P = e^(S − m') in place, l' = l·alpha + Σ_j P.
-// A row with no visible key so far keeps m' = -inf, P = 0, alpha = 1.
-HWY_INLINE void SoftmaxRows(size_t rows, size_t padded, float* HWY_RESTRICT scores, size_t ld,
-                            float* HWY_RESTRICT m, float* HWY_RESTRICT l, float* HWY_RESTRICT alpha) {
-  const FloatTag df;
-  const size_t lanes = hn::Lanes(df);
-  for (size_t r = 0; r < rows; ++r) {
-    float* row = scores + r * ld;
-    FloatVec block_max = hn::Set(df, kMinusInf);
-    for (size_t j = 0; j < padded; j += lanes) block_max = hn::Max(block_max, hn::LoadU(df, row + j));
-    const float m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(df, block_max)));
-    const float shift = m_new == kMinusInf ? 0.0f : m_new;
-    alpha[r] = m_new == kMinusInf ? 1.0f : std::exp(m[r] - m_new);
-    const FloatVec shift_v = hn::Set(df, shift);
-    FloatVec sum = hn::Zero(df);
-    for (size_t j = 0; j < padded; j += lanes) {
-      const FloatVec pv = ExpKeepNaN(df, hn::Sub(hn::LoadU(df, row + j), shift_v));
-      hn::StoreU(pv, df, row + j);
-      sum = hn::Add(sum, pv);
-    }
-    l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(df, sum));
-    m[r] = m_new;
-  }
-}
-
 // Σ_c a[c]·b[c], in vectors (a scalar chain of d FMAs per row and group would cost
 // more than the group's dot products themselves).
 HWY_INLINE float Dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t n) {

@@ -222,6 +222,34 @@ void ScoreKeys(size_t rows, const float* HWY_RESTRICT q, size_t q_ld, const S* c
 }
 
 // ---------------------------------------------------------------------------------
+// Online softmax per row over one block of scores (rows × padded, ld apart), for the
+// split-K schedule and sparse attention's gathered blocks:
+// m' = max(m, max_j S), alpha = e^(m − m'), P = e^(S − m') in place, l' = l·alpha + Σ_j P.
+// A row with no visible key so far keeps m' = -inf, P = 0, alpha = 1.
+HWY_INLINE void SoftmaxRows(size_t rows, size_t padded, float* HWY_RESTRICT scores, size_t ld,
+                            float* HWY_RESTRICT m, float* HWY_RESTRICT l, float* HWY_RESTRICT alpha) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  for (size_t r = 0; r < rows; ++r) {
+    float* row = scores + r * ld;
+    FloatVec block_max = hn::Set(df, kMinusInf);
+    for (size_t j = 0; j < padded; j += lanes) block_max = hn::Max(block_max, hn::LoadU(df, row + j));
+    const float m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(df, block_max)));
+    const float shift = m_new == kMinusInf ? 0.0f : m_new;
+    alpha[r] = m_new == kMinusInf ? 1.0f : std::exp(m[r] - m_new);
+    const FloatVec shift_v = hn::Set(df, shift);
+    FloatVec sum = hn::Zero(df);
+    for (size_t j = 0; j < padded; j += lanes) {
+      const FloatVec pv = ExpKeepNaN(df, hn::Sub(hn::LoadU(df, row + j), shift_v));
+      hn::StoreU(pv, df, row + j);
+      sum = hn::Add(sum, pv);
+    }
+    l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(df, sum));
+    m[r] = m_new;
+  }
+}
+
+// ---------------------------------------------------------------------------------
 // P·V: acc[r][0:dim] = acc[r]·alpha[r] + Σ_j P[r][j]·v_j for R rows, C vectors of columns.
 // Register tile R × C (each V vector loaded and widened once for R rows, each P entry
 // broadcast once for C vectors); the block's product is summed from zero first, so its

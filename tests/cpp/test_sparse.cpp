@@ -1,0 +1,228 @@
+// Sparse attention over listed keys (qkv/sparse.hpp): the fp64 reference against dense
+// attention with the scattered boolean mask (the definition), the cpu backend against the
+// reference on every compiled SIMD target, thread-count and list-order invariance, empty
+// rows, 16-bit storage.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "simd_targets.hpp"
+#include "sparse_case.hpp"
+
+namespace qkv::test {
+namespace {
+
+constexpr double kEps32 = std::numeric_limits<float>::epsilon();
+
+const SparseSpec kCases[] = {
+    {.name = "mqa_shared", .batch = 2, .q_len = 7, .k_len = 13, .q_heads = 4, .kv_heads = 1, .head_dim = 16,
+     .v_dim = 16, .topk = 9},
+    {.name = "gqa_shared_top_left", .batch = 2, .q_len = 6, .k_len = 11, .q_heads = 4, .kv_heads = 2,
+     .head_dim = 8, .v_dim = 12, .topk = 5, .causal = Causal::top_left},
+    {.name = "gqa_per_head_bottom_right", .batch = 1, .q_len = 9, .k_len = 14, .q_heads = 6, .kv_heads = 3,
+     .head_dim = 24, .v_dim = 8, .topk = 7, .shared = false, .causal = Causal::bottom_right},
+    {.name = "topk_over_keys_odd_dims", .batch = 1, .q_len = 4, .k_len = 5, .q_heads = 2, .kv_heads = 2,
+     .head_dim = 3, .v_dim = 5, .topk = 12, .shared = false, .causal = Causal::top_left},
+    {.name = "sinks_softcap", .batch = 1, .q_len = 6, .k_len = 20, .q_heads = 4, .kv_heads = 2, .head_dim = 32,
+     .v_dim = 32, .topk = 10, .causal = Causal::bottom_right, .sinks = true, .softcap = 5.0f},
+    {.name = "two_blocks_d59", .batch = 1, .q_len = 5, .k_len = 90, .q_heads = 3, .kv_heads = 1, .head_dim = 59,
+     .v_dim = 17, .topk = 80},
+    {.name = "mla_like_16_heads", .batch = 1, .q_len = 3, .k_len = 300, .q_heads = 16, .kv_heads = 1,
+     .head_dim = 64, .v_dim = 32, .topk = 200, .causal = Causal::bottom_right},
+    // Nk > 256·topk: the attended set is sorted, not marked in a bit set (KeySelection).
+    {.name = "few_keys_long_sequence", .batch = 1, .q_len = 4, .k_len = 600, .q_heads = 2, .kv_heads = 1,
+     .head_dim = 8, .v_dim = 8, .topk = 2, .causal = Causal::bottom_right},
+    {.name = "per_head_sinks_top_left", .batch = 2, .q_len = 8, .k_len = 8, .q_heads = 4, .kv_heads = 4,
+     .head_dim = 16, .v_dim = 8, .topk = 4, .shared = false, .causal = Causal::top_left, .sinks = true},
+};
+
+class SparseCases : public ::testing::TestWithParam<SparseSpec> {};
+INSTANTIATE_TEST_SUITE_P(Shapes, SparseCases, ::testing::ValuesIn(kCases),
+                         [](const auto& param_info) { return param_info.param.name; });
+
+// Tolerance of an fp32 result against fp64: a few roundings of values of size `scale`.
+double fp32_tolerance(double scale) { return 64.0 * kEps32 * std::max(1.0, scale); }
+
+template <class T, int R>
+double max_abs(const Tensor<T, R>& t) {
+  double m = 0.0;
+  for (std::size_t i = 0; i < t.size(); ++i)
+    if (std::isfinite(as_double(t[i]))) m = std::max(m, std::abs(as_double(t[i])));
+  return m;
+}
+
+// The reference's sparse path is the definition: dense attention whose boolean mask is
+// scattered from the lists, intersected with causality. Forward and backward agree to
+// fp64 rounding.
+TEST_P(SparseCases, ReferenceIsDenseAttentionWithScatteredMask) {
+  const SparseSpec& s = GetParam();
+  const auto in = sparse_inputs<double>(s, 11);
+  const auto sparse = run_sparse(s, in, Backend::reference, 1, /*with_backward=*/true);
+  const auto dense = run_dense_masked(s, in);
+  EXPECT_LE(max_error(sparse.out, dense.out), 1e-12);
+  EXPECT_LE(max_error(sparse.lse, dense.lse), 1e-12);
+  EXPECT_LE(max_error(sparse.dq, dense.dq), 1e-12);
+  EXPECT_LE(max_error(sparse.dk, dense.dk), 1e-12);
+  EXPECT_LE(max_error(sparse.dv, dense.dv), 1e-12);
+  for (std::size_t h = 0; h < sparse.dsinks.size(); ++h) EXPECT_NEAR(sparse.dsinks[h], dense.dsinks[h], 1e-6);
+}
+
+TEST_P(SparseCases, CpuForwardMatchesReferenceOnEverySimdTarget) {
+  const SparseSpec& s = GetParam();
+  const auto in = sparse_inputs<float>(s, 21);
+  const auto ref = run_sparse(s, convert<double>(in), Backend::reference, 1, false);
+  for_each_simd_target([&](int64_t) {
+    const auto cpu = run_sparse(s, in, Backend::cpu, 2, false);
+    EXPECT_LE(max_error(cpu.out, ref.out), fp32_tolerance(max_abs(ref.out)));
+    EXPECT_LE(max_error(cpu.lse, ref.lse), fp32_tolerance(max_abs(ref.lse)));
+  });
+}
+
+TEST_P(SparseCases, CpuForwardIsBitwiseTheSameForAnyThreadCount) {
+  const SparseSpec& s = GetParam();
+  const auto in = sparse_inputs<float>(s, 31);
+  const auto one = run_sparse(s, in, Backend::cpu, 1, false);
+  for (int threads : {2, 3, 7}) {
+    const auto many = run_sparse(s, in, Backend::cpu, threads, false);
+    EXPECT_EQ(0, std::memcmp(one.out.data(), many.out.data(), one.out.size() * sizeof(float))) << threads;
+    EXPECT_EQ(0, std::memcmp(one.lse.data(), many.lse.data(), one.lse.size() * sizeof(float))) << threads;
+  }
+}
+
+// Gradients: dK and dV sum over every query that lists the key (up to Nq·G terms), dQ
+// over the row's attended keys; the bound scales with the largest gradient.
+TEST_P(SparseCases, CpuBackwardMatchesReferenceOnEverySimdTarget) {
+  const SparseSpec& s = GetParam();
+  const auto in = sparse_inputs<float>(s, 23);
+  const auto ref = run_sparse(s, convert<double>(in), Backend::reference, 1, true);
+  for_each_simd_target([&](int64_t) {
+    const auto cpu = run_sparse(s, in, Backend::cpu, 2, true);
+    EXPECT_LE(max_error(cpu.dq, ref.dq), fp32_tolerance(max_abs(ref.dq)));
+    EXPECT_LE(max_error(cpu.dk, ref.dk), fp32_tolerance(max_abs(ref.dk)));
+    EXPECT_LE(max_error(cpu.dv, ref.dv), fp32_tolerance(max_abs(ref.dv)));
+    for (std::size_t h = 0; h < cpu.dsinks.size(); ++h)
+      EXPECT_NEAR(cpu.dsinks[h], ref.dsinks[h], fp32_tolerance(std::abs(ref.dsinks[h])));
+  });
+}
+
+TEST_P(SparseCases, CpuBackwardIsBitwiseTheSameForAnyThreadCount) {
+  const SparseSpec& s = GetParam();
+  const auto in = sparse_inputs<float>(s, 33);
+  const auto one = run_sparse(s, in, Backend::cpu, 1, true);
+  for (int threads : {2, 3, 7}) {
+    const auto many = run_sparse(s, in, Backend::cpu, threads, true);
+    EXPECT_EQ(0, std::memcmp(one.dq.data(), many.dq.data(), one.dq.size() * sizeof(float))) << threads;
+    EXPECT_EQ(0, std::memcmp(one.dk.data(), many.dk.data(), one.dk.size() * sizeof(float))) << threads;
+    EXPECT_EQ(0, std::memcmp(one.dv.data(), many.dv.data(), one.dv.size() * sizeof(float))) << threads;
+    EXPECT_EQ(one.dsinks, many.dsinks) << threads;
+  }
+}
+
+// 16-bit storage: widened exactly, fp32 arithmetic, rounded once on store; against the
+// reference on the same (16-bit) inputs, the bound is the output's own rounding
+// (2^-9 relative for bfloat16, 2^-12 for float16) plus the fp32 error.
+template <class T>
+void expect_half_close(const SparseSpec& s, double rounding) {
+  const auto in = sparse_inputs<T>(s, 41);
+  const auto ref = run_sparse(s, convert<double>(in), Backend::reference, 1, false);
+  const auto cpu = run_sparse(s, in, Backend::cpu, 2, false);
+  const double scale = std::max(1.0, max_abs(ref.out));
+  EXPECT_LE(max_error(cpu.out, ref.out), 2.0 * rounding * scale + fp32_tolerance(scale));
+  EXPECT_LE(max_error(cpu.lse, ref.lse), fp32_tolerance(max_abs(ref.lse)));
+  const auto cpu_grad = run_sparse(s, in, Backend::cpu, 2, true);
+  const auto ref_grad = run_sparse(s, convert<double>(in), Backend::reference, 1, true);
+  // The backward's D = ⟨dO, O⟩ reads the stored O, rounded to T (as any 16-bit backward
+  // does): that rounding enters every dS of the row a second time, hence 4 roundings.
+  for (const auto& [fast, exact] : {std::pair{&cpu_grad.dq, &ref_grad.dq}, std::pair{&cpu_grad.dk, &ref_grad.dk},
+                                    std::pair{&cpu_grad.dv, &ref_grad.dv}}) {
+    const double grad_scale = std::max(1.0, max_abs(*exact));
+    EXPECT_LE(max_error(*fast, *exact), 4.0 * rounding * grad_scale + fp32_tolerance(grad_scale));
+  }
+}
+
+TEST_P(SparseCases, HalfStorageWithinItsRounding) {
+  expect_half_close<bfloat16>(GetParam(), std::ldexp(1.0, -9));
+  expect_half_close<float16>(GetParam(), std::ldexp(1.0, -12));
+}
+
+// A row that lists nothing, or whose listed keys causality removes: out 0, lse −inf,
+// on both backends, never NaN.
+TEST(Sparse, EmptyAndFullyMaskedRowsGiveZeroAndMinusInf) {
+  SparseSpec s{.name = "empty", .batch = 1, .q_len = 3, .k_len = 6, .q_heads = 2, .kv_heads = 1, .head_dim = 8,
+               .v_dim = 4, .topk = 3, .causal = Causal::top_left};
+  auto in = sparse_inputs<float>(s, 51);
+  for (int64_t t = 0; t < s.topk; ++t) {
+    in.lists(0, 0, 0, t) = -1;  // row 0: nothing listed
+    in.lists(0, 0, 1, t) = 5;   // row 1: only key 5, past its causal limit (key ≤ 1)
+    in.lists(0, 0, 2, t) = t;   // row 2: keys 0..2, all visible
+  }
+  for (Backend backend : {Backend::reference, Backend::cpu}) {
+    const auto r = run_sparse(s, in, backend, 2, /*with_backward=*/true);
+    for (int64_t i : {0, 1})
+      for (int64_t h = 0; h < s.q_heads; ++h) {
+        EXPECT_EQ(r.lse(0, h, i), -std::numeric_limits<float>::infinity());
+        for (int64_t c = 0; c < s.v_dim; ++c) EXPECT_EQ(r.out(0, i, h, c), 0.0f);
+        for (int64_t c = 0; c < s.head_dim; ++c) EXPECT_EQ(r.dq(0, i, h, c), 0.0f);
+      }
+    for (int64_t j = 3; j < s.k_len; ++j)
+      for (int64_t c = 0; c < s.head_dim; ++c) EXPECT_EQ(r.dk(0, j, 0, c), 0.0f);
+    EXPECT_TRUE(std::isfinite(r.lse(0, 0, 2)));
+  }
+}
+
+// A list is a set: shuffled, with repeats and −1 in other places, the same bits.
+TEST(Sparse, ListOrderAndRepeatsDoNotChangeTheBits) {
+  SparseSpec s{.name = "order", .batch = 2, .q_len = 5, .k_len = 40, .q_heads = 4, .kv_heads = 2,
+               .head_dim = 16, .v_dim = 16, .topk = 24, .shared = false, .causal = Causal::bottom_right};
+  const auto in = sparse_inputs<float>(s, 61);
+  auto shuffled = in;
+  std::mt19937_64 rng(5);
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t l = 0; l < s.kv_heads; ++l)
+      for (int64_t i = 0; i < s.q_len; ++i) {
+        std::vector<int64_t> row;
+        for (int64_t t = 0; t < s.topk; ++t) row.push_back(in.lists(b, l, i, t));
+        std::shuffle(row.begin(), row.end(), rng);
+        // a repeat of the row's first listed key in place of a −1, if it has one
+        const auto listed = std::find_if(row.begin(), row.end(), [](int64_t j) { return j >= 0; });
+        const auto none = std::find(row.begin(), row.end(), int64_t{-1});
+        if (listed != row.end() && none != row.end()) *none = *listed;
+        for (int64_t t = 0; t < s.topk; ++t) shuffled.lists(b, l, i, t) = row[static_cast<std::size_t>(t)];
+      }
+  const auto a = run_sparse(s, in, Backend::cpu, 2, true);
+  const auto b = run_sparse(s, shuffled, Backend::cpu, 2, true);
+  EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(a.dq.data(), b.dq.data(), a.dq.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(a.dk.data(), b.dk.data(), a.dk.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(a.dv.data(), b.dv.data(), a.dv.size() * sizeof(float)));
+}
+
+// int32 lists (transformers' type) read like int64 ones, in PyTorch's bhsd layout too.
+TEST(Sparse, Int32ListsAndBhsdViewsGiveTheSameBits) {
+  SparseSpec s{.name = "int32", .batch = 2, .q_len = 6, .k_len = 30, .q_heads = 4, .kv_heads = 1,
+               .head_dim = 16, .v_dim = 8, .topk = 12, .causal = Causal::top_left};
+  const auto in = sparse_inputs<float>(s, 71);
+  const auto expected = run_sparse(s, in, Backend::cpu, 2, false);
+  Tensor<int32_t, 3> lists32({s.batch, s.q_len, s.topk});
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t i = 0; i < s.q_len; ++i)
+      for (int64_t t = 0; t < s.topk; ++t) lists32(b, i, t) = static_cast<int32_t>(in.lists(b, 0, i, t));
+  auto q = to_bhsd(in.q), k = to_bhsd(in.k), v = to_bhsd(in.v);
+  Tensor<float, 4> out({s.batch, s.q_heads, s.q_len, s.v_dim});
+  Tensor<float, 3> lse({s.batch, s.q_heads, s.q_len});
+  AttentionOptions options = sparse_options(s, {}, Backend::cpu);
+  sparse_attention_forward(SparseForwardArgs<float>{.q = bhsd_view(q), .k = bhsd_view(k), .v = bhsd_view(v),
+                                                    .indices = TensorView<const int32_t, 3>(lists32.view()),
+                                                    .out = bhsd_view(out), .lse = lse.view()},
+                           options);
+  EXPECT_EQ(0, std::memcmp(to_bhsd(expected.out).data(), out.data(), out.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(expected.lse.data(), lse.data(), lse.size() * sizeof(float)));
+}
+
+}  // namespace
+}  // namespace qkv::test
