@@ -52,9 +52,10 @@ the keyword and the model's class (the lists are IMPLEMENTED and CARRY_NOTHING).
   ``max_length_q/k``; several packed sequences with no mask are refused), ``seq_idx``,
   ``deterministic``, and output requests (``output_attentions`` gives None weights, as
   ``"sdpa"``; ``use_cache``, ``output_router_logits``, ...).
-- refused (NotImplementedError): ``indices`` (DeepSeek Sparse Attention's top-k keys:
-  DeepSeek-V3.2, GLM-5) until qkv has sparse attention (_sparse_indices);
-  ``position_bias`` (T5's learned relative bias), per-query ``sinks``, ``block_indices``
+- ``indices`` (DeepSeek Sparse Attention's top-k keys: DeepSeek-V3.2, GLM-5) go to
+  ``qkv.sparse_attention``, the mask folded into the lists (_sparse_indices; its softmax
+  statistics are not collected).
+- refused (NotImplementedError): ``position_bias`` (T5's learned relative bias), per-query ``sinks``, ``block_indices``
   and any keyword not listed.
 
 bfloat16 and float16 tensors go to qkv as they are (float32 sums, the output rounded
@@ -202,20 +203,56 @@ def _check_keywords(module, kwargs, attention_mask) -> None:
 def _sparse_indices(module, query, key, value, indices, route: "Route", scale, variants):
     """Attention over the keys ``indices`` lists: ``[B, Nq, topk]`` integers (DeepSeek
     Sparse Attention's top-k, one set per query shared by every head; DeepSeek-V3.2,
-    GLM-5), a listed key taking part only where ``route`` (the routed mask) allows it as
-    well: transformers' indexer lists removed keys when a row allows fewer than topk.
+    GLM-5), on ``qkv.sparse_attention`` — never a dense mask. A listed key takes part only
+    where the routed mask allows it as well: transformers' indexer lists removed keys when
+    a row allows fewer than topk (``torch.topk`` over -inf scores), and eager adds the mask
+    to the scattered top-k mask. So the route's key lengths, sliding window and 0 / -inf
+    mask are folded into the lists (-1 where the key is removed); its causal mode is
+    sparse_attention's own. What cannot be folded into one list per query is refused by
+    name: a per-head mask, an additive mask with other values (biases), dropout."""
+    from ._sparse import sparse_attention
 
-    qkv has no sparse attention yet, so this refuses: attending every key the mask allows
-    (what ignoring ``indices`` did) gives wrong logits with no error. When
-    ``qkv.sparse_attention`` lands, the body becomes its call: the route's mask or key
-    lengths folded into the indices (-1 where the key is removed), then
-    ``sparse_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-    indices, scale=scale, causal=route.causal, layout="bshd", **variants)`` with the
-    output returned as attention_forward returns its own."""
-    raise NotImplementedError(
-        f"qkv.transformers: {type(module).__name__} passes `indices` (the top-k keys of "
-        f"DeepSeek Sparse Attention) to its attention function; qkv has no sparse "
-        f"attention yet. Use attn_implementation='eager' or 'sdpa' for this model")
+    where = f"qkv.transformers: {type(module).__name__} passes `indices` (DeepSeek Sparse Attention)"
+    if "dropout_p" in variants:
+        raise NotImplementedError(f"{where} with attention dropout in training; qkv's sparse attention "
+                                  "has no dropout")
+    if indices.ndim != 3 or indices.shape[0] != query.shape[0] or indices.shape[1] != query.shape[2]:
+        raise NotImplementedError(f"{where} of shape {tuple(indices.shape)}; expected [batch, queries, topk] "
+                                  f"= [{query.shape[0]}, {query.shape[2]}, topk]")
+    batch, q_len, k_len = query.shape[0], query.shape[2], key.shape[2]
+    listed = indices.long()
+    safe = listed.clamp(0, max(k_len - 1, 0))
+    keep = (listed >= 0) & (listed < k_len)
+    if route.key_lengths is not None:
+        keep &= safe < route.key_lengths.to(safe.device).view(-1, 1, 1)
+    if route.window is not None:  # bottom-right (left, right): query i sits at k_len - q_len + i
+        left, right = route.window
+        position = torch.arange(q_len, device=safe.device).view(1, -1, 1) + (k_len - q_len)
+        if left >= 0:
+            keep &= safe >= position - left
+        if right >= 0:
+            keep &= safe <= position + right
+    if route.mask is not None:
+        mask = route.mask
+        if mask.shape[1] != 1:
+            raise NotImplementedError(f"{where} together with a per-head mask {tuple(mask.shape)}")
+        if mask.dtype != torch.bool:
+            removed = mask <= torch.finfo(mask.dtype).min
+            if not bool(((mask == 0) | removed).all()):
+                raise NotImplementedError(f"{where} together with an additive mask holding biases "
+                                          "(values other than 0 and -inf)")
+            mask = ~removed
+        rows = mask[:, 0, :, :k_len].expand(batch, q_len, k_len)
+        keep &= torch.gather(rows, 2, safe)
+    folded = torch.where(keep, listed, torch.full_like(listed, -1))
+
+    dtype = query.dtype
+    if dtype not in _NATIVE_DTYPES:
+        query, key, value = (x.float() for x in (query, key, value))
+    out = sparse_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), folded,
+                           scale=scale, causal=route.causal, layout="bshd",
+                           threads=_torch_ops.TORCH_THREADS, **variants)
+    return out.to(dtype), None
 
 
 def _layer_label(module) -> str:

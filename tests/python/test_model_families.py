@@ -105,12 +105,11 @@ FAMILIES = {
 }
 
 # DeepSeek Sparse Attention hands every backend but eager/sdpa its top-k keys as
-# `indices`, and qkv has no sparse attention yet: refused. When qkv.sparse_attention
-# lands (qkv.transformers._sparse_indices), these two move to the families that match.
-# (index_topk >= the sequence does not help: the indexer then lists every key, still as
-# `indices`, never None.)
+# `indices` (index_topk 4 < 12 tokens here, so the selection matters): they go to
+# qkv.sparse_attention (qkv.transformers._sparse_indices), the mask folded into the lists.
+# (index_topk >= the sequence does not make them None: the indexer then lists every key.)
 SPARSE = ("deepseek_v32", "glm_moe_dsa")
-MATCHING = tuple(name for name in FAMILIES if name not in SPARSE)
+MATCHING = tuple(FAMILIES)
 
 
 def _build(family, seed=0):
@@ -167,16 +166,22 @@ def test_family_matches_eager(family):
 
 
 @pytest.mark.parametrize("family", SPARSE)
-def test_sparse_attention_families_are_refused(family):
-    """DeepSeek-V3.2 and GLM-5 (index_topk 4 < 12 tokens): NotImplementedError naming
-    `indices` and the attention class, never logits over every key. Flips to a match
-    test when qkv.sparse_attention lands."""
+def test_sparse_attention_families_reach_sparse_attention(family, monkeypatch):
+    """DeepSeek-V3.2 and GLM-5 call qkv.sparse_attention with their top-k lists (the
+    match with eager above is the proof of correctness; this shows the path taken: the
+    dense call over every key, which ignoring `indices` did, is never made for them)."""
+    import qkv._sparse
+
     _, on_qkv = _build(family)
-    ids, mask = _batch(padded=False)
-    attention_class = type(on_qkv.model.layers[0].self_attn).__name__
-    with pytest.raises(NotImplementedError, match=rf"{attention_class}.*`indices`"):
-        with torch.no_grad():
-            on_qkv(input_ids=ids, attention_mask=mask)
+    calls = []
+    real = qkv._sparse.sparse_attention
+    monkeypatch.setattr(qkv._sparse, "sparse_attention", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    ids, mask = _batch(padded=True)
+    with torch.no_grad():
+        on_qkv(input_ids=ids, attention_mask=mask)
+    assert calls, f"{family}: qkv.sparse_attention was not called"
+    # Folded lists: the left padding of the second prompt is never listed for it.
+    assert all(((lists[1] < 5) & (lists[1] >= 0)).sum() == 0 for lists in calls)
 
 
 def test_deepseek_v4_masks_are_additive_and_never_left_out(monkeypatch):
@@ -308,13 +313,22 @@ def test_every_attention_keyword_is_implemented_or_refused():
 
 
 def test_implemented_keywords_change_the_result_or_are_refused():
-    """The IMPLEMENTED keywords act: soft-cap and sinks move the output; `indices` is
-    refused until qkv has sparse attention."""
+    """The IMPLEMENTED keywords act: soft-cap and sinks move the output; `indices` restricts
+    each query to its listed keys within the mask (every query listing key 0 alone
+    attends to key 0 alone: its output is key 0's value; listing every key, or keys the
+    causal mask removes as well, changes nothing)."""
     plain = _call()
     assert not torch.allclose(_call(softcap=0.5), plain, atol=1e-3)
     assert not torch.allclose(_call(s_aux=torch.ones(4)), plain, atol=1e-3)
-    with pytest.raises(NotImplementedError, match="`indices`"):
-        _call(indices=torch.zeros(2, 5, 3, dtype=torch.int32))
+    gen = torch.Generator().manual_seed(4)
+    torch.randn(2, 4, 5, 8, generator=gen)
+    _, value = (torch.randn(2, 2, 5, 8, generator=gen) for _ in range(2))
+    first_only = _call(indices=torch.zeros(2, 5, 3, dtype=torch.int32))
+    want = value[:, :, 0].repeat_interleave(2, dim=1)[:, None].expand(2, 5, 4, 8)
+    assert torch.allclose(first_only, want, atol=1e-6)
+    every = torch.arange(5).expand(2, 5, 5)
+    assert torch.allclose(_call(indices=every), plain, atol=1e-6)
+    assert torch.allclose(_call(indices=torch.cat([every, every], -1)), plain, atol=1e-6)
 
 
 def test_packed_sequences_without_a_mask_are_refused():
