@@ -11,6 +11,9 @@ from ._arrays import NumPy, Torch, framework_of
 from ._options import Error, make_options
 
 
+_MAX_TOPK = 2**31 - 1
+
+
 def _topk_count(fn: str, topk) -> int:
     if isinstance(topk, bool):
         raise TypeError(f"{fn}: topk: expected an int >= 0, got {topk!r}")
@@ -18,8 +21,8 @@ def _topk_count(fn: str, topk) -> int:
         count = operator.index(topk)
     except TypeError:
         raise TypeError(f"{fn}: topk: expected an int >= 0, got {topk!r}") from None
-    if count < 0:
-        raise Error(f"{fn}: topk: expected an int >= 0, got {count}")
+    if not 0 <= count <= _MAX_TOPK:
+        raise Error(f"{fn}: topk: expected an int in [0, {_MAX_TOPK}] (indices are int32), got {count}")
     return count
 
 
