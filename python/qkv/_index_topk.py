@@ -42,6 +42,27 @@ def index_topk(q, k, weights, topk, *, scale=None, causal="bottom_right", key_le
                threads=None):
     fn = "qkv.index_topk"
     fw = framework_of(fn, q=q, k=k, weights=weights)
+    if fw is Torch:
+        from . import _torch_ops
+
+        if _torch_ops.traced(q, k, weights):  # torch.compile, fake tensors: the operator
+            from . import _torch_ops_index  # noqa: F401  (registers torch.ops.qkv.index_topk)
+            from ._options import key_lengths_array
+
+            lengths = None if key_lengths is None else key_lengths_array(fn, Torch, key_lengths)
+            import torch
+
+            return torch.ops.qkv.index_topk(q, k, weights, _topk_count(fn, topk),
+                                            None if scale is None else float(scale), causal, lengths,
+                                            threads)
+    return eager_index_topk(q, k, weights, topk, scale=scale, causal=causal,
+                            key_lengths=key_lengths, threads=threads, fw=fw)
+
+
+def eager_index_topk(q, k, weights, topk, *, scale, causal, key_lengths, threads, fw=None):
+    """The library call on arrays of one framework (also the operator's implementation)."""
+    fn = "qkv.index_topk"
+    fw = fw or framework_of(fn, q=q, k=k, weights=weights)
     count = _topk_count(fn, topk)
     for name, x, rank, axes in (("q", q, 4, "[batch, seq, heads, dim]"), ("k", k, 3, "[batch, seq, dim]"),
                                 ("weights", weights, 3, "[batch, seq, heads]")):

@@ -158,3 +158,13 @@ def test_large_keys_small_topk_never_builds_the_score_matrix():
     assert got.shape == (1, 4096, 64)
     assert elapsed < 60, elapsed
     check_against_torch(q[:, -3:], k, w[:, -3:], got[:, -3:], 64)  # the same rows, bottom-right
+
+
+def test_torch_operator_compiles_and_passes_opcheck():
+    from qkv import _torch_ops_index  # noqa: F401
+
+    q, k, w = inputs(1, 6, 40, 2, 8)
+    eager = qkv.index_topk(q, k, w, 5)
+    torch.library.opcheck(torch.ops.qkv.index_topk.default, (q, k, w, 5, None, "bottom_right", None, None))
+    compiled = torch.compile(lambda q, k, w: qkv.index_topk(q, k, w, 5), fullgraph=True)
+    assert torch.equal(compiled(q, k, w), eager)
