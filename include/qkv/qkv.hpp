@@ -7,6 +7,7 @@
 #include "qkv/dropout.hpp"
 #include "qkv/error.hpp"
 #include "qkv/half.hpp"
+#include "qkv/index_topk.hpp"
 #include "qkv/kv_cache.hpp"
 #include "qkv/names.hpp"
 #include "qkv/options.hpp"

@@ -20,6 +20,8 @@ Functions (NumPy arrays or torch tensors, float32 or float64, CPU, never copied)
                                        cache for generation: append(k, v), attend(q)
     decode(q, k_cache, v_cache, cache_lengths, block_table=None)   attention against
                                        caller-owned caches (contiguous or paged), in place
+    index_topk(q, k, weights, topk, ...)   DeepSeek sparse attention's indexer: the top-k
+                                       keys of every query, never the Nq×Nk scores
 
 and ``qkv.torch.scaled_dot_product_attention``, a drop-in for
 ``torch.nn.functional.scaled_dot_product_attention``; ``qkv.flex_attention``, torch's
@@ -49,6 +51,7 @@ from ._softmax import log_softmax, softmax, softmax_backward, softmax_jacobian
 from ._varlen import varlen_attention, varlen_attention_backward
 from ._sparse import sparse_attention, sparse_attention_backward
 from ._dropout import dropout_mask
+from ._index_topk import index_topk
 
 Error.__module__ = "qkv"  # raised as qkv.Error (a ValueError), however deep it came from
 
@@ -62,6 +65,7 @@ __all__ = [
     "attention_weights",
     "available_backends",
     "dropout_mask",
+    "index_topk",
     "decode",
     "log_softmax",
     "softmax",

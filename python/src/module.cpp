@@ -16,6 +16,7 @@ void bind_varlen(nanobind::module_& m);   // varlen.cpp
 void bind_dropout(nanobind::module_& m);  // dropout.cpp
 void bind_batch_plan(nanobind::module_& m);  // batch_plan.cpp
 void bind_sparse(nanobind::module_& m);      // sparse.cpp
+void bind_index_topk(nanobind::module_& m);  // index_topk.cpp
 }
 
 NB_MODULE(_qkv, m) {
@@ -33,4 +34,5 @@ NB_MODULE(_qkv, m) {
   qkv::python::bind_decode(m);
   qkv::python::bind_batch_plan(m);
   qkv::python::bind_sparse(m);
+  qkv::python::bind_index_topk(m);
 }

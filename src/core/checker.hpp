@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -79,6 +80,22 @@ inline int resolve_threads(const Checker& check, int requested, const char* opti
 
 inline int resolve_threads(const Checker& check, const AttentionOptions& options) {
   return resolve_threads(check, options.execution.threads, "options.execution.threads");
+}
+
+// options.key_lengths: empty, or one length in [0, k_len] per batch entry.
+inline void check_key_lengths(const Checker& check, std::span<const int64_t> lengths, int64_t batch,
+                              int64_t k_len) {
+  if (lengths.empty()) return;
+  if (static_cast<int64_t>(lengths.size()) != batch) {
+    check.fail("options.key_lengths: expected one length per batch entry (" + std::to_string(batch) +
+               "), got " + std::to_string(lengths.size()));
+  }
+  for (std::size_t b = 0; b < lengths.size(); ++b) {
+    if (lengths[b] < 0 || lengths[b] > k_len) {
+      check.fail("options.key_lengths[" + std::to_string(b) + "]: expected 0.." + std::to_string(k_len) +
+                 " (the key length), got " + std::to_string(lengths[b]));
+    }
+  }
 }
 
 inline Causal checked_causal(const Checker& check, Causal causal) {

@@ -57,21 +57,8 @@ void check_common(const Checker& check, const View4<const T>& q, const View4<con
   mask.sequences.dense_q_len = extents.q_len;
   mask.sequences.dense_k_len = extents.k_len;
 
-  if (!options.key_lengths.empty()) {
-    const auto& lengths = options.key_lengths;
-    if (static_cast<int64_t>(lengths.size()) != extents.batch) {
-      check.fail("options.key_lengths: expected one length per batch entry (" +
-                 std::to_string(extents.batch) + "), got " + std::to_string(lengths.size()));
-    }
-    for (std::size_t b = 0; b < lengths.size(); ++b) {
-      if (lengths[b] < 0 || lengths[b] > extents.k_len) {
-        check.fail("options.key_lengths[" + std::to_string(b) + "]: expected 0.." +
-                   std::to_string(extents.k_len) + " (the key length), got " +
-                   std::to_string(lengths[b]));
-      }
-    }
-    mask.key_lengths = lengths;
-  }
+  check_key_lengths(check, options.key_lengths, extents.batch, extents.k_len);
+  mask.key_lengths = options.key_lengths;
 
   auto broadcast = [&](auto view, const char* name) {
     const Described desc = describe(name, view);

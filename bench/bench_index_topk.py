@@ -1,0 +1,88 @@
+"""qkv.index_topk against the PyTorch formula + torch.topk (transformers' DeepseekV32Indexer
+math, the -1 padding aside), same process, same threads.
+
+    python bench/bench_index_topk.py [--threads 2] [--repeats 3]
+
+FLOPs: 2·B·Hi·di·(allowed pairs) for the scores (the causal prefill counts only allowed
+pairs for qkv; PyTorch's formula computes all Nq·Nk). Peak memory of the PyTorch formula:
+its [B, Nq, Hi, Nk] float32 logits and their relu (two such tensors live at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+
+import qkv
+
+
+def torch_indexer(q, k, w, topk, causal_bottom_right):
+    """The formula as transformers writes it, then torch.topk over the allowed keys."""
+    nq, nk = q.shape[1], k.shape[1]
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * q.shape[-1] ** -0.5
+    scores = torch.relu(scores)
+    index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+    if causal_bottom_right:
+        i = torch.arange(nq)[:, None]
+        j = torch.arange(nk)[None, :]
+        index_scores = index_scores.masked_fill(j > i + nk - nq, float("-inf"))
+    return index_scores.topk(min(topk, nk), dim=-1).indices.to(torch.int32)
+
+
+def best_of(repeats, fn):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"cpu: {cpu_model()}; threads {args.threads}; load {os.getloadavg()}")
+    cases = [("prefill causal", 1, 4096, 4096, 64, 128, 2048, True),
+             ("decode", 1, 1, 32768, 64, 128, 2048, True)]
+    for name, batch, nq, nk, heads, di, topk, causal in cases:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(batch, nq, heads, di, generator=g)
+        k = torch.randn(batch, nk, di, generator=g)
+        w = torch.randn(batch, nq, heads, generator=g) * heads ** -0.5
+        run_qkv = lambda: qkv.index_topk(q, k, w, topk, causal="bottom_right" if causal else None,
+                                         threads=args.threads)
+        run_torch = lambda: torch_indexer(q, k, w, topk, causal)
+        run_qkv()
+        run_torch()
+        t_qkv = best_of(args.repeats, run_qkv)
+        t_torch = best_of(args.repeats, run_torch)
+        pairs = sum(min(nk, i + 1 + nk - nq) for i in range(nq)) if causal else nq * nk
+        gflops = 2 * batch * heads * di * pairs / t_qkv / 1e9
+        torch_peak = 2 * batch * nq * heads * nk * 4 / 2**20
+        print(f"{name}: B={batch} Nq={nq} Nk={nk} Hi={heads} di={di} topk={topk}: "
+              f"qkv {t_qkv * 1e3:.1f} ms ({gflops:.0f} GFLOP/s on allowed pairs), "
+              f"torch {t_torch * 1e3:.1f} ms, speedup {t_torch / t_qkv:.2f}x; "
+              f"torch formula's logits+relu {torch_peak:.0f} MiB")
+    print(f"load after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

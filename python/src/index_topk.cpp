@@ -1,0 +1,50 @@
+// qkv._qkv.index_topk: the indexer (qkv/index_topk.hpp) on NumPy arrays or torch tensors,
+// read in place, writing the caller's int32 indices.
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+
+#include "arrays.hpp"
+#include "options.hpp"
+#include "qkv/index_topk.hpp"
+
+namespace qkv::python {
+namespace {
+
+constexpr const char* kAsQ = "the dtype of q";
+
+template <class T>
+void index_topk_typed(const ArrayRef& q, const ArrayRef& k, const ArrayRef& weights, const ArrayRef& indices,
+                      const AttentionOptions& options, bool bits) {
+  IndexTopkArgs<T> args;
+  args.q = view_of<const T, 4>("q", q, kAsQ, bits);
+  args.k = view_of<const T, 3>("k", k, kAsQ, bits);
+  args.weights = view_of<const IndexWeightOf<T>, 3>(
+      "weights", weights, std::is_same_v<T, double> ? "float64 for float64 q" : "float32 for this q");
+  args.indices = view_of<int32_t, 3>("indices", indices, "the indices are int32");
+  nanobind::gil_scoped_release release;
+  index_topk(args, options);
+}
+
+void index_topk_binding(nb::handle q, nb::handle k, nb::handle weights, nb::handle indices,
+                        const BoundOptions& bound, bool bfloat16_bits) {
+  const Caller caller(bound.function.c_str());
+  const ArrayRef qa = ArrayRef::from(q, false, "q"), ka = ArrayRef::from(k, false, "k"),
+                 wa = ArrayRef::from(weights, false, "weights"), ia = ArrayRef::from(indices, true, "indices");
+  const CallStorage call = call_storage(qa, bfloat16_bits);
+  const AttentionOptions options = bound.for_call();
+  with_storage(call, [&]<class T>() { index_topk_typed<T>(qa, ka, wa, ia, options, call.bits); });
+}
+
+}  // namespace
+
+void bind_index_topk(nanobind::module_& m) {
+  namespace nb = nanobind;
+  m.def("index_topk", &index_topk_binding, nb::arg("q"), nb::arg("k"), nb::arg("weights"), nb::arg("indices"),
+        nb::arg("options"), nb::arg("bfloat16_bits"),
+        "qkv::index_topk on the given arrays (q [B, Nq, Hi, di], k [B, Nk, di], weights [B, Nq, Hi] float32 "
+        "(float64 for float64 q), read in place); writes the int32 indices [B, Nq, topk] in place. The GIL is "
+        "released while computing.");
+}
+
+}  // namespace qkv::python
