@@ -17,7 +17,7 @@
 #include "cache/cache_config.hpp"
 #include "cache/quantize_rows.hpp"
 #include "core/checked_size.hpp"
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv {
