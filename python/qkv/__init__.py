@@ -50,7 +50,7 @@ from ._batch_plan import BatchPlan
 from ._softmax import log_softmax, softmax, softmax_backward, softmax_jacobian
 from ._varlen import varlen_attention, varlen_attention_backward
 from ._sparse import sparse_attention, sparse_attention_backward
-from ._dropout import dropout_mask
+from ._attention import dropout_mask
 from ._index_topk import index_topk
 
 Error.__module__ = "qkv"  # raised as qkv.Error (a ValueError), however deep it came from

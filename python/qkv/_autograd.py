@@ -2,7 +2,7 @@
 every call, dense or packed (varlen), with or without variants and statistics.
 
 The Function does not know the call's shape of arguments: it runs a *call* object (Dense
-here, _varlen_call.Packed) that says how to run the library's forward and backward:
+here, _core.Packed) that says how to run the library's forward and backward:
 
     call.forward(q, k, v, options, stats, want_lse) -> (out, lse)
     call.backward(q, k, v, out, lse, dout, options, dsinks, dslopes) -> (dq, dk, dv)

@@ -61,13 +61,13 @@ class BatchPlan:
         self._v_dim = int(v_dim or head_dim)
         first = "float32" if dtype is None else _storage_name(dtype, fn)
         self._plans = {first: self._plan(first)}  # validates the layout now
-        # The traced operator's name for this plan (qkv/_torch_ops_plan.py), made here, out of
+        # The traced operator's name for this plan (qkv/_torch_ops_cache.py), made here, out of
         # any trace; a plan made before torch is imported is not traceable.
         self._handle = None
         if "torch" in sys.modules:
-            from . import _torch_ops_plan
+            from . import _torch_ops_cache
 
-            self._handle = _torch_ops_plan.register(self)
+            self._handle = _torch_ops_cache.register_plan(self)
 
     def _plan(self, storage: str):
         return _qkv.BatchPlan(storage=storage, options=self._options, **self._layout)
@@ -93,16 +93,16 @@ class BatchPlan:
         that requires grad (with grad mode on) is an error."""
         refuse_grad("qkv.BatchPlan.run", q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
         if _is_torch(q):
-            from . import _torch_ops_plan
+            from . import _torch_ops_cache
 
-            if _torch_ops_plan.traced(q):  # torch.compile, fake tensors: the operator
+            if _torch_ops_cache.traced(q):  # torch.compile, fake tensors: the operator
                 if isinstance(k_cache, KVCache):
                     raise Error("qkv.BatchPlan.run: over a qkv.KVCache it is not traceable (torch.compile): pass "
                                 "the cache's storage arrays, or run it eagerly")
                 if self._handle is None:
                     raise Error("qkv.BatchPlan.run: traced (torch.compile), but the plan was made before torch "
                                 "was imported: make it after `import torch`")
-                out, lse = _torch_ops_plan.batch_plan_run(self._handle, q, k_cache, v_cache, k_scale, v_scale)
+                out, lse = _torch_ops_cache.batch_plan_run(self._handle, q, k_cache, v_cache, k_scale, v_scale)
                 return (out, lse) if return_lse else out
         return self.eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
 

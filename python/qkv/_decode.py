@@ -133,13 +133,13 @@ class KVCache:
 
         from . import _torch_ops_cache
 
-        self._handle = _torch_ops_cache.register(self)
+        self._handle = _torch_ops_cache.register_cache(self)
         self._state = torch.tensor(self.lengths, dtype=torch.int64)
 
     @property
     def handle(self):
         """The int64 scalar tensor torch.ops.qkv.kv_cache_append / kv_cache_attend name this
-        cache by (a graph input under torch.compile: qkv/_handles.py)."""
+        cache by (a graph input under torch.compile: qkv/_torch_ops_cache.py's Handles)."""
         if self._handle is None:
             self._register_for_torch()
         return self._handle

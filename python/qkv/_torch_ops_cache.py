@@ -1,15 +1,17 @@
 """The operators of decoding, as torch.compile, torch.export and fake tensors see
-qkv.decode and qkv.KVCache:
+qkv.decode, qkv.KVCache and qkv.BatchPlan.run:
 
     torch.ops.qkv.decode(q, k_cache, v_cache, cache_lengths, ...)   -> (out, lse)
     torch.ops.qkv.kv_cache_append(state!, handle, k, v, seqs)       mutates `state`
     torch.ops.qkv.kv_cache_attend(state, handle, q, layout, v_dim, ...)   -> (out, lse)
+    torch.ops.qkv.batch_plan_run(handle, q, k_cache, v_cache, k_scale, v_scale) -> (out, lse)
 
-Each runs the eager function (qkv/_decode.py) when it executes, so a traced call is
-the eager call. None is differentiable (decoding has no backward).
+Each runs the eager function (qkv/_decode.py, qkv/_batch_plan.py) when it executes, so a
+traced call is the eager call. None is differentiable (decoding and serving have no
+backward).
 
 A KVCache owns its memory in C++, out of the graph's sight; the operators name it by a
-handle (an int64 scalar tensor the cache holds, a graph input: qkv/_handles.py, so one
+handle (an int64 scalar tensor the cache holds, a graph input: Handles below, so one
 compiled function serves any number of caches) and carry its `state`, an int64 [batch]
 tensor holding the keys cached per sequence as of the last traced append. append declares
 `state` mutated (it writes the new lengths there) and attend reads it, so a compiler
@@ -20,18 +22,57 @@ trace time (guarded, as any attribute a traced function reads), never from the c
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ._arrays import Error
-from ._handles import Handles
 from ._torch_ops import TORCH_THREADS, _checked_scalars, per_head_vector
 
+
+class Handles:
+    """How a traced operator names a Python object that lives outside the graph (a
+    KVCache, a BatchPlan) — an int64 scalar tensor the object holds, mapped back to the object
+    when the operator runs. Held weakly: the object lives as long as its caller keeps it.
+
+    Why a tensor and not an int: torch.compile makes an int read from an object a constant
+    of the graph, guarded; the next object's other int fails the guard, and the recompiled
+    graph takes it as a symbolic int, which no lookup can hash. A tensor is a graph input:
+    every object of a kind (a new BatchPlan each serving step) passes through one graph, and
+    only the operator's real implementation, which runs outside tracing, reads its value.
+    The fake implementations never need the object (their shapes come from their tensor
+    arguments and from plain arguments read at trace time), so they never read the handle."""
+
+    def __init__(self, what: str):
+        self._what = what
+        self._objects: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+        self._next = 0
+
+    def register(self, obj) -> torch.Tensor:
+        """A new handle for `obj`: an int64 scalar tensor (call it outside any trace)."""
+        self._next += 1
+        self._objects[self._next] = obj
+        return torch.tensor(self._next, dtype=torch.int64)
+
+    def get(self, handle: torch.Tensor):
+        """The object named by `handle` (at run time: a real tensor)."""
+        if not isinstance(handle, torch.Tensor) or handle.dtype != torch.int64 or handle.ndim != 0:
+            raise TypeError(f"{self._what}: handle: expected an int64 scalar tensor (the object's .handle), "
+                            f"got {handle!r}")
+        obj = self._objects.get(int(handle))
+        if obj is None:
+            raise RuntimeError(f"{self._what}: handle {int(handle)}: the object no longer exists")
+        return obj
+
+
 _CACHES = Handles("qkv.KVCache")  # handle -> KVCache, for the operators
-register = _CACHES.register
+register_cache = _CACHES.register
 _cache = _CACHES.get
+_PLANS = Handles("qkv.BatchPlan")  # handle -> BatchPlan, for the operator
+register_plan = _PLANS.register
+_plan = _PLANS.get
 
 
 def _variants(window_left, window_right, softcap, alibi_slopes, sinks, threads):
@@ -112,8 +153,26 @@ def _(state, handle, q, layout, v_dim, *rest):
     return _outputs(q, layout, v_dim)
 
 
+# A plan is made once per step, outside the graph (its layout is data the engine has, not
+# tensors of the model): batch_plan_run names it by its handle, so one compiled function
+# serves every step's new plan without recompiling. The fake needs no plan: out's head dim
+# is v_cache's last (the plan checks that it is its v_dim).
+@torch.library.custom_op("qkv::batch_plan_run", mutates_args=())
+def batch_plan_run(handle: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Optional[Tensor],
+                   v_scale: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    return _plan(handle).eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+
+
+@batch_plan_run.register_fake
+def _(handle, q, k_cache, v_cache, k_scale, v_scale):
+    total, heads = q.shape[0], q.shape[1]
+    dtype = q.dtype if q.is_floating_point() else torch.float32
+    return (q.new_empty((total, heads, v_cache.shape[-1]), dtype=dtype),
+            q.new_empty((heads, total), dtype=torch.float32))
+
+
 def traced(x) -> bool:
-    """Whether a decoding call on torch tensors is traced (torch.compile, fake tensors)."""
+    """Whether a call on torch tensors is traced (torch.compile, fake tensors)."""
     return torch.compiler.is_compiling() or type(x) is not Tensor
 
 
@@ -161,5 +220,5 @@ def traced_attend(cache, q, *, scale, causal, return_lse, threads, window, softc
     return (out, lse) if return_lse else out
 
 
-__all__ = ["decode", "kv_cache_append", "kv_cache_attend", "register", "traced",
-           "traced_append", "traced_attend", "traced_decode"]
+__all__ = ["batch_plan_run", "decode", "kv_cache_append", "kv_cache_attend", "register_cache", "register_plan",
+           "traced", "traced_append", "traced_attend", "traced_decode"]

@@ -20,7 +20,7 @@ _FIRST_OPTION = 7
 
 
 def _packed(cu_q, cu_k, max_q, max_k):
-    from ._varlen_call import Packed
+    from ._core import Packed
 
     return Packed(Torch.for_library(cu_q), Torch.for_library(cu_k), max_q, max_k)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from . import _stats
 from ._arrays import Torch, framework_of
+from ._core import Packed, varlen_backward, varlen_forward
 from ._options import Error, make_options
-from ._varlen_call import Packed, _backward, _forward
 
 _DOC = """
     q ``[total_q, Hq, d]``, k ``[total_k, Hkv, d]``, v ``[total_k, Hkv, dv]``: the
@@ -84,7 +84,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         out, lse = _autograd.run(Packed(cu_q, cu_k, *settings[1:]), q, k, v, settings[0],
                                  library_stats)
     else:
-        out, lse = _forward(fw, q, k, v, cu_q, cu_k, settings, library_stats)
+        out, lse = varlen_forward(fw, q, k, v, cu_q, cu_k, settings, library_stats)
     result = (out, lse) if return_lse else (out,)
     if stats is not None:
         result += (stats,)
@@ -114,7 +114,7 @@ def varlen_attention_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
                                 max_seqlen_k, variants)
     cu_q, cu_k = _offsets(fw, "cu_seqlens_q", cu_seqlens_q), _offsets(fw, "cu_seqlens_k", cu_seqlens_k)
     dsinks = None if sinks is None else fw.empty(tuple(sinks.shape), sinks)
-    grads = _backward(fw, q, k, v, out, lse, Torch.inner_contiguous(dout) if fw is Torch else dout,
+    grads = varlen_backward(fw, q, k, v, out, lse, Torch.inner_contiguous(dout) if fw is Torch else dout,
                       cu_q, cu_k, settings, dsinks)
     return grads if dsinks is None else (*grads, dsinks)
 

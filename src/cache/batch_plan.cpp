@@ -15,7 +15,7 @@
 #include "cache/cache_reader.hpp"
 #include "cache/cache_scales.hpp"
 #include "core/checked_size.hpp"
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "core/dispatch.hpp"
 #include "core/validate.hpp"
 #include "cpu/decode.hpp"

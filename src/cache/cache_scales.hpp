@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "qkv/half.hpp"
 #include "qkv/tensor.hpp"
 

@@ -10,7 +10,7 @@
 
 #include "cache/cache_scales.hpp"
 #include "cache/decode_source.hpp"
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "core/dispatch.hpp"
 #include "core/validate.hpp"
 #include "qkv/error.hpp"

@@ -1,5 +1,5 @@
-// KVCache: owns the cache memory, appends tokens (rounding once to the storage type),
-// and attends through qkv::decode.
+// KVCache: owns the cache memory and appends tokens (rounding once to the storage type:
+// quantize_rows.cpp); how it is read and attended is kv_cache_read.cpp.
 #include "qkv/kv_cache.hpp"
 
 #include <functional>
@@ -14,15 +14,24 @@
 #include <string_view>
 #include <type_traits>
 
-#include "cache/decode_source.hpp"
+#include "cache/cache_config.hpp"
+#include "cache/quantize_rows.hpp"
 #include "core/checked_size.hpp"
-#include "core/checker.hpp"
-#include "core/kv_source.hpp"
+#include "core/attention_rules.hpp"
 #include "qkv/error.hpp"
-#include "reference/key_values.hpp"
 
 namespace qkv {
 namespace {
+
+using detail::channel_scaled;
+using detail::half_scales;
+using detail::Int4Scale;
+using detail::int4_scale;
+using detail::is_int4;
+using detail::store_int4_channel_row;
+using detail::store_int8_channel_row;
+using detail::store_row;
+using detail::window_rows;
 
 constexpr std::size_t kAlignment = 64;
 
@@ -31,148 +40,6 @@ std::byte* allocate_bytes(std::size_t bytes) {
   void* raw = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
   if (raw == nullptr) throw std::bad_alloc();
   return static_cast<std::byte*>(raw);
-}
-
-template <class T>
-void store_row(const float* src, int64_t count, void* dst) {
-  T* out = static_cast<T*>(dst);
-  for (int64_t c = 0; c < count; ++c) {
-    if constexpr (std::is_same_v<T, float>) {
-      out[c] = src[c];
-    } else {
-      out[c] = T(src[c]);  // round to nearest even, once
-    }
-  }
-}
-
-// int8: symmetric per-row quantization. scale = max|x| / 127 and q = x / scale rounded
-// to nearest (ties to even), so every value is within scale/2 of q·scale and the row's
-// largest magnitude is exactly ±127·scale. An all-zero row (or one below 127 × the
-// smallest float, whose scale would round to 0) gets scale 0; a row holding
-// NaN or ±inf gets scale NaN, so that whatever attends to it sees NaN, as with the
-// other storage types.
-void store_int8_row(const float* src, int64_t count, void* dst, float* scale) {
-  auto* out = static_cast<std::int8_t*>(dst);
-  float largest = 0.0f;
-  bool finite = true;
-  for (int64_t c = 0; c < count; ++c) {
-    finite = finite && std::isfinite(src[c]);
-    largest = std::max(largest, std::abs(src[c]));
-  }
-  // A row whose largest magnitude is below 127 × the smallest float has no representable
-  // scale (it would round to 0): stored as zeros, like an all-zero row.
-  const float row_scale = largest / 127.0f;
-  if (!finite || row_scale == 0.0f) {
-    *scale = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
-    std::fill(out, out + count, std::int8_t{0});
-    return;
-  }
-  *scale = row_scale;
-  for (int64_t c = 0; c < count; ++c) {
-    const float q = std::nearbyint(src[c] / *scale);
-    out[c] = static_cast<std::int8_t>(std::clamp(q, -127.0f, 127.0f));
-  }
-}
-
-// int8 keys scaled per channel: `scale` and `zero` hold the row's group's channel scales
-// and zero points; the stored key is int8 · scale + zero, q_c = (x_c − zero_c) / scale_c
-// rounded to nearest (ties to even; in double) and clamped to −128..127 — within half a
-// step, scale_c, of x_c; a channel with scale 0 (one value in the whole group) is stored
-// as zero points alone. The row's own scale is 1, or NaN for a row holding NaN or ±inf
-// (stored as zeros), so that whatever attends to it sees NaN.
-void store_int8_channel_row(const float* src, const float* scale, const float* zero, int64_t count,
-                            std::int8_t* out, float* row_scale) {
-  const bool finite = std::all_of(src, src + count, [](float x) { return std::isfinite(x); });
-  *row_scale = finite ? 1.0f : std::numeric_limits<float>::quiet_NaN();
-  for (int64_t c = 0; c < count; ++c) {
-    if (!finite || scale[c] == 0.0f) {
-      out[c] = 0;
-      continue;
-    }
-    const double q = std::nearbyint((static_cast<double>(src[c]) - zero[c]) / static_cast<double>(scale[c]));
-    out[c] = static_cast<std::int8_t>(std::clamp(q, -128.0, 127.0));
-  }
-}
-
-// The scale and zero point of int4 levels 0..15 for the range [lo, hi]: float32 scales
-// hi/15 − lo/15 and lo; float16 ones the zero point rounded down and the scale rounded
-// up (from the rounded zero point), so that z + 15·s ≥ hi still and every value of the
-// range is within half a step of a level. Ranges within ±65504 (append checks) keep
-// both finite.
-struct Int4Scale {
-  float scale, zero;
-};
-Int4Scale int4_scale(float lo, float hi, bool half) {
-  if (!half) return {hi / 15.0f - lo / 15.0f, lo};  // hi − lo itself overflows for ranges past ±1.7e38
-  float16 zero(lo);
-  if (static_cast<float>(zero) > lo) zero = float16::from_bits(half_detail::next_float16_down(zero.bits));
-  const double step = (static_cast<double>(hi) - static_cast<float>(zero)) / 15.0;
-  float16 scale(static_cast<float>(step));
-  if (static_cast<double>(static_cast<float>(scale)) < step) scale = float16::from_bits(half_detail::next_float16_up(scale.bits));
-  return {static_cast<float>(scale), static_cast<float>(zero)};
-}
-
-// int4 levels of one value against (scale, lo): round((x − lo) / scale) (ties to even; in
-// double) clamped to 0..15, so x is within half a step of level · scale + lo; 0 for a
-// scale of 0 (the range held one value: lo itself).
-std::uint8_t int4_level(float x, float scale, float lo) {
-  if (scale == 0.0f) return 0;
-  const double q = std::nearbyint((static_cast<double>(x) - lo) / static_cast<double>(scale));
-  return static_cast<std::uint8_t>(std::clamp(q, 0.0, 15.0));
-}
-
-// Writes level `level` of channel c of a row of `count` into its nibble (qkv/half.hpp's
-// uint4x2 layout); the row's bytes start zeroed.
-void put_int4(std::uint8_t* row, std::size_t c, std::size_t count, std::uint8_t level) {
-  const Int4Position at = int4_position(c, count);
-  row[at.byte] = static_cast<std::uint8_t>(row[at.byte] | (at.high ? level << 4 : level));
-}
-
-// int4 keys scaled per channel (as store_int8_channel_row, levels 0..15, zero point lo).
-void store_int4_channel_row(const float* src, const float* scale, const float* zero, int64_t count,
-                            std::uint8_t* out, float* row_scale) {
-  const bool finite = std::all_of(src, src + count, [](float x) { return std::isfinite(x); });
-  *row_scale = finite ? 1.0f : std::numeric_limits<float>::quiet_NaN();
-  const auto n = static_cast<std::size_t>(count);
-  std::fill(out, out + (n + 1) / 2, std::uint8_t{0});
-  if (finite)
-    for (std::size_t c = 0; c < n; ++c) put_int4(out, c, n, int4_level(src[c], scale[c], zero[c]));
-}
-
-// int4 values: per group of kValueGroup channels, the row's range [lo, hi] in that group
-// mapped onto the 16 levels (int4_scale: scale (hi − lo) / 15, zero point lo, float32 or
-// float16 as `half` says). `scales` gets the groups' scales then their zero points. A row
-// holding NaN or ±inf: levels 0, scales NaN (whatever attends to it sees NaN), zero
-// points 0.
-void store_int4_value_row(const float* src, int64_t count, std::uint8_t* out, float* scales, bool half) {
-  const int64_t groups = detail::ceil_div(count, kValueGroup);
-  const bool finite = std::all_of(src, src + count, [](float x) { return std::isfinite(x); });
-  const auto n = static_cast<std::size_t>(count);
-  std::fill(out, out + (n + 1) / 2, std::uint8_t{0});
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t from = g * kValueGroup, to = std::min(count, from + kValueGroup);
-    if (!finite) {
-      scales[g] = std::numeric_limits<float>::quiet_NaN();
-      scales[groups + g] = 0.0f;
-      continue;
-    }
-    const auto [lo, hi] = std::minmax_element(src + from, src + to);
-    const Int4Scale fit = int4_scale(*lo, *hi, half);
-    scales[g] = fit.scale;
-    scales[groups + g] = fit.zero;
-    for (int64_t c = from; c < to; ++c)
-      put_int4(out, static_cast<std::size_t>(c), n, int4_level(src[c], fit.scale, fit.zero));
-  }
-}
-
-void store_row(StorageType type, const float* src, int64_t count, void* dst, float* scale, bool half) {
-  switch (type) {
-    case StorageType::float32: return store_row<float>(src, count, dst);
-    case StorageType::bfloat16: return store_row<bfloat16>(src, count, dst);
-    case StorageType::float16: return store_row<float16>(src, count, dst);
-    case StorageType::int8: return store_int8_row(src, count, dst, scale);
-    case StorageType::int4: return store_int4_value_row(src, count, static_cast<std::uint8_t*>(dst), scale, half);
-  }
 }
 
 constexpr const char kName[] = "qkv::KVCache";
@@ -184,12 +51,6 @@ struct CacheBytes {
   std::size_t keys = 0, values = 0, scales = 0, value_scales = 0, channel_scales = 0, partial = 0, window = 0,
               table = 0, lengths = 0;
 };
-
-bool channel_scaled(const KVCacheConfig& c) { return c.key_scales == KeyScales::channel; }
-bool is_int4(const KVCacheConfig& c) { return c.dtype == StorageType::int4; }
-bool half_scales(const KVCacheConfig& c) { return c.scale_dtype == StorageType::float16; }
-// Float rows kept per sequence: the newest group's keys, and the window's K and V.
-int64_t window_rows(const KVCacheConfig& c) { return channel_scaled(c) ? c.group_size + c.float_window : 0; }
 
 CacheBytes cache_bytes(const KVCacheConfig& c, int64_t blocks_per_sequence) {
   using detail::SizeFactor;
@@ -655,136 +516,5 @@ void KVCache::reset_locked(int64_t seq) {
   }
 }
 
-template <class T>
-DecodeArgs<T> KVCache::views() const {
-  if (config_.float_window > 0)
-    detail::Checker("qkv::KVCache::views").fail(
-        "the cache has a float window (config.float_window): its newest keys are float32 rows that DecodeArgs "
-        "cannot describe; attend through the cache");
-  if (storage_type_of<T> != config_.dtype)
-    detail::Checker("qkv::KVCache::views").fail(std::string("the cache stores ") + storage_name(config_.dtype) +
-                                                   ", asked for " + storage_name(storage_type_of<T>));
-  DecodeArgs<T> args;
-  args.k_cache = View4<const T>::contiguous(static_cast<const T*>(k_data()), k_shape());
-  args.v_cache = View4<const T>::contiguous(static_cast<const T*>(v_data()), v_shape());
-  args.cache_lengths = lengths_;
-  if (config_.paged)
-    args.block_table = TensorView<const int32_t, 2>::contiguous(table_.data(), {config_.batch, blocks_per_sequence_});
-  if constexpr (storage_type_of<T> == StorageType::int8) {
-    const auto shape = k_shape();
-    args.k_scale = View3<const float>::contiguous(k_scale_.span<float>("k_scales").data(), {shape[0], shape[1], shape[2]});
-    args.v_scale = View3<const float>::contiguous(v_scale_.data(), {shape[0], shape[1], shape[2]});
-    if (channel_scaled(config_)) {
-      args.k_channel_scale = View4<const float>::contiguous(k_channel_scale_.span<float>("k_channel_scales").data(), k_channel_shape());
-      args.k_channel_zero = View4<const float>::contiguous(k_channel_zero_.span<float>("k_channel_zeros").data(), k_channel_shape());
-      args.key_group = config_.group_size;
-    }
-  }
-  return args;
-}
-
-template DecodeArgs<float> KVCache::views<float>() const;
-template DecodeArgs<bfloat16> KVCache::views<bfloat16>() const;
-template DecodeArgs<float16> KVCache::views<float16>() const;
-template DecodeArgs<std::int8_t> KVCache::views<std::int8_t>() const;
-
-void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
-                     const DecodeOptions& options) const {
-  attend(q, out, lse, options.attention());
-}
-
-void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
-                     const AttentionOptions& options) const {
-  auto run = [&](auto args) {
-    args.q = q;
-    args.out = out;
-    args.lse = lse;
-    decode(args, options);
-  };
-  // Shared: attends run together, but never beside an append or reset, whose lengths,
-  // block table and rows they read.
-  const std::shared_lock lock(*mutex_);
-  if (is_int4(config_) || config_.float_window > 0)  // rows DecodeArgs cannot describe
-    return detail::decode_cache_source(source(), config_.capacity, lengths_, q, out, lse, options);
-  switch (config_.dtype) {
-    case StorageType::float32: return run(views<float>());
-    case StorageType::bfloat16: return run(views<bfloat16>());
-    case StorageType::float16: return run(views<float16>());
-    case StorageType::int8: return run(views<std::int8_t>());
-    case StorageType::int4: return;  // above
-  }
-}
-
-detail::KvSource KVCache::source() const {
-  const auto scale_ptr = [](const ScaleArray& a) {
-    return a.half() ? detail::ScalePtr(static_cast<const float16*>(a.data())) : detail::ScalePtr(static_cast<const float*>(a.data()));
-  };
-  detail::KvSource s;
-  const auto [outer, inner, hkv, d] = k_shape();
-  const int64_t dv = config_.v_dim;
-  const int64_t k_row = storage_row_bytes(config_.dtype, d) / (is_int4(config_) ? 1 : storage_bytes(config_.dtype));
-  const int64_t v_row = storage_row_bytes(config_.dtype, dv) / (is_int4(config_) ? 1 : storage_bytes(config_.dtype));
-  (void)outer;
-  s.type = config_.dtype;
-  s.k = k_.get();
-  s.v = v_.get();
-  s.k_strides = {inner * hkv * k_row, hkv * k_row, k_row};
-  s.v_strides = {inner * hkv * v_row, hkv * v_row, v_row};
-  s.kv_heads = hkv;
-  s.head_dim = d;
-  s.v_dim = dv;
-  if (!k_scale_.empty()) {
-    s.k_scale = scale_ptr(k_scale_);
-    s.k_scale_strides = is_int4(config_) ? detail::RowStrides{inner * hkv, 1, inner} : detail::RowStrides{inner * hkv, hkv, 1};
-  }
-  if (!v_scale_.empty()) {
-    s.v_scale = v_scale_.data();
-    s.v_scale_strides = {inner * hkv, hkv, 1};
-  }
-  if (is_int4(config_)) {
-    const int64_t scales = 2 * detail::ceil_div(dv, kValueGroup);
-    s.v_group_scale = scale_ptr(v_group_scale_);
-    s.v_group_strides = {inner * hkv * scales, 1, inner * scales};  // value_group_at's order
-    s.v_group_stride = inner;
-    s.value_group = kValueGroup;
-  }
-  if (channel_scaled(config_)) {
-    s.k_channel_scale = scale_ptr(k_channel_scale_);
-    s.k_channel_zero = scale_ptr(k_channel_zero_);
-    s.k_channel_strides = {k_channel_shape()[1] * hkv * d, hkv * d, d};
-    s.key_group = config_.group_size;
-  }
-  if (config_.float_window > 0) {
-    s.window_k = k_partial_.data();
-    s.window_v = v_window_.data();
-    s.window_rows = window_rows_;
-    s.quantized_lengths = quantized_.data();
-  }
-  if (config_.paged) {
-    s.block_table = table_.data();
-    s.table_stride = blocks_per_sequence_;
-    s.page_size = config_.block_size;
-  }
-  return s;
-}
-
-std::pair<std::vector<float>, std::vector<float>> KVCache::stored(int64_t seq) const {
-  if (seq < 0 || seq >= config_.batch)
-    detail::Checker("qkv::KVCache::stored").fail("seq: expected 0.." + std::to_string(config_.batch - 1) + ", got " + std::to_string(seq));
-  const std::shared_lock lock(*mutex_);
-  const detail::KvSource kv = source();
-  const reference::SourceKeyValues read{kv};
-  const int64_t length = lengths_[static_cast<std::size_t>(seq)], hkv = config_.kv_heads;
-  const int64_t d = config_.head_dim, dv = config_.v_dim;
-  std::vector<float> k(static_cast<std::size_t>(length * hkv * d)), v(static_cast<std::size_t>(length * hkv * dv));
-  for (int64_t j = 0; j < length; ++j)
-    for (int64_t h = 0; h < hkv; ++h) {
-      for (int64_t c = 0; c < d; ++c)
-        k[static_cast<std::size_t>((j * hkv + h) * d + c)] = static_cast<float>(read.key(seq, j, h, c));
-      for (int64_t c = 0; c < dv; ++c)
-        v[static_cast<std::size_t>((j * hkv + h) * dv + c)] = static_cast<float>(read.value(seq, j, h, c));
-    }
-  return {std::move(k), std::move(v)};
-}
 
 }  // namespace qkv

@@ -3,7 +3,7 @@
 // failures throw qkv::Error "function: argument: expected …, got …". One wording per
 // failure, whichever entry point finds it, so a caller can match on the argument's name.
 // The attention-specific rules built on it (scale, threads, backend, grouped-query
-// heads) are in core/checker.hpp. Built as the header-only target qkv_check (see
+// heads) are in core/attention_rules.hpp. Built as the header-only target qkv_check (see
 // src/check/CMakeLists.txt).
 #pragma once
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "core/validate_stats.hpp"
 #include "qkv/error.hpp"
 

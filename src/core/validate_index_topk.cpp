@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <string>
 
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "core/index_topk_problem.hpp"
 
 namespace qkv::detail {

@@ -8,7 +8,7 @@
 #include <span>
 #include <string>
 
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "core/validate.hpp"
 
 namespace qkv::detail {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "qkv/attention_stats.hpp"
 
 namespace qkv::detail {

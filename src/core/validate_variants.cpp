@@ -4,7 +4,7 @@
 #include <cmath>
 #include <string>
 
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "core/validate.hpp"
 
 namespace qkv::detail {

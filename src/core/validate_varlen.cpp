@@ -6,7 +6,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "core/validate_stats.hpp"
 #include "core/validate.hpp"
 

@@ -38,7 +38,7 @@ HWY_INLINE void PrefetchRow(const void* row, size_t bytes) {
 // of this one: spread over the arithmetic key by key, not issued in bursts that would
 // fill the core's miss buffers and stall it (rows null: nothing to prefetch).
 // Besides the rows, one cache line of `lines` per key (a later unit's scales and zero
-// points, decode.cpp's ScaleLines), so that they too arrive spread over the arithmetic.
+// points, decode_rows-inl.h's ScaleLines), so that they too arrive spread over the arithmetic.
 template <class S>
 struct Ahead {
   const S* const* rows = nullptr;

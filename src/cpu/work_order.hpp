@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "core/problem.hpp"
 #include "core/tile_plan.hpp"
 #include "cpu/blocking.hpp"

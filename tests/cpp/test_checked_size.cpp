@@ -8,7 +8,7 @@
 #include <string>
 
 #include "core/checked_size.hpp"
-#include "core/checker.hpp"
+#include "core/attention_rules.hpp"
 #include "core/tile_plan.hpp"
 
 namespace qkv {

@@ -1,7 +1,7 @@
 // The same bad value gives the same error from every entry point: attention_forward
 // (dense), varlen_attention_forward, decode and KVCache::attend all check a window, a
 // scale, a thread count and the grouped-query head rule through one function each
-// (core/checker.hpp, core/validate_variants.cpp), so the messages agree but for the
+// (core/attention_rules.hpp, core/validate_variants.cpp), so the messages agree but for the
 // function's name and, where the option lives elsewhere, the option's path.
 #include <gtest/gtest.h>
 
