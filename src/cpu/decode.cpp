@@ -76,19 +76,6 @@ namespace {
 
 using Problem = detail::ForwardProblem<float>;
 
-// Σ_c a[c]·b[c], in vectors (a scalar chain of d FMAs per row and group would cost
-// more than the group's dot products themselves).
-HWY_INLINE float Dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t n) {
-  const FloatTag df;
-  const size_t lanes = hn::Lanes(df);
-  FloatVec acc = hn::Zero(df);
-  size_t c = 0;
-  for (; c + lanes <= n; c += lanes) acc = hn::MulAdd(hn::LoadU(df, a + c), hn::LoadU(df, b + c), acc);
-  float sum = hn::GetLane(hn::SumOfLanes(df, acc));
-  for (; c < n; ++c) sum += a[c] * b[c];
-  return sum;
-}
-
 // The same prefetches for the VNNI kernels.
 template <class T>
 int8dot::Prefetch ToPrefetch(const Ahead<T>& ahead) {
