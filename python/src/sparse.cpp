@@ -34,16 +34,17 @@ KeyIndices indices_as(const ArrayRef& array) {
 
 KeyIndices indices_of(const ArrayRef& array) {
   if (array.ndim() != 3 && array.ndim() != 4) {
-    throw Error("indices: expected 3 dimensions [B, Nq, topk] or 4 [B, Hkv, Nq, topk], got " +
+    throw Error(Caller::named("indices") + ": expected 3 dimensions [B, Nq, topk] or 4 [B, Hkv, Nq, topk], got " +
                 std::to_string(array.ndim()));
   }
   if (array.dtype() == nb::dtype<int32_t>()) return indices_as<int32_t>(array);
   if (array.dtype() == nb::dtype<int64_t>()) return indices_as<int64_t>(array);
-  throw nb::type_error(("indices: expected dtype int32 or int64, got " + dtype_name(array.dtype())).c_str());
+  throw nb::type_error((Caller::named("indices") + ": expected dtype int32 or int64, got " + dtype_name(array.dtype())).c_str());
 }
 
 void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle indices, nb::handle out, nb::handle lse,
              const BoundOptions& bound, bool bhsd, bool bfloat16_bits) {
+  const Caller caller(bound.function.c_str());  // array errors name qkv.sparse_attention
   const ArrayRef qa = logical("q", q, false, bhsd), ka = logical("k", k, false, bhsd),
                  va = logical("v", v, false, bhsd), oa = logical("out", out, true, bhsd);
   const KeyIndices lists = indices_of(ArrayRef::from(indices, false, "indices"));
@@ -67,6 +68,7 @@ void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle indices, nb::h
 void backward(nb::handle q, nb::handle k, nb::handle v, nb::handle indices, nb::handle out, nb::handle lse,
               nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv, nb::handle dsinks,
               const BoundOptions& bound, bool bhsd, bool bfloat16_bits) {
+  const Caller caller(bound.function.c_str());  // array errors name qkv.sparse_attention_backward
   const ArrayRef qa = logical("q", q, false, bhsd), ka = logical("k", k, false, bhsd),
                  va = logical("v", v, false, bhsd), oa = logical("out", out, false, bhsd),
                  la = ArrayRef::from(lse, false, "lse"), da = logical("dout", dout, false, bhsd),

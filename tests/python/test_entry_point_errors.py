@@ -33,6 +33,8 @@ PLAN_CU, PLAN_LENGTHS = np.array([0, 1, 2]), np.array([3, 4])
 PLAN_Q = np.zeros((2, 2, 8), f32)
 PLAN_CACHE = np.zeros((2, 8, 1, 8), f32)
 TQ = torch.zeros(1, 2, 8, 4)
+IDX = np.zeros((1, 4, 2), np.int32)  # sparse_attention's key lists [B, Nq, topk]
+SOUT, SLSE = qkv.sparse_attention(Q, Q, Q, IDX, return_lse=True)
 
 
 def _cache():
@@ -128,6 +130,17 @@ CASES = [
     ("softmax_jacobian", "dtype", lambda: qkv.softmax_jacobian(np.array([b"x"])), Type, "s"),
     ("softmax_backward", "rank", lambda: qkv.softmax_backward(np.float64(1.0), np.float64(1.0)), Error, "s"),
     ("softmax_backward", "dtype", lambda: qkv.softmax_backward(np.zeros(3), np.array(["a", "b", "c"])), Type, "g"),
+    ("sparse_attention", "rank", lambda: qkv.sparse_attention(Q[0], Q, Q, IDX), Error, "q"),
+    ("sparse_attention", "rank", lambda: qkv.sparse_attention(Q, Q, Q, IDX[0]), Error, "indices"),
+    ("sparse_attention", "dtype", lambda: qkv.sparse_attention(Q.astype(np.int32), Q, Q, IDX), Type, "q"),
+    ("sparse_attention", "dtype", lambda: qkv.sparse_attention(Q, Q, Q, IDX.astype(f32)), Type, "indices"),
+    ("sparse_attention", "huge int", lambda: qkv.sparse_attention(Q, Q, Q, IDX, threads=HUGE), Error, "threads"),
+    ("sparse_attention_backward", "rank",
+     lambda: qkv.sparse_attention_backward(Q, Q, Q, IDX, SOUT[0], SLSE, SOUT), Error, "out"),
+    ("sparse_attention_backward", "dtype",
+     lambda: qkv.sparse_attention_backward(Q, Q, Q, IDX, SOUT, SLSE, SOUT.astype(np.int32)), Type, "dout"),
+    ("sparse_attention_backward", "huge int",
+     lambda: qkv.sparse_attention_backward(Q, Q, Q, IDX, SOUT, SLSE, SOUT, threads=HUGE), Error, "threads"),
     ("index_topk", "rank", lambda: qkv.index_topk(Q, Q, Q[0], 2), Error, "k"),
     ("index_topk", "dtype", lambda: qkv.index_topk(Q.astype(np.int32), Q[:, 0], Q[..., 0], 2), Type, "q"),
     ("index_topk", "huge int", lambda: qkv.index_topk(Q, Q[:, 0], Q[..., 0], HUGE), Error, "topk"),
