@@ -10,11 +10,14 @@ what is needed to size the outputs.
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
+import numpy as np
+
 from . import _qkv
-from ._arrays import Torch
-from ._options import Options
+from ._arrays import NumPy, Torch, framework_of
+from ._options import Error, Options, make_options
 
 
 def forward(fw, q, k, v, *, layout: str, options: Options, want_lse: bool,
@@ -92,3 +95,92 @@ class Packed(NamedTuple):
 
     def backward_operator(self, options):
         return None  # no traceable varlen operator (yet): gradients are computed once
+
+
+# -- sparse attention over listed keys (qkv.sparse_attention) ------------------------
+
+
+def _sparse_dims(q, layout):
+    batch, axis1, axis2, _ = q.shape
+    return (batch, axis1, axis2) if layout == "bhsd" else (batch, axis2, axis1)
+
+
+def sparse_forward(fw, q, k, v, indices, *, layout, options, want_lse):
+    """qkv.sparse_attention's library call: (out, lse or None), outputs allocated in q's layout."""
+    batch, q_heads, q_len = _sparse_dims(q, layout)
+    out = fw.empty((*q.shape[:3], v.shape[3]), q)
+    lse = fw.empty_lse((batch, q_heads, q_len), q) if want_lse else None
+    bits = fw.bfloat16_bits(q)
+    arrays = fw.bits_views(q, k, v, out) if bits else (q, k, v, out)
+    _qkv.sparse_forward(*arrays[:3], indices, arrays[3], lse, options, layout == "bhsd", bits)
+    return out, lse
+
+
+def sparse_backward(fw, q, k, v, indices, out, lse, dout, *, layout, options, dsinks=None):
+    """qkv.sparse_attention_backward's library call: (dq, dk, dv), new arrays shaped like q, k,
+    v; dsinks (float32 [Hq]) written in place."""
+    dq, dk, dv = fw.empty(tuple(q.shape), q), fw.empty(tuple(k.shape), q), fw.empty(tuple(v.shape), q)
+    bits = fw.bfloat16_bits(q)
+    arrays = fw.bits_views(q, k, v, out) if bits else (q, k, v, out)
+    grads = fw.bits_views(dout, dq, dk, dv) if bits else (dout, dq, dk, dv)
+    _qkv.sparse_backward(*arrays[:3], indices, arrays[3], lse, *grads, dsinks, options,
+                         layout == "bhsd", bits)
+    return dq, dk, dv
+
+
+# -- the indexer (qkv.index_topk) -------------------------------------------------------
+
+
+_MAX_TOPK = 2**31 - 1
+
+
+def topk_count(fn: str, topk) -> int:
+    if isinstance(topk, bool):
+        raise TypeError(f"{fn}: topk: expected an int >= 0, got {topk!r}")
+    try:
+        count = operator.index(topk)
+    except TypeError:
+        raise TypeError(f"{fn}: topk: expected an int >= 0, got {topk!r}") from None
+    if not 0 <= count <= _MAX_TOPK:
+        raise Error(f"{fn}: topk: expected an int in [0, {_MAX_TOPK}] (indices are int32), got {count}")
+    return count
+
+
+def _weights_for(fw, weights, q):
+    """weights in the library's dtype: float64 for float64 q, else float32 (a 16-bit or
+    float64 array is converted once, exactly or rounded once)."""
+    if fw is Torch:
+        import torch
+
+        wanted = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return weights if weights.dtype == wanted else weights.to(wanted)
+    wanted = np.float64 if q.dtype == np.float64 else np.float32
+    return weights if weights.dtype == wanted else weights.astype(wanted)
+
+
+def eager_index_topk(q, k, weights, topk, *, scale, causal, key_lengths, threads, fw=None):
+    """qkv.index_topk's library call on arrays of one framework (also the operator's
+    implementation, torch.ops.qkv.index_topk)."""
+    fn = "qkv.index_topk"
+    fw = fw or framework_of(fn, q=q, k=k, weights=weights)
+    count = topk_count(fn, topk)
+    for name, x, rank, axes in (("q", q, 4, "[batch, seq, heads, dim]"), ("k", k, 3, "[batch, seq, dim]"),
+                                ("weights", weights, 3, "[batch, seq, heads]")):
+        if x.ndim != rank:
+            raise Error(f"{fn}: {name}: expected {rank} dimensions {axes}, got shape {tuple(x.shape)}")
+    options = make_options(fn, fw, key_lengths=key_lengths, scale=scale, causal=causal,
+                           threads=threads)
+    weights = _weights_for(fw, weights, q)
+    shape = (q.shape[0], q.shape[1], count)
+    if fw is Torch:
+        import torch
+
+        indices = torch.empty(shape, dtype=torch.int32)
+        q, k, weights = q.detach(), k.detach(), weights.detach()
+    else:
+        indices = np.empty(shape, dtype=np.int32)
+    bits = fw.bfloat16_bits(q)
+    if bits:  # NumPy cannot describe bfloat16: the library reads int16 views of the bits
+        q, k = NumPy.bits_views(q, k)
+    _qkv.index_topk(q, k, weights, indices, options, bits)
+    return indices

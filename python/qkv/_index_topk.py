@@ -2,40 +2,8 @@
 
 from __future__ import annotations
 
-import operator
-
-import numpy as np
-
-from . import _qkv
-from ._arrays import NumPy, Torch, framework_of
-from ._options import Error, make_options
-
-
-_MAX_TOPK = 2**31 - 1
-
-
-def _topk_count(fn: str, topk) -> int:
-    if isinstance(topk, bool):
-        raise TypeError(f"{fn}: topk: expected an int >= 0, got {topk!r}")
-    try:
-        count = operator.index(topk)
-    except TypeError:
-        raise TypeError(f"{fn}: topk: expected an int >= 0, got {topk!r}") from None
-    if not 0 <= count <= _MAX_TOPK:
-        raise Error(f"{fn}: topk: expected an int in [0, {_MAX_TOPK}] (indices are int32), got {count}")
-    return count
-
-
-def _weights_for(fw, weights, q):
-    """weights in the library's dtype: float64 for float64 q, else float32 (a 16-bit or
-    float64 array is converted once, exactly or rounded once)."""
-    if fw is Torch:
-        import torch
-
-        wanted = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return weights if weights.dtype == wanted else weights.to(wanted)
-    wanted = np.float64 if q.dtype == np.float64 else np.float32
-    return weights if weights.dtype == wanted else weights.astype(wanted)
+from ._arrays import Torch, framework_of
+from ._core import eager_index_topk, topk_count as _topk_count
 
 
 def index_topk(q, k, weights, topk, *, scale=None, causal="bottom_right", key_lengths=None,
@@ -57,33 +25,6 @@ def index_topk(q, k, weights, topk, *, scale=None, causal="bottom_right", key_le
                                             threads)
     return eager_index_topk(q, k, weights, topk, scale=scale, causal=causal,
                             key_lengths=key_lengths, threads=threads, fw=fw)
-
-
-def eager_index_topk(q, k, weights, topk, *, scale, causal, key_lengths, threads, fw=None):
-    """The library call on arrays of one framework (also the operator's implementation)."""
-    fn = "qkv.index_topk"
-    fw = fw or framework_of(fn, q=q, k=k, weights=weights)
-    count = _topk_count(fn, topk)
-    for name, x, rank, axes in (("q", q, 4, "[batch, seq, heads, dim]"), ("k", k, 3, "[batch, seq, dim]"),
-                                ("weights", weights, 3, "[batch, seq, heads]")):
-        if x.ndim != rank:
-            raise Error(f"{fn}: {name}: expected {rank} dimensions {axes}, got shape {tuple(x.shape)}")
-    options = make_options(fn, fw, key_lengths=key_lengths, scale=scale, causal=causal,
-                           threads=threads)
-    weights = _weights_for(fw, weights, q)
-    shape = (q.shape[0], q.shape[1], count)
-    if fw is Torch:
-        import torch
-
-        indices = torch.empty(shape, dtype=torch.int32)
-        q, k, weights = q.detach(), k.detach(), weights.detach()
-    else:
-        indices = np.empty(shape, dtype=np.int32)
-    bits = fw.bfloat16_bits(q)
-    if bits:  # NumPy cannot describe bfloat16: the library reads int16 views of the bits
-        q, k = NumPy.bits_views(q, k)
-    _qkv.index_topk(q, k, weights, indices, options, bits)
-    return indices
 
 
 index_topk.__doc__ = """The top-k keys of every query by DeepSeek-V3.2's indexer score,

@@ -5,8 +5,8 @@ without copies. With torch tensors the call is the operator
 
 from __future__ import annotations
 
-from . import _qkv
 from ._arrays import Torch, check_layout, check_rank4, framework_of
+from ._core import sparse_backward as backward, sparse_forward as forward
 from ._options import make_options
 
 _DOC = """
@@ -31,33 +31,6 @@ _DOC = """
     out 0, lse -inf and zero gradients. float32, float64, float16, bfloat16 (16-bit
     inputs widened exactly, float32 arithmetic, rounded once; lse float32).
 """
-
-
-def _dims(q, layout):
-    batch, axis1, axis2, _ = q.shape
-    return (batch, axis1, axis2) if layout == "bhsd" else (batch, axis2, axis1)
-
-
-def forward(fw, q, k, v, indices, *, layout, options, want_lse):
-    """(out, lse or None): one library call, outputs allocated in q's layout."""
-    batch, q_heads, q_len = _dims(q, layout)
-    out = fw.empty((*q.shape[:3], v.shape[3]), q)
-    lse = fw.empty_lse((batch, q_heads, q_len), q) if want_lse else None
-    bits = fw.bfloat16_bits(q)
-    arrays = fw.bits_views(q, k, v, out) if bits else (q, k, v, out)
-    _qkv.sparse_forward(*arrays[:3], indices, arrays[3], lse, options, layout == "bhsd", bits)
-    return out, lse
-
-
-def backward(fw, q, k, v, indices, out, lse, dout, *, layout, options, dsinks=None):
-    """(dq, dk, dv), new arrays shaped like q, k, v; dsinks (float32 [Hq]) written in place."""
-    dq, dk, dv = fw.empty(tuple(q.shape), q), fw.empty(tuple(k.shape), q), fw.empty(tuple(v.shape), q)
-    bits = fw.bfloat16_bits(q)
-    arrays = fw.bits_views(q, k, v, out) if bits else (q, k, v, out)
-    grads = fw.bits_views(dout, dq, dk, dv) if bits else (dout, dq, dk, dv)
-    _qkv.sparse_backward(*arrays[:3], indices, arrays[3], lse, *grads, dsinks, options,
-                         layout == "bhsd", bits)
-    return dq, dk, dv
 
 
 def _checked(fn, layout, **arrays):

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from ._core import eager_index_topk
+
 
 @torch.library.custom_op(
     "qkv::index_topk", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor weights, int topk, float? scale, str? causal, "
            "Tensor? key_lengths, int? threads) -> Tensor")
 def index_topk(q, k, weights, topk, scale, causal, key_lengths, threads):
-    from ._index_topk import eager_index_topk
-
     return eager_index_topk(q, k, weights, topk, scale=scale, causal=causal,
                             key_lengths=key_lengths, threads=threads)
 

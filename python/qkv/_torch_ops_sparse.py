@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _sparse
+from ._core import sparse_backward, sparse_forward
 from ._arrays import Torch, dims
 from ._options import Options, per_head_vector
 from ._torch_ops import TORCH_THREADS, _checked_scalars
@@ -37,7 +37,7 @@ def _options(scale, causal, backend, threads, softcap, sinks) -> Options:
 def sparse_attention(q, k, v, indices, scale, causal, layout, backend, threads, softcap=0.0,
                      sinks=None):
     options = _options(scale, causal, backend, threads, softcap, sinks)
-    return _sparse.forward(Torch, q, k, v, indices, layout=layout, options=options,
+    return sparse_forward(Torch, q, k, v, indices, layout=layout, options=options,
                            want_lse=True)
 
 
@@ -58,7 +58,7 @@ def sparse_attention_backward(q, k, v, indices, out, lse, dout, scale, causal, l
     """(dq, dk, dv, dsinks); dsinks float32 [Hq] when grad_sinks, else empty."""
     options = _options(scale, causal, backend, threads, softcap, sinks)
     dsinks = _dsinks(q, sinks, grad_sinks)
-    dq, dk, dv = _sparse.backward(Torch, q, k, v, indices, out, lse, dout, layout=layout,
+    dq, dk, dv = sparse_backward(Torch, q, k, v, indices, out, lse, dout, layout=layout,
                                   options=options, dsinks=dsinks if grad_sinks else None)
     return dq, dk, dv, dsinks
 
