@@ -48,13 +48,14 @@ struct Variant {
   std::optional<double> scale;
 };
 
-// Every DecodeOptions field the digest sets, set here only.
-qkv::DecodeOptions decode_options(const Variant& v, std::span<const float> slopes,
-                                  std::span<const float> sinks) {
-  qkv::DecodeOptions options;
+// Every decode option the digest sets, set here only.
+qkv::AttentionOptions decode_options(const Variant& v, std::span<const float> slopes,
+                                     std::span<const float> sinks) {
+  qkv::AttentionOptions options;
+  options.causal = qkv::Causal::bottom_right;
   options.scale = v.scale;
   options.causal = v.causal;
-  options.threads = threads;
+  options.execution.threads = threads;
   options.window = v.window;
   options.softcap = v.softcap;
   if (v.alibi) options.alibi_slopes = slopes;

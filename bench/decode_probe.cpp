@@ -64,8 +64,9 @@ void small_call() {
     auto forward = [&] {
       attention_forward({.q = q.cview(), .k = k.cview(), .v = v.cview(), .out = out.view()}, options);
     };
-    DecodeOptions decode_options;
-    decode_options.threads = threads;
+    AttentionOptions decode_options;
+    decode_options.causal = Causal::bottom_right;
+    decode_options.execution.threads = threads;
     auto direct = [&] {
       decode(DecodeArgs<float>{.q = q.cview(), .k_cache = k.cview(), .v_cache = v.cview(),
                                .cache_lengths = lengths, .out = out.view()},
@@ -136,8 +137,9 @@ void decode_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, int th
     args.v_cache = TensorView<const T, 4>::from_bhsd(v.data(), 1, kv_heads, n, d);
   }
   if constexpr (kInt8) args.k_scale = args.v_scale = scales.cview();
-  DecodeOptions options;
-  options.threads = threads;
+  AttentionOptions options;
+  options.causal = Causal::bottom_right;
+  options.execution.threads = threads;
   decode(args, options);
   // Wall time, and the process's CPU time per thread asked: on a machine shared with
   // other work the second leaves out the time a thread waited for a core.
@@ -186,8 +188,9 @@ void cache_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, const s
   }
   Tensor<float, 4> q({1, 1, q_heads, d}), out({1, 1, q_heads, d});
   for (std::size_t i = 0; i < q.size(); ++i) q[i] = normal(random);
-  DecodeOptions options;
-  options.threads = threads;
+  AttentionOptions options;
+  options.causal = Causal::bottom_right;
+  options.execution.threads = threads;
   cache.attend(q.cview(), out.view(), {}, options);
   double best = 1e9;
   const char* rounds_env = std::getenv("QKV_PROBE_ROUNDS");

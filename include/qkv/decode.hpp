@@ -69,25 +69,11 @@ void decode(const DecodeArgs<float>& args, const AttentionOptions& options);
 void decode(const DecodeArgs<bfloat16>& args, const AttentionOptions& options);
 void decode(const DecodeArgs<float16>& args, const AttentionOptions& options);
 void decode(const DecodeArgs<std::int8_t>& args, const AttentionOptions& options);
-
-// The options of earlier releases, kept so that existing callers compile and keep their
-// meaning (note the bottom_right default); attention() is the AttentionOptions they mean.
-struct DecodeOptions {
-  std::optional<double> scale;
-  Causal causal = Causal::bottom_right;
-  int threads = 0;  // AttentionOptions::execution.threads
-  Window window;
-  float softcap = 0.0f;
-  std::span<const float> alibi_slopes;
-  std::span<const float> sinks;
-  Precision precision = Precision::fast;  // AttentionOptions::precision
-
-  AttentionOptions attention() const;
-};
-
-void decode(const DecodeArgs<float>& args, const DecodeOptions& options = {});
-void decode(const DecodeArgs<bfloat16>& args, const DecodeOptions& options = {});
-void decode(const DecodeArgs<float16>& args, const DecodeOptions& options = {});
-void decode(const DecodeArgs<std::int8_t>& args, const DecodeOptions& options = {});
+// The usual step, as DecodeOptions (removed; see docs/cpp.md) meant by default: every
+// option at its default but causal = Causal::bottom_right.
+void decode(const DecodeArgs<float>& args);
+void decode(const DecodeArgs<bfloat16>& args);
+void decode(const DecodeArgs<float16>& args);
+void decode(const DecodeArgs<std::int8_t>& args);
 
 }  // namespace qkv

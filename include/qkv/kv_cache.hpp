@@ -131,14 +131,14 @@ class KVCache {
   void append_varlen(View3<const float> k, View3<const float> v, SeqOffsets cu_seqlens,
                      std::span<const int64_t> seqs = {});
 
-  // out [B, T, Hq, dv] (and lse [B, Hq, T]) = attention of q [B, T, Hq, d] against every
-  // sequence's cached keys, bottom-right aligned unless options say otherwise.
-  void attend(View4<const float> q, View4<float> out, View3<float> lse = {},
-              const DecodeOptions& options = {}) const;
-  // The same with the AttentionOptions every entry point takes (as qkv::decode reads them:
-  // set causal = Causal::bottom_right for the usual step).
+  // out [B, T, Hq, dv] (and lse [B, Hq, T], optional: {}) = attention of q [B, T, Hq, d]
+  // against every sequence's cached keys, with the options qkv::decode reads: set
+  // causal = Causal::bottom_right for the usual step (the T queries are each sequence's
+  // newest tokens); AttentionOptions' default, none, lets every query see every key.
   void attend(View4<const float> q, View4<float> out, View3<float> lse,
               const AttentionOptions& options) const;
+  // The usual step: the same with every option at its default but causal = bottom_right.
+  void attend(View4<const float> q, View4<float> out, View3<float> lse = {}) const;
 
   void reset();             // every sequence empty (paged: all blocks back to the pool)
   void reset(int64_t seq);  // one sequence empty

@@ -192,19 +192,6 @@ void decode_cache_source(const KvSource& kv, int64_t capacity, std::span<const i
 }
 }  // namespace detail
 
-AttentionOptions DecodeOptions::attention() const {
-  AttentionOptions options;
-  options.scale = scale;
-  options.causal = causal;
-  options.window = window;
-  options.softcap = softcap;
-  options.alibi_slopes = alibi_slopes;
-  options.sinks = sinks;
-  options.execution.threads = threads;
-  options.precision = precision;
-  return options;
-}
-
 namespace detail {
 void refuse_for_caches(const Checker& check, const AttentionOptions& options) {
   const auto refuse = [&](bool present, const char* name, const char* why) {
@@ -221,9 +208,17 @@ void refuse_for_caches(const Checker& check, const AttentionOptions& options) {
 
 }  // namespace detail
 
+namespace {
+AttentionOptions decode_step() {
+  AttentionOptions options;
+  options.causal = Causal::bottom_right;
+  return options;
+}
+}  // namespace
+
 #define QKV_DEFINE_DECODE(T)                                                              \
   void decode(const DecodeArgs<T>& args, const AttentionOptions& options) { run(args, options); } \
-  void decode(const DecodeArgs<T>& args, const DecodeOptions& options) { run(args, options.attention()); }
+  void decode(const DecodeArgs<T>& args) { run(args, decode_step()); }
 QKV_DEFINE_DECODE(float)
 QKV_DEFINE_DECODE(bfloat16)
 QKV_DEFINE_DECODE(float16)

@@ -57,9 +57,10 @@ template DecodeArgs<bfloat16> KVCache::views<bfloat16>() const;
 template DecodeArgs<float16> KVCache::views<float16>() const;
 template DecodeArgs<std::int8_t> KVCache::views<std::int8_t>() const;
 
-void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
-                     const DecodeOptions& options) const {
-  attend(q, out, lse, options.attention());
+void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse) const {
+  AttentionOptions step;  // as qkv::decode(args) takes it
+  step.causal = Causal::bottom_right;
+  attend(q, out, lse, step);
 }
 
 void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,

@@ -285,10 +285,10 @@ void MultiHeadAttention<T>::forward_cached(TensorView<const T, 3> x, TensorView<
                heads_view(std::as_const(scratch.v), batch, tokens, c.num_kv_heads, d));
 
   // C = softmax(Q·K_cacheᵀ·scale)·V_cache, the new queries aligned with the newest keys.
-  DecodeOptions options;
+  AttentionOptions options;
   options.scale = c.scale;
   options.causal = c.causal == Causal::none ? Causal::none : Causal::bottom_right;
-  options.threads = c.execution.threads;
+  options.execution.threads = c.execution.threads;
   cache.attend(heads_view(std::as_const(scratch.q), batch, tokens, c.num_heads, d),
                heads_view(scratch.context, batch, tokens, c.num_heads, d), {}, options);
 

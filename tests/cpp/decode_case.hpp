@@ -184,9 +184,9 @@ struct Outputs {
 template <class T>
 Outputs run_decode(const DecodeCase<T>& dc, const DecodeSpec& s, int threads, Precision precision = Precision::fast) {
   Outputs r{Tensor<float, 4>({s.batch, s.q_len, s.q_heads, s.v_dim}), Tensor<float, 3>({s.batch, s.q_heads, s.q_len})};
-  DecodeOptions options;
+  AttentionOptions options;
   options.causal = s.causal;
-  options.threads = threads;
+  options.execution.threads = threads;
   options.window = s.window;
   options.softcap = s.softcap;
   options.alibi_slopes = dc.alibi_slopes;

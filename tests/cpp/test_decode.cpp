@@ -212,6 +212,13 @@ TEST(Decode, EmptySequencesGiveZeroAndMinusInfinity) {
     }
 }
 
+// The usual decode step: the queries are their sequences' newest tokens.
+AttentionOptions step_options() {
+  AttentionOptions options;
+  options.causal = Causal::bottom_right;
+  return options;
+}
+
 TEST(Decode, HugeLogitsStayFinite) {
   DecodeSpec s{.name = "huge", .batch = 1, .q_len = 1, .capacity = 300, .q_heads = 2, .kv_heads = 1,
                .head_dim = 64, .v_dim = 8};
@@ -223,7 +230,7 @@ TEST(Decode, HugeLogitsStayFinite) {
   Tensor<float, 3> lse({1, 2, 1});
   DecodeArgs<float> a = dc.args(out, lse);
   a.q = q.cview();
-  decode(a);
+  decode(a, step_options());
   EXPECT_TRUE(test::all_finite(out));
   EXPECT_TRUE(test::all_finite(lse));
 }
@@ -243,7 +250,7 @@ struct BadCall {
 };
 
 void expect_error(const DecodeArgs<float>& args, const std::string& needle, const Tensor<float, 4>& out,
-                  const DecodeOptions& options = {}) {
+                  const AttentionOptions& options = step_options()) {
   Tensor<float, 4> before = out;
   try {
     decode(args, options);
@@ -304,13 +311,15 @@ TEST(DecodeErrors, NameTheArgument) {
   a.out.strides[2] = 0;
   expect_error(a, "out: an output's elements must not overlap", c.out);
 
-  DecodeOptions bad_scale;
+  AttentionOptions bad_scale;
+  bad_scale.causal = Causal::bottom_right;
   bad_scale.scale = -1.0;
   expect_error(c.args(), "options.scale: expected a finite value > 0", c.out, bad_scale);
-  DecodeOptions bad_threads;
-  bad_threads.threads = -2;
+  AttentionOptions bad_threads;
+  bad_threads.causal = Causal::bottom_right;
+  bad_threads.execution.threads = -2;
   expect_error(c.args(), "threads: expected >= 0", c.out, bad_threads);
-  DecodeOptions bad_causal;
+  AttentionOptions bad_causal;
   bad_causal.causal = static_cast<Causal>(9);
   expect_error(c.args(), "options.causal", c.out, bad_causal);
 
@@ -322,7 +331,7 @@ TEST(DecodeErrors, NameTheArgument) {
   a.v_cache = pool.cview();
   a.block_table = c.table.cview();
   c.lengths = {12, 3};
-  decode(a);  // fine: 3 blocks of 4 keys, all in the pool
+  decode(a, step_options());  // fine: 3 blocks of 4 keys, all in the pool
   c.lengths = {13, 3};
   expect_error(a, "cache_lengths[0]: expected 0..12 (block_table.shape[1] · block_size)", c.out);
   c.lengths = {12, 3};
@@ -330,7 +339,7 @@ TEST(DecodeErrors, NameTheArgument) {
   expect_error(a, "block_table[1, 0]: expected a pool block 0..3", c.out);
   c.table(1, 0) = 0;
   c.table(1, 1) = -7;  // not used by a sequence of 3 keys: never read, never checked
-  decode(a);
+  decode(a, step_options());
   Tensor<int32_t, 2> table3({3, 3});
   a.block_table = table3.cview();
   expect_error(a, "block_table.shape[0] (batch): expected 2", c.out);
@@ -409,8 +418,9 @@ TEST(Decode, EveryLayoutGivesTheSameBits) {
   DecodeArgs<bfloat16> args = contiguous.args(b.out, b.lse);
   args.k_cache = TensorView<const bfloat16, 4>::from_bhsd(k_bhsd.data(), s.batch, hkv, n, d);
   args.v_cache = TensorView<const bfloat16, 4>::from_bhsd(v_bhsd.data(), s.batch, hkv, n, d);
-  DecodeOptions options;
-  options.threads = 2;
+  AttentionOptions options;
+  options.causal = Causal::bottom_right;
+  options.execution.threads = 2;
   decode(args, options);
   EXPECT_EQ(std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)), 0);

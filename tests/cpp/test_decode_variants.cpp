@@ -203,7 +203,7 @@ TEST(DecodeVariants, BadOptionsAreErrorsAndWriteNothing) {
   const std::vector<float> three{0.1f, 0.2f, 0.3f}, with_nan{0.1f, NAN, 0.3f, 0.4f};
   struct Bad {
     std::string needle;
-    DecodeOptions options;
+    AttentionOptions options;
   };
   std::vector<Bad> bad(5);
   bad[0] = {"options.sinks: expected one value per query head (4), got 3", {}};

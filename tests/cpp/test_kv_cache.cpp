@@ -76,8 +76,9 @@ struct Step {
 Step attend(const KVCache& cache, const Tensor<float, 4>& q) {
   const auto& s = q.shape();
   Step r{Tensor<float, 4>({s[0], s[1], s[2], 24}), Tensor<float, 3>({s[0], s[2], s[1]})};
-  DecodeOptions options;
-  options.threads = 2;
+  AttentionOptions options;
+  options.causal = Causal::bottom_right;
+  options.execution.threads = 2;
   cache.attend(q.cview(), r.out.view(), r.lse.view(), options);
   return r;
 }

@@ -91,7 +91,7 @@ void run_threads(KVCache& cache) {
     Tensor<float, 4> out({kThreads, 1, 1, kDim});
     while (!done.load()) {
       try {
-        DecodeOptions options;
+        AttentionOptions options;
         options.causal = Causal::none;
         (void)cache.free_blocks();
         cache.attend(q.cview(), out.view(), {}, options);

@@ -62,11 +62,12 @@ AttentionOptions attention_options(const Setting& s) {
   return options;
 }
 
-DecodeOptions decode_options(const Setting& s) {
-  DecodeOptions options;
+AttentionOptions decode_options(const Setting& s) {
+  AttentionOptions options;
+  options.causal = Causal::bottom_right;
   options.window = s.window;
   options.scale = s.scale;
-  options.threads = s.threads;
+  options.execution.threads = s.threads;
   options.precision = s.precision;
   return options;
 }
@@ -212,7 +213,7 @@ TEST(SameErrors, ScaleIsCheckedAsAFloatInTheBackward) {
 
 TEST(SameErrors, Threads) {
   // The thread count lives in options.execution.threads (AttentionOptions) and
-  // options.threads (DecodeOptions): the same words after the field's name.
+  // options.execution.threads: the same words after the field's name.
   const std::vector<std::string> messages = bodies({.threads = -1});
   std::vector<std::string> after_field;
   for (const std::string& message : messages) {
