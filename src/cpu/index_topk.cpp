@@ -144,6 +144,50 @@ HWY_INLINE void OfferScores(const float* HWY_RESTRICT logits, size_t heads_pad, 
   }
 }
 
+// Keys [j0, j0 + count) of sequence b of a cache (kv head 0) into out [count][d] as float,
+// each row exactly as KVCache::stored gives it: float copied, bfloat16/float16 widened,
+// int8 with a row scale times it (the product of an int8 and a float is exact in double,
+// so float's rounded product is stored()'s); every other row (channel-scaled or int4
+// keys, the float window) through detail::cache_key_row, stored()'s own arithmetic.
+HWY_INLINE void LoadCacheKeys(const detail::KvSource& kv, int64_t b, int64_t j0, int64_t count, size_t d,
+                              float* HWY_RESTRICT out) {
+  const bool plain = !kv.channel_scaled() && kv.type != StorageType::int4;
+  const int64_t quantized = kv.quantized_length(b);
+  for (int64_t m = 0; m < count; ++m) {
+    const int64_t j = j0 + m;
+    float* row = out + static_cast<size_t>(m) * d;
+    if (!plain || j >= quantized) {
+      detail::cache_key_row(kv, b, j, row);
+      continue;
+    }
+    const int64_t at = kv.offset(kv.k_strides, b, j, 0);
+    switch (kv.type) {
+      case StorageType::float32:
+        WidenRows(static_cast<const float*>(kv.k) + at, 0, 1, d, row, d);
+        break;
+      case StorageType::bfloat16:
+        WidenRows(static_cast<const bfloat16*>(kv.k) + at, 0, 1, d, row, d);
+        break;
+      case StorageType::float16:
+        WidenRows(static_cast<const float16*>(kv.k) + at, 0, 1, d, row, d);
+        break;
+      case StorageType::int8: {
+        const FloatTag df;
+        const size_t lanes = hn::Lanes(df);
+        const std::int8_t* in = static_cast<const std::int8_t*>(kv.k) + at;
+        const float scale = kv.k_scale[kv.offset(kv.k_scale_strides, b, j, 0)];
+        const auto scale_v = hn::Set(df, scale);
+        size_t c = 0;
+        for (; c + lanes <= d; c += lanes) hn::StoreU(hn::Mul(LoadWidened(df, in + c), scale_v), df, row + c);
+        for (; c < d; ++c) row[c] = static_cast<float>(in[c]) * scale;
+        break;
+      }
+      case StorageType::int4:
+        break;  // not plain: above
+    }
+  }
+}
+
 template <class T>
 void RunItem(const detail::IndexTopkProblem<T>& p, const index_topk_plan::Item& item, size_t heads_pad,
              IndexScratch& scratch, uint64_t* candidates, int64_t* counts, int64_t capacity, bool write_out) {
@@ -172,12 +216,15 @@ void RunItem(const detail::IndexTopkProblem<T>& p, const index_topk_plan::Item& 
   const int64_t key_stride = a.k.strides[1];
   for (int64_t j0 = item.first_key; j0 < last_key; j0 += kKeyBlock) {
     const int64_t block_keys = std::min(kKeyBlock, last_key - j0);
-    const T* first = &a.k(item.batch, j0, 0);
     StridedA keys{nullptr, 0, 1};
-    if constexpr (std::is_same_v<T, float>) {
+    if (p.cache != nullptr) {
+      LoadCacheKeys(*p.cache, item.batch, j0, block_keys, d, scratch.keys.get());
+      keys = StridedA{scratch.keys.get(), d, 1};
+    } else if constexpr (std::is_same_v<T, float>) {
+      const T* first = &a.k(item.batch, j0, 0);
       keys = StridedA{first, static_cast<size_t>(key_stride), 1};  // read in place
     } else {
-      WidenRows(first, key_stride, static_cast<size_t>(block_keys), d, scratch.keys.get(), d);
+      WidenRows(&a.k(item.batch, j0, 0), key_stride, static_cast<size_t>(block_keys), d, scratch.keys.get(), d);
       keys = StridedA{scratch.keys.get(), d, 1};
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -234,7 +281,8 @@ void IndexTopkImpl(const detail::IndexTopkProblem<T>& p) {
   std::vector<IndexScratch> scratch;
   scratch.reserve(static_cast<size_t>(threads));
   for (int t = 0; t < threads; ++t)
-    scratch.emplace_back(static_cast<size_t>(p.head_dim), heads_pad, !std::is_same_v<T, float>, capacity, !split);
+    scratch.emplace_back(static_cast<size_t>(p.head_dim), heads_pad, !std::is_same_v<T, float> || p.cache != nullptr,
+                         capacity, !split);
   // Split keys: each item's candidates live until the merge.
   std::vector<uint64_t> split_candidates(split ? plan.items.size() * kQueryBlock * static_cast<size_t>(capacity) : 0);
   std::vector<int64_t> split_counts(split ? plan.items.size() * kQueryBlock : 0);
