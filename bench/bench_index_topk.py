@@ -1,7 +1,11 @@
 """qkv.index_topk against the PyTorch formula + torch.topk (transformers' DeepseekV32Indexer
 math, the -1 padding aside), same process, same threads.
 
-    python bench/bench_index_topk.py [--threads 2] [--repeats 3]
+    python bench/bench_index_topk.py [--threads 2] [--repeats 3] [--cases prefill,decode,cache]
+
+cases: "prefill" (Nq = Nk = 4096, causal), "decode" (Nq = 1 against 32k and 128k keys) and
+"cache" (the same decode step through qkv.KVCache.index_topk over a bfloat16 cache of index
+keys, paged in blocks of 64, against the formula on its stored keys).
 
 FLOPs: 2·B·Hi·di·(allowed pairs) for the scores (the causal prefill counts only allowed
 pairs for qkv; PyTorch's formula computes all Nq·Nk). Peak memory of the PyTorch formula:
@@ -57,18 +61,31 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cases", default="prefill,decode,cache")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"cpu: {cpu_model()}; threads {args.threads}; load {os.getloadavg()}")
-    cases = [("prefill causal", 1, 4096, 4096, 64, 128, 2048, True),
-             ("decode", 1, 1, 32768, 64, 128, 2048, True)]
-    for name, batch, nq, nk, heads, di, topk, causal in cases:
+    wanted = set(args.cases.split(","))
+    cases = [("prefill causal", "prefill", 1, 4096, 4096, 64, 128, 2048, True),
+             ("decode", "decode", 1, 1, 32768, 64, 128, 2048, True),
+             ("decode", "decode", 1, 1, 131072, 64, 128, 2048, True),
+             ("decode, bf16 paged cache", "cache", 1, 1, 32768, 64, 128, 2048, True),
+             ("decode, bf16 paged cache", "cache", 1, 1, 131072, 64, 128, 2048, True)]
+    for name, kind, batch, nq, nk, heads, di, topk, causal in cases:
+        if kind not in wanted:
+            continue
         g = torch.Generator().manual_seed(0)
         q = torch.randn(batch, nq, heads, di, generator=g)
         k = torch.randn(batch, nk, di, generator=g)
         w = torch.randn(batch, nq, heads, generator=g) * heads ** -0.5
-        run_qkv = lambda: qkv.index_topk(q, k, w, topk, causal="bottom_right" if causal else None,
-                                         threads=args.threads)
+        if kind == "cache":  # the keys as the cache stores them (bfloat16), for both sides
+            cache = qkv.KVCache(batch, nk, 1, di, v_dim=1, dtype="bfloat16", paged=True, block_size=64)
+            cache.append(k[:, None], torch.zeros(batch, 1, nk, 1))
+            k = torch.stack([torch.from_numpy(cache.stored(b)[0][0]) for b in range(batch)])
+            run_qkv = lambda: cache.index_topk(q, w, topk, threads=args.threads)
+        else:
+            run_qkv = lambda: qkv.index_topk(q, k, w, topk, causal="bottom_right" if causal else None,
+                                             threads=args.threads)
         run_torch = lambda: torch_indexer(q, k, w, topk, causal)
         run_qkv()
         run_torch()

@@ -140,6 +140,16 @@ class KVCache {
   // The usual step: the same with every option at its default but causal = bottom_right.
   void attend(View4<const float> q, View4<float> out, View3<float> lse = {}) const;
 
+  // DeepSeek's lightning indexer (qkv/index_topk.hpp) with this cache's keys as its keys
+  // (kv_heads = 1, head_dim = di; the values are not read: give the cache v_dim = 1):
+  // indices [B, Nq, topk] = the top-k keys of sequence b's length(b) cached keys for
+  // q [B, Nq, Hi, di] (float) and weights [B, Nq, Hi], rows aligned as options.causal says
+  // (bottom_right, the usual step: row i sees keys 0 .. length(b) − Nq + i). The keys are
+  // read in place, each exactly as stored() gives it. Takes the options index_topk takes
+  // except key_lengths (the cache lengths). See docs/indexer.md.
+  void index_topk(View4<const float> q, View3<const float> weights, View3<int32_t> indices,
+                  const AttentionOptions& options = {}) const;
+
   void reset();             // every sequence empty (paged: all blocks back to the pool)
   void reset(int64_t seq);  // one sequence empty
 

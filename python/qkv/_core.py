@@ -184,3 +184,26 @@ def eager_index_topk(q, k, weights, topk, *, scale, causal, key_lengths, threads
         q, k = NumPy.bits_views(q, k)
     _qkv.index_topk(q, k, weights, indices, options, bits)
     return indices
+
+
+def eager_cache_index_topk(cache, q, weights, topk, *, scale, causal, threads):
+    """qkv.KVCache.index_topk's library call: the indexer against the keys of `cache` (the
+    extension's KVCache), q ``[B, Nq, Hi, di]`` and weights ``[B, Nq, Hi]`` of one framework."""
+    fn = "qkv.KVCache.index_topk"
+    fw = framework_of(fn, q=q, weights=weights)
+    count = topk_count(fn, topk)
+    for name, x, rank, axes in (("q", q, 4, "[batch, seq, heads, dim]"), ("weights", weights, 3, "[batch, seq, heads]")):
+        if x.ndim != rank:
+            raise Error(f"{fn}: {name}: expected {rank} dimensions {axes}, got shape {tuple(x.shape)}")
+    options = make_options(fn, fw, scale=scale, causal=causal, threads=threads)
+    if fw is Torch:
+        import torch
+
+        weights = weights if weights.dtype == torch.float32 else weights.to(torch.float32)
+        indices = torch.empty((q.shape[0], q.shape[1], count), dtype=torch.int32)
+        q, weights = q.detach(), weights.detach()
+    else:
+        weights = weights if weights.dtype == np.float32 else weights.astype(np.float32)
+        indices = np.empty((q.shape[0], q.shape[1], count), dtype=np.int32)
+    _qkv.cache_index_topk(cache, q, weights, indices, options)
+    return indices

@@ -239,6 +239,22 @@ class KVCache:
         self._cache.attend(q_lib, out_lib, lse=lse, options=options)
         return _decode_eager.result(q, out, work, lse)
 
+    def index_topk(self, q, weights, topk, *, scale=None, causal="bottom_right", threads=None):
+        """DeepSeek's lightning indexer (``qkv.index_topk``) with this cache's keys as the
+        indexer's keys: a cache of index keys (``kv_heads=1``, ``head_dim=di``; its values are
+        never read, so make it with ``v_dim=1``). q ``[B, Nq, Hi, di]`` and weights
+        ``[B, Nq, Hi]`` in the indexer's shapes whatever the cache's layout (q float32;
+        weights any float, used as float32), NumPy or CPU torch. Returns int32
+        ``[B, Nq, topk]``: sequence b's top keys among its cached ones by descending
+        ``Σ_h weights·relu(scale·q·k)``, ties to the lower index, -1 past the keys a row may
+        see. causal ``"bottom_right"`` (the default: row i sees keys
+        ``0 .. length(b) - Nq + i``), ``"top_left"`` or None. Every storage (int8, int4,
+        paged, float windows) is read in place, each key exactly as ``stored()`` returns it.
+        Eager only (no torch.compile operator)."""
+        from ._core import eager_cache_index_topk
+
+        return eager_cache_index_topk(self._cache, q, weights, topk, scale=scale, causal=causal, threads=threads)
+
     def reset(self, seq=None):
         """Empties one sequence (or all); a paged cache gets their blocks back."""
         if seq is None:

@@ -7,6 +7,7 @@
 #include "arrays.hpp"
 #include "options.hpp"
 #include "qkv/index_topk.hpp"
+#include "qkv/kv_cache.hpp"
 
 namespace qkv::python {
 namespace {
@@ -36,6 +37,18 @@ void index_topk_binding(nb::handle q, nb::handle k, nb::handle weights, nb::hand
   with_storage(call, [&]<class T>() { index_topk_typed<T>(qa, ka, wa, ia, options, call.bits); });
 }
 
+// KVCache.index_topk: the indexer over a cache of index keys; q and weights float32.
+void cache_index_topk_binding(const KVCache& cache, nb::handle q, nb::handle weights, nb::handle indices,
+                              const BoundOptions& bound) {
+  const Caller caller(bound.function.c_str());
+  const AttentionOptions options = bound.for_call();
+  const auto qv = view_of<const float, 4>("q", ArrayRef::from(q, false, "q"), "queries are float32");
+  const auto wv = view_of<const float, 3>("weights", ArrayRef::from(weights, false, "weights"), "float32 for this q");
+  const auto iv = view_of<int32_t, 3>("indices", ArrayRef::from(indices, true, "indices"), "the indices are int32");
+  nanobind::gil_scoped_release release;
+  cache.index_topk(qv, wv, iv, options);
+}
+
 }  // namespace
 
 void bind_index_topk(nanobind::module_& m) {
@@ -45,6 +58,11 @@ void bind_index_topk(nanobind::module_& m) {
         "qkv::index_topk on the given arrays (q [B, Nq, Hi, di], k [B, Nk, di], weights [B, Nq, Hi] float32 "
         "(float64 for float64 q), read in place); writes the int32 indices [B, Nq, topk] in place. The GIL is "
         "released while computing.");
+  m.def("cache_index_topk", &cache_index_topk_binding, nb::arg("cache"), nb::arg("q"), nb::arg("weights"),
+        nb::arg("indices"), nb::arg("options"),
+        "qkv::KVCache::index_topk: q [B, Nq, Hi, di] and weights [B, Nq, Hi] float32 against the cache's keys "
+        "(kv_heads 1, head_dim di); writes the int32 indices [B, Nq, topk] in place. The GIL is released while "
+        "computing.");
 }
 
 }  // namespace qkv::python

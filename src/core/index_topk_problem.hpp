@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 
+#include "core/kv_source.hpp"
 #include "core/problem.hpp"
 #include "qkv/index_topk.hpp"
 
@@ -21,10 +23,31 @@ struct IndexTopkProblem {
   MaskRule mask;
   double scale = 1.0;
   int threads = 1;
+  // qkv::KVCache::index_topk: the keys are kv head 0 of this cache source (args.k is
+  // empty, k_len the capacity, mask.key_lengths the cache lengths), each row read as
+  // cache_key_row gives it.
+  const KvSource* cache = nullptr;
 };
+
+// Key row j of sequence b of a cache source's kv head 0, as float: exactly the values
+// qkv::KVCache::stored returns (computed the same way, in the same baseline-compiled
+// code), so the indexer over a cache ranks the same scores as over its stored keys.
+void cache_key_row(const KvSource& kv, int64_t b, int64_t j, float* out);
 
 template <class T>
 IndexTopkProblem<T> validate_index_topk(const IndexTopkArgs<T>& args, const AttentionOptions& options);
+
+// What KVCache::index_topk knows of its cache besides the key source.
+struct IndexCacheShape {
+  int64_t batch = 0, kv_heads = 0, head_dim = 0;
+  std::span<const int64_t> lengths;  // per sequence
+};
+
+// The cache form (KVCache::index_topk): q float, the keys from `cache` (kept alive by the
+// caller for the problem's life), the cache lengths as key lengths; messages name
+// qkv::KVCache::index_topk.
+IndexTopkProblem<float> validate_index_topk_cache(const KvSource& cache, const IndexCacheShape& shape,
+                                                  const IndexTopkArgs<float>& args, const AttentionOptions& options);
 
 // The rank of a float score as an unsigned integer, so that integer order is the
 // indexer's order: numbers ascending (−0 taken as +0), every NaN above +inf (torch.topk's

@@ -1,5 +1,6 @@
 // Validation of qkv::index_topk: every argument checked, with the library's Checker and
 // the attention entry points' wording, before anything is written.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -72,6 +73,64 @@ IndexTopkProblem<T> validate_index_topk(const IndexTopkArgs<T>& args, const Atte
     check.expect_finite<IndexWeightOf<T>>(weights);
   }
   check_backend(check, options, std::is_same_v<T, double>, /*wants_weights=*/false);
+  problem.scale = resolve_scale(check, options, problem.head_dim);
+  problem.threads = resolve_threads(check, options);
+  return problem;
+}
+
+IndexTopkProblem<float> validate_index_topk_cache(const KvSource& cache, const IndexCacheShape& shape,
+                                                  const IndexTopkArgs<float>& args, const AttentionOptions& options) {
+  const Checker check("qkv::KVCache::index_topk");
+  if (shape.kv_heads != 1) {
+    check.fail("the cache has config.kv_heads = " + std::to_string(shape.kv_heads) +
+               ": the indexer's keys are one key per token (a cache with kv_heads = 1)");
+  }
+  const Described q = describe("q", args.q), weights = describe("weights", args.weights),
+                  indices = describe("indices", args.indices);
+  for (const Described* view : {&q, &weights, &indices}) check.expect_well_formed(*view);
+  check.expect_extent(q, 0, "batch", shape.batch, "the cache's batch");
+  check.expect_at_least_one(q, 2, "heads");
+  check.expect_extent(q, 3, "head_dim", shape.head_dim, "the cache's head_dim");
+  check.expect_extent(weights, 0, "batch", q.shape[0], "as q.shape[0]");
+  check.expect_extent(weights, 1, "seq", q.shape[1], "as q.shape[1]");
+  check.expect_extent(weights, 2, "heads", q.shape[2], "as q.shape[2]");
+  check.expect_extent(indices, 0, "batch", q.shape[0], "as q.shape[0]");
+  check.expect_extent(indices, 1, "seq", q.shape[1], "as q.shape[1]");
+  if (q.shape[1] > kMaxRows) {
+    check.fail("q.shape[1] (seq): expected at most " + std::to_string(kMaxRows) +
+               " rows (qkv indexes keys with 32-bit integers), got " + std::to_string(q.shape[1]));
+  }
+  check.expect_outputs_apart(DescribedList<1>{indices}, DescribedList<2>{q, weights});
+  if (!options.key_lengths.empty()) {
+    check.fail("options.key_lengths: not taken (each sequence's cache length is its key length)");
+  }
+  refuse_unused_options(check, options);
+
+  IndexTopkProblem<float> problem;
+  problem.args = args;
+  problem.args.k = {};
+  problem.cache = &cache;
+  problem.batch = q.shape[0];
+  problem.q_len = q.shape[1];
+  problem.heads = q.shape[2];
+  problem.head_dim = q.shape[3];
+  problem.topk = indices.shape[2];
+  // The longest sequence bounds every row's keys: the work is planned over it, not the capacity.
+  for (const int64_t length : shape.lengths) problem.k_len = std::max(problem.k_len, length);
+  if (problem.k_len > kMaxRows) {
+    check.fail("the cache holds " + std::to_string(problem.k_len) +
+               " keys in a sequence; qkv indexes keys with 32-bit integers (at most " + std::to_string(kMaxRows) + ")");
+  }
+  problem.mask.causal = checked_causal(check, options);
+  problem.mask.sequences.count = problem.batch;
+  problem.mask.sequences.dense_q_len = problem.q_len;
+  problem.mask.sequences.dense_k_len = problem.k_len;
+  problem.mask.key_lengths = shape.lengths;
+  if (options.execution.check_finite) {
+    check.expect_finite<float>(q);
+    check.expect_finite<float>(weights);
+  }
+  check_backend(check, options, /*is_double=*/false, /*wants_weights=*/false);
   problem.scale = resolve_scale(check, options, problem.head_dim);
   problem.threads = resolve_threads(check, options);
   return problem;
