@@ -139,6 +139,10 @@ class KVCache {
   // set causal = Causal::bottom_right for the usual step).
   void attend(View4<const float> q, View4<float> out, View3<float> lse,
               const AttentionOptions& options) const;
+  // The same over key lists (DeepSeek sparse attention's top-k; DecodeArgs::indices
+  // says what they hold): [B, T, topk] or [B, Hkv, T, topk] of cache positions, −1 none.
+  void attend(View4<const float> q, View4<float> out, View3<float> lse, const AttentionOptions& options,
+              const KeyIndices& indices) const;
 
   void reset();             // every sequence empty (paged: all blocks back to the pool)
   void reset(int64_t seq);  // one sequence empty
