@@ -167,7 +167,7 @@ void run(const DecodeArgs<T>& args, const AttentionOptions& options) {
   const Checker check("qkv::decode");
   if (!args.indices.empty()) detail::refuse_for_key_lists(check, options);
   const detail::ForwardProblem<float> problem = validate(args, options);
-  if (!args.indices.empty()) return detail::decode_key_lists(check, problem, args.indices, options);
+  if (!args.indices.empty()) return detail::decode_key_lists(check, problem, args.indices, resolve_backend(options, false, false));
   if (problem.extents.batch == 0 || problem.extents.q_len == 0) return;
   detail::run_forward(problem, resolve_backend(options, false, false));
 }
@@ -198,7 +198,7 @@ void decode_cache_source(const KvSource& kv, int64_t capacity, std::span<const i
   ForwardProblem<float> p = cache_problem(check, options, q_view, out_view, lse, kv.kv_heads, capacity, kv.v_dim,
                                           cache_lengths);
   p.kv = kv;
-  if (!indices.empty()) return decode_key_lists(check, p, indices, options);
+  if (!indices.empty()) return decode_key_lists(check, p, indices, resolve_backend(options, false, false));
   if (p.extents.batch == 0 || p.extents.q_len == 0) return;
   run_forward(p, resolve_backend(options, false, false));
 }

@@ -30,9 +30,10 @@ ForwardProblem<float> cache_problem(const Checker& check, const AttentionOptions
 // options no list form applies — window, alibi_slopes — refused by name.
 void refuse_for_key_lists(const Checker& check, const AttentionOptions& options);
 // `dense`: the validated call without its lists (its mask rule: cache lengths and causal
-// mode). Checks `indices` (shape, every index in [−1, cache_lengths[b])), then attends
-// each query row over its listed keys that the rule allows, read in place.
+// mode; dense, or varlen for qkv::BatchPlan, whose lists are packed [total_q, topk]).
+// Checks `indices` (shape, every index in [−1, cache length)), then attends each query
+// row over its listed keys that the rule allows, read in place, on `backend`.
 void decode_key_lists(const Checker& check, const ForwardProblem<float>& dense, const KeyIndices& indices,
-                      const AttentionOptions& options);
+                      Backend backend);
 
 }  // namespace qkv::detail

@@ -13,6 +13,7 @@
 // values, floor = 8·ε₃₂·max(1, max |ref64|).
 #include <gtest/gtest.h>
 
+#include <qkv/batch_plan.hpp>
 #include <qkv/decode.hpp>
 #include <qkv/error.hpp>
 #include <qkv/kv_cache.hpp>
@@ -401,6 +402,92 @@ std::vector<CacheSpec> cache_specs() {
 
 TEST(DecodeSparse, KVCacheAttendMatchesTheOracleOnEveryStorage) {
   for (const CacheSpec& cs : cache_specs()) check_cache(cs, 2);
+}
+
+// ---- qkv::BatchPlan::run with packed lists [total_q, topk]
+
+void check_plan(StorageType type, bool paged) {
+  SCOPED_TRACE(std::string("plan storage=") + storage_name(type) + (paged ? " paged" : ""));
+  KVCacheConfig config{.batch = 3, .capacity = 160, .kv_heads = 2, .head_dim = 32, .v_dim = 32, .dtype = type,
+                       .paged = paged, .block_size = 16};
+  if (type == StorageType::int4) {
+    config.key_scales = KeyScales::channel;
+    config.group_size = 8;
+  }
+  KVCache cache(config);
+  const std::vector<int64_t> lengths{150, 7, 60}, counts{1, 3, 20};  // new queries per sequence
+  const auto k = test::random_tensor<float, 4>({3, 150, 2, 32}, 21);
+  const auto v = test::random_tensor<float, 4>({3, 150, 2, 32}, 22);
+  for (int64_t b = 0; b < 3; ++b) test::append_sequence(cache, k, v, b, 0, lengths[static_cast<std::size_t>(b)]);
+  std::vector<int64_t> cu{0};
+  for (int64_t n : counts) cu.push_back(cu.back() + n);
+  const int64_t total = cu.back(), heads = 4, topk = 24;
+  BatchLayout layout;
+  layout.cu_seqlens_q = std::span<const int64_t>(cu);
+  layout.cache_lengths = std::span<const int64_t>(lengths);
+  std::vector<int32_t> table;
+  if (paged) {
+    table.assign(cache.block_table().begin(), cache.block_table().end());
+    layout.block_table = TensorView<const int32_t, 2>::contiguous(table.data(), {3, cache.blocks_per_sequence()});
+    layout.block_size = 16;
+  }
+  layout.num_heads = heads;
+  layout.num_kv_heads = 2;
+  layout.head_dim = 32;
+  layout.storage = type;
+  AttentionOptions options;
+  options.causal = Causal::bottom_right;
+  const std::vector<float> sinks{0.5f, -1.0f, 2.0f, 0.0f};
+  options.sinks = sinks;
+  const auto q = test::random_tensor<float, 3>({total, heads, 32}, 23);
+  // Packed lists: each sequence's rows drawn over its own length.
+  std::vector<int64_t> packed(static_cast<std::size_t>(total * topk));
+  std::vector<Lists> per_sequence;
+  for (int64_t b = 0; b < 3; ++b) {
+    const std::vector<int64_t> one{lengths[static_cast<std::size_t>(b)]};
+    per_sequence.push_back(make_lists(1, 0, counts[static_cast<std::size_t>(b)], topk, one, 31 + b));
+    std::copy(per_sequence.back().i64.begin(), per_sequence.back().i64.end(),
+              packed.begin() + cu[static_cast<std::size_t>(b)] * topk);
+  }
+  for (int threads : {1, 2, 3}) {
+    options.execution.threads = threads;
+    const BatchPlan plan(layout, options);
+    Tensor<float, 3> out({total, heads, 32});
+    Tensor<float, 2> lse({heads, total});
+    plan.run(q.cview(), cache, out.view(), lse.view(),
+             TensorView<const int64_t, 2>::contiguous(packed.data(), {total, topk}));
+    for (int64_t b = 0; b < 3; ++b) {
+      const int64_t n = counts[static_cast<std::size_t>(b)], begin = cu[static_cast<std::size_t>(b)];
+      Tensor<float, 4> qb({1, n, heads, 32});
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t c = 0; c < 32; ++c) qb(0, i, h, c) = q(begin + i, h, c);
+      const auto [kb, vb] = cache.stored(b);
+      const Values key = [&](int64_t, int64_t j, int64_t h, int64_t x) {
+        return double(kb[static_cast<std::size_t>((j * 2 + h) * 32 + x)]);
+      };
+      const Values value = [&](int64_t, int64_t j, int64_t h, int64_t x) {
+        return double(vb[static_cast<std::size_t>((j * 2 + h) * 32 + x)]);
+      };
+      const std::vector<int64_t> one{lengths[static_cast<std::size_t>(b)]};
+      const Expected e = oracle(qb, key, value, one, per_sequence[static_cast<std::size_t>(b)], 2, 32,
+                                Causal::bottom_right, sinks, 0.0f);
+      Tensor<float, 4> got({1, n, heads, 32});
+      Tensor<float, 3> got_lse({1, heads, n});
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t c = 0; c < 32; ++c) got(0, i, h, c) = out(begin + i, h, c);
+          got_lse(0, h, i) = lse(h, begin + i);
+        }
+      SCOPED_TRACE("sequence " + std::to_string(b) + ", threads " + std::to_string(threads));
+      expect_within(got, got_lse, e);
+    }
+  }
+}
+
+TEST(DecodeSparse, BatchPlanRunsPackedListsOnEveryStorage) {
+  for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::int8, StorageType::int4})
+    for (bool paged : {false, true}) check_plan(type, paged);
 }
 
 // ---- errors
