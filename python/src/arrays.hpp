@@ -215,5 +215,7 @@ void dispatch_on_q(const InArray& q, Float32&& float32, Float64&& float64) {
 // place: rank 3 [B, Nq, topk] shared by the heads, rank 4 [B, Hkv, Nq, topk] per kv head;
 // int32 or int64, else an error naming the Caller's function (sparse.cpp).
 KeyIndices indices_of(const ArrayRef& array);
+// Packed lists [total_q, topk] (qkv.BatchPlan.run's), int32 or int64.
+KeyIndices packed_indices_of(const ArrayRef& array);
 
 }  // namespace qkv::python

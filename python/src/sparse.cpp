@@ -23,6 +23,14 @@ KeyIndices indices_as(const ArrayRef& array) {
 
 }  // namespace
 
+KeyIndices packed_indices_of(const ArrayRef& array) {
+  if (array.ndim() != 2)
+    throw Error(Caller::named("indices") + ": expected 2 dimensions [total_q, topk], got " + std::to_string(array.ndim()));
+  if (array.dtype() == nb::dtype<int32_t>()) return TensorView<const int32_t, 2>(raw_view<const int32_t, 2>("indices", array));
+  if (array.dtype() == nb::dtype<int64_t>()) return TensorView<const int64_t, 2>(raw_view<const int64_t, 2>("indices", array));
+  throw nb::type_error((Caller::named("indices") + ": expected dtype int32 or int64, got " + dtype_name(array.dtype())).c_str());
+}
+
 KeyIndices indices_of(const ArrayRef& array) {
   if (array.ndim() != 3 && array.ndim() != 4) {
     throw Error(Caller::named("indices") + ": expected 3 dimensions [B, Nq, topk] or 4 [B, Hkv, Nq, topk], got " +
