@@ -73,6 +73,7 @@
 #include "qkv/half.hpp"
 #include "qkv/kv_cache.hpp"
 #include "qkv/options.hpp"
+#include "qkv/sparse.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
@@ -97,6 +98,14 @@ struct BatchArgs {
   // int8 keys scaled per channel too (as qkv::DecodeArgs; empty: per row only).
   View4<const float> k_channel_scale, k_channel_zero;
   int64_t key_group = 0;
+  // Optional key lists (DeepSeek sparse attention's top-k): packed [total_q, topk] int32
+  // or int64 (KeyIndices' packed constructor), row n for the n-th packed query, entries
+  // positions 0..cache_lengths[b] − 1 within its own sequence b, or −1. As for
+  // qkv::decode's (DecodeArgs::indices): a query attends the keys it lists that the plan's
+  // causal mode allows, repeats once; an index outside [−1, cache_lengths[b]) is a
+  // qkv::Error naming its sequence and row, nothing written; refused if the plan has a
+  // window or ALiBi. Every sequence then runs on the split-K schedule.
+  KeyIndices indices;
 };
 
 class BatchPlan {
@@ -115,6 +124,9 @@ class BatchPlan {
   // The step over a qkv::KVCache: q [total_q, Hq, d], out [total_q, Hq, dv], lse
   // [Hq, total_q] (optional).
   void run(View3<const float> q, const KVCache& cache, View3<float> out, TensorView<float, 2> lse = {}) const;
+  // The same over packed key lists (BatchArgs::indices says what they hold).
+  void run(View3<const float> q, const KVCache& cache, View3<float> out, TensorView<float, 2> lse,
+           const KeyIndices& indices) const;
 
   int64_t sequences() const;      // B
   int64_t total_queries() const;  // cu_seqlens_q[B]

@@ -31,6 +31,7 @@
 
 #include "qkv/half.hpp"
 #include "qkv/options.hpp"
+#include "qkv/sparse.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
@@ -56,6 +57,13 @@ struct DecodeArgs {
   // The zero points have the scales' shape and strides.
   View4<const float> k_channel_scale, k_channel_zero;
   int64_t key_group = 0;
+  // Optional key lists (DeepSeek sparse attention's top-k, as qkv/sparse.hpp defines
+  // them): [B, Nq, topk] shared by the heads, or [B, Hkv, Nq, topk] per kv head, int32
+  // or int64; entries are cache positions 0..cache_lengths[b] − 1 of their sequence, or
+  // −1 for none. A query attends the keys it lists (repeats once) that causal allows;
+  // an index outside [−1, cache_lengths[b]) is a qkv::Error naming its batch entry and
+  // row, and nothing is written. options.window and alibi_slopes are refused with them.
+  KeyIndices indices;
 };
 
 // The options are the same AttentionOptions as every other entry point's. qkv::decode

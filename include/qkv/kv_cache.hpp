@@ -137,6 +137,10 @@ class KVCache {
   // newest tokens); AttentionOptions' default, none, lets every query see every key.
   void attend(View4<const float> q, View4<float> out, View3<float> lse,
               const AttentionOptions& options) const;
+  // The same over key lists (DeepSeek sparse attention's top-k; DecodeArgs::indices
+  // says what they hold): [B, T, topk] or [B, Hkv, T, topk] of cache positions, −1 none.
+  void attend(View4<const float> q, View4<float> out, View3<float> lse, const AttentionOptions& options,
+              const KeyIndices& indices) const;
   // The usual step: the same with every option at its default but causal = bottom_right.
   void attend(View4<const float> q, View4<float> out, View3<float> lse = {}) const;
 

@@ -42,11 +42,17 @@ class KeyIndices {
   KeyIndices(TensorView<const int64_t, 3> shared) : i64_(per_query(shared)), shared_(true) {}  // NOLINT(google-explicit-constructor)
   KeyIndices(TensorView<const int32_t, 4> per_kv_head) : i32_(per_kv_head) {}  // NOLINT(google-explicit-constructor)
   KeyIndices(TensorView<const int64_t, 4> per_kv_head) : i64_(per_kv_head) {}  // NOLINT(google-explicit-constructor)
+  // Packed lists [total_q, topk], row n the n-th packed query (qkv::BatchPlan::run):
+  // one list per query, shared by the heads; seen as [1, 1, total_q, topk].
+  KeyIndices(TensorView<const int32_t, 2> packed) : i32_(per_row(packed)), shared_(true), packed_(true) {}  // NOLINT(google-explicit-constructor)
+  KeyIndices(TensorView<const int64_t, 2> packed) : i64_(per_row(packed)), shared_(true), packed_(true) {}  // NOLINT(google-explicit-constructor)
 
   bool empty() const { return i32_.empty() && i64_.empty(); }
   // True for [B, Nq, topk]: every head reads the same list.
   bool shared_by_heads() const { return shared_; }
   bool is_int64() const { return !i64_.empty(); }
+  // True for packed [total_q, topk] lists (BatchPlan::run's).
+  bool packed() const { return packed_; }
   // The lists as [B, lists per query (1 when shared, else Hkv), Nq, topk].
   const TensorView<const int32_t, 4>& int32_view() const { return i32_; }
   const TensorView<const int64_t, 4>& int64_view() const { return i64_; }
@@ -58,9 +64,15 @@ class KeyIndices {
     return TensorView<const I, 4>(view.data, {view.shape[0], 1, view.shape[1], view.shape[2]},
                                   {view.strides[0], 0, view.strides[1], view.strides[2]});
   }
+  template <class I>
+  static TensorView<const I, 4> per_row(TensorView<const I, 2> view) {
+    return TensorView<const I, 4>(view.data, {1, 1, view.shape[0], view.shape[1]},
+                                  {0, 0, view.strides[0], view.strides[1]});
+  }
   TensorView<const int32_t, 4> i32_;
   TensorView<const int64_t, 4> i64_;
   bool shared_ = false;
+  bool packed_ = false;
 };
 
 template <class T>

@@ -81,7 +81,7 @@ class BatchPlan:
 
     v_dim = property(lambda self: self._v_dim)
 
-    def run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False):
+    def run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None):
         """One layer: q ``[total_q, Hq, d]`` against ``k_cache``/``v_cache`` — contiguous
         ``[B, capacity, Hkv, d]`` or the pool ``[num_blocks, block_size, Hkv, d]``, float32,
         bfloat16, float16 or int8 (with ``k_scale``/``v_scale``, one float32 per row),
@@ -90,7 +90,11 @@ class BatchPlan:
         ``[total_q, Hq, dv]`` (q's dtype when floating) or
         ``(out, lse [Hq, total_q])``. Traceable (torch.compile fullgraph, torch.export):
         torch.ops.qkv.batch_plan_run, the plan named by a handle. Forward-only: an input
-        that requires grad (with grad mode on) is an error."""
+        that requires grad (with grad mode on) is an error.
+        indices: optional packed key lists (DeepSeek sparse attention's top-k), int32 or
+        int64 ``[total_q, topk]``: row n lists positions ``0..cache_lengths[b]-1`` within
+        the n-th packed query's own sequence b, -1 for none; as ``qkv.decode``'s indices
+        (causal on top, repeats once, out-of-range a qkv.Error naming sequence and row)."""
         refuse_grad("qkv.BatchPlan.run", q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
         if _is_torch(q):
             from . import _torch_ops_cache
@@ -102,19 +106,25 @@ class BatchPlan:
                 if self._handle is None:
                     raise Error("qkv.BatchPlan.run: traced (torch.compile), but the plan was made before torch "
                                 "was imported: make it after `import torch`")
-                out, lse = _torch_ops_cache.batch_plan_run(self._handle, q, k_cache, v_cache, k_scale, v_scale)
+                out, lse = _torch_ops_cache.batch_plan_run(self._handle, q, k_cache, v_cache, k_scale, v_scale,
+                                                           indices)
                 return (out, lse) if return_lse else out
-        return self.eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+        return self.eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
+                              indices=indices)
 
-    def eager_run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False):
+    def eager_run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None):
         """run() itself, outside any tracing (what the operator calls)."""
         fn = "qkv.BatchPlan.run"
+        from ._decode_eager import key_lists
+
+        indices = key_lists(indices)
         q_lib = _float32_packed(q, "q", fn)
         if isinstance(k_cache, KVCache):  # the cache itself: any of its storages, int4 and windows too
             if v_cache is not None or k_scale is not None or v_scale is not None:
                 raise Error(f"{fn}: with a qkv.KVCache as k_cache, v_cache, k_scale and v_scale are None")
             return self._run(q, q_lib, k_cache.dtype, return_lse,
-                             lambda plan, out, lse: plan.run_cache(q_lib, k_cache._cache, out, lse=lse))
+                             lambda plan, out, lse: plan.run_cache(q_lib, k_cache._cache, out, lse=lse,
+                                                                    indices=indices))
         k_lib, bits_as = _cache_array(k_cache, "k_cache", fn)
         v_lib, v_bits = _cache_array(v_cache, "v_cache", fn)
         if bits_as != v_bits:
@@ -123,7 +133,8 @@ class BatchPlan:
                               else "float32")
         return self._run(q, q_lib, storage, return_lse,
                          lambda plan, out, lse: plan.run(q_lib, k_lib, v_lib, out, lse=lse, bits_as=bits_as,
-                                                         k_scale=_scales(k_scale), v_scale=_scales(v_scale)))
+                                                         k_scale=_scales(k_scale), v_scale=_scales(v_scale),
+                                                         indices=indices))
 
     def _run(self, q, q_lib, storage, return_lse, call):
         """The plan for `storage` (made on first use) run by `call(plan, out, lse)`; out in q's kind."""

@@ -21,7 +21,7 @@ from ._decode_eager import (_check_layout, _empty_out, _float32_logical, _float3
 
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
            layout="bhsd", return_lse=False, threads=None, window=None, softcap=None, alibi_slopes=None,
-           sinks=None, k_scale=None, v_scale=None, precision=None):
+           sinks=None, k_scale=None, v_scale=None, precision=None, indices=None):
     """Attention of q against caller-owned caches, read in place (no copy of the cache).
 
     q: ``[B, Hq, Nq, d]`` (layout "bhsd") or ``[B, Nq, Hq, d]`` ("bshd"), any float dtype
@@ -40,6 +40,12 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     (the same Options, checked alike: a bad value gets the same error;
     ``window=(left, right)``, -1 or None unbounded; a sliding window reads only the keys
     in it).
+    indices: optional key lists (DeepSeek sparse attention's top-k, as in
+    ``qkv.sparse_attention``): int32 or int64 ``[B, Nq, topk]`` (shared by every head) or
+    ``[B, Hkv, Nq, topk]`` (per kv head) of cache positions ``0..cache_lengths[b]-1``, -1
+    for none. Each query attends the keys it lists (repeats once) that ``causal`` allows;
+    an index outside ``[-1, cache_lengths[b])`` raises qkv.Error naming its batch entry
+    and row. ``window`` and ``alibi_slopes`` are refused with them.
     Returns out like q (with v's last dimension), or ``(out, lse [B, Hq, Nq])``.
     With torch tensors under torch.compile or torch.export the call is the operator
     ``torch.ops.qkv.decode`` (the same computation).
@@ -59,12 +65,12 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
                 fn, q, k_cache, v_cache, cache_lengths, block_table=block_table, scale=scale,
                 causal=causal, layout=layout, return_lse=return_lse, threads=threads,
                 window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                k_scale=k_scale, v_scale=v_scale)
+                k_scale=k_scale, v_scale=v_scale, indices=indices)
     return _decode_eager.decode(q, k_cache, v_cache, cache_lengths, block_table=block_table,
                                 scale=scale, causal=causal, layout=layout,
                                 return_lse=return_lse, threads=threads, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                                k_scale=k_scale, v_scale=v_scale, precision=precision)
+                                k_scale=k_scale, v_scale=v_scale, precision=precision, indices=indices)
 
 
 def _scale_dtype_name(scale_dtype) -> str:
@@ -214,10 +220,11 @@ class KVCache:
         self._cache.append_varlen(k_lib, v_lib, offsets, seqs)
 
     def attend(self, q, *, scale=None, causal="bottom_right", return_lse=False, threads=None, window=None,
-               softcap=None, alibi_slopes=None, sinks=None, precision=None):
+               softcap=None, alibi_slopes=None, sinks=None, precision=None, indices=None):
         """Attention of q ``[B, Hq, T, d]`` against every sequence's cache, the T queries
         aligned with each sequence's newest keys. window, softcap, alibi_slopes, sinks,
-        precision: as in ``qkv.decode``. Returns out like q, or (out, lse)."""
+        precision, indices (key lists of cache positions): as in ``qkv.decode``. Returns
+        out like q, or (out, lse)."""
         fn = "qkv.KVCache.attend"
         refuse_grad(fn, q=q, alibi_slopes=alibi_slopes, sinks=sinks)
         if _is_torch(q):
@@ -230,13 +237,13 @@ class KVCache:
                 return _torch_ops_cache.traced_attend(
                     self, q, scale=scale, causal=causal, return_lse=return_lse,
                     threads=threads, window=window, softcap=softcap,
-                    alibi_slopes=alibi_slopes, sinks=sinks)
+                    alibi_slopes=alibi_slopes, sinks=sinks, indices=indices)
         options = _options(fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks, precision)
         q_lib = _float32_logical(q, self.layout, "q", fn)
         batch, q_len, q_heads, _ = q_lib.shape
         out, work, out_lib = _empty_out(q, batch, q_len, q_heads, self.v_dim, self.layout)
         lse = np.empty((batch, q_heads, q_len), dtype=np.float32) if return_lse else None
-        self._cache.attend(q_lib, out_lib, lse=lse, options=options)
+        self._cache.attend(q_lib, out_lib, lse=lse, indices=_decode_eager.key_lists(indices), options=options)
         return _decode_eager.result(q, out, work, lse)
 
     def index_topk(self, q, weights, topk, *, scale=None, causal="bottom_right", threads=None):

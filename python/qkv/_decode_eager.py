@@ -206,7 +206,7 @@ def _options(function: str, q, scale, causal, threads, window, softcap, alibi_sl
 
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
            layout="bhsd", return_lse=False, threads=None, window=None, softcap=None, alibi_slopes=None,
-           sinks=None, k_scale=None, v_scale=None, precision=None):
+           sinks=None, k_scale=None, v_scale=None, precision=None, indices=None):
     """qkv.decode (qkv/_decode.py documents it) on plain arrays: the library call."""
     fn = "qkv.decode"
     _check_layout(fn, layout)
@@ -242,5 +242,16 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     if return_lse:
         lse = np.empty((batch, q_heads, q_len), dtype=np.float32)
     _qkv.decode(q_lib, k_lib, v_lib, lengths, out_lib, lse=lse, block_table=table, bits_as=bits_as,
-                options=options, **scales)
+                indices=key_lists(indices), options=options, **scales)
     return result(q, out, work, lse)
+
+
+def key_lists(indices):
+    """Key lists (qkv.decode's, KVCache.attend's, BatchPlan.run's ``indices``) as the
+    binding reads them: NumPy arrays as they are, torch tensors as NumPy views of their
+    memory (no copy); dtype, rank and shape are checked in C++, by name."""
+    if indices is None:
+        return None
+    if _is_torch(indices):
+        return indices.detach().numpy()
+    return indices

@@ -1,10 +1,10 @@
 """The operators of decoding, as torch.compile, torch.export and fake tensors see
 qkv.decode, qkv.KVCache and qkv.BatchPlan.run:
 
-    torch.ops.qkv.decode(q, k_cache, v_cache, cache_lengths, ...)   -> (out, lse)
+    torch.ops.qkv.decode(q, k_cache, v_cache, cache_lengths, ..., indices)   -> (out, lse)
     torch.ops.qkv.kv_cache_append(state!, handle, k, v, seqs)       mutates `state`
     torch.ops.qkv.kv_cache_attend(state, handle, q, layout, v_dim, ...)   -> (out, lse)
-    torch.ops.qkv.batch_plan_run(handle, q, k_cache, v_cache, k_scale, v_scale) -> (out, lse)
+    torch.ops.qkv.batch_plan_run(handle, q, k_cache, v_cache, k_scale, v_scale, indices) -> (out, lse)
 
 Each runs the eager function (qkv/_decode.py, qkv/_batch_plan.py) when it executes, so a
 traced call is the eager call. None is differentiable (decoding and serving have no
@@ -104,13 +104,13 @@ def decode(
     block_table: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor],
     scale: Optional[float], causal: str, layout: str, threads: int, window_left: int = -1,
     window_right: int = -1, alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0,
-    sinks: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, indices: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     from . import _decode_eager
 
     return _decode_eager.decode(q, k_cache, v_cache, cache_lengths, block_table=block_table,
                           scale=scale, causal=_causal(causal), layout=layout, return_lse=True,
-                          k_scale=k_scale, v_scale=v_scale,
+                          k_scale=k_scale, v_scale=v_scale, indices=indices,
                           **_variants(window_left, window_right, softcap, alibi_slopes,
                                       sinks, threads))
 
@@ -139,12 +139,13 @@ def kv_cache_attend(
     state: Tensor, handle: Tensor, q: Tensor, layout: str, v_dim: int, scale: Optional[float],
     causal: str, threads: int, window_left: int = -1, window_right: int = -1,
     alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0, sinks: Optional[Tensor] = None,
+    indices: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     cache = _cache(handle)
     if (layout, v_dim) != (cache.layout, cache.v_dim):  # what the fake's shapes were made from
         raise Error(f"qkv.KVCache.attend: layout, v_dim: expected the cache's ({cache.layout!r}, "
                     f"{cache.v_dim}), got ({layout!r}, {v_dim})")
-    return cache.attend(q, scale=scale, causal=_causal(causal), return_lse=True,
+    return cache.attend(q, scale=scale, causal=_causal(causal), return_lse=True, indices=indices,
                         **_variants(window_left, window_right, softcap, alibi_slopes, sinks, threads))
 
 
@@ -159,12 +160,13 @@ def _(state, handle, q, layout, v_dim, *rest):
 # is v_cache's last (the plan checks that it is its v_dim).
 @torch.library.custom_op("qkv::batch_plan_run", mutates_args=())
 def batch_plan_run(handle: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Optional[Tensor],
-                   v_scale: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    return _plan(handle).eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+                   v_scale: Optional[Tensor], indices: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    return _plan(handle).eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True,
+                                   indices=indices)
 
 
 @batch_plan_run.register_fake
-def _(handle, q, k_cache, v_cache, k_scale, v_scale):
+def _(handle, q, k_cache, v_cache, k_scale, v_scale, indices=None):
     total, heads = q.shape[0], q.shape[1]
     dtype = q.dtype if q.is_floating_point() else torch.float32
     return (q.new_empty((total, heads, v_cache.shape[-1]), dtype=dtype),
@@ -197,12 +199,12 @@ def _tensor(values, dtype=torch.int64):
 
 def traced_decode(fn, q, k_cache, v_cache, cache_lengths, *, block_table, scale, causal,
                   layout, return_lse, threads, window, softcap, alibi_slopes, sinks,
-                  k_scale, v_scale):
+                  k_scale, v_scale, indices=None):
     scale, causal, threads, left, right, slopes, softcap, sinks = _scalars(
         fn, q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
     out, lse = decode(q, k_cache, v_cache, _tensor(cache_lengths), _tensor(block_table),
                       _tensor(k_scale, torch.float32), _tensor(v_scale, torch.float32),
-                      scale, causal, layout, threads, left, right, slopes, softcap, sinks)
+                      scale, causal, layout, threads, left, right, slopes, softcap, sinks, _tensor(indices))
     return (out, lse) if return_lse else out
 
 
@@ -212,11 +214,11 @@ def traced_append(cache, k, v, seq):
 
 
 def traced_attend(cache, q, *, scale, causal, return_lse, threads, window, softcap,
-                  alibi_slopes, sinks):
+                  alibi_slopes, sinks, indices=None):
     scale, causal, threads, left, right, slopes, softcap, sinks = _scalars(
         "qkv.KVCache.attend", q, scale, causal, threads, window, softcap, alibi_slopes, sinks)
     out, lse = kv_cache_attend(cache.torch_state(), cache.handle, q, cache.layout, cache.v_dim, scale, causal,
-                               threads, left, right, slopes, softcap, sinks)
+                               threads, left, right, slopes, softcap, sinks, _tensor(indices))
     return (out, lse) if return_lse else out
 
 

@@ -9,6 +9,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include "qkv/sparse.hpp"
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -208,5 +210,12 @@ void dispatch_on_q(const InArray& q, Float32&& float32, Float64&& float64) {
   if (q.dtype() == nb::dtype<double>()) return float64();
   argument_type_error("q", "expected dtype float32 or float64, got " + dtype_name(q.dtype()));
 }
+
+// Key lists (DeepSeek sparse attention's top-k) as the library's KeyIndices, read in
+// place: rank 3 [B, Nq, topk] shared by the heads, rank 4 [B, Hkv, Nq, topk] per kv head;
+// int32 or int64, else an error naming the Caller's function (sparse.cpp).
+KeyIndices indices_of(const ArrayRef& array);
+// Packed lists [total_q, topk] (qkv.BatchPlan.run's), int32 or int64.
+KeyIndices packed_indices_of(const ArrayRef& array);
 
 }  // namespace qkv::python

@@ -39,8 +39,9 @@ SeqOffsets offsets_of(const char* name, const ArrayRef& array) {
 template <class T>
 void run_typed(const BatchPlan& plan, const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_cache,
                const ArrayRef& out, const std::optional<ArrayRef>& lse, const std::optional<ArrayRef>& k_scale,
-               const std::optional<ArrayRef>& v_scale) {
+               const std::optional<ArrayRef>& v_scale, const KeyIndices& indices) {
   BatchArgs<T> args;
+  args.indices = indices;
   args.q = view_of<const float, 3>("q", q, "queries are float32");
   args.k_cache = raw_view<const T, 4>("k_cache", k_cache);
   args.v_cache = raw_view<const T, 4>("v_cache", v_cache);
@@ -53,8 +54,11 @@ void run_typed(const BatchPlan& plan, const ArrayRef& q, const ArrayRef& k_cache
 }
 
 void run_any(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle out,
-             nb::handle lse, const std::string& bits_as, nb::handle k_scale, nb::handle v_scale) {
+             nb::handle lse, const std::string& bits_as, nb::handle k_scale, nb::handle v_scale,
+             nb::handle indices) {
   const Caller caller("qkv.BatchPlan.run");
+  const std::optional<ArrayRef> index_array = optional_in("indices", indices);
+  const KeyIndices lists = index_array ? packed_indices_of(*index_array) : KeyIndices{};
   const ArrayRef qa = ArrayRef::from(q, false, "q"), ka = ArrayRef::from(k_cache, false, "k_cache"),
                  va = ArrayRef::from(v_cache, false, "v_cache"), oa = ArrayRef::from(out, true, "out");
   const std::optional<ArrayRef> la = lse.is_none() ? std::nullopt : std::optional(ArrayRef::from(lse, true, "lse"));
@@ -62,10 +66,10 @@ void run_any(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::handle
   const StorageType type = cache_storage("k_cache", ka, bits_as);
   if (cache_storage("v_cache", va, bits_as) != type) argument_type_error("v_cache", "expected the dtype of k_cache");
   switch (type) {
-    case StorageType::float32: return run_typed<float>(plan, qa, ka, va, oa, la, ks, vs);
-    case StorageType::bfloat16: return run_typed<bfloat16>(plan, qa, ka, va, oa, la, ks, vs);
-    case StorageType::float16: return run_typed<float16>(plan, qa, ka, va, oa, la, ks, vs);
-    case StorageType::int8: return run_typed<std::int8_t>(plan, qa, ka, va, oa, la, ks, vs);
+    case StorageType::float32: return run_typed<float>(plan, qa, ka, va, oa, la, ks, vs, lists);
+    case StorageType::bfloat16: return run_typed<bfloat16>(plan, qa, ka, va, oa, la, ks, vs, lists);
+    case StorageType::float16: return run_typed<float16>(plan, qa, ka, va, oa, la, ks, vs, lists);
+    case StorageType::int8: return run_typed<std::int8_t>(plan, qa, ka, va, oa, la, ks, vs, lists);
     case StorageType::int4: break;  // no array dtype is int4 (cache_storage)
   }
   throw Error("qkv::BatchPlan::run: int4 caches attend through qkv.KVCache.attend");
@@ -103,21 +107,25 @@ void bind_batch_plan(nb::module_& m) {
           nb::arg("options"))
       .def("run", &run_any, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::kw_only(),
            nb::arg("lse").none() = nb::none(), nb::arg("bits_as") = "", nb::arg("k_scale").none() = nb::none(),
-           nb::arg("v_scale").none() = nb::none(),
+           nb::arg("v_scale").none() = nb::none(), nb::arg("indices").none() = nb::none(),
            "One layer of the planned step: q [total_q, Hq, d] float32, caches read in place, writes out "
            "[total_q, Hq, dv] (and lse [Hq, total_q]); the GIL is released.")
       .def(
           "run_cache",
-          [](const BatchPlan& self, nb::handle q, const KVCache& cache, nb::handle out, nb::handle lse) {
+          [](const BatchPlan& self, nb::handle q, const KVCache& cache, nb::handle out, nb::handle lse,
+             nb::handle indices) {
             const Caller caller("qkv.BatchPlan.run");
+            const std::optional<ArrayRef> index_array = optional_in("indices", indices);
+            const KeyIndices lists = index_array ? packed_indices_of(*index_array) : KeyIndices{};
             const auto qv = view_of<const float, 3>("q", ArrayRef::from(q, false, "q"), "queries are float32");
             const auto ov = view_of<float, 3>("out", ArrayRef::from(out, true, "out"), "the output is float32");
             TensorView<float, 2> lv;
             if (!lse.is_none()) lv = view_of<float, 2>("lse", ArrayRef::from(lse, true, "lse"), "the log-sum-exp is float32");
             nb::gil_scoped_release release;
-            self.run(qv, cache, ov, lv);
+            self.run(qv, cache, ov, lv, lists);
           },
           nb::arg("q"), nb::arg("cache"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
+          nb::arg("indices").none() = nb::none(),
           "One layer of the planned step over a qkv.KVCache (any storage, int4 and float windows included); "
           "the GIL is released.")
       .def_prop_ro("sequences", &BatchPlan::sequences)

@@ -119,8 +119,10 @@ template <class T>
 void decode_typed(const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_cache,
                   std::span<const int64_t> lengths, const std::optional<ArrayRef>& block_table,
                   const ArrayRef& out, const std::optional<ArrayRef>& lse, const AttentionOptions& options,
-                  const std::optional<ArrayRef>& k_scale, const std::optional<ArrayRef>& v_scale) {
+                  const std::optional<ArrayRef>& k_scale, const std::optional<ArrayRef>& v_scale,
+                  const KeyIndices& indices) {
   DecodeArgs<T> args;
+  args.indices = indices;
   if (k_scale) args.k_scale = view_of<const float, 3>("k_scale", *k_scale, "scales are float32");
   if (v_scale) args.v_scale = view_of<const float, 3>("v_scale", *v_scale, "scales are float32");
   args.q = view_of<const float, 4>("q", q, "queries are float32");
@@ -137,8 +139,10 @@ void decode_typed(const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_
 
 void decode_any(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle cache_lengths, nb::handle out,
                 nb::handle lse, nb::handle block_table, const std::string& bits_as, nb::handle k_scale,
-                nb::handle v_scale, const BoundOptions& bound) {
+                nb::handle v_scale, nb::handle indices, const BoundOptions& bound) {
   const Caller caller(bound.function.c_str());
+  const std::optional<ArrayRef> index_array = optional_in("indices", indices);
+  const KeyIndices lists = index_array ? indices_of(*index_array) : KeyIndices{};
   const ArrayRef qa = ArrayRef::from(q, false, "q"), ka = ArrayRef::from(k_cache, false, "k_cache"),
                  va = ArrayRef::from(v_cache, false, "v_cache"), oa = ArrayRef::from(out, true, "out"),
                  la = ArrayRef::from(cache_lengths, false, "cache_lengths");
@@ -151,13 +155,13 @@ void decode_any(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle
   const auto lengths = lengths_of(la);
   switch (k_type) {
     case StorageType::float32:
-      return decode_typed<float>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs);
+      return decode_typed<float>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs, lists);
     case StorageType::bfloat16:
-      return decode_typed<bfloat16>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs);
+      return decode_typed<bfloat16>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs, lists);
     case StorageType::float16:
-      return decode_typed<float16>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs);
+      return decode_typed<float16>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs, lists);
     case StorageType::int8:
-      return decode_typed<std::int8_t>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs);
+      return decode_typed<std::int8_t>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs, lists);
     case StorageType::int4: break;  // no array dtype is int4 (cache_storage)
   }
   throw Error("qkv::decode: int4 caches attend through qkv.KVCache.attend");
@@ -218,7 +222,8 @@ void bind_decode(nb::module_& m) {
   m.def("decode", &decode_any, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("cache_lengths"),
         nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
         nb::arg("block_table").none() = nb::none(), nb::arg("bits_as") = "",
-        nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(), nb::arg("options"),
+        nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
+        nb::arg("indices").none() = nb::none(), nb::arg("options"),
         "qkv::decode on [B, N, H, d] views; caches read in place (16-bit integer arrays hold the "
         "bits of the `bits_as` type). options: an Options (scale, causal, threads and the "
         "variants). Writes out (and lse) in place; the GIL is released.");
@@ -280,17 +285,21 @@ void bind_decode(nb::module_& m) {
           nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens"), nb::arg("seqs").none() = nb::none())
       .def(
           "attend",
-          [](const KVCache& self, nb::handle q, nb::handle out, nb::handle lse, const BoundOptions& bound) {
+          [](const KVCache& self, nb::handle q, nb::handle out, nb::handle lse, nb::handle indices,
+             const BoundOptions& bound) {
             const Caller caller(bound.function.c_str());
+            const std::optional<ArrayRef> index_array = optional_in("indices", indices);
+            const KeyIndices lists = index_array ? indices_of(*index_array) : KeyIndices{};
             const AttentionOptions options = bound.for_call();
             const auto qv = view_of<const float, 4>("q", ArrayRef::from(q, false, "q"), "queries are float32");
             const auto ov = view_of<float, 4>("out", ArrayRef::from(out, true, "out"), "the output is float32");
             View3<float> lv;
             if (!lse.is_none()) lv = view_of<float, 3>("lse", ArrayRef::from(lse, true, "lse"), "the log-sum-exp is float32");
             nb::gil_scoped_release release;
-            self.attend(qv, ov, lv, options);
+            self.attend(qv, ov, lv, options, lists);
           },
-          nb::arg("q"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(), nb::arg("options"))
+          nb::arg("q"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
+          nb::arg("indices").none() = nb::none(), nb::arg("options"))
       .def(
           "reset",
           [](KVCache& self, nb::handle seq) {

@@ -12,24 +12,23 @@
 #include "qkv/sparse.hpp"
 
 namespace qkv::python {
-namespace {
-
-constexpr const char* kAsQ = "the dtype of q";
-template <class T>
-constexpr const char* kLseBecause =
-    std::is_same_v<LseOf<T>, T> ? kAsQ : "lse is float32 for 16-bit inputs";
-
-ArrayRef logical(const char* name, nb::handle array, bool writable, bool bhsd) {
-  const ArrayRef ref = ArrayRef::from(array, writable, name);
-  return bhsd ? ref.swapped_1_2() : ref;
-}
-
 // The lists as the library's KeyIndices: the rank says the mode (3: one list per query
 // for every head, 4: one per kv head), the dtype int32 or int64.
+namespace {
 template <class I>
 KeyIndices indices_as(const ArrayRef& array) {
   if (array.ndim() == 3) return TensorView<const I, 3>(raw_view<const I, 3>("indices", array));
   return TensorView<const I, 4>(raw_view<const I, 4>("indices", array));
+}
+
+}  // namespace
+
+KeyIndices packed_indices_of(const ArrayRef& array) {
+  if (array.ndim() != 2)
+    throw Error(Caller::named("indices") + ": expected 2 dimensions [total_q, topk], got " + std::to_string(array.ndim()));
+  if (array.dtype() == nb::dtype<int32_t>()) return TensorView<const int32_t, 2>(raw_view<const int32_t, 2>("indices", array));
+  if (array.dtype() == nb::dtype<int64_t>()) return TensorView<const int64_t, 2>(raw_view<const int64_t, 2>("indices", array));
+  throw nb::type_error((Caller::named("indices") + ": expected dtype int32 or int64, got " + dtype_name(array.dtype())).c_str());
 }
 
 KeyIndices indices_of(const ArrayRef& array) {
@@ -40,6 +39,19 @@ KeyIndices indices_of(const ArrayRef& array) {
   if (array.dtype() == nb::dtype<int32_t>()) return indices_as<int32_t>(array);
   if (array.dtype() == nb::dtype<int64_t>()) return indices_as<int64_t>(array);
   throw nb::type_error((Caller::named("indices") + ": expected dtype int32 or int64, got " + dtype_name(array.dtype())).c_str());
+}
+
+
+namespace {
+
+constexpr const char* kAsQ = "the dtype of q";
+template <class T>
+constexpr const char* kLseBecause =
+    std::is_same_v<LseOf<T>, T> ? kAsQ : "lse is float32 for 16-bit inputs";
+
+ArrayRef logical(const char* name, nb::handle array, bool writable, bool bhsd) {
+  const ArrayRef ref = ArrayRef::from(array, writable, name);
+  return bhsd ? ref.swapped_1_2() : ref;
 }
 
 void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle indices, nb::handle out, nb::handle lse,

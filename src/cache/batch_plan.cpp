@@ -14,6 +14,7 @@
 
 #include "cache/cache_reader.hpp"
 #include "cache/cache_scales.hpp"
+#include "cache/decode_source.hpp"
 #include "core/checked_size.hpp"
 #include "core/attention_rules.hpp"
 #include "core/dispatch.hpp"
@@ -431,7 +432,10 @@ void run_chunk(const detail::ForwardProblem<float>& step, const GatheredChunk& g
 }
 
 // The step itself, over `problem`'s views.
-void run_step(const BatchPlan::State& s, const detail::ForwardProblem<float>& problem) {
+void run_step(const BatchPlan::State& s, const detail::ForwardProblem<float>& problem,
+              const KeyIndices& indices = {}) {
+  if (!indices.empty())  // every row over its own list (cache/decode_sparse.cpp)
+    return detail::decode_key_lists(Checker("qkv::BatchPlan::run"), problem, indices, s.backend);
   if (s.total_q == 0) return;
   // Every chunk's keys gathered before anything is written (a workspace that cannot be
   // had is a qkv::Error with the outputs untouched).
@@ -443,7 +447,7 @@ void run_step(const BatchPlan::State& s, const detail::ForwardProblem<float>& pr
 
 template <class T>
 void run_plan(const BatchPlan::State& s, const BatchArgs<T>& args) {
-  run_step(s, planned_problem(s, args));
+  run_step(s, planned_problem(s, args), args.indices);
 }
 
 // A cache against the plan: its storage, shape and lengths (and, paged, block table)
@@ -492,6 +496,11 @@ void BatchPlan::run(const BatchArgs<std::int8_t>& args) const { run_plan(*state_
 
 void BatchPlan::run(View3<const float> q_view, const KVCache& cache, View3<float> out_view,
                     TensorView<float, 2> lse) const {
+  run(q_view, cache, out_view, lse, KeyIndices{});
+}
+
+void BatchPlan::run(View3<const float> q_view, const KVCache& cache, View3<float> out_view,
+                    TensorView<float, 2> lse, const KeyIndices& indices) const {
   const State& s = *state_;
   const Checker check("qkv::BatchPlan::run");
   const detail::Extents& e = s.problem.extents;
@@ -514,7 +523,7 @@ void BatchPlan::run(View3<const float> q_view, const KVCache& cache, View3<float
     problem.kv.block_table = s.block_table.data();
     problem.kv.table_stride = s.max_blocks;
   }
-  run_step(s, problem);
+  run_step(s, problem, indices);
 }
 
 }  // namespace qkv

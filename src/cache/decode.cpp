@@ -40,6 +40,9 @@ void check_outputs(const Checker& check, const Described& out, View3<float> lse_
   }
 }
 
+}  // namespace
+
+namespace detail {
 // The call as a dense problem: B sequences of Nq queries against a capacity of keys,
 // each cut to its cache length (the mask rule's key lengths); its key/value source is
 // the caller's to set.
@@ -69,6 +72,10 @@ detail::ForwardProblem<float> cache_problem(const Checker& check, const Attentio
   p.args.lse = lse;
   return p;
 }
+}  // namespace detail
+
+namespace {
+using detail::cache_problem;
 
 template <class T>
 detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOptions& options) {
@@ -157,7 +164,10 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
 
 template <class T>
 void run(const DecodeArgs<T>& args, const AttentionOptions& options) {
+  const Checker check("qkv::decode");
+  if (!args.indices.empty()) detail::refuse_for_key_lists(check, options);
   const detail::ForwardProblem<float> problem = validate(args, options);
+  if (!args.indices.empty()) return detail::decode_key_lists(check, problem, args.indices, resolve_backend(options, false, false));
   if (problem.extents.batch == 0 || problem.extents.q_len == 0) return;
   detail::run_forward(problem, resolve_backend(options, false, false));
 }
@@ -167,8 +177,9 @@ void run(const DecodeArgs<T>& args, const AttentionOptions& options) {
 namespace detail {
 void decode_cache_source(const KvSource& kv, int64_t capacity, std::span<const int64_t> cache_lengths,
                          View4<const float> q_view, View4<float> out_view, View3<float> lse,
-                         const AttentionOptions& options) {
+                         const AttentionOptions& options, const KeyIndices& indices) {
   const Checker check("qkv::decode");
+  if (!indices.empty()) refuse_for_key_lists(check, options);
   const Described q = describe("q", q_view), out = describe("out", out_view);
   check.expect_well_formed(q);
   check.expect_well_formed(out);
@@ -187,6 +198,7 @@ void decode_cache_source(const KvSource& kv, int64_t capacity, std::span<const i
   ForwardProblem<float> p = cache_problem(check, options, q_view, out_view, lse, kv.kv_heads, capacity, kv.v_dim,
                                           cache_lengths);
   p.kv = kv;
+  if (!indices.empty()) return decode_key_lists(check, p, indices, resolve_backend(options, false, false));
   if (p.extents.batch == 0 || p.extents.q_len == 0) return;
   run_forward(p, resolve_backend(options, false, false));
 }

@@ -7,13 +7,33 @@
 #include <cstdint>
 #include <span>
 
+#include "check/checker.hpp"
 #include "core/kv_source.hpp"
+#include "core/problem.hpp"
+#include "qkv/sparse.hpp"
 #include "qkv/options.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv::detail {
 
 void decode_cache_source(const KvSource& kv, int64_t capacity, std::span<const int64_t> cache_lengths,
-                         View4<const float> q, View4<float> out, View3<float> lse, const AttentionOptions& options);
+                         View4<const float> q, View4<float> out, View3<float> lse, const AttentionOptions& options,
+                         const KeyIndices& indices = {});
+
+// The call as a dense problem: B sequences of Nq queries against a capacity of keys, each
+// cut to its cache length; its key/value source is the caller's to set (decode.cpp).
+ForwardProblem<float> cache_problem(const Checker& check, const AttentionOptions& options, View4<const float> q,
+                                    View4<float> out, View3<float> lse, int64_t kv_heads, int64_t capacity,
+                                    int64_t v_dim, std::span<const int64_t> cache_lengths);
+
+// Key lists (DeepSeek sparse attention's top-k) on a cache (decode_sparse.cpp): the
+// options no list form applies — window, alibi_slopes — refused by name.
+void refuse_for_key_lists(const Checker& check, const AttentionOptions& options);
+// `dense`: the validated call without its lists (its mask rule: cache lengths and causal
+// mode; dense, or varlen for qkv::BatchPlan, whose lists are packed [total_q, topk]).
+// Checks `indices` (shape, every index in [−1, cache length)), then attends each query
+// row over its listed keys that the rule allows, read in place, on `backend`.
+void decode_key_lists(const Checker& check, const ForwardProblem<float>& dense, const KeyIndices& indices,
+                      Backend backend);
 
 }  // namespace qkv::detail

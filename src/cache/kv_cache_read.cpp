@@ -65,17 +65,23 @@ void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse) c
 
 void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse,
                      const AttentionOptions& options) const {
+  attend(q, out, lse, options, KeyIndices{});
+}
+
+void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse, const AttentionOptions& options,
+                     const KeyIndices& indices) const {
   auto run = [&](auto args) {
     args.q = q;
     args.out = out;
     args.lse = lse;
+    args.indices = indices;
     decode(args, options);
   };
   // Shared: attends run together, but never beside an append or reset, whose lengths,
   // block table and rows they read.
   const std::shared_lock lock(*mutex_);
   if (is_int4(config_) || config_.float_window > 0)  // rows DecodeArgs cannot describe
-    return detail::decode_cache_source(source(), config_.capacity, lengths_, q, out, lse, options);
+    return detail::decode_cache_source(source(), config_.capacity, lengths_, q, out, lse, options, indices);
   switch (config_.dtype) {
     case StorageType::float32: return run(views<float>());
     case StorageType::bfloat16: return run(views<bfloat16>());

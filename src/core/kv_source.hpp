@@ -75,6 +75,13 @@ struct RowStrides {
 // quantized_lengths[b] of sequence b are read, K and V, as float32 from the window rows
 // window_k / window_v, [B, window_rows, Hkv, d | dv] contiguous, key j in row j %
 // window_rows; the keys before are the quantized storage's.
+// Gathered keys (qkv::decode with key lists, cache/decode_sparse.cpp): key j of batch
+// entry b and kv head h is position key_positions[b·positions_stride + j] of sequence
+// key_sequence[b], kv head h + key_head, of the storage described by the rest — every
+// accessor below maps (b, j, h) so first, so every reader (the decode kernel, the
+// reference) reads the listed rows in place. Each key is its own run (run_end), and the
+// window holds the keys from gathered_stored[b] on (the positions ascend, so the
+// window's keys are the list's tail).
 struct KvSource {
   StorageType type = StorageType::float32;
   const void* k = nullptr;
@@ -99,18 +106,35 @@ struct KvSource {
   const int32_t* block_table = nullptr;  // null: contiguous
   int64_t table_stride = 0;
   int64_t page_size = 0;
+  const int64_t* key_positions = nullptr;  // gathered keys (null: none; see above)
+  int64_t positions_stride = 0;
+  const int64_t* key_sequence = nullptr;
+  int64_t key_head = 0;
+  const int64_t* gathered_stored = nullptr;  // with a window
+
+  bool gathered() const { return key_positions != nullptr; }
+  // (b, j, h) of the problem as the storage's (sequence, position, kv head).
+  void locate(int64_t& batch, int64_t& key, int64_t& head) const {
+    if (!gathered()) return;
+    key = key_positions[batch * positions_stride + key];
+    batch = key_sequence[batch];
+    head += key_head;
+  }
 
   bool paged() const { return block_table != nullptr; }
   bool scaled() const { return type == StorageType::int8 || type == StorageType::int4; }
   bool windowed() const { return window_k != nullptr; }
   // Keys of sequence b before this are the quantized storage's, the rest the window's.
   int64_t quantized_length(int64_t batch) const {
-    return windowed() ? quantized_lengths[batch] : INT64_MAX;
+    if (!windowed()) return INT64_MAX;
+    return gathered() ? gathered_stored[batch] : quantized_lengths[batch];
   }
   const float* window_key(int64_t batch, int64_t key, int64_t head) const {
+    locate(batch, key, head);
     return window_k + ((batch * window_rows + key % window_rows) * kv_heads + head) * head_dim;
   }
   const float* window_value(int64_t batch, int64_t key, int64_t head) const {
+    locate(batch, key, head);
     return window_v + ((batch * window_rows + key % window_rows) * kv_heads + head) * v_dim;
   }
   int64_t value_groups() const { return (v_dim + value_group - 1) / value_group; }
@@ -122,6 +146,7 @@ struct KvSource {
 
   // Element offset of row (b, j, h) in a view with these strides (K, V or their scales).
   int64_t offset(const RowStrides& strides, int64_t batch, int64_t key, int64_t head) const {
+    locate(batch, key, head);
     if (!paged()) return batch * strides.batch + key * strides.row + head * strides.head;
     const int64_t page = block_table[batch * table_stride + key / page_size];
     return page * strides.batch + (key % page_size) * strides.row + head * strides.head;
@@ -130,6 +155,7 @@ struct KvSource {
   // The d channel scales (and zero points) of key j's group (b, h): see above.
   int64_t channel_offset(int64_t batch, int64_t key, int64_t head) const {
     const RowStrides& s = k_channel_strides;
+    locate(batch, key, head);
     if (!paged()) return batch * s.batch + (key / key_group) * s.row + head * s.head;
     const int64_t page = block_table[batch * table_stride + key / page_size];
     return page * s.batch + ((key % page_size) / key_group) * s.row + head * s.head;
@@ -143,6 +169,7 @@ struct KvSource {
   }
   // Keys [key, run_end(key)) lie strides.row apart (the rest of key's page).
   int64_t run_end(int64_t key) const {
+    if (gathered()) return key + 1;
     return paged() ? (key / page_size + 1) * page_size : INT64_MAX;
   }
 

@@ -82,6 +82,10 @@ KeySelection checked_selection(const Checker& check, const KeyIndices& indices, 
   if (indices.empty()) {
     check.fail("indices: required, [B, Nq, topk] or [B, Hkv, Nq, topk] of int32 or int64");
   }
+  if (indices.packed()) {
+    check.fail("indices: expected [B, Nq, topk] or [B, Hkv, Nq, topk], got packed [total_q, topk] lists "
+               "(qkv::BatchPlan::run's form)");
+  }
   return indices.is_int64() ? checked_view(check, indices, indices.int64_view(), e, outputs)
                             : checked_view(check, indices, indices.int32_view(), e, outputs);
 }

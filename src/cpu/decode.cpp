@@ -502,6 +502,14 @@ void DecodeImpl(const Problem& p, const DecodePlan* planned) {
     local->packed = true;
     planned = &*local;
   }
+  // Gathered keys scaled per channel (decode with key lists): consecutive keys of a block
+  // need not share a channel group, which the in-place channel-scaled scores assume; the
+  // packed path applies each key's own group's scales as it widens the key.
+  if (kv.gathered() && kv.channel_scaled() && !planned->packed) {
+    if (!local) local.emplace(*planned);
+    local->packed = true;
+    planned = &*local;
+  }
   switch (kv.type) {
     case StorageType::float32: return RunDecode<float>(p, kv, *planned);
     case StorageType::bfloat16: return RunDecode<bfloat16>(p, kv, *planned);
