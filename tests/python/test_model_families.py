@@ -371,3 +371,35 @@ def test_models_that_extend_their_masks_always_get_one():
     assert "deepseek_v4" in flagged  # the scan sees the known one
     unchecked = flagged - qkv.transformers._MODELS_THAT_EXTEND_MASKS - set(_EXTEND_ANOTHER_MASK)
     assert not unchecked, f"attention forwards that extend their mask: {sorted(unchecked)}"
+
+
+# bfloat16: the same families with bf16 weights and activations, against eager in bf16.
+# Every backend rounds differently here (bf16 products, P rounded once or not), so there
+# is no 1e-4 match to ask for; the contract (docs/numerics.md, issue 40) is qkv's distance
+# from eager within 2× sdpa's own distance from eager on the same inputs. The distances are
+# maxima over the real (unpadded) positions, relative to the largest |logit|.
+
+
+def _bf16_distance(got, want, valid):
+    got, want = got.float()[valid], want.float()[valid]
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("family", MATCHING)
+def test_family_in_bfloat16_is_as_close_to_eager_as_sdpa(family):
+    eager, on_qkv = _build(family)
+    if not eager._supports_sdpa:  # the issue's rule compares "where sdpa runs"
+        pytest.skip(f"{family}: transformers has no sdpa attention for {type(eager).__name__}")
+    sdpa = copy.deepcopy(eager)
+    sdpa.set_attn_implementation("sdpa")
+    models = [m.to(torch.bfloat16) for m in (eager, sdpa, on_qkv)]
+    for padded in (False, True):
+        ids, mask = _batch(padded)
+        with torch.no_grad():
+            want, by_sdpa, by_qkv = (m(input_ids=ids, attention_mask=mask).logits for m in models)
+        valid = mask.bool()
+        d_sdpa, d_qkv = _bf16_distance(by_sdpa, want, valid), _bf16_distance(by_qkv, want, valid)
+        # A floor of one bf16 ulp of the largest logit (2^-8): where sdpa happens to round
+        # exactly as eager does, 2× of nothing would ask for bits, not for the contract.
+        assert d_qkv <= max(2 * d_sdpa, 2.0 ** -8), (
+            f"{family}, padded={padded}: qkv {d_qkv:.3g} vs sdpa {d_sdpa:.3g} from eager (bf16)")
