@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import time
 
 import torch
 
 import qkv
+from bench_timing import best_of, cpu_model
 
 
 def torch_indexer(q, k, w, topk, causal_bottom_right):
@@ -35,26 +34,6 @@ def torch_indexer(q, k, w, topk, causal_bottom_right):
         j = torch.arange(nk)[None, :]
         index_scores = index_scores.masked_fill(j > i + nk - nq, float("-inf"))
     return index_scores.topk(min(topk, nk), dim=-1).indices.to(torch.int32)
-
-
-def best_of(repeats, fn):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main():

@@ -25,25 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import time
 
 import torch
 
 import qkv
+from bench_timing import best_of, cpu_model
 
 SHAPES = {"mla": (16, 1, 576, 512), "gqa": (32, 8, 128, 128)}
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def causal_topk_lists(n, topk, generator, chunk=512):
@@ -67,16 +55,6 @@ def boolean_mask(indices, n):
     mask = torch.zeros(n, n + 1, dtype=torch.bool)
     mask.scatter_(1, torch.where(idx < 0, n, idx), True)
     return mask[:, :n]
-
-
-def timed(repeats, fn):
-    fn()  # warm-up (first-touch of the outputs, thread pool start)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def forward_and_backward(fn, inputs, dout):
@@ -104,8 +82,8 @@ def bench_case(shape, n, dtype, args):
     dense = lambda q, k, v: qkv.attention(q, k, v, causal="top_left", layout="bshd", threads=th)
     rows = {}
     with torch.no_grad():
-        rows["qkv sparse"] = [timed(repeats, lambda: sparse(q, k, v))]
-        rows["qkv dense causal"] = [timed(repeats, lambda: dense(q, k, v))]
+        rows["qkv sparse"] = [best_of(repeats, lambda: sparse(q, k, v))]
+        rows["qkv dense causal"] = [best_of(repeats, lambda: dense(q, k, v))]
     mask = None
     if n <= args.sdpa_max:
         mask = boolean_mask(indices, n)
@@ -114,13 +92,13 @@ def bench_case(shape, n, dtype, args):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             enable_gqa=hq != hkv).transpose(1, 2)
         with torch.no_grad():
-            rows["torch SDPA + bool mask"] = [timed(repeats, lambda: sdpa(q, k, v))]
+            rows["torch SDPA + bool mask"] = [best_of(repeats, lambda: sdpa(q, k, v))]
     if not args.no_backward:
         inputs = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-        rows["qkv sparse"].append(timed(repeats, forward_and_backward(sparse, inputs, dout)))
-        rows["qkv dense causal"].append(timed(repeats, forward_and_backward(dense, inputs, dout)))
+        rows["qkv sparse"].append(best_of(repeats, forward_and_backward(sparse, inputs, dout)))
+        rows["qkv dense causal"].append(best_of(repeats, forward_and_backward(dense, inputs, dout)))
         if mask is not None:
-            rows["torch SDPA + bool mask"].append(timed(repeats, forward_and_backward(sdpa, inputs, dout)))
+            rows["torch SDPA + bool mask"].append(best_of(repeats, forward_and_backward(sdpa, inputs, dout)))
     print(f"\n{shape} Hq={hq} Hkv={hkv} d={d} dv={dv} N={n} topk={args.topk} {dtype} "
           f"(repeats {repeats}, load {os.getloadavg()[0]:.2f})")
     base = rows["qkv sparse"]

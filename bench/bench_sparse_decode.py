@@ -10,22 +10,12 @@ the latency of its 2·topk random row reads, so the layout matters: "bhsd" puts 
 (key, head) row on its own page and measured ~2x slower (see docs/sparse.md)."""
 
 import argparse
-import time
 
 import numpy as np
 import torch
 
 import qkv
-
-
-def best(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+from bench_timing import best_of
 
 
 def main():
@@ -43,14 +33,14 @@ def main():
     q = torch.randn(1, 1, hq, d, generator=g)
     lengths = torch.tensor([n])
     idx = torch.randperm(n, generator=g)[: a.topk].view(1, 1, a.topk)
-    sparse = best(lambda: qkv.decode(q, k, v, lengths, indices=idx, threads=a.threads, layout="bshd"), a.reps)
-    dense = best(lambda: qkv.decode(q, k, v, lengths, threads=a.threads, layout="bshd"), a.reps)
+    sparse = best_of(a.reps, lambda: qkv.decode(q, k, v, lengths, indices=idx, threads=a.threads, layout="bshd"))
+    dense = best_of(a.reps, lambda: qkv.decode(q, k, v, lengths, threads=a.threads, layout="bshd"))
     mask = torch.zeros(1, 1, 1, n, dtype=torch.bool)
     mask[0, 0, 0, idx[0, 0]] = True
     # SDPA on CPU in float32, bhsd (the cache widened and transposed once, outside the timing).
     kf, vf, qf = k.float().transpose(1, 2).contiguous(), v.float().transpose(1, 2).contiguous(), q.transpose(1, 2)
-    sdpa = best(lambda: torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask,
-                                                                          enable_gqa=True), a.reps)
+    sdpa = best_of(a.reps, lambda: torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask,
+                                                                          enable_gqa=True))
     print(f"cached {n}, topk {a.topk}, GQA {hq}/{hkv}, d {d}, bf16 cache, threads {a.threads}")
     print(f"  qkv sparse decode  {sparse * 1e3:8.3f} ms")
     print(f"  qkv dense decode   {dense * 1e3:8.3f} ms   ({dense / sparse:.1f}x)")
