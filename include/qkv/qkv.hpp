@@ -9,6 +9,7 @@
 #include "qkv/half.hpp"
 #include "qkv/index_topk.hpp"
 #include "qkv/kv_cache.hpp"
+#include "qkv/mla.hpp"
 #include "qkv/names.hpp"
 #include "qkv/options.hpp"
 #include "qkv/softmax.hpp"

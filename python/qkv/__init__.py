@@ -20,6 +20,8 @@ Functions (NumPy arrays or torch tensors, float32 or float64, CPU, never copied)
                                        cache for generation: append(k, v), attend(q)
     decode(q, k_cache, v_cache, cache_lengths, block_table=None)   attention against
                                        caller-owned caches (contiguous or paged), in place
+    mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, scale=...)   absorbed
+                                       latent attention (DeepSeek MLA) over latent caches
     index_topk(q, k, weights, topk, ...)   DeepSeek sparse attention's indexer: the top-k
                                        keys of every query, never the Nq×Nk scores
 
@@ -45,7 +47,7 @@ finally:
     _threads.after_load(_passive)
 del _passive
 from ._attention import attention, attention_backward, attention_weights, available_backends
-from ._decode import KVCache, decode
+from ._decode import KVCache, decode, mla_decode
 from ._batch_plan import BatchPlan
 from ._softmax import log_softmax, softmax, softmax_backward, softmax_jacobian
 from ._varlen import varlen_attention, varlen_attention_backward
@@ -68,6 +70,7 @@ __all__ = [
     "index_topk",
     "decode",
     "log_softmax",
+    "mla_decode",
     "softmax",
     "softmax_backward",
     "softmax_jacobian",

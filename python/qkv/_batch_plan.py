@@ -94,8 +94,15 @@ class BatchPlan:
         indices: optional packed key lists (DeepSeek sparse attention's top-k), int32 or
         int64 ``[total_q, topk]``: row n lists positions ``0..cache_lengths[b]-1`` within
         the n-th packed query's own sequence b, -1 for none; as ``qkv.decode``'s indices
-        (causal on top, repeats once, out-of-range a qkv.Error naming sequence and row)."""
+        (causal on top, repeats once, out-of-range a qkv.Error naming sequence and row).
+        v_cache=None with an array k_cache: the values are its first ``v_dim`` channels (the
+        plan's), read in place (K = V layers, MLA's latent cache); int8 keys lend their
+        k_scale."""
         refuse_grad("qkv.BatchPlan.run", q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
+        if v_cache is None and not isinstance(k_cache, KVCache):
+            if v_scale is not None:
+                raise Error("qkv.BatchPlan.run: v_scale: not with v_cache=None (the values use the keys' k_scale)")
+            v_cache, v_scale = k_cache[..., :self._v_dim], k_scale
         if _is_torch(q):
             from . import _torch_ops_cache
 

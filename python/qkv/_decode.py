@@ -21,7 +21,7 @@ from ._decode_eager import (_check_layout, _empty_out, _float32_logical, _float3
 
 def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, causal="bottom_right",
            layout="bhsd", return_lse=False, threads=None, window=None, softcap=None, alibi_slopes=None,
-           sinks=None, k_scale=None, v_scale=None, precision=None, indices=None):
+           sinks=None, k_scale=None, v_scale=None, precision=None, indices=None, v_dim=None):
     """Attention of q against caller-owned caches, read in place (no copy of the cache).
 
     q: ``[B, Hq, Nq, d]`` (layout "bhsd") or ``[B, Nq, Hq, d]`` ("bshd"), any float dtype
@@ -46,12 +46,20 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     for none. Each query attends the keys it lists (repeats once) that ``causal`` allows;
     an index outside ``[-1, cache_lengths[b])`` raises qkv.Error naming its batch entry
     and row. ``window`` and ``alibi_slopes`` are refused with them.
+    v_cache=None with ``v_dim``: the values are the keys' first v_dim channels, read in
+    place from k_cache (DeepSeek-V4's and Gemma 4's K = V layers, MLA's latent cache): no
+    second cache, and each row is read from memory once. int8 keys lend the values their
+    row scales (k_scale).
     Returns out like q (with v's last dimension), or ``(out, lse [B, Hq, Nq])``.
     With torch tensors under torch.compile or torch.export the call is the operator
     ``torch.ops.qkv.decode`` (the same computation).
     """
     fn = "qkv.decode"
     _check_layout(fn, layout)
+    if v_cache is None:
+        v_cache, v_scale = _values_in_keys(fn, k_cache, v_dim, k_scale, v_scale)
+    elif v_dim is not None:
+        raise Error(f"{fn}: v_dim: only with v_cache=None (the values then being the keys' first v_dim channels)")
     refuse_grad(fn, q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale,
                 alibi_slopes=alibi_slopes, sinks=sinks)
     if _is_torch(q):
@@ -71,6 +79,61 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
                                 return_lse=return_lse, threads=threads, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                                 k_scale=k_scale, v_scale=v_scale, precision=precision, indices=indices)
+
+
+def _values_in_keys(fn, k_cache, v_dim, k_scale, v_scale):
+    """(v_cache, v_scale) for v_cache=None: k_cache's first v_dim channels, a view."""
+    if v_dim is None:
+        raise Error(f"{fn}: v_cache: None needs v_dim (the values being the keys' first v_dim channels)")
+    if v_scale is not None:
+        raise Error(f"{fn}: v_scale: not with v_cache=None (the values use the keys' k_scale)")
+    head_dim = k_cache.shape[-1]
+    if isinstance(v_dim, bool) or not isinstance(v_dim, (int, np.integer)) or not 1 <= v_dim <= head_dim:
+        raise Error(f"{fn}: v_dim: expected an integer in 1..{head_dim} (k_cache's head_dim), got {v_dim!r}")
+    return k_cache[..., :int(v_dim)], k_scale
+
+
+def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, block_table=None, scale,
+               causal="bottom_right", indices=None, return_lse=False, threads=None, softcap=None, sinks=None,
+               precision=None):
+    """Multi-head latent attention (DeepSeek V2/V3/V3.2, Kimi K2, GLM-5) in its absorbed form,
+    over latent caches read in place: every query head attends the one latent head,
+
+        S[h, j] = scale * (q_nope[h] . ckv[j] + q_pe[h] . kpe[j]),  out[h] = softmax(S[h]) @ ckv
+
+    (W_UK folded into q_nope by the caller, W_UV applied to the output by the caller).
+
+    q_nope ``[B, Nq, H, dc]``, q_pe ``[B, Nq, H, dr]``: any float dtype (computed in float32,
+    returned in q_nope's dtype). ckv_cache ``[B, capacity, dc]`` and kpe_cache
+    ``[B, capacity, dr]``, or with ``block_table [B, max_blocks]`` the paged pools
+    ``[num_blocks, block_size, dc | dr]``: float32, bfloat16 or float16 (both the same),
+    never copied. cache_lengths ``[B]``: keys held, the new tokens' own included.
+    scale: required — the model's own (DeepSeek: ``1/sqrt(qk_nope_head_dim +
+    qk_rope_head_dim)`` times its YaRN factor; ``1/sqrt(dc + dr)`` would be wrong).
+    causal: ``"bottom_right"`` (default: query i of Nq sees keys ``j <= i + length - Nq``,
+    speculative and multi-token-prediction steps), ``"top_left"`` or None.
+    indices: DeepSeek-V3.2's sparse attention, ``[B, Nq, topk]`` int32/int64 cache
+    positions, -1 none (``qkv.sparse_attention``'s rules). softcap, sinks, threads,
+    precision: as in ``qkv.attention``. Returns out ``[B, Nq, H, dc]``, or ``(out, lse
+    [B, H, Nq])``. With torch tensors under torch.compile or torch.export the call is the
+    operator ``torch.ops.qkv.mla_decode``.
+    """
+    fn = "qkv.mla_decode"
+    refuse_grad(fn, q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache, sinks=sinks)
+    if _is_torch(q_nope):
+        from . import _torch_ops_cache
+
+        if _torch_ops_cache.traced(q_nope):
+            from ._torch_ops import refuse_precision_when_traced
+
+            refuse_precision_when_traced(precision)
+            return _torch_ops_cache.traced_mla_decode(
+                fn, q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, block_table=block_table, scale=scale,
+                causal=causal, indices=indices, return_lse=return_lse, threads=threads, softcap=softcap,
+                sinks=sinks)
+    return _decode_eager.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, block_table=block_table,
+                                    scale=scale, causal=causal, indices=indices, return_lse=return_lse,
+                                    threads=threads, softcap=softcap, sinks=sinks, precision=precision)
 
 
 def _scale_dtype_name(scale_dtype) -> str:

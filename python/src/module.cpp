@@ -17,6 +17,7 @@ void bind_dropout(nanobind::module_& m);  // dropout.cpp
 void bind_batch_plan(nanobind::module_& m);  // batch_plan.cpp
 void bind_sparse(nanobind::module_& m);      // sparse.cpp
 void bind_index_topk(nanobind::module_& m);  // index_topk.cpp
+void bind_mla(nanobind::module_& m);         // mla.cpp
 }
 
 NB_MODULE(_qkv, m) {
@@ -35,4 +36,5 @@ NB_MODULE(_qkv, m) {
   qkv::python::bind_batch_plan(m);
   qkv::python::bind_sparse(m);
   qkv::python::bind_index_topk(m);
+  qkv::python::bind_mla(m);
 }

@@ -16,15 +16,16 @@
 #include "qkv/error.hpp"
 
 namespace qkv {
-namespace {
 
 using detail::Checker;
 using detail::Described;
 using detail::describe;
 
+namespace detail {
 // out [B, Nq, Hq, dv] and lse [B, Hq, Nq] (optional), appended to `outputs`.
-void check_outputs(const Checker& check, const Described& out, View3<float> lse_view, int64_t batch, int64_t q_len,
-                   int64_t q_heads, int64_t v_dim, const char* v_dim_from, std::vector<Described>& outputs) {
+void check_decode_outputs(const Checker& check, const Described& out, View3<float> lse_view, int64_t batch,
+                          int64_t q_len, int64_t q_heads, int64_t v_dim, const char* v_dim_from,
+                          std::vector<Described>& outputs) {
   check.expect_extent(out, 0, "batch", batch, "as q.shape[0]");
   check.expect_extent(out, 1, "seq", q_len, "as q.shape[1]");
   check.expect_extent(out, 2, "heads", q_heads, "as q.shape[2]");
@@ -40,9 +41,57 @@ void check_outputs(const Checker& check, const Described& out, View3<float> lse_
   }
 }
 
-}  // namespace
+int64_t check_cache_layout(const Checker& check, const Described& pool, TensorView<const int32_t, 2> block_table,
+                           std::span<const int64_t> cache_lengths, int64_t batch, const char* batch_from,
+                           std::vector<Described>& inputs) {
+  int64_t capacity = 0;
+  if (!block_table.empty()) {
+    const Described table = describe("block_table", block_table);
+    check.expect_well_formed(table);
+    check.expect_extent(table, 0, "batch", batch, batch_from);
+    check.expect_at_least_one(pool, 1, "block_size");
+    if (block_table.shape[1] > 1 && block_table.strides[1] != 1) {
+      check.fail("block_table.strides[1]: expected 1 (rows of the table contiguous), got " +
+                 std::to_string(block_table.strides[1]));
+    }
+    capacity = block_table.shape[1] * pool.shape[1];
+    inputs.push_back(table);
+  } else {
+    check.expect_extent(pool, 0, "batch", batch, batch_from);
+    capacity = pool.shape[1];
+  }
+  check_cache_lengths(check, cache_lengths, batch, capacity, block_table, pool.shape[0], pool.shape[1],
+                      pool.name.c_str());
+  return capacity;
+}
 
-namespace detail {
+void check_cache_lengths(const Checker& check, std::span<const int64_t> cache_lengths, int64_t batch, int64_t capacity,
+                         TensorView<const int32_t, 2> block_table, int64_t blocks, int64_t block_size,
+                         const char* pool) {
+  const bool paged = !block_table.empty();
+  if (static_cast<int64_t>(cache_lengths.size()) != batch) {
+    check.fail("cache_lengths: expected one length per sequence (" + std::to_string(batch) + "), got " +
+               std::to_string(cache_lengths.size()));
+  }
+  for (std::size_t b = 0; b < cache_lengths.size(); ++b) {
+    const int64_t length = cache_lengths[b];
+    if (length < 0 || length > capacity) {
+      check.fail("cache_lengths[" + std::to_string(b) + "]: expected 0.." + std::to_string(capacity) +
+                 (paged ? " (block_table.shape[1] · block_size)" : " (" + std::string(pool) + ".shape[1], the capacity)") +
+                 ", got " + std::to_string(length));
+    }
+    if (!paged) continue;
+    for (int64_t j = 0; j * block_size < length; ++j) {
+      const int32_t block = block_table(static_cast<int64_t>(b), j);
+      if (block < 0 || block >= blocks) {
+        check.fail("block_table[" + std::to_string(b) + ", " + std::to_string(j) + "]: expected a pool block 0.." +
+                   std::to_string(blocks - 1) + " (" + pool + ".shape[0] - 1) for the " + std::to_string(length) +
+                   " cached keys, got " + std::to_string(block));
+      }
+    }
+  }
+}
+
 // The call as a dense problem: B sequences of Nq queries against a capacity of keys,
 // each cut to its cache length (the mask rule's key lengths); its key/value source is
 // the caller's to set.
@@ -98,48 +147,13 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
   const int64_t v_dim = a.v_cache.shape[3];
 
   // Where keys live: capacity per sequence, and for a paged cache its table.
-  int64_t capacity = 0;
   std::vector<Described> inputs{q, k, v};
   const bool paged = !a.block_table.empty();
-  if (paged) {
-    const Described table = describe("block_table", a.block_table);
-    check.expect_well_formed(table);
-    check.expect_extent(table, 0, "batch", batch, "as q.shape[0]");
-    check.expect_at_least_one(k, 1, "block_size");
-    capacity = a.block_table.shape[1] * a.k_cache.shape[1];
-    inputs.push_back(table);
-  } else {
-    check.expect_extent(k, 0, "batch", batch, "as q.shape[0]");
-    capacity = a.k_cache.shape[1];
-  }
-
-  if (static_cast<int64_t>(a.cache_lengths.size()) != batch) {
-    check.fail("cache_lengths: expected one length per sequence (" + std::to_string(batch) +
-               "), got " + std::to_string(a.cache_lengths.size()));
-  }
-  for (std::size_t b = 0; b < a.cache_lengths.size(); ++b) {
-    const int64_t length = a.cache_lengths[b];
-    if (length < 0 || length > capacity) {
-      check.fail("cache_lengths[" + std::to_string(b) + "]: expected 0.." +
-                 std::to_string(capacity) +
-                 (paged ? " (block_table.shape[1] · block_size)" : " (k_cache.shape[1], the capacity)") +
-                 ", got " + std::to_string(length));
-    }
-    if (!paged) continue;
-    const int64_t block_size = a.k_cache.shape[1], blocks = a.k_cache.shape[0];
-    for (int64_t j = 0; j * block_size < length; ++j) {
-      const int32_t block = a.block_table(static_cast<int64_t>(b), j);
-      if (block < 0 || block >= blocks) {
-        check.fail("block_table[" + std::to_string(b) + ", " + std::to_string(j) +
-                   "]: expected a pool block 0.." + std::to_string(blocks - 1) +
-                   " (k_cache.shape[0] - 1) for the " + std::to_string(length) +
-                   " cached keys, got " + std::to_string(block));
-      }
-    }
-  }
+  const int64_t capacity = detail::check_cache_layout(check, k, a.block_table, a.cache_lengths, batch,
+                                                      "as q.shape[0]", inputs);
 
   std::vector<Described> outputs;
-  check_outputs(check, out, a.lse, batch, q_len, q_heads, v_dim, "as v_cache.shape[3]", outputs);
+  detail::check_decode_outputs(check, out, a.lse, batch, q_len, q_heads, v_dim, "as v_cache.shape[3]", outputs);
   const detail::CacheScales scales{a.k_scale, a.v_scale, a.k_channel_scale, a.k_channel_zero, a.key_group};
   detail::check_cache_scales(check, storage_type_of<T>, scales, a.k_cache.shape, a.v_cache.shape, paged,
                              paged ? "blocks" : "batch", inputs);
@@ -154,10 +168,6 @@ detail::ForwardProblem<float> validate(const DecodeArgs<T>& a, const AttentionOp
     kv.block_table = a.block_table.data;
     kv.table_stride = a.block_table.strides[0];
     kv.page_size = a.k_cache.shape[1];
-    if (a.block_table.shape[1] > 1 && a.block_table.strides[1] != 1) {
-      check.fail("block_table.strides[1]: expected 1 (rows of the table contiguous), got " +
-                 std::to_string(a.block_table.strides[1]));
-    }
   }
   return p;
 }
@@ -192,7 +202,8 @@ void decode_cache_source(const KvSource& kv, int64_t capacity, std::span<const i
     check.fail("q.shape[2] (heads): expected a multiple of the cache's kv_heads = " + std::to_string(kv.kv_heads) +
                " for grouped-query attention, got " + std::to_string(q_view.shape[2]));
   std::vector<Described> outputs;
-  check_outputs(check, out, lse, batch, q_view.shape[1], q_view.shape[2], kv.v_dim, "the cache's v_dim", outputs);
+  detail::check_decode_outputs(check, out, lse, batch, q_view.shape[1], q_view.shape[2], kv.v_dim, "the cache's v_dim",
+                               outputs);
   const std::vector<Described> inputs{q};
   check.expect_outputs_apart(outputs, inputs);  // the cache's storage is its own memory
   ForwardProblem<float> p = cache_problem(check, options, q_view, out_view, lse, kv.kv_heads, capacity, kv.v_dim,

@@ -82,6 +82,11 @@ struct RowStrides {
 // reference) reads the listed rows in place. Each key is its own run (run_end), and the
 // window holds the keys from gathered_stored[b] on (the positions ascend, so the
 // window's keys are the list's tail).
+// Keys in two parts (latent attention, qkv::mla_decode): channels [0, rope_from) of key
+// (b, j, h) are k's row, channels [rope_from, head_dim) are the row of k_rope (same
+// storage type, rows located through the same batch/table/positions, k_rope_strides) —
+// the latent row c_kv and the rotary key k_pe kept in two caches, never copied into one.
+// The values are then usually k's rows themselves (v = k, v_dim = rope_from).
 struct KvSource {
   StorageType type = StorageType::float32;
   const void* k = nullptr;
@@ -111,7 +116,11 @@ struct KvSource {
   const int64_t* key_sequence = nullptr;
   int64_t key_head = 0;
   const int64_t* gathered_stored = nullptr;  // with a window
+  const void* k_rope = nullptr;  // keys in two parts (null: one; see above)
+  RowStrides k_rope_strides;
+  int64_t rope_from = 0;
 
+  bool split_keys() const { return k_rope != nullptr; }
   bool gathered() const { return key_positions != nullptr; }
   // (b, j, h) of the problem as the storage's (sequence, position, kv head).
   void locate(int64_t& batch, int64_t& key, int64_t& head) const {

@@ -126,12 +126,14 @@ HWY_INLINE void GroupWeights(size_t rows, const float* HWY_RESTRICT p, size_t p_
 // One block step of a chunk: keys [first, first + keys) of kv head gr.head against every
 // row of its group — the rows' scores, the score pipeline, the online-softmax step, then
 // acc = acc·alpha + P·V. The rows k_rows / v_rows (padded to whole vectors) are the
-// storage's (S = T) or the float window's (S = float: no scales).
+// storage's (S = T) or the float window's (S = float: no scales). Keys in two parts
+// (kv.split_keys(): latent attention) have their second parts' rows in rope_rows.
 template <class T, class S>
 void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, const DecodeTask& task,
                const GroupRows& gr, DecodeScratch<T>& s, int64_t first, size_t keys, const S* const* k_rows,
                const S* const* v_rows, const float* k_scale, const float* v_scale, const float* v_groups,
-               Ahead<S> k_ahead, Ahead<S> v_ahead) {
+               Ahead<S> k_ahead, Ahead<S> v_ahead, const S* const* rope_rows = nullptr, Ahead<S> rope_ahead = {}) {
+  static_assert(std::is_same_v<S, T> || std::is_same_v<S, float>);
   constexpr bool kStored = std::is_same_v<S, T>;  // else the float window's rows
   constexpr bool kScaled = kStored && kScaledStorage<T>;
   constexpr bool kGrouped = kStored && kGroupedValues<T>;
@@ -144,15 +146,24 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
   const size_t padded = round_up(keys, lanes);
   const size_t rows = gr.count;
   float* scores = s.scores.get();
+  // Split keys: channels [0, d_first) from k_rows, the rest from rope_rows.
+  const bool split = rope_rows != nullptr;
+  const size_t d_first = split ? static_cast<size_t>(kv.rope_from) : d;
 
   // int8 caches on VNNI (int8_dot.hpp): both products in place for any head size.
   constexpr bool kInt8 = kStored && std::is_same_v<T, std::int8_t>;
   const bool vnni_scores = kInt8 && s.vnni && !kv.channel_scaled();
   const bool vnni_values = kInt8 && s.vnni;
-  const auto widen_values = [&] {  // packed plans: the V rows widened and padded
+  // Keys in two parts are widened into one row (both parts summed in one chain, whatever
+  // the row count). Values are widened once per block too when many rows read them
+  // (PackValuesFor): the same values in the same order, so the same bits as in place.
+  const bool pack_keys = plan.packed || split;
+  const bool pack_values = plan.packed || (kStored && PackValuesFor<T>(rows));
+  const auto widen_values = [&] {  // the V rows widened and padded, s.v_ld apart
     const size_t groups = kGrouped ? static_cast<size_t>(kv.value_groups()) : 0;
     for (size_t j = 0; j < keys; ++j) {
-      float* value = s.values.get() + j * dv_pad;
+      v_ahead(j);  // (packing reads the rows here: the next unit's start on their way)
+      float* value = s.values.get() + j * s.v_ld;
       WidenRows(v_rows[j], 0, 1, dv, value, dv_pad);
       if constexpr (kGrouped) {  // level · s + z of the channel's group
         for (size_t c = 0; c < dv; ++c) {
@@ -161,7 +172,7 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
         }
       }
     }
-    for (size_t j = 0; j < padded; ++j) s.v_packed[j] = s.values.get() + std::min(j, keys - 1) * dv_pad;
+    for (size_t j = 0; j < padded; ++j) s.v_packed[j] = s.values.get() + std::min(j, keys - 1) * s.v_ld;
   };
 
   // S[r][j] = (scale·q_r)·k_j for the block's keys, one vector of keys at a time, while
@@ -173,13 +184,20 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
   } else if (kScaled && kv.channel_scaled() && !plan.packed) {
     if constexpr (kScaled) ChannelScaledScores<T>(kv, plan, task.batch, gr.head, first, keys, rows, gr.queries, k_rows, d,
                                                   k_ahead, scores, ld, s);
-  } else if (!plan.packed) {
+  } else if (!pack_keys) {
     for (size_t j = 0; j < padded; j += lanes)
       ScoreKeys(rows, gr.queries, d_pad, k_rows + j, d, k_ahead.offset(j), scores + j, ld);
   } else {
     for (size_t j = 0; j < keys; ++j) {
       float* key = s.keys.get() + j * d_pad;
-      WidenRows(k_rows[j], 0, 1, d, key, d_pad);
+      if (split) {
+        k_ahead(j);
+        rope_ahead(j);
+        WidenRows(k_rows[j], 0, 1, d_first, key, d_first);
+        WidenRows(rope_rows[j], 0, 1, d - d_first, key + d_first, d_pad - d_first);
+      } else {
+        WidenRows(k_rows[j], 0, 1, d, key, d_pad);
+      }
       if (kScaled && kv.channel_scaled()) {  // level · channel scale + zero point
         const ScalePtr channel = kv.channel_scales(task.batch, first + static_cast<int64_t>(j), gr.head);
         const ScalePtr zero = kv.channel_zeros(task.batch, first + static_cast<int64_t>(j), gr.head);
@@ -187,7 +205,7 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
       }
     }
     for (size_t j = 0; j < padded; ++j) s.k_packed[j] = s.keys.get() + std::min(j, keys - 1) * d_pad;
-    if (!vnni_values) widen_values();
+    if (plan.packed && !vnni_values) widen_values();
     for (size_t j = 0; j < padded; j += lanes)
       ScoreKeys(rows, gr.queries, d_pad, s.k_packed.data() + j, d_pad, Ahead<float>{}, scores + j, ld);
   }
@@ -264,7 +282,8 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
     }
     if (plan.packed) widen_values();  // a NaN weight: the float arithmetic carries it
   }
-  if (plan.packed) {
+  if (pack_values) {
+    if (!plan.packed) widen_values();
     ValueBlock(rows, scores, ld, keys, s.v_packed.data(), dv_pad, Ahead<float>{}, s.alpha.get(), gr.acc, dv_pad);
   } else if constexpr (kGrouped) {  // int4: levels times each group's weights, plus its bias
     const size_t groups = static_cast<size_t>(kv.value_groups());  // of kInt4Chunk channels here
@@ -350,7 +369,8 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
     if (slot_keys[u] > 0)
       RowPointers<T>(kv, task.batch, g, first, slot_keys[u], round_up(slot_keys[u], lanes),
                      s.k_ring.data() + u * slot_rows, s.v_ring.data() + u * slot_rows, scales_of(s.k_scales, u),
-                     scales_of(s.v_scales, u), groups_of(u), slot_rows);
+                     scales_of(s.v_scales, u), groups_of(u), slot_rows,
+                     kv.split_keys() ? s.rope_ring.data() + u * slot_rows : nullptr);
   };
   // Fill the ring: units 0 .. kUnitsAhead.
   int64_t ahead_first = task.first_key, ahead_g = 0;
@@ -389,7 +409,11 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
                         groups_of(slot),
                         Ahead<T>{s.k_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(d), s.scale_lines.data(), k_lines},
                         Ahead<T>{s.v_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(dv),
-                                 s.scale_lines.data() + k_lines, lines - k_lines});
+                                 s.scale_lines.data() + k_lines, lines - k_lines},
+                        kv.split_keys() ? s.rope_ring.data() + slot * slot_rows : nullptr,
+                        kv.split_keys() ? Ahead<T>{s.rope_ring.data() + far_slot * slot_rows, far_keys,
+                                                   RowBytes<T>(d - static_cast<size_t>(kv.rope_from))}
+                                        : Ahead<T>{});
       // The block's keys in the float window, after its stored ones.
       const int64_t window_first = first + static_cast<int64_t>(keys);
       const auto window_keys = static_cast<size_t>(
@@ -499,6 +523,13 @@ void DecodeImpl(const Problem& p, const DecodePlan* planned) {
       (p.extents.head_dim % static_cast<int64_t>(kInt4Chunk) != 0 || p.extents.v_dim % kv.value_group != 0 ||
        kv.value_group != static_cast<int64_t>(kInt4Chunk) || !Int4Vectors(FloatTag()))) {
     if (!local) local.emplace(*planned);  // else planned is local already
+    local->packed = true;
+    planned = &*local;
+  }
+  // Keys in two parts are read in place when each part is whole vectors; else widened
+  // into one padded row.
+  if (kv.split_keys() && !planned->packed && kv.rope_from % static_cast<int64_t>(VectorLanes()) != 0) {
+    if (!local) local.emplace(*planned);
     local->packed = true;
     planned = &*local;
   }

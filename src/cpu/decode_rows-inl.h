@@ -59,12 +59,25 @@ inline constexpr bool kRowScaledValues = std::is_same_v<T, std::int8_t>;
 template <class T>
 inline constexpr bool kGroupedValues = std::is_same_v<T, uint4x2>;
 
+// Whether a block of `rows` query rows has its values widened into scratch once instead
+// of read in place by every row tile (decode.cpp's BlockStep): float and 16-bit storage
+// with many rows (MLA's stacked heads, GQA groups of several queries), where the tiles
+// would otherwise widen each value vector again and, at power-of-two row strides, miss
+// L1 on it (MLA's latent decode, 128 heads, fp32 cache of 4096 keys, 1 thread on a Zen 2
+// EPYC: 22.1 ms in place, 19.6 ms with the keys and values widened per block).
+inline constexpr size_t kPackValueRows = 24;
+template <class T>
+constexpr bool PackValuesFor(size_t rows) {
+  return (std::is_same_v<T, float> || std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) &&
+         rows >= kPackValueRows;
+}
+
 // Per-thread scratch, laid out once per call (sizes in floats / rows).
 template <class T>
 struct DecodeScratch {
   hwy::AlignedFreeUniquePtr<float[]> queries;  // Hq·tile rows × d_pad: scale·q, zero-padded
-  hwy::AlignedFreeUniquePtr<float[]> keys;     // block × d_pad: widened K rows (packed plans)
-  hwy::AlignedFreeUniquePtr<float[]> values;   // block × dv_pad: widened V rows (packed plans)
+  hwy::AlignedFreeUniquePtr<float[]> keys;     // block × d_pad: widened K rows (packed plans, split keys)
+  hwy::AlignedFreeUniquePtr<float[]> values;   // block × v_ld: widened V rows (packed plans, PackValuesFor)
   hwy::AlignedFreeUniquePtr<float[]> scores;   // group rows × block: S, then P
   hwy::AlignedFreeUniquePtr<float[]> alpha;    // group rows: e^(m_old − m_new)
   hwy::AlignedFreeUniquePtr<float[]> merged;   // dv_pad: one row's sum over chunks
@@ -87,6 +100,13 @@ struct DecodeScratch {
   hwy::AlignedFreeUniquePtr<float[]> channel_floats;
   // A float window: the block's rows in it.
   std::vector<const float*> window_k, window_v;
+  // Keys in two parts (KvSource::split_keys, latent attention): the second parts' row
+  // pointers in the ring's layout.
+  std::vector<const T*> rope_ring;
+  // Row stride of `values`: dv_pad plus a vector, so that the widened rows of a block are
+  // not a power of two apart (512 floats: every row's slice of a column panel in the same
+  // two L1 sets, evicted between the row tiles that reuse it).
+  size_t v_ld;
   // The unit after the ring's farthest: its scales' cache lines (ScaleLines).
   std::vector<const char*> scale_lines;
   // int8 caches on VNNI (int8_dot.hpp): the tile's query rows as two int8 terms each,
@@ -105,15 +125,17 @@ struct DecodeScratch {
 
   DecodeScratch(const DecodePlan& plan, const KvSource& kv, bool int8_dots, size_t head_dim, size_t v_dim)
       : queries(AllocateFloats(plan.tile_rows() * plan.d_pad)),
-        keys(AllocateFloats(plan.packed ? plan.block_keys * plan.d_pad : 0)),
-        values(AllocateFloats(plan.packed ? plan.block_keys * plan.dv_pad : 0)),
+        keys(AllocateFloats(plan.packed || kv.split_keys() ? plan.block_keys * plan.d_pad : 0)),
+        values(AllocateFloats(plan.packed || PackValuesFor<T>(plan.group_rows()) ? plan.block_keys * (plan.dv_pad + plan.lanes)
+                                                                                  : 0)),
         scores(AllocateFloats(plan.group_rows() * plan.block_keys)),
         alpha(AllocateFloats(plan.group_rows())),
         merged(AllocateFloats(plan.dv_pad)),
         k_ring((kUnitsAhead + 1) * plan.block_keys), v_ring((kUnitsAhead + 1) * plan.block_keys),
         k_scales(AllocateFloats(kScaledStorage<T> ? (kUnitsAhead + 1) * plan.block_keys : 0)),
         v_scales(AllocateFloats(kScaledStorage<T> ? (kUnitsAhead + 1) * plan.block_keys : 0)),
-        k_packed(plan.packed ? plan.block_keys : 0), v_packed(plan.packed ? plan.block_keys : 0),
+        k_packed(plan.packed || kv.split_keys() ? plan.block_keys : 0),
+        v_packed(plan.packed || PackValuesFor<T>(plan.group_rows()) ? plan.block_keys : 0),
         split_scores(AllocateFloats(kScaledStorage<T> ? plan.group_rows() * VectorLanes() : 0)),
         group_scales(AllocateFloats(kGroupedValues<T> ? (kUnitsAhead + 1) * 2 * static_cast<size_t>(kv.value_groups()) *
                                                            plan.block_keys
@@ -124,6 +146,8 @@ struct DecodeScratch {
         group_bias(AllocateFloats(kGroupedValues<T> ? plan.group_rows() * static_cast<size_t>(kv.value_groups()) : 0)),
         channel_floats(AllocateZeroedFloats(kv.channel_scaled() ? 3 * plan.d_pad : 0)),
         window_k(kv.windowed() ? plan.block_keys : 0), window_v(kv.windowed() ? plan.block_keys : 0),
+        rope_ring(kv.split_keys() ? (kUnitsAhead + 1) * plan.block_keys : 0),
+        v_ld(plan.dv_pad + plan.lanes),
         vnni(int8_dots),
         query_ld(int8dot::query_ld(head_dim)),
         query_terms(vnni ? plan.tile_rows() * 2 * query_ld : 0),
@@ -149,9 +173,11 @@ void PadRows(size_t keys, size_t padded, const T** k, const T** v, float* k_scal
 // scores the mask then removes (so a partial vector of keys never reads past the cache).
 // Scaled storage: the rows' scales too (int4: the keys' row scales, and each value row's
 // group scales and zero points as float into groups, [2·groups][t_ld], zero past `keys`).
+// Keys in two parts (kv.split_keys()): their second parts' rows into `rope`.
 template <class T>
 void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first, size_t keys,
-                 size_t padded, const T** k, const T** v, float* k_scale, float* v_scale, float* groups, size_t t_ld) {
+                 size_t padded, const T** k, const T** v, float* k_scale, float* v_scale, float* groups, size_t t_ld,
+                 const T** rope) {
   const T* k_base = static_cast<const T*>(kv.k);
   const T* v_base = static_cast<const T*>(kv.v);
   size_t j = 0;
@@ -163,6 +189,10 @@ void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first,
     for (size_t r = 0; r < run; ++r) {
       k[j + r] = k_row + static_cast<int64_t>(r) * kv.k_strides.row;
       v[j + r] = v_row + static_cast<int64_t>(r) * kv.v_strides.row;
+    }
+    if (kv.split_keys()) {
+      const T* rope_row = static_cast<const T*>(kv.k_rope) + kv.offset(kv.k_rope_strides, batch, key, head);
+      for (size_t r = 0; r < run; ++r) rope[j + r] = rope_row + static_cast<int64_t>(r) * kv.k_rope_strides.row;
     }
     if constexpr (kScaledStorage<T>) {
       const ScalePtr ks = kv.k_scale + kv.offset(kv.k_scale_strides, batch, key, head);
@@ -197,6 +227,7 @@ void RowPointers(const KvSource& kv, int64_t batch, int64_t head, int64_t first,
       std::fill(groups + m * t_ld + keys, groups + m * t_ld + padded, 0.0f);
   }
   PadRows<T>(keys, padded, k, v, k_scale, v_scale);
+  if (kv.split_keys()) std::fill(rope + keys, rope + padded, rope[keys - 1]);
 }
 
 // The cache lines of the scales and zero points that keys [first, first + keys) of head

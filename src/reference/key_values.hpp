@@ -29,6 +29,8 @@ struct SourceKeyValues {
 
   double key(int64_t b, int64_t j, int64_t h, int64_t c) const {
     if (j >= kv.quantized_length(b)) return kv.window_key(b, j, h)[c];  // the float window
+    if (kv.split_keys() && c >= kv.rope_from)  // the key's second part (latent attention)
+      return element(kv.k_rope, kv.k_rope_strides, kv.k_scale, kv.k_scale_strides, b, j, h, c - kv.rope_from);
     const double stored = element(kv.k, kv.k_strides, kv.k_scale, kv.k_scale_strides, b, j, h, c);
     if (!kv.channel_scaled()) return stored;
     // int8 · row scale · channel scale + row scale · zero point

@@ -33,6 +33,8 @@ PLAN_CU, PLAN_LENGTHS = np.array([0, 1, 2]), np.array([3, 4])
 PLAN_Q = np.zeros((2, 2, 8), f32)
 PLAN_CACHE = np.zeros((2, 8, 1, 8), f32)
 TQ = torch.zeros(1, 2, 8, 4)
+QN, QP = np.zeros((2, 1, 2, 8), f32), np.zeros((2, 1, 2, 4), f32)  # mla_decode: [B, Nq, H, dc | dr]
+CKV, KPE = np.zeros((2, 8, 8), f32), np.zeros((2, 8, 4), f32)
 IDX = np.zeros((1, 4, 2), np.int32)  # sparse_attention's key lists [B, Nq, topk]
 SOUT, SLSE = qkv.sparse_attention(Q, Q, Q, IDX, return_lse=True)
 
@@ -157,6 +159,17 @@ CASES = [
     ("index_topk", "dtype", lambda: qkv.index_topk(Q.astype(np.int32), Q[:, 0], Q[..., 0], 2), Type, "q"),
     ("index_topk", "huge int", lambda: qkv.index_topk(Q, Q[:, 0], Q[..., 0], HUGE), Error, "topk"),
     ("index_topk", "huge int", lambda: qkv.index_topk(Q, Q[:, 0], Q[..., 0], 2, threads=HUGE), Error, "threads"),
+    ("mla_decode", "rank", lambda: qkv.mla_decode(QN, QP, CKV[0], KPE, [3, 3], scale=0.5), Error, "ckv_cache"),
+    ("mla_decode", "rank", lambda: qkv.mla_decode(QN, QP, CKV, KPE, [3, 3], scale=0.5,
+                                                  indices=np.zeros((2,), np.int32)), Error, "indices"),
+    ("mla_decode", "dtype", lambda: qkv.mla_decode(QN.astype(np.complex64), QP, CKV, KPE, [3, 3], scale=0.5), Type,
+     "q_nope"),
+    ("mla_decode", "dtype", lambda: qkv.mla_decode(QN, QP, CKV.astype(np.int32), KPE, [3, 3], scale=0.5), Type,
+     "ckv_cache"),
+    ("mla_decode", "huge int", lambda: qkv.mla_decode(QN, QP, CKV, KPE, [3, 3], scale=0.5, threads=HUGE), Error,
+     "threads"),
+    ("mla_decode", "huge int", lambda: qkv.mla_decode(QN, QP, CKV, KPE, [3, HUGE], scale=0.5), Error,
+     "cache_lengths"),
     ("dropout_mask", "huge int", lambda: qkv.dropout_mask(HUGE, 1, 2, 2, 0.5, 0), Error, "batch"),
     ("dropout_mask", "huge int", lambda: qkv.dropout_mask(1, 1, 2, 2, 0.5, 0, offset=HUGE), Error, "offset"),
     ("dropout_mask", "type", lambda: qkv.dropout_mask(1, 1.5, 2, 2, 0.5, 0), Type, "heads"),

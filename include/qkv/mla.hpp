@@ -1,0 +1,63 @@
+// qkv::mla_decode — multi-head latent attention (DeepSeek V2/V3/V3.2, Kimi K2, GLM-5) in
+// its absorbed form, over latent caches read in place: the step engines run.
+//
+// The cache keeps one latent row per token, c_kv (dc values, 512 in DeepSeek), and one
+// rotary key k_pe (dr values, 64). The key up-projection is folded into the query
+// (q_nope = q_nope_head · W_UK, dc wide) and the value up-projection is applied to the
+// output by the caller, so every query head attends the one latent head:
+//
+//   S[h, j] = scale · (q_nope[h] · c_kv[j] + q_pe[h] · k_pe[j])
+//   out[h]  = Σ_j softmax_j(S[h, ·]) · c_kv[j]          (dc wide: the value is the key's latent part)
+//
+//   q_nope [B, Nq, H, dc]    q_pe [B, Nq, H, dr]        float32, any strides (last axis contiguous)
+//   ckv_cache  contiguous [B, capacity, dc]  or paged [num_blocks, block_size, dc]
+//   kpe_cache  contiguous [B, capacity, dr]  or paged [num_blocks, block_size, dr]
+//              (same storage type: float32, bfloat16 or float16, widened exactly)
+//   block_table [B, max_blocks] int32 (paged): key j of sequence b is row j % block_size
+//              of pool block block_table[b, j / block_size], in both pools
+//   cache_lengths [B]   keys held per sequence, the new tokens' own included
+//   out [B, Nq, H, dc] float32;  lse [B, H, Nq] optional
+//   indices (optional): DeepSeek-V3.2's sparse attention, which runs in this latent mode —
+//              [B, Nq, topk] int32 or int64 cache positions (qkv/sparse.hpp's rules: −1 none,
+//              repeats once, an index outside [−1, cache_lengths[b]) is a qkv::Error).
+//
+// Options read: scale (required: the model's own, e.g. DeepSeek's 1/√(qk_nope + qk_rope
+// head dims) with its YaRN factor — the default 1/√(dc + dr) would be silently wrong, so
+// it is refused), causal (Causal::bottom_right for the usual step: query i of Nq sees
+// keys j ≤ i + cache_lengths[b] − Nq — speculative / multi-token-prediction steps),
+// softcap, sinks, execution (threads; backend reference: the fp64 oracle over the same
+// caches). mask, key_lengths, window, alibi_slopes, dropout and modifiers are refused by
+// name. A query that sees no key gets out 0 and lse −inf. Every argument is validated
+// before anything is written; results are bitwise identical for every thread count.
+//
+// The kernel is qkv::decode's split-K schedule: the H·Nq query rows of a sequence stacked
+// into one tile against each block of latent keys (each c_kv row read once, for its
+// score and for its value), split over keys across threads with the LSE merge.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "qkv/half.hpp"
+#include "qkv/options.hpp"
+#include "qkv/sparse.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv {
+
+template <class T>  // the caches' storage type: float, bfloat16 or float16
+struct MlaDecodeArgs {
+  View4<const float> q_nope, q_pe;
+  View3<const T> ckv_cache, kpe_cache;
+  std::span<const int64_t> cache_lengths;
+  TensorView<const int32_t, 2> block_table;  // empty: contiguous caches
+  View4<float> out;
+  View3<float> lse;  // optional
+  KeyIndices indices;  // optional, [B, Nq, topk]
+};
+
+void mla_decode(const MlaDecodeArgs<float>& args, const AttentionOptions& options);
+void mla_decode(const MlaDecodeArgs<bfloat16>& args, const AttentionOptions& options);
+void mla_decode(const MlaDecodeArgs<float16>& args, const AttentionOptions& options);
+
+}  // namespace qkv

@@ -1,0 +1,82 @@
+// qkv._qkv.mla_decode: absorbed latent attention (qkv/mla.hpp) over c_kv / k_pe caches read
+// in place, with decode.cpp's conventions for cache arrays, block tables and key lists.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "arrays.hpp"
+#include "decode.hpp"
+#include "options.hpp"
+#include "qkv/error.hpp"
+#include "qkv/mla.hpp"
+
+namespace qkv::python {
+
+namespace nb = nanobind;
+
+namespace {
+
+template <class T>
+void mla_typed(const ArrayRef& q_nope, const ArrayRef& q_pe, const ArrayRef& ckv, const ArrayRef& kpe,
+               std::span<const int64_t> lengths, const std::optional<ArrayRef>& block_table, const ArrayRef& out,
+               const std::optional<ArrayRef>& lse, const KeyIndices& indices, const AttentionOptions& options) {
+  MlaDecodeArgs<T> args;
+  args.q_nope = view_of<const float, 4>("q_nope", q_nope, "queries are float32");
+  args.q_pe = view_of<const float, 4>("q_pe", q_pe, "queries are float32");
+  args.ckv_cache = raw_view<const T, 3>("ckv_cache", ckv);
+  args.kpe_cache = raw_view<const T, 3>("kpe_cache", kpe);
+  args.cache_lengths = lengths;
+  std::vector<int32_t> table_storage;
+  if (block_table) args.block_table = block_table_view(*block_table, table_storage, "qkv::mla_decode");
+  args.out = view_of<float, 4>("out", out, "the output is float32");
+  if (lse) args.lse = view_of<float, 3>("lse", *lse, "the log-sum-exp is float32");
+  args.indices = indices;
+  nb::gil_scoped_release release;
+  mla_decode(args, options);
+}
+
+void mla_any(nb::handle q_nope, nb::handle q_pe, nb::handle ckv_cache, nb::handle kpe_cache, nb::handle cache_lengths,
+             nb::handle out, nb::handle lse, nb::handle block_table, const std::string& bits_as, nb::handle indices,
+             const BoundOptions& bound) {
+  const Caller caller(bound.function.c_str());
+  const std::optional<ArrayRef> index_array = optional_in("indices", indices);
+  const KeyIndices lists = index_array ? indices_of(*index_array) : KeyIndices{};
+  const ArrayRef qn = ArrayRef::from(q_nope, false, "q_nope"), qp = ArrayRef::from(q_pe, false, "q_pe"),
+                 ca = ArrayRef::from(ckv_cache, false, "ckv_cache"), pa = ArrayRef::from(kpe_cache, false, "kpe_cache"),
+                 oa = ArrayRef::from(out, true, "out"), la = ArrayRef::from(cache_lengths, false, "cache_lengths");
+  const std::optional<ArrayRef> lse_a = lse.is_none() ? std::nullopt : std::optional(ArrayRef::from(lse, true, "lse"));
+  const std::optional<ArrayRef> table = optional_in("block_table", block_table);
+  const StorageType type = cache_storage("ckv_cache", ca, bits_as);
+  if (cache_storage("kpe_cache", pa, bits_as) != type) argument_type_error("kpe_cache", "expected the dtype of ckv_cache");
+  const AttentionOptions options = bound.for_call();
+  const auto lengths = view_of<const int64_t, 1>("cache_lengths", la, "sequence lengths are int64");
+  if (lengths.shape[0] > 1 && lengths.strides[0] != 1)
+    throw Error("qkv::mla_decode: cache_lengths: expected a contiguous array");
+  const std::span<const int64_t> length_span(lengths.data, static_cast<std::size_t>(lengths.shape[0]));
+  switch (type) {
+    case StorageType::float32: return mla_typed<float>(qn, qp, ca, pa, length_span, table, oa, lse_a, lists, options);
+    case StorageType::bfloat16:
+      return mla_typed<bfloat16>(qn, qp, ca, pa, length_span, table, oa, lse_a, lists, options);
+    case StorageType::float16:
+      return mla_typed<float16>(qn, qp, ca, pa, length_span, table, oa, lse_a, lists, options);
+    default: break;
+  }
+  argument_type_error("ckv_cache", std::string("expected dtype float32, bfloat16 or float16, got ") +
+                                       storage_name(type));
+}
+
+}  // namespace
+
+void bind_mla(nb::module_& m) {
+  m.def("mla_decode", &mla_any, nb::arg("q_nope"), nb::arg("q_pe"), nb::arg("ckv_cache"), nb::arg("kpe_cache"),
+        nb::arg("cache_lengths"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
+        nb::arg("block_table").none() = nb::none(), nb::arg("bits_as") = "",
+        nb::arg("indices").none() = nb::none(), nb::arg("options"),
+        "qkv::mla_decode on [B, Nq, H, dc|dr] queries and [B | blocks, capacity | block_size, dc|dr] "
+        "caches read in place. Writes out (and lse) in place; the GIL is released.");
+}
+
+}  // namespace qkv::python

@@ -1,0 +1,97 @@
+// qkv::mla_decode: validate every argument (nothing is written on a bad call), then run the
+// call as qkv::decode's problem — one kv head whose keys come in two parts (c_kv and k_pe,
+// core/kv_source.hpp's split keys) and whose values are the keys' latent part, the same
+// c_kv rows — on the same backends.
+#include "qkv/mla.hpp"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "cache/decode_source.hpp"
+#include "core/dispatch.hpp"
+#include "core/validate.hpp"
+#include "qkv/error.hpp"
+
+namespace qkv {
+namespace {
+
+using detail::Checker;
+using detail::Described;
+using detail::describe;
+
+template <class T>
+void run(const MlaDecodeArgs<T>& a, const AttentionOptions& options) {
+  const Checker check("qkv::mla_decode");
+  if (!a.indices.empty()) detail::refuse_for_key_lists(check, options);
+  if (!options.scale) {
+    check.fail("options.scale: required (the model's softmax scale, e.g. DeepSeek's 1/sqrt(qk_nope_head_dim + "
+               "qk_rope_head_dim) times its YaRN factor; 1/sqrt(dc + dr) would not be it)");
+  }
+  const Described q_nope = describe("q_nope", a.q_nope), q_pe = describe("q_pe", a.q_pe),
+                  ckv = describe("ckv_cache", a.ckv_cache), kpe = describe("kpe_cache", a.kpe_cache),
+                  out = describe("out", a.out);
+  for (const Described* view : {&q_nope, &q_pe, &ckv, &kpe, &out}) check.expect_well_formed(*view);
+  check.expect_at_least_one(q_nope, 2, "heads");
+  check.expect_at_least_one(q_nope, 3, "dc");
+  check.expect_extent(q_pe, 0, "batch", a.q_nope.shape[0], "as q_nope.shape[0]");
+  check.expect_extent(q_pe, 1, "seq", a.q_nope.shape[1], "as q_nope.shape[1]");
+  check.expect_extent(q_pe, 2, "heads", a.q_nope.shape[2], "as q_nope.shape[2]");
+  check.expect_at_least_one(q_pe, 3, "dr");
+  const int64_t batch = a.q_nope.shape[0], q_len = a.q_nope.shape[1], heads = a.q_nope.shape[2];
+  const int64_t dc = a.q_nope.shape[3], dr = a.q_pe.shape[3];
+  const bool paged = !a.block_table.empty();
+  check.expect_extent(ckv, 2, "dc", dc, "as q_nope.shape[3]");
+  check.expect_extent(kpe, 0, paged ? "blocks" : "batch", a.ckv_cache.shape[0], "as ckv_cache.shape[0]");
+  check.expect_extent(kpe, 1, paged ? "block_size" : "capacity", a.ckv_cache.shape[1], "as ckv_cache.shape[1]");
+  check.expect_extent(kpe, 2, "dr", dr, "as q_pe.shape[3]");
+  std::vector<Described> inputs{q_nope, q_pe, ckv, kpe};
+  const int64_t capacity =
+      detail::check_cache_layout(check, ckv, a.block_table, a.cache_lengths, batch, "as q_nope.shape[0]", inputs);
+  std::vector<Described> outputs;
+  detail::check_decode_outputs(check, out, a.lse, batch, q_len, heads, dc, "as ckv_cache.shape[2]", outputs);
+  check.expect_outputs_apart(outputs, inputs);
+
+  // The queries as one row [q_nope, q_pe] per (sequence, query, head): the kernel scales
+  // each row into its own scratch anyway, so this copy (H·Nq·(dc + dr) floats a sequence,
+  // next to the cache's capacity·(dc + dr)) costs nothing it would not.
+  const int64_t d = dc + dr;
+  std::vector<float> q(static_cast<std::size_t>(batch * q_len * heads * d));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < q_len; ++i)
+      for (int64_t h = 0; h < heads; ++h) {
+        float* row = q.data() + ((b * q_len + i) * heads + h) * d;
+        const float* nope = &a.q_nope(b, i, h, 0);
+        const float* pe = &a.q_pe(b, i, h, 0);
+        std::copy(nope, nope + dc, row);
+        std::copy(pe, pe + dr, row + dc);
+      }
+  const auto q_view = View4<const float>::contiguous(q.data(), {batch, q_len, heads, d});
+  detail::ForwardProblem<float> p =
+      detail::cache_problem(check, options, q_view, a.out, a.lse, /*kv_heads=*/1, capacity, dc, a.cache_lengths);
+  detail::KvSource& kv = p.kv;
+  kv.type = storage_type_of<T>;
+  kv.k = a.ckv_cache.data;
+  kv.v = a.ckv_cache.data;  // the value is the key's latent part: the same rows
+  kv.k_strides = kv.v_strides = {a.ckv_cache.strides[0], a.ckv_cache.strides[1], 0};
+  kv.k_rope = a.kpe_cache.data;
+  kv.k_rope_strides = {a.kpe_cache.strides[0], a.kpe_cache.strides[1], 0};
+  kv.rope_from = dc;
+  if (paged) {
+    kv.block_table = a.block_table.data;
+    kv.table_stride = a.block_table.strides[0];
+    kv.page_size = a.ckv_cache.shape[1];
+  }
+  const Backend backend = resolve_backend(options, false, false);
+  if (!a.indices.empty()) return detail::decode_key_lists(check, p, a.indices, backend);
+  if (batch == 0 || q_len == 0) return;
+  detail::run_forward(p, backend);
+}
+
+}  // namespace
+
+void mla_decode(const MlaDecodeArgs<float>& args, const AttentionOptions& options) { run(args, options); }
+void mla_decode(const MlaDecodeArgs<bfloat16>& args, const AttentionOptions& options) { run(args, options); }
+void mla_decode(const MlaDecodeArgs<float16>& args, const AttentionOptions& options) { run(args, options); }
+
+}  // namespace qkv
