@@ -145,6 +145,10 @@ def test_errors_name_the_function_and_write_nothing():
 
 
 def test_torch_operators_pass_opcheck():
+    """torch.ops.qkv.decode, kv_cache_attend and batch_plan_run with key lists: opcheck
+    (schema, fake, no mutation beyond the declared) and the eager call's bits."""
+    import qkv.torch  # noqa: F401  (registers the operators)
+
     rng = np.random.default_rng(4)
     lengths = torch.tensor([20, 6])
     q = torch.randn(2, 2, 2, 16)  # bhsd
@@ -156,3 +160,20 @@ def test_torch_operators_pass_opcheck():
     out = torch.ops.qkv.decode(*args)[0]
     eager = qkv.decode(q, k, v, lengths, indices=idx)
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+    # KVCache.attend's and BatchPlan.run's operators with lists too.
+    cache = qkv.KVCache(2, 24, 1, 16)
+    cache.append(k[:, :, :6], v[:, :, :6])
+    small = torch.from_numpy(lists(rng, 2, 1, 2, 4, [6, 6])[:, 0])
+    attend = (cache.torch_state(), cache.handle, q, "bhsd", 16, None, "bottom_right", 1, -1, -1, None, 0.0, None, small)
+    torch.library.opcheck(torch.ops.qkv.kv_cache_attend.default, attend)
+    torch.testing.assert_close(torch.ops.qkv.kv_cache_attend(*attend)[0], cache.attend(q, indices=small),
+                               rtol=0, atol=0)
+    plan = qkv.BatchPlan([0, 2, 4], [20, 6], num_heads=2, num_kv_heads=1, head_dim=16, causal="bottom_right")
+    packed_q = q.transpose(1, 2).reshape(4, 2, 16).contiguous()
+    k_bshd, v_bshd = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    packed_idx = idx.reshape(4, 8)
+    run = (plan._handle, packed_q, k_bshd, v_bshd, None, None, packed_idx)
+    torch.library.opcheck(torch.ops.qkv.batch_plan_run.default, run)
+    torch.testing.assert_close(torch.ops.qkv.batch_plan_run(*run)[0],
+                               plan.run(packed_q, k_bshd, v_bshd, indices=packed_idx), rtol=0, atol=0)

@@ -146,6 +146,8 @@ def test_bad_calls_name_the_argument():
 
 
 def test_torch_operator_passes_opcheck_and_compiles():
+    import qkv.torch  # noqa: F401  (registers the operators)
+
     rng = np.random.default_rng(8)
     q_nope, q_pe, ckv, kpe, table, _, _ = make(rng, 2, 2, 4, 16, 8, [20, 6], 24, torch.bfloat16, 8)
     lengths = torch.tensor([20, 6])
