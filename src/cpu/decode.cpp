@@ -526,13 +526,6 @@ void DecodeImpl(const Problem& p, const DecodePlan* planned) {
     local->packed = true;
     planned = &*local;
   }
-  // Keys in two parts are read in place when each part is whole vectors; else widened
-  // into one padded row.
-  if (kv.split_keys() && !planned->packed && kv.rope_from % static_cast<int64_t>(VectorLanes()) != 0) {
-    if (!local) local.emplace(*planned);
-    local->packed = true;
-    planned = &*local;
-  }
   // Gathered keys scaled per channel (decode with key lists): consecutive keys of a block
   // need not share a channel group, which the in-place channel-scaled scores assume; the
   // packed path applies each key's own group's scales as it widens the key.
