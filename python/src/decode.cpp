@@ -247,14 +247,15 @@ void bind_decode(nb::module_& m) {
                                 .num_blocks = int64_argument("num_blocks", num_blocks),
                                 .key_scales = key_scales == "channel" ? KeyScales::channel : KeyScales::row,
                                 .group_size = int64_argument("group_size", group_size),
-                                .float_window = int64_argument("float_window", float_window),
+                                .float_window = float_window.is_none() ? std::optional<int64_t>()
+                                                                   : int64_argument("float_window", float_window),
                                 .scale_dtype = scale_dtype.empty() ? std::nullopt
                                                                    : std::optional(parse_storage(scale_dtype))});
           },
           nb::arg("batch"), nb::arg("capacity"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("v_dim") = 0,
           nb::arg("dtype") = "float32", nb::arg("paged") = false, nb::arg("block_size") = 16,
           nb::arg("num_blocks") = 0, nb::arg("key_scales") = "row", nb::arg("group_size") = 32,
-          nb::arg("float_window") = 0, nb::arg("scale_dtype") = "")
+          nb::arg("float_window").none() = nb::none(), nb::arg("scale_dtype") = "")
       .def(
           "append",
           [](KVCache& self, const InArray& k, const InArray& v, nb::handle seq_list) {
@@ -339,7 +340,7 @@ void bind_decode(nb::module_& m) {
       })
       .def_prop_ro("group_size", [](const KVCache& self) { return self.config().group_size; })
       .def_prop_ro("scale_dtype", [](const KVCache& self) { return std::string(storage_name(*self.config().scale_dtype)); })
-      .def_prop_ro("float_window", [](const KVCache& self) { return self.config().float_window; })
+      .def_prop_ro("float_window", [](const KVCache& self) { return self.config().float_window.value_or(0); })
       .def_prop_ro("quantized_lengths", [](const KVCache& self) {
         return std::vector<int64_t>(self.quantized_lengths().begin(), self.quantized_lengths().end());
       })

@@ -13,6 +13,6 @@ inline bool channel_scaled(const KVCacheConfig& c) { return c.key_scales == KeyS
 inline bool is_int4(const KVCacheConfig& c) { return c.dtype == StorageType::int4; }
 inline bool half_scales(const KVCacheConfig& c) { return c.scale_dtype == StorageType::float16; }
 // Float rows kept per sequence: the newest group's keys, and the window's K and V.
-inline int64_t window_rows(const KVCacheConfig& c) { return channel_scaled(c) ? c.group_size + c.float_window : 0; }
+inline int64_t window_rows(const KVCacheConfig& c) { return channel_scaled(c) ? c.group_size + c.float_window.value_or(0) : 0; }
 
 }  // namespace qkv::detail

@@ -85,7 +85,7 @@ CacheBytes cache_bytes(const KVCacheConfig& c, int64_t blocks_per_sequence) {
     const SizeFactor rows{"config.group_size + config.float_window", window_rows(c)};
     bytes.partial = detail::checked_bytes(kName, "the newest keys", {{"config.batch", c.batch}, rows, heads, dim},
                                           sizeof(float));
-    if (c.float_window > 0)
+    if (c.float_window.value_or(0) > 0)
       bytes.window = detail::checked_bytes(kName, "the float window's values",
                                            {{"config.batch", c.batch}, rows, heads, {"config.v_dim", c.v_dim}},
                                            sizeof(float));
@@ -149,16 +149,19 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
   if (half_scales(config_) && !is_int4(config))
     check.fail(std::string("config.scale_dtype: float16 scales are for int4 caches (int8 ones keep float32, which "
                            "qkv::decode's DecodeArgs take), got dtype ") + storage_name(config.dtype));
-  if (config.float_window != 0 && !channel_scaled(config))
+  const int64_t window =
+      config.float_window.value_or(is_int4(config) ? std::min(kInt4FloatWindow, config.capacity) : 0);
+  config_.float_window = window;
+  if (window != 0 && !channel_scaled(config))
     check.fail("config.float_window: a float window is for caches with channel-scaled keys (int8 or int4, "
-               "KeyScales::channel), got " + std::to_string(config.float_window));
+               "KeyScales::channel), got " + std::to_string(window));
   if (channel_scaled(config)) {
     if (config.dtype != StorageType::int8 && !is_int4(config))
       check.fail(std::string("config.key_scales: channel scales are for int8 and int4 caches, got dtype ") +
                  storage_name(config.dtype));
-    if (config.float_window < 0 || config.float_window > config.capacity)
+    if (window < 0 || window > config.capacity)
       check.fail("config.float_window: expected 0.." + std::to_string(config.capacity) +
-                 " newest tokens kept float32 (config.capacity), got " + std::to_string(config.float_window));
+                 " newest tokens kept float32 (config.capacity), got " + std::to_string(window));
     if (config.group_size < 1 || config.group_size > config.capacity)
       check.fail("config.group_size: expected 1.." + std::to_string(config.capacity) +
                  " tokens per channel-scale group (config.capacity), got " + std::to_string(config.group_size));
@@ -447,7 +450,7 @@ void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
         }
         row = static_cast<int64_t>(block) * config_.block_size + length % config_.block_size;
       }
-      const int64_t g = config_.group_size, window = config_.float_window;
+      const int64_t g = config_.group_size, window = *config_.float_window;
       const auto window_at = static_cast<std::size_t>((seq * window_rows_ + length % std::max<int64_t>(window_rows_, 1)) * hkv);
       for (int64_t h = 0; h < hkv; ++h) {
         const auto scale_at = static_cast<std::size_t>(row * hkv + h);

@@ -534,6 +534,38 @@ TEST(KVCacheInt4, ScalesAreFloat16UnlessAsked) {
   EXPECT_EQ(KVCache(c).config().scale_dtype, StorageType::float32);
 }
 
+// Unset, the float window is kInt4FloatWindow for int4 (capped at the capacity) and none
+// for the other storages; an explicit 0 is kept. The default changes what is attended:
+// the newest 32 tokens are read exact, so the cache's output differs from a windowless one.
+TEST(KVCacheInt4, KeepsAFloatWindowUnlessAsked) {
+  KVCacheConfig c = int4_config(16, 16);
+  c.float_window.reset();
+  EXPECT_EQ(KVCache(c).config().float_window, kInt4FloatWindow);
+  c.capacity = 20;
+  EXPECT_EQ(KVCache(c).config().float_window, 20);
+  c.capacity = kCapacity;
+  c.dtype = StorageType::int8;
+  EXPECT_EQ(KVCache(c).config().float_window, 0);
+  c.dtype = StorageType::int4;
+  c.float_window = 0;
+  EXPECT_EQ(KVCache(c).config().float_window, 0);
+
+  KVCacheConfig unset = int4_config(16, 16), none = int4_config(16, 16);
+  unset.float_window.reset();
+  KVCache with(unset), without(none);
+  const Tensor<float, 4> k = outlier_keys(24, 16, 5), v = outlier_keys(24, 16, 6);
+  with.append(k.cview(), v.cview());
+  without.append(k.cview(), v.cview());
+  EXPECT_EQ(with.quantized_lengths()[0], 0);  // all 24 tokens within the window of 32
+  EXPECT_TRUE(without.quantized_lengths().empty());  // no window
+  const auto [exact, exact_v] = with.stored(0);
+  const auto [rounded, rounded_v] = without.stored(0);
+  // Sequence 0's keys are the first 24·Hkv·d floats of k [B, T, Hkv, d].
+  const std::vector<float> appended(k.data(), k.data() + exact.size());
+  EXPECT_EQ(exact, appended);
+  EXPECT_NE(rounded, appended);
+}
+
 TEST(KVCacheInt4, BadConfigsAndArgumentsAreNamed) {
   KVCacheConfig c = int4_config(16, 16);
   c.scale_dtype = StorageType::bfloat16;

@@ -79,7 +79,7 @@ def half_step(lo, hi, scale_dtype):
 def test_int4_cache_matches_attention_over_its_stored_values(paged, scale_dtype):
     batch, hq, hkv, d, n = 2, 8, 2, 64, 83
     cache = qkv.KVCache(batch, 128, hkv, d, dtype="int4", paged=paged, block_size=32, group_size=16,
-                        scale_dtype=scale_dtype)
+                        scale_dtype=scale_dtype, float_window=0)  # every token quantized
     assert (cache.dtype, cache.key_scales, cache.float_window, cache.scale_dtype) == ("int4", "channel", 0, scale_dtype)
     for array in (cache.scales()[0], *cache.channel_scales(), cache.value_group_scales()):
         assert array.dtype == np.dtype(scale_dtype)
@@ -168,7 +168,16 @@ def test_the_window_brings_int4_closer_to_unquantized_attention():
         cache.append(k, v)
         return (cache.attend(q, causal=None).double() - exact).norm().item()
 
-    assert 3 * error(float_window=64) < error()
+    assert 3 * error(float_window=64) < error(float_window=0)
+    assert 3 * error() < error(float_window=0)  # the default window (32)
+
+
+def test_the_float_window_defaults_to_32_for_int4_only():
+    assert qkv.KVCache(1, 64, 1, 16, dtype="int4").float_window == 32
+    assert qkv.KVCache(1, 20, 1, 16, dtype="int4", group_size=4).float_window == 20  # capped at the capacity
+    assert qkv.KVCache(1, 64, 1, 16, dtype="int4", float_window=0).float_window == 0
+    assert qkv.KVCache(1, 64, 1, 16, dtype="int8", key_scales="channel").float_window == 0
+    assert qkv.KVCache(1, 64, 1, 16, dtype="bfloat16").float_window == 0
 
 
 def test_bad_config():
