@@ -45,7 +45,7 @@ CASES = [
     ("cache_product_overflows", "qkv.KVCache(2**20, 2**20, 2**20, 2**20)", "Error", "overflows", None),
     ("cache_append_after_wrap", "c = qkv.KVCache(1, 2**62 + 1, 1, 4); c.append(np.ones((1,1,1,4), f32), np.ones((1,1,1,4), f32))",
      "Error", "config.capacity", None),
-    ("cache_too_big_to_allocate", "qkv.KVCache(1, 2**40, 1, 2**10)", "Error", "could not be allocated", None),
+    ("cache_too_big_to_allocate", "qkv.KVCache(1, 2**40, 1, 2**20)", "Error", "could not be allocated", None),
     ("cache_batch_zero", "qkv.KVCache(0, 8, 1, 4)", "Error", "config.batch", None),
     ("cache_capacity_negative", "qkv.KVCache(1, -3, 1, 4)", "Error", "config.capacity", None),
     ("cache_head_dim_zero", "qkv.KVCache(1, 8, 1, 0)", "Error", "config.head_dim", None),
