@@ -24,8 +24,9 @@
 //              pool [num_blocks, block_size, Hkv, d] (vLLM's and FlashAttention's layout);
 //              v_cache alike with dv
 //     out      [total_q, Hq, dv]  float32;  lse [Hq, total_q] optional
-//     k_scale, v_scale: int8 caches only, one float per cached row ([B, capacity, Hkv] or
-//              [num_blocks, block_size, Hkv]); the row's values are int8 · scale
+//     k_scale, v_scale: int8 and float8 caches only, one float per cached row ([B,
+//              capacity, Hkv] or [num_blocks, block_size, Hkv], any strides: float8's
+//              per-head or per-tensor scale repeated by strides 0); values element · scale
 //   or run over a qkv::KVCache (any of its storages: int4 and caches with a float window
 //   too, which BatchArgs cannot describe): its lengths must be the plan's cache_lengths,
 //   its dtype the plan's storage, and, paged, its block table the plan's (pass
@@ -88,13 +89,13 @@ struct BatchLayout {
   StorageType storage = StorageType::float32;  // int4: run over a qkv::KVCache only
 };
 
-template <class T>  // the caches' storage type: float, bfloat16, float16 or int8_t
+template <class T>  // the caches' storage type: float, bfloat16, float16, int8_t, float8_e4m3fn or float8_e5m2
 struct BatchArgs {
   View3<const float> q;
   View4<const T> k_cache, v_cache;
   View3<float> out;
   TensorView<float, 2> lse;           // optional
-  View3<const float> k_scale, v_scale;  // int8 only
+  View3<const float> k_scale, v_scale;  // int8 and float8 only
   // int8 keys scaled per channel too (as qkv::DecodeArgs; empty: per row only).
   View4<const float> k_channel_scale, k_channel_zero;
   int64_t key_group = 0;
@@ -121,6 +122,8 @@ class BatchPlan {
   void run(const BatchArgs<bfloat16>& args) const;
   void run(const BatchArgs<float16>& args) const;
   void run(const BatchArgs<std::int8_t>& args) const;
+  void run(const BatchArgs<float8_e4m3fn>& args) const;
+  void run(const BatchArgs<float8_e5m2>& args) const;
   // The step over a qkv::KVCache: q [total_q, Hq, d], out [total_q, Hq, dv], lse
   // [Hq, total_q] (optional).
   void run(View3<const float> q, const KVCache& cache, View3<float> out, TensorView<float, 2> lse = {}) const;

@@ -16,6 +16,12 @@
 // carry channel scales and zero points too (k_channel_scale, k_channel_zero): the kernel
 // multiplies the query by its keys' group's channel scales before the dot product and
 // adds q · zero points after — nothing is dequantized to memory.
+// float8_e4m3fn / float8_e5m2 caches (qkv/float8.hpp; vLLM's and SGLang's FP8 KV caches,
+// torch's float8 tensors) carry scales the same way, usually one per tensor or per kv
+// head: give k_scale / v_scale as views with strides 0 along the rows (a [B | blocks,
+// capacity | block_size, Hkv] view of Hkv floats with strides {0, 0, 1}, or {0, 0, 0}
+// for one). The bytes are widened in place (exactly, NaN and e5m2's ±inf kept), never
+// dequantized to memory: the result is attention over float8 · scale.
 // With the default Causal::bottom_right, the Nq queries are the last Nq tokens of their
 // sequence: query i of sequence b sees keys j ≤ i + cache_lengths[b] − Nq. A query that
 // sees no key (a sequence shorter than Nq, or empty) gets out 0 and lse −inf.
@@ -36,7 +42,7 @@
 
 namespace qkv {
 
-template <class T>  // the cache's storage type: float, bfloat16, float16 or int8_t
+template <class T>  // the cache's storage type: float, bfloat16, float16, int8_t, float8_e4m3fn, float8_e5m2
 struct DecodeArgs {
   View4<const float> q;
   View4<const T> k_cache, v_cache;
@@ -44,8 +50,9 @@ struct DecodeArgs {
   TensorView<const int32_t, 2> block_table;  // empty: contiguous cache
   View4<float> out;
   View3<float> lse;  // optional
-  // int8 caches only (empty otherwise): one float scale per cached row, the row's values
-  // being int8 · scale — [B, capacity, Hkv] or, paged, [num_blocks, block_size, Hkv].
+  // int8 and float8 caches only (empty otherwise; required for them): one float scale per
+  // cached row, the row's values being element · scale — [B, capacity, Hkv] or, paged,
+  // [num_blocks, block_size, Hkv], any strides (0 repeats a per-head or per-tensor scale).
   View3<const float> k_scale, v_scale;
   // int8 keys scaled per channel as well (qkv::KVCache with KeyScales::channel; empty:
   // per row only): key (b, j, h, c) = k_scale(b, j, h) · (k_cache · k_channel_scale(b,
@@ -77,11 +84,15 @@ void decode(const DecodeArgs<float>& args, const AttentionOptions& options);
 void decode(const DecodeArgs<bfloat16>& args, const AttentionOptions& options);
 void decode(const DecodeArgs<float16>& args, const AttentionOptions& options);
 void decode(const DecodeArgs<std::int8_t>& args, const AttentionOptions& options);
+void decode(const DecodeArgs<float8_e4m3fn>& args, const AttentionOptions& options);
+void decode(const DecodeArgs<float8_e5m2>& args, const AttentionOptions& options);
 // The usual step, as DecodeOptions (removed; see docs/cpp.md) meant by default: every
 // option at its default but causal = Causal::bottom_right.
 void decode(const DecodeArgs<float>& args);
 void decode(const DecodeArgs<bfloat16>& args);
 void decode(const DecodeArgs<float16>& args);
 void decode(const DecodeArgs<std::int8_t>& args);
+void decode(const DecodeArgs<float8_e4m3fn>& args);
+void decode(const DecodeArgs<float8_e5m2>& args);
 
 }  // namespace qkv

@@ -23,6 +23,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "qkv/float8.hpp"
+
 namespace qkv {
 
 namespace half_detail {
@@ -166,7 +168,10 @@ constexpr Int4Position int4_position(std::size_t c, std::size_t count) {
 // holds int8 values and one float scale, value = int8 · scale (qkv/kv_cache.hpp).
 // int4 is for qkv::KVCache only: levels 0..15 with a scale and zero point per channel
 // and group of tokens (keys) or per token and group of 32 channels (values).
-enum class StorageType { float32, bfloat16, float16, int8, int4 };
+// float8_e4m3fn / float8_e5m2 (qkv/float8.hpp) are for KV caches too: each element times
+// a float scale, per tensor or per kv head (given as a per-row scale view whose strides
+// repeat it), value = float8 · scale.
+enum class StorageType { float32, bfloat16, float16, int8, int4, float8_e4m3fn, float8_e5m2 };
 
 template <class T>
 inline constexpr StorageType storage_type_of = StorageType::float32;
@@ -178,9 +183,20 @@ template <>
 inline constexpr StorageType storage_type_of<std::int8_t> = StorageType::int8;
 template <>
 inline constexpr StorageType storage_type_of<uint4x2> = StorageType::int4;
+template <>
+inline constexpr StorageType storage_type_of<float8_e4m3fn> = StorageType::float8_e4m3fn;
+template <>
+inline constexpr StorageType storage_type_of<float8_e5m2> = StorageType::float8_e5m2;
+
+constexpr bool is_float8(StorageType type) {
+  return type == StorageType::float8_e4m3fn || type == StorageType::float8_e5m2;
+}
 
 constexpr int storage_bits(StorageType type) {
-  return type == StorageType::float32 ? 32 : type == StorageType::int8 ? 8 : type == StorageType::int4 ? 4 : 16;
+  return type == StorageType::float32                       ? 32
+         : type == StorageType::int8 || is_float8(type) ? 8
+         : type == StorageType::int4                    ? 4
+                                                        : 16;
 }
 // Bytes of one element; int4 (half a byte): 1, the byte of a pair — count int4 rows'
 // bytes with storage_row_bytes.
@@ -197,6 +213,8 @@ constexpr const char* storage_name(StorageType type) {
     case StorageType::float16: return "float16";
     case StorageType::int8: return "int8";
     case StorageType::int4: return "int4";
+    case StorageType::float8_e4m3fn: return "float8_e4m3fn";
+    case StorageType::float8_e5m2: return "float8_e5m2";
   }
   return "unknown";
 }

@@ -112,6 +112,14 @@ struct KVCacheConfig {
   // int4: float32 or float16 (unset: float16, the same accuracy on SmolLM2 in 15% fewer
   // bytes); other types: float32. config() holds the type chosen.
   std::optional<StorageType> scale_dtype;
+  // float8 caches (float8_e4m3fn, float8_e5m2): the keys' and values' scales, stored value
+  // = float8(x / scale) · scale — one (per tensor) or kv_heads (per kv head), positive and
+  // finite. Empty: per kv head, set by the first append that brings tokens to max |x| over
+  // its finite values of that head / the format's largest finite value (448 or 57344; 1
+  // where the head has no nonzero finite value), then kept for the cache's life (reset
+  // keeps them; a later value beyond scale · largest saturates, qkv/float8.hpp).
+  // config() holds the kv_heads scales once they are known. Other storage types: empty.
+  std::vector<float> k_scale, v_scale;
 };
 
 class KVCache {
@@ -168,13 +176,20 @@ class KVCache {
 
   // The scale arrays below hold S = float, or float16 for a cache with scale_dtype
   // float16 (asking for the other type throws qkv::Error).
-  // int8: the rows' scales, shaped k_shape()[0..2] (empty for other storage types); int4:
+  // int8: the rows' scales, shaped k_shape()[0..2] (empty for other storage types); float8:
+  // the kv_heads scales (empty until the first append sets them, if not given); int4:
   // the keys' row flags (1, or NaN for a row holding NaN or ±inf), [B | blocks, Hkv,
   // capacity | block_size]: each head's rows together, so that decode widens a run of
   // them (float16) in one pass.
   template <class S = float>
-  std::span<const S> k_scales() const { return k_scale_.span<S>("k_scales"); }
-  std::span<const float> v_scales() const { return v_scale_; }
+  std::span<const S> k_scales() const {
+    if constexpr (std::is_same_v<S, float>)
+      if (is_float8(config_.dtype)) return config_.k_scale;
+    return k_scale_.span<S>("k_scales");
+  }
+  std::span<const float> v_scales() const {
+    return is_float8(config_.dtype) ? std::span<const float>(config_.v_scale) : std::span<const float>(v_scale_);
+  }
   // KeyScales::channel: the keys' channel scales and zero points, [B, ⌈capacity /
   // group_size⌉, Hkv, d] or paged [num_blocks, block_size / group_size, Hkv, d] (empty
   // otherwise).
@@ -264,6 +279,7 @@ class KVCache {
   std::vector<float> k_partial_, v_window_;
   ScaleArray v_group_scale_;  // int4 values
   std::vector<int64_t> quantized_;    // float window: keys quantized per sequence
+  void set_float8_scales(const NewRows& rows);  // the first append's, when not given
   int64_t window_rows_ = 0;
   int64_t storage_row(int64_t seq, int64_t key) const;  // the row of (seq, key) in k_/v_
   // Where (storage row, head)'s scale is in k_scale_: int8 [outer, inner, Hkv]; int4

@@ -72,7 +72,8 @@ void check_layout_heads(const Checker& check, const BatchLayout& layout) {
   switch (layout.storage) {
     case StorageType::float32: case StorageType::bfloat16: case StorageType::float16: case StorageType::int8:
     case StorageType::int4: break;  // int4: run over a KVCache only (no BatchArgs for it)
-    default: check.fail("layout.storage: expected float32, bfloat16, float16, int8 or int4");
+    case StorageType::float8_e4m3fn: case StorageType::float8_e5m2: break;
+    default: check.fail("layout.storage: expected float32, bfloat16, float16, int8, int4, float8_e4m3fn or float8_e5m2");
   }
 }
 
@@ -320,11 +321,11 @@ detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const B
 }
 
 // Row (b, j, h) of a key/value source's keys (or values), widened to float into `to`
-// (exactly; int8: value · the row's scale).
+// (exactly; int8 and float8: value · the row's scale, one rounding, as the kernel's).
 template <class T>
 void widen_row(const T* row, int64_t dim, float scale, float* to) {
   for (int64_t c = 0; c < dim; ++c) {
-    if constexpr (std::is_same_v<T, std::int8_t>) to[c] = static_cast<float>(row[c]) * scale;
+    if constexpr (std::is_same_v<T, std::int8_t> || is_float8(storage_type_of<T>)) to[c] = static_cast<float>(row[c]) * scale;
     else to[c] = static_cast<float>(row[c]);
   }
 }
@@ -353,6 +354,13 @@ void widen_row(const detail::KvSource& kv, bool keys, int64_t b, int64_t j, int6
         return;
       }
       return widen_row(row, dim, scale, to);
+    }
+    case StorageType::float8_e4m3fn:
+    case StorageType::float8_e5m2: {
+      const detail::ScalePtr scales = keys ? kv.k_scale : kv.v_scale;
+      const float scale = scales[kv.offset(keys ? kv.k_scale_strides : kv.v_scale_strides, b, j, h)];
+      if (kv.type == StorageType::float8_e5m2) return widen_row(static_cast<const float8_e5m2*>(base) + at, dim, scale, to);
+      return widen_row(static_cast<const float8_e4m3fn*>(base) + at, dim, scale, to);
     }
     case StorageType::int4: {  // (a KVCache's) read as the reference reads it
       const reference::SourceKeyValues read{kv};
@@ -493,6 +501,8 @@ void BatchPlan::run(const BatchArgs<float>& args) const { run_plan(*state_, args
 void BatchPlan::run(const BatchArgs<bfloat16>& args) const { run_plan(*state_, args); }
 void BatchPlan::run(const BatchArgs<float16>& args) const { run_plan(*state_, args); }
 void BatchPlan::run(const BatchArgs<std::int8_t>& args) const { run_plan(*state_, args); }
+void BatchPlan::run(const BatchArgs<float8_e4m3fn>& args) const { run_plan(*state_, args); }
+void BatchPlan::run(const BatchArgs<float8_e5m2>& args) const { run_plan(*state_, args); }
 
 void BatchPlan::run(View3<const float> q_view, const KVCache& cache, View3<float> out_view,
                     TensorView<float, 2> lse) const {

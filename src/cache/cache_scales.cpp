@@ -8,18 +8,20 @@ namespace qkv::detail {
 void check_cache_scales(const Checker& check, StorageType storage, const CacheScales& scales,
                         const std::array<int64_t, 4>& k_shape, const std::array<int64_t, 4>& v_shape,
                         bool paged, const char* first_axis, std::vector<Described>& inputs) {
-  // int8 caches: a scale per cached row, shaped like the cache without its last axis.
-  const bool scaled = storage == StorageType::int8;
+  // int8 and float8 caches: a scale per cached row, shaped like the cache without its
+  // last axis (float8: usually a per-head or per-tensor scale repeated by zero strides).
+  const bool scaled = storage == StorageType::int8 || is_float8(storage);
   for (const auto& [name, scale, shape, cache_name] :
        {std::tuple{"k_scale", &scales.k_scale, &k_shape, "k_cache"},
         std::tuple{"v_scale", &scales.v_scale, &v_shape, "v_cache"}}) {
     if (!scaled) {
       if (!scale->empty())
-        check.fail(std::string(name) + ": only int8 caches take scales (this cache is " + storage_name(storage) + ")");
+        check.fail(std::string(name) + ": only int8 and float8 caches take scales (this cache is " + storage_name(storage) + ")");
       continue;
     }
     if (scale->empty())
-      check.fail(std::string(name) + ": expected one float32 scale per cached row for an int8 cache, got none");
+      check.fail(std::string(name) + ": expected one float32 scale per cached row for " +
+                 (is_float8(storage) ? "a float8" : "an int8") + " cache (float8: strides 0 repeat one per head), got none");
     const Described d = describe(name, *scale);
     check.expect_well_formed(d, /*inner_contiguous=*/false);  // read one scale per row, any strides
     const char* axis_names[3] = {first_axis, paged ? "block_size" : "capacity", "kv heads"};
@@ -39,7 +41,7 @@ void check_cache_scales(const Checker& check, StorageType storage, const CacheSc
       check.fail("key_group: expected 0 without k_channel_scale, got " + std::to_string(scales.key_group));
     return;
   }
-  if (!scaled)
+  if (storage != StorageType::int8)
     check.fail(std::string("k_channel_scale: only int8 caches take channel scales (this cache is ") +
                storage_name(storage) + ")");
   const int64_t rows = k_shape[1], group = scales.key_group;

@@ -246,6 +246,8 @@ QKV_DEFINE_DECODE(float)
 QKV_DEFINE_DECODE(bfloat16)
 QKV_DEFINE_DECODE(float16)
 QKV_DEFINE_DECODE(std::int8_t)
+QKV_DEFINE_DECODE(float8_e4m3fn)
+QKV_DEFINE_DECODE(float8_e5m2)
 #undef QKV_DEFINE_DECODE
 
 }  // namespace qkv

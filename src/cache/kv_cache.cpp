@@ -28,6 +28,7 @@ using detail::half_scales;
 using detail::Int4Scale;
 using detail::int4_scale;
 using detail::is_int4;
+using detail::store_float8_row;
 using detail::store_int4_channel_row;
 using detail::store_int8_channel_row;
 using detail::store_row;
@@ -135,9 +136,28 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
   if (config.v_dim < 0) check.fail("config.v_dim: expected >= 0 (0 = head_dim), got " + std::to_string(config.v_dim));
   if (config_.v_dim == 0) config_.v_dim = config.head_dim;
   if (config.dtype != StorageType::float32 && config.dtype != StorageType::bfloat16 &&
-      config.dtype != StorageType::float16 && config.dtype != StorageType::int8 && config.dtype != StorageType::int4)
-    check.fail("config.dtype: expected float32, bfloat16, float16, int8 or int4, got value " +
+      config.dtype != StorageType::float16 && config.dtype != StorageType::int8 && config.dtype != StorageType::int4 &&
+      !is_float8(config.dtype))
+    check.fail("config.dtype: expected float32, bfloat16, float16, int8, int4, float8_e4m3fn or float8_e5m2, got value " +
                std::to_string(static_cast<int>(config.dtype)));
+  for (const auto& [name, scales] : {std::pair{"config.k_scale", &config.k_scale}, std::pair{"config.v_scale", &config.v_scale}}) {
+    if (!is_float8(config.dtype)) {
+      if (!scales->empty())
+        check.fail(std::string(name) + ": only float8 caches take given scales (this cache is " +
+                   storage_name(config.dtype) + ")");
+      continue;
+    }
+    if (!scales->empty() && scales->size() != 1 && static_cast<int64_t>(scales->size()) != config.kv_heads)
+      check.fail(std::string(name) + ": expected 1 (per tensor) or " + std::to_string(config.kv_heads) +
+                 " (config.kv_heads, per head) scales, got " + std::to_string(scales->size()));
+    for (std::size_t h = 0; h < scales->size(); ++h)
+      if (!((*scales)[h] > 0.0f) || !std::isfinite((*scales)[h]))
+        check.fail(std::string(name) + "[" + std::to_string(h) + "]: expected a positive finite scale, got " +
+                   std::to_string((*scales)[h]));
+  }
+  if (config.k_scale.empty() != config.v_scale.empty())
+    check.fail(std::string("config.") + (config.k_scale.empty() ? "k_scale" : "v_scale") +
+               ": given without the other (both, or neither: set by the first append)");
   if (config.key_scales != KeyScales::row && config.key_scales != KeyScales::channel)
     check.fail("config.key_scales: expected row or channel, got value " + std::to_string(static_cast<int>(config.key_scales)));
   if (is_int4(config) && !channel_scaled(config))
@@ -209,6 +229,13 @@ KVCache::KVCache(const KVCacheConfig& config) : config_(config) {
       v_window_.assign(bytes.window / sizeof(float), 0.0f);
     });
     if (config_.float_window > 0) quantized_.assign(static_cast<std::size_t>(config_.batch), 0);
+  }
+  if (is_float8(config_.dtype)) {  // kv_heads scales each, repeated from a per-tensor one
+    const auto per_head = [&](const std::vector<float>& given) {
+      return given.size() == 1 ? std::vector<float>(static_cast<std::size_t>(config_.kv_heads), given[0]) : given;
+    };
+    config_.k_scale = per_head(config.k_scale);
+    config_.v_scale = per_head(config.v_scale);
   }
   detail::allocate_or_throw(kName, "the lengths", bytes.lengths,
                             [&] { lengths_.assign(bytes.lengths / sizeof(int64_t), 0); });
@@ -430,6 +457,7 @@ void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
   }
 
   // Everything checked: from here on nothing throws.
+  if (is_float8(config_.dtype) && config_.k_scale.empty()) set_float8_scales(rows);
   const int64_t hkv = config_.kv_heads, d = config_.head_dim, dv = config_.v_dim;
   const auto k_row_bytes = static_cast<std::size_t>(storage_row_bytes(config_.dtype, d));
   const auto v_row_bytes = static_cast<std::size_t>(storage_row_bytes(config_.dtype, dv));
@@ -457,13 +485,21 @@ void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
         if (channel_scaled(config_)) {  // kept as float32 until its group is quantized, below
           const float* key = rows.k_row(n, t, h);
           std::copy(key, key + d, &k_partial_[(window_at + static_cast<std::size_t>(h)) * static_cast<std::size_t>(d)]);
+        } else if (is_float8(config_.dtype)) {
+          store_float8_row(config_.dtype, rows.k_row(n, t, h), d, config_.k_scale[static_cast<std::size_t>(h)],
+                           kb + static_cast<std::size_t>(row * hkv + h) * k_row_bytes);
         } else {
           store_row(config_.dtype, rows.k_row(n, t, h), d, kb + static_cast<std::size_t>(row * hkv + h) * k_row_bytes,
                     row_scales.data(), false);
           if (!k_scale_.empty()) k_scale_.set(static_cast<std::size_t>(row_scale_at(row, h)), row_scales[0]);
         }
-        store_row(config_.dtype, rows.v_row(n, t, h), dv, vb + static_cast<std::size_t>(row * hkv + h) * v_row_bytes,
-                  row_scales.data(), half_scales(config_));
+        if (is_float8(config_.dtype)) {
+          store_float8_row(config_.dtype, rows.v_row(n, t, h), dv, config_.v_scale[static_cast<std::size_t>(h)],
+                           vb + static_cast<std::size_t>(row * hkv + h) * v_row_bytes);
+        } else {
+          store_row(config_.dtype, rows.v_row(n, t, h), dv, vb + static_cast<std::size_t>(row * hkv + h) * v_row_bytes,
+                    row_scales.data(), half_scales(config_));
+        }
         if (is_int4(config_)) {
           for (int64_t i = 0; i < value_scales; ++i)
             v_group_scale_.set(static_cast<std::size_t>(value_group_at(row, h, i)), row_scales[static_cast<std::size_t>(i)]);
@@ -488,6 +524,39 @@ void KVCache::append_rows(const detail::Checker& check, const NewRows& rows) {
         }
       }
     }
+  }
+}
+
+// Per kv head: max |x| over the append's finite keys (values) of that head / the format's
+// largest finite value, so that the largest maps onto it; 1 where a head has none nonzero.
+void KVCache::set_float8_scales(const NewRows& rows) {
+  const int64_t hkv = config_.kv_heads;
+  std::vector<float> k_max(static_cast<std::size_t>(hkv), 0.0f), v_max(static_cast<std::size_t>(hkv), 0.0f);
+  bool any = false;
+  for (int64_t n = 0; n < rows.count; ++n)
+    for (int64_t t = 0; t < rows.tokens(n); ++t) {
+      any = true;
+      for (int64_t h = 0; h < hkv; ++h) {
+        const auto largest = [](float m, const float* x, int64_t count) {
+          for (int64_t c = 0; c < count; ++c)
+            if (std::isfinite(x[c])) m = std::max(m, std::abs(x[c]));
+          return m;
+        };
+        k_max[static_cast<std::size_t>(h)] = largest(k_max[static_cast<std::size_t>(h)], rows.k_row(n, t, h), config_.head_dim);
+        v_max[static_cast<std::size_t>(h)] = largest(v_max[static_cast<std::size_t>(h)], rows.v_row(n, t, h), config_.v_dim);
+      }
+    }
+  if (!any) return;  // no tokens: the next append decides
+  const float largest = config_.dtype == StorageType::float8_e5m2 ? float8_e5m2::kMax : float8_e4m3fn::kMax;
+  const auto scale = [largest](float m) {
+    const float s = m / largest;
+    return s > 0.0f && std::isfinite(s) ? s : 1.0f;  // none nonzero (or m / largest underflows)
+  };
+  config_.k_scale.resize(static_cast<std::size_t>(hkv));
+  config_.v_scale.resize(static_cast<std::size_t>(hkv));
+  for (std::size_t h = 0; h < static_cast<std::size_t>(hkv); ++h) {
+    config_.k_scale[h] = scale(k_max[h]);
+    config_.v_scale[h] = scale(v_max[h]);
   }
 }
 

@@ -39,6 +39,16 @@ DecodeArgs<T> KVCache::views() const {
   args.cache_lengths = lengths_;
   if (config_.paged)
     args.block_table = TensorView<const int32_t, 2>::contiguous(table_.data(), {config_.batch, blocks_per_sequence_});
+  if constexpr (is_float8(storage_type_of<T>)) {
+    // One scale per kv head, read as every row's: strides 0 along the rows. Empty before
+    // the first append sets them (nothing is attended then).
+    const auto shape = k_shape();
+    const std::array<int64_t, 3> rows{shape[0], shape[1], shape[2]}, per_head{0, 0, 1};
+    if (!config_.k_scale.empty()) {
+      args.k_scale = View3<const float>(config_.k_scale.data(), rows, per_head);
+      args.v_scale = View3<const float>(config_.v_scale.data(), rows, per_head);
+    }
+  }
   if constexpr (storage_type_of<T> == StorageType::int8) {
     const auto shape = k_shape();
     args.k_scale = View3<const float>::contiguous(k_scale_.span<float>("k_scales").data(), {shape[0], shape[1], shape[2]});
@@ -56,6 +66,8 @@ template DecodeArgs<float> KVCache::views<float>() const;
 template DecodeArgs<bfloat16> KVCache::views<bfloat16>() const;
 template DecodeArgs<float16> KVCache::views<float16>() const;
 template DecodeArgs<std::int8_t> KVCache::views<std::int8_t>() const;
+template DecodeArgs<float8_e4m3fn> KVCache::views<float8_e4m3fn>() const;
+template DecodeArgs<float8_e5m2> KVCache::views<float8_e5m2>() const;
 
 void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse) const {
   AttentionOptions step;  // as qkv::decode(args) takes it
@@ -88,6 +100,8 @@ void KVCache::attend(View4<const float> q, View4<float> out, View3<float> lse, c
     case StorageType::float16: return run(views<float16>());
     case StorageType::int8: return run(views<std::int8_t>());
     case StorageType::int4: return;  // above
+    case StorageType::float8_e4m3fn: return run(views<float8_e4m3fn>());
+    case StorageType::float8_e5m2: return run(views<float8_e5m2>());
   }
 }
 
@@ -116,6 +130,11 @@ detail::KvSource KVCache::source() const {
   if (!v_scale_.empty()) {
     s.v_scale = v_scale_.data();
     s.v_scale_strides = {inner * hkv, hkv, 1};
+  }
+  if (is_float8(config_.dtype)) {  // one scale per kv head (none before the first append)
+    s.k_scale = config_.k_scale.empty() ? nullptr : config_.k_scale.data();
+    s.v_scale = config_.v_scale.empty() ? nullptr : config_.v_scale.data();
+    s.k_scale_strides = s.v_scale_strides = {0, 0, 1};
   }
   if (is_int4(config_)) {
     const int64_t scales = 2 * detail::ceil_div(dv, kValueGroup);

@@ -146,6 +146,14 @@ void store_int4_channel_row(const float* src, const float* scale, const float* z
     for (std::size_t c = 0; c < n; ++c) put_int4(out, c, n, int4_level(src[c], scale[c], zero[c]));
 }
 
+void store_float8_row(StorageType type, const float* src, int64_t count, float scale, void* dst) {
+  auto* out = static_cast<std::uint8_t*>(dst);
+  for (int64_t c = 0; c < count; ++c) {
+    const float x = src[c] / scale;
+    out[c] = type == StorageType::float8_e5m2 ? float8_e5m2(x).bits : float8_e4m3fn(x).bits;
+  }
+}
+
 void store_row(StorageType type, const float* src, int64_t count, void* dst, float* scale, bool half) {
   switch (type) {
     case StorageType::float32: return store_row<float>(src, count, dst);
@@ -153,6 +161,8 @@ void store_row(StorageType type, const float* src, int64_t count, void* dst, flo
     case StorageType::float16: return store_row<float16>(src, count, dst);
     case StorageType::int8: return store_int8_row(src, count, dst, scale);
     case StorageType::int4: return store_int4_value_row(src, count, static_cast<std::uint8_t*>(dst), scale, half);
+    case StorageType::float8_e4m3fn:
+    case StorageType::float8_e5m2: return store_float8_row(type, src, count, *scale, dst);
   }
 }
 

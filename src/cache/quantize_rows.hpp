@@ -14,6 +14,10 @@ namespace qkv::detail {
 // then zero points into scale[0, 2·groups) (float16-exact when `half`).
 void store_row(StorageType type, const float* src, int64_t count, void* dst, float* scale, bool half);
 
+// float8 (e4m3fn or e5m2): float8(x / scale), rounded to nearest even, finite values
+// beyond the format's range saturated (qkv/float8.hpp).
+void store_float8_row(StorageType type, const float* src, int64_t count, float scale, void* dst);
+
 // Keys scaled per channel: against their group's channel scales and zero points, the
 // row's own scale (1, or NaN) into *row_scale.
 void store_int8_channel_row(const float* src, const float* scale, const float* zero, int64_t count,

@@ -1,7 +1,7 @@
 // Where an attention problem's key and value rows live, for every path: a dense call's K/V
 // views, a contiguous cache [B, capacity, Hkv, d] (any strides), or a paged pool
 // [num_blocks, block_size, Hkv, d] with a block table — stored as float32, bfloat16,
-// float16 or int8 (with a float scale per row). Built by validation; read by the decode
+// float16, int8 or float8 (with a float scale per row). Built by validation; read by the decode
 // schedule and the reference (the tiled schedules read ForwardArgs::k/v, the same memory,
 // which validation sets whenever K/V are a plain view of the call's storage type).
 #pragma once
@@ -131,7 +131,7 @@ struct KvSource {
   }
 
   bool paged() const { return block_table != nullptr; }
-  bool scaled() const { return type == StorageType::int8 || type == StorageType::int4; }
+  bool scaled() const { return type == StorageType::int8 || type == StorageType::int4 || is_float8(type); }
   bool windowed() const { return window_k != nullptr; }
   // Keys of sequence b before this are the quantized storage's, the rest the window's.
   int64_t quantized_length(int64_t batch) const {
@@ -201,7 +201,7 @@ struct KvSource {
   static KvSource of_cache(StorageType type, const View& k, const View& v, const ScaleView& k_scales,
                            const ScaleView& v_scales) {
     KvSource source = of_views(type, k, v);
-    if (type == StorageType::int8) {
+    if (type == StorageType::int8 || is_float8(type)) {
       source.k_scale = k_scales.data;
       source.v_scale = v_scales.data;
       source.k_scale_strides = RowStrides::of(k_scales);

@@ -235,11 +235,14 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
   // Keys [seen_from, seen_to) of the block are visible to every row of the tile.
   const auto seen_from = static_cast<size_t>(std::clamp<int64_t>(gr.max_begin - first, 0, block_keys));
   const size_t seen_to = std::max(seen_from, static_cast<size_t>(std::clamp<int64_t>(gr.min_end - first, 0, block_keys)));
-  // (int8 and int4 levels are finite; their scales may not be.)
+  // (int8 and int4 levels are finite; their scales may not be. float8 values and scales
+  // may both be NaN or inf.)
   bool hidden_non_finite = false;
   for (size_t j = 0; j < keys && !hidden_non_finite; ++j) {
     if (j >= seen_from && j < seen_to) continue;
-    if constexpr (kStored && kRowScaledValues<T>) {
+    if constexpr (kStored && kIsFloat8<T>) {
+      hidden_non_finite = !std::isfinite(v_scale[j]) || !AllFinite(v_rows[j], 0, 1, dv);
+    } else if constexpr (kStored && kRowScaledValues<T>) {
       hidden_non_finite = !std::isfinite(v_scale[j]);
     } else if constexpr (kGrouped) {
       hidden_non_finite = !std::isfinite(v_groups[j]);  // group 0's scale: all NaN for a non-finite row
@@ -540,6 +543,8 @@ void DecodeImpl(const Problem& p, const DecodePlan* planned) {
     case StorageType::float16: return RunDecode<float16>(p, kv, *planned);
     case StorageType::int8: return RunDecode<std::int8_t>(p, kv, *planned);
     case StorageType::int4: return RunDecode<uint4x2>(p, kv, *planned);
+    case StorageType::float8_e4m3fn: return RunDecode<float8_e4m3fn>(p, kv, *planned);
+    case StorageType::float8_e5m2: return RunDecode<float8_e5m2>(p, kv, *planned);
   }
 }
 

@@ -41,9 +41,10 @@ using detail::ScalePtr;
 // are no faster than 2; PyTorch's head-major buffer gains ~3%.
 constexpr size_t kUnitsAhead = 2;
 
-// Storage whose rows carry a scale (value = element · scale): int8, and int4's keys.
+// Storage whose rows carry a scale (value = element · scale): int8, float8 (its per-tensor
+// or per-head scale is read as every row's), and int4's keys.
 template <class T>
-inline constexpr bool kScaledStorage = std::is_same_v<T, std::int8_t> || std::is_same_v<T, uint4x2>;
+inline constexpr bool kScaledStorage = std::is_same_v<T, std::int8_t> || std::is_same_v<T, uint4x2> || kIsFloat8<T>;
 
 // AllocateFloats, zero-filled.
 inline hwy::AlignedFreeUniquePtr<float[]> AllocateZeroedFloats(size_t count) {
@@ -52,10 +53,10 @@ inline hwy::AlignedFreeUniquePtr<float[]> AllocateZeroedFloats(size_t count) {
   return memory;
 }
 
-// Values scaled per row (int8); int4 values carry a scale and zero point per group of
-// channels instead.
+// Values scaled per row (int8, float8); int4 values carry a scale and zero point per
+// group of channels instead.
 template <class T>
-inline constexpr bool kRowScaledValues = std::is_same_v<T, std::int8_t>;
+inline constexpr bool kRowScaledValues = std::is_same_v<T, std::int8_t> || kIsFloat8<T>;
 template <class T>
 inline constexpr bool kGroupedValues = std::is_same_v<T, uint4x2>;
 

@@ -145,10 +145,21 @@ HWY_INLINE void OfferScores(const float* HWY_RESTRICT logits, size_t heads_pad, 
   }
 }
 
+// row[c] = float(in[c]) · scale for c < d (int8 and float8 rows).
+template <class T>
+HWY_INLINE void ScaledRow(const T* HWY_RESTRICT in, float scale, size_t d, float* HWY_RESTRICT row) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  const auto scale_v = hn::Set(df, scale);
+  size_t c = 0;
+  for (; c + lanes <= d; c += lanes) hn::StoreU(hn::Mul(LoadWidened(df, in + c), scale_v), df, row + c);
+  for (; c < d; ++c) row[c] = static_cast<float>(in[c]) * scale;
+}
+
 // Keys [j0, j0 + count) of sequence b of a cache (kv head 0) into out [count][d] as float,
 // each row exactly as KVCache::stored gives it: float copied, bfloat16/float16 widened,
-// int8 with a row scale times it (the product of an int8 and a float is exact in double,
-// so float's rounded product is stored()'s); every other row (channel-scaled or int4
+// int8 and float8 with a row scale times it (the product of an int8 or a float8 and a
+// float is exact in double, so float's rounded product is stored()'s); every other row (channel-scaled or int4
 // keys, the float window) through detail::cache_key_row, stored()'s own arithmetic.
 HWY_INLINE void LoadCacheKeys(const detail::KvSource& kv, int64_t b, int64_t j0, int64_t count, size_t d,
                               float* HWY_RESTRICT out) {
@@ -172,17 +183,15 @@ HWY_INLINE void LoadCacheKeys(const detail::KvSource& kv, int64_t b, int64_t j0,
       case StorageType::float16:
         WidenRows(static_cast<const float16*>(kv.k) + at, 0, 1, d, row, d);
         break;
-      case StorageType::int8: {
-        const FloatTag df;
-        const size_t lanes = hn::Lanes(df);
-        const std::int8_t* in = static_cast<const std::int8_t*>(kv.k) + at;
-        const float scale = kv.k_scale[kv.offset(kv.k_scale_strides, b, j, 0)];
-        const auto scale_v = hn::Set(df, scale);
-        size_t c = 0;
-        for (; c + lanes <= d; c += lanes) hn::StoreU(hn::Mul(LoadWidened(df, in + c), scale_v), df, row + c);
-        for (; c < d; ++c) row[c] = static_cast<float>(in[c]) * scale;
+      case StorageType::int8:
+        ScaledRow(static_cast<const std::int8_t*>(kv.k) + at, kv.k_scale[kv.offset(kv.k_scale_strides, b, j, 0)], d, row);
         break;
-      }
+      case StorageType::float8_e4m3fn:
+        ScaledRow(static_cast<const float8_e4m3fn*>(kv.k) + at, kv.k_scale[kv.offset(kv.k_scale_strides, b, j, 0)], d, row);
+        break;
+      case StorageType::float8_e5m2:
+        ScaledRow(static_cast<const float8_e5m2*>(kv.k) + at, kv.k_scale[kv.offset(kv.k_scale_strides, b, j, 0)], d, row);
+        break;
       case StorageType::int4:
         break;  // not plain: above
     }

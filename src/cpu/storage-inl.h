@@ -11,7 +11,8 @@
 //                         kHardwareFloat16).
 //                         int8 (caches) is widened before its row's scale is applied;
 //                         int4 (uint4x2, two levels a byte) unpacked to its levels
-//                         0..15, before its scales and zero points.
+//                         0..15, before its scales and zero points; float8 (caches,
+//                         e4m3fn and e5m2) to its value, exactly, before its scale.
 //   LoadValues / WidenAt  values c.. of a row (a vector; int4 within a full chunk of 32
 //                         channels) / value c of a row of `count`.
 //   RowAt                 a row from its channel c on (int4: c a multiple of 32).
@@ -31,6 +32,7 @@
 #define QKV_CPU_STORAGE_INL_H_
 #endif
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -62,6 +64,9 @@ inline constexpr bool kHardwareFloat16 = false;
 #endif
 
 template <class T>
+inline constexpr bool kIsFloat8 = std::is_same_v<T, float8_e4m3fn> || std::is_same_v<T, float8_e5m2>;
+
+template <class T>
 inline constexpr bool kVectorWiden =
     std::is_same_v<T, bfloat16> || (std::is_same_v<T, float16> && kHardwareFloat16);
 
@@ -81,6 +86,8 @@ HWY_INLINE float Widen(float x) { return x; }
 HWY_INLINE float Widen(bfloat16 x) { return static_cast<float>(x); }
 HWY_INLINE float Widen(float16 x) { return static_cast<float>(x); }
 HWY_INLINE float Widen(std::int8_t x) { return static_cast<float>(x); }  // int8 caches, before the scale
+HWY_INLINE float Widen(float8_e4m3fn x) { return static_cast<float>(x); }  // float8 caches, before the scale
+HWY_INLINE float Widen(float8_e5m2 x) { return static_cast<float>(x); }
 
 // Value c of a row of `count` values (int4: its level, as qkv/half.hpp lays them out).
 template <class T>
@@ -113,7 +120,38 @@ constexpr size_t RowBytes(size_t count) {
 
 // Whether LoadWidened reads T with vector instructions (else one value at a time).
 template <class T>
-inline constexpr bool kVectorLoad = std::is_same_v<T, float> || std::is_same_v<T, std::int8_t> || kVectorWiden<T>;
+inline constexpr bool kVectorLoad =
+    std::is_same_v<T, float> || std::is_same_v<T, std::int8_t> || kVectorWiden<T> || kIsFloat8<T>;
+
+// Lanes(df) float8 values as floats, exactly, with integer lane operations on every
+// target (Highway's software float16 widening would lose ±inf and NaN): the magnitude's
+// exponent and mantissa bits are moved into a float's and rebiased. A subnormal
+// (exponent field 0) is built as 2^emin · (1 + m / 2^M) and 2^emin subtracted — exact,
+// and never a float subnormal, which a denormals-are-zero mode would flush. NaN (and
+// e5m2's ±inf) are selected by code; the sign bit is put back last.
+template <class T, class D>
+HWY_INLINE hn::Vec<D> WidenFloat8(D df, const T* HWY_RESTRICT p) {
+  constexpr bool kE5M2 = std::is_same_v<T, float8_e5m2>;
+  constexpr int kMantissa = kE5M2 ? 2 : 3, kBias = kE5M2 ? 15 : 7;
+  const hn::RebindToSigned<D> di;
+  const hn::Rebind<uint8_t, D> d8;
+  const auto code = hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
+  const auto magnitude = hn::And(code, hn::Set(di, 0x7F));
+  const auto sign = hn::ShiftLeft<24>(hn::And(code, hn::Set(di, 0x80)));
+  const auto subnormal = hn::Lt(magnitude, hn::Set(di, 1 << kMantissa));
+  const auto rebias = hn::IfThenElse(subnormal, hn::Set(di, (128 - kBias) << 23), hn::Set(di, (127 - kBias) << 23));
+  auto value = hn::BitCast(df, hn::Add(hn::ShiftLeft<23 - kMantissa>(magnitude), rebias));
+  const float min_normal = std::bit_cast<float>(static_cast<uint32_t>(128 - kBias) << 23);
+  value = hn::IfThenElse(hn::RebindMask(df, subnormal), hn::Sub(value, hn::Set(df, min_normal)), value);
+  auto bits = hn::BitCast(di, value);
+  if constexpr (kE5M2) {
+    bits = hn::IfThenElse(hn::Eq(magnitude, hn::Set(di, 0x7C)), hn::Set(di, 0x7F800000), bits);
+    bits = hn::IfThenElse(hn::Gt(magnitude, hn::Set(di, 0x7C)), hn::Set(di, 0x7FC00000), bits);
+  } else {
+    bits = hn::IfThenElse(hn::Eq(magnitude, hn::Set(di, 0x7F)), hn::Set(di, 0x7FC00000), bits);
+  }
+  return hn::BitCast(df, hn::Or(bits, sign));
+}
 
 // Whether int4 rows are read with vectors here: 2 to 16 lanes (a vector's channels are
 // the low or high nibbles of Lanes consecutive bytes of a chunk; never on HWY_SCALAR).
@@ -131,6 +169,8 @@ HWY_INLINE hn::Vec<D> LoadWidened(D df, const T* HWY_RESTRICT p) {
     const hn::Rebind<std::int8_t, D> d8;
     const hn::RebindToSigned<D> di;
     return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, p)));
+  } else if constexpr (kIsFloat8<T>) {
+    return WidenFloat8(df, p);
   } else if constexpr (kVectorWiden<T>) {  // bfloat16: a shift; float16: F16C/AVX-512
     const hn::Rebind<typename HwyLane<T>::type, D> dh;
     return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const typename HwyLane<T>::type*>(p)));
@@ -260,6 +300,20 @@ HWY_INLINE bool AllFinite(const T* HWY_RESTRICT src, int64_t src_row, size_t row
     for (; c < cols; ++c) scalar_bad = scalar_bad || (in[c] & kExponent) == kExponent;
   }
   return !scalar_bad && hn::AllTrue(d, hn::Eq(bad, hn::Zero(d)));
+}
+
+// float8: e4m3fn's only non-finite code is its NaN, S.1111.111; e5m2's are those with
+// an all-ones exponent, as float16's.
+template <class T, class = std::enable_if_t<kIsFloat8<T>>, class = void>
+HWY_INLINE bool AllFinite(const T* HWY_RESTRICT src, int64_t src_row, size_t rows, size_t cols) {
+  constexpr uint8_t kMask = std::is_same_v<T, float8_e5m2> ? 0x7C : 0x7F;
+  for (size_t i = 0; i < rows; ++i) {
+    const auto* in = reinterpret_cast<const uint8_t*>(src + static_cast<int64_t>(i) * src_row);
+    uint8_t seen = 0;  // any byte whose masked bits are all ones
+    for (size_t c = 0; c < cols; ++c) seen |= static_cast<uint8_t>((in[c] & kMask) == kMask);
+    if (seen != 0) return false;
+  }
+  return true;
 }
 
 }  // namespace qkv::cpu::HWY_NAMESPACE

@@ -66,6 +66,12 @@ struct SourceKeyValues {
       case StorageType::int4:  // keys: level · row scale
         return static_cast<double>(level(base, strides, b, j, h, c)) *
                static_cast<double>(scales[kv.offset(scale_strides, b, j, h)]);
+      case StorageType::float8_e4m3fn:
+        return static_cast<double>(static_cast<float>(static_cast<const float8_e4m3fn*>(base)[at])) *
+               static_cast<double>(scales[kv.offset(scale_strides, b, j, h)]);
+      case StorageType::float8_e5m2:
+        return static_cast<double>(static_cast<float>(static_cast<const float8_e5m2*>(base)[at])) *
+               static_cast<double>(scales[kv.offset(scale_strides, b, j, h)]);
     }
     return 0.0;
   }

@@ -64,12 +64,33 @@ inline void quantize_rows(Tensor<float, 4>& x, Tensor<std::int8_t, 4>& q, Tensor
       }
 }
 
+// float8 storage: one scale per kv head, max |x| of the head / the format's largest
+// finite value (as KVCache sets them at its first append); x becomes float8(x / s) · s.
+template <class T>
+std::vector<float> quantize_float8(Tensor<float, 4>& x) {
+  const auto shape = x.shape();
+  std::vector<float> scales(static_cast<std::size_t>(shape[2]), 0.0f);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    float& s = scales[i / static_cast<std::size_t>(shape[3]) % static_cast<std::size_t>(shape[2])];
+    s = std::max(s, std::abs(x[i]));
+  }
+  for (float& s : scales) s = s > 0.0f ? s / T::kMax : 1.0f;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float s = scales[i / static_cast<std::size_t>(shape[3]) % static_cast<std::size_t>(shape[2])];
+    x[i] = static_cast<float>(T(x[i] / s)) * s;
+  }
+  return scales;
+}
+
 // One decode problem: the case's values rounded to the storage type, the cache in
 // storage (contiguous or a shuffled paged pool) with NaN everywhere no key lives (int8:
-// NaN scales there).
+// NaN scales there). float8: one scale per kv head, handed to decode as a per-row view
+// with strides {0, 0, 1}.
 template <class T>
 struct DecodeCase {
   static constexpr bool kInt8 = std::is_same_v<T, std::int8_t>;
+  static constexpr bool kFloat8 = is_float8(storage_type_of<T>);
+  std::vector<float> k_head_scale, v_head_scale;  // float8
   test::Case<float> c;
   Tensor<T, 4> k_cache, v_cache;
   Tensor<float, 3> k_scale, v_scale;  // int8: the cache rows' scales, shaped like its first axes
@@ -100,6 +121,9 @@ struct DecodeCase {
     if constexpr (kInt8) {
       quantize_rows(c.k, kq, kq_scale);
       quantize_rows(c.v, vq, vq_scale);
+    } else if constexpr (kFloat8) {
+      k_head_scale = quantize_float8<T>(c.k);
+      v_head_scale = quantize_float8<T>(c.v);
     } else {
       for (std::size_t i = 0; i < c.k.size(); ++i) c.k[i] = static_cast<float>(to_storage<T>(c.k[i]));
       for (std::size_t i = 0; i < c.v.size(); ++i) c.v[i] = static_cast<float>(to_storage<T>(c.v[i]));
@@ -113,8 +137,14 @@ struct DecodeCase {
       for (int64_t h = 0; h < heads; ++h) {
         if constexpr (kInt8) dst_scale(block, row, h) = live ? src_scale(b, j, h) : std::nanf("");
         for (int64_t x = 0; x < dim; ++x) {
-          if constexpr (kInt8) dst(block, row, h, x) = live ? src_q(b, j, h, x) : poison;
-          else dst(block, row, h, x) = live ? to_storage<T>(src(b, j, h, x)) : poison;
+          if constexpr (kInt8) {
+            dst(block, row, h, x) = live ? src_q(b, j, h, x) : poison;
+          } else if constexpr (kFloat8) {  // the stored value over its head's scale: exact
+            const float head_scale = (&src == &c.k ? k_head_scale : v_head_scale)[static_cast<std::size_t>(h)];
+            dst(block, row, h, x) = live ? T(src(b, j, h, x) / head_scale) : poison;
+          } else {
+            dst(block, row, h, x) = live ? to_storage<T>(src(b, j, h, x)) : poison;
+          }
         }
       }
     };
@@ -169,6 +199,13 @@ struct DecodeCase {
     if constexpr (kInt8) {
       a.k_scale = k_scale.cview();
       a.v_scale = v_scale.cview();
+    }
+    if constexpr (kFloat8) {  // per head: strides 0 along the rows
+      const auto rows = [&](const Tensor<T, 4>& cache) {
+        return std::array<int64_t, 3>{cache.shape()[0], cache.shape()[1], cache.shape()[2]};
+      };
+      a.k_scale = View3<const float>(k_head_scale.data(), rows(k_cache), {0, 0, 1});
+      a.v_scale = View3<const float>(v_head_scale.data(), rows(v_cache), {0, 0, 1});
     }
     a.out = out.view();
     a.lse = lse.view();

@@ -63,7 +63,9 @@ T stored(float x) {
 // length poisoned with NaN, int8 scales too), contiguous or as a shuffled pool.
 template <class T>
 struct Step {
-  static constexpr bool kInt8 = std::is_same_v<T, std::int8_t>;
+  // int8 and float8: scaled per row (float8 usually takes a per-head scale, which is a
+  // per-row view with strides 0; here every row has its own, which the API takes too).
+  static constexpr bool kInt8 = std::is_same_v<T, std::int8_t> || is_float8(storage_type_of<T>);
   StepSpec spec;
   std::vector<int64_t> cu{0};
   int64_t capacity = 0, max_blocks = 0;
@@ -99,7 +101,7 @@ struct Step {
     }
     k = Tensor<T, 4>({rows0, rows1, s.kv_heads, s.head_dim});
     v = Tensor<T, 4>({rows0, rows1, s.kv_heads, s.v_dim});
-    const T poison = kInt8 ? T{} : stored<T>(std::nanf(""));
+    const T poison = std::is_same_v<T, std::int8_t> ? T{} : stored<T>(std::nanf(""));
     for (std::size_t i = 0; i < k.size(); ++i) k[i] = poison;
     for (std::size_t i = 0; i < v.size(); ++i) v[i] = poison;
     if constexpr (kInt8) {
@@ -120,7 +122,12 @@ struct Step {
 
   // int8: one scale per row, max|x|/127 (as KVCache quantizes).
   static void store_row(const float* x, int64_t n, T* dst, float* scale) {
-    if constexpr (kInt8) {
+    if constexpr (is_float8(storage_type_of<T>)) {
+      float largest = 0.0f;
+      for (int64_t c = 0; c < n; ++c) largest = std::max(largest, std::abs(x[c]));
+      *scale = largest > 0.0f ? largest / T::kMax : 1.0f;
+      for (int64_t c = 0; c < n; ++c) dst[c] = T(x[c] / *scale);
+    } else if constexpr (kInt8) {
       float largest = 0.0f;
       for (int64_t c = 0; c < n; ++c) largest = std::max(largest, std::abs(x[c]));
       *scale = largest / 127.0f;
@@ -311,6 +318,8 @@ void check_every_storage(bool reference) {
     check_step<bfloat16>(mixed_step(block), serving(), reference);
     check_step<float16>(mixed_step(block), serving(), reference);
     check_step<std::int8_t>(mixed_step(block), serving(), reference);
+    check_step<float8_e4m3fn>(mixed_step(block), serving(), reference);
+    check_step<float8_e5m2>(mixed_step(block), serving(), reference);
   }
 }
 

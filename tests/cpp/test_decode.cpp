@@ -55,6 +55,8 @@ void check_any(const DecodeSpec& s) {
     case StorageType::bfloat16: return check_spec<bfloat16>(s);
     case StorageType::float16: return check_spec<float16>(s);
     case StorageType::int8: return check_spec<std::int8_t>(s);
+    case StorageType::float8_e4m3fn: return check_spec<float8_e4m3fn>(s);
+    case StorageType::float8_e5m2: return check_spec<float8_e5m2>(s);
     case StorageType::int4: ADD_FAILURE() << "int4 has no DecodeArgs (qkv::KVCache only)"; return;
   }
 }
@@ -86,7 +88,8 @@ std::vector<DecodeSpec> decode_specs() {
        .head_dim = 16, .v_dim = 16, .lengths = {4, 0}},
   };
   for (const DecodeSpec& shape : shapes)
-    for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16, StorageType::int8})
+    for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16, StorageType::int8,
+                              StorageType::float8_e4m3fn, StorageType::float8_e5m2})
       for (int64_t block : {0, 16, 128}) {
         DecodeSpec s = shape;
         s.type = type;

@@ -69,13 +69,16 @@ void check_any(const DecodeSpec& s) {
     case StorageType::bfloat16: return check_backends<bfloat16>(s);
     case StorageType::float16: return check_backends<float16>(s);
     case StorageType::int8: return check_backends<std::int8_t>(s);
+    case StorageType::float8_e4m3fn: return check_backends<float8_e4m3fn>(s);
+    case StorageType::float8_e5m2: return check_backends<float8_e5m2>(s);
     case StorageType::int4: ADD_FAILURE() << "int4 has no DecodeArgs (qkv::KVCache only)"; return;
   }
 }
 
 TEST(DecodeBackends, ReferenceReadsEveryCacheLayout) {
   test::for_each_simd_target([](int64_t) {
-  for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16, StorageType::int8})
+  for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16, StorageType::int8,
+                              StorageType::float8_e4m3fn, StorageType::float8_e5m2})
     for (int64_t block : {0, 16, 5}) {
       DecodeSpec s{.name = "gqa", .batch = 3, .q_len = 2, .capacity = 70, .q_heads = 8, .kv_heads = 2,
                    .head_dim = 32, .v_dim = 24, .lengths = {70, 1, 33}, .type = type, .block_size = block};

@@ -263,6 +263,8 @@ void check_args_any(const ArgsSpec& a) {
     case StorageType::bfloat16: return check_args_all<bfloat16>(a);
     case StorageType::float16: return check_args_all<float16>(a);
     case StorageType::int8: return check_args_all<std::int8_t>(a);
+    case StorageType::float8_e4m3fn: return check_args_all<float8_e4m3fn>(a);
+    case StorageType::float8_e5m2: return check_args_all<float8_e5m2>(a);
     case StorageType::int4: return;
   }
 }

@@ -50,6 +50,8 @@ void expect_near_reference_any(const DecodeSpec& s) {
     case StorageType::bfloat16: return expect_near_reference<bfloat16>(s);
     case StorageType::float16: return expect_near_reference<float16>(s);
     case StorageType::int8: return expect_near_reference<std::int8_t>(s);
+    case StorageType::float8_e4m3fn: return expect_near_reference<float8_e4m3fn>(s);
+    case StorageType::float8_e5m2: return expect_near_reference<float8_e5m2>(s);
     case StorageType::int4: ADD_FAILURE() << "int4 has no DecodeArgs (qkv::KVCache only)"; return;
   }
 }
@@ -86,7 +88,8 @@ std::vector<DecodeSpec> variant_specs() {
 
 TEST(DecodeVariants, MatchTheReferenceOnEveryLayoutAndStorage) {
   for (const DecodeSpec& shape : variant_specs())
-    for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16, StorageType::int8})
+    for (StorageType type : {StorageType::float32, StorageType::bfloat16, StorageType::float16, StorageType::int8,
+                              StorageType::float8_e4m3fn, StorageType::float8_e5m2})
       for (int64_t block : {0, 16, 128}) {
         DecodeSpec s = shape;
         s.type = type;
