@@ -18,6 +18,7 @@
 //                           empty table (block_size 0): contiguous caches
 //     num_heads (Hq), num_kv_heads (Hkv, divides Hq), head_dim (d), v_dim (dv; 0: d),
 //     storage: the caches' element type
+//     tree_mask, tree_mask_offsets [B]: speculative-decoding trees (optional; see Trees)
 //   run (BatchArgs<T>, T the storage type):
 //     q        [total_q, Hq, d]   float32, packed: sequence b's rows cu_seqlens_q[b]..
 //     k_cache  contiguous [B, capacity, Hkv, d] (any strides, last axis contiguous), or the
@@ -39,6 +40,32 @@
 // softcap, alibi_slopes and sinks (copied into the plan), execution (threads, backend,
 // fixed_key_split). As for qkv::decode, options.mask, key_lengths, dropout, modifiers and
 // execution.check_finite are refused. Forward only.
+//
+// Trees (speculative decoding: verifying an EAGLE/Medusa/MTP draft tree in one step).
+// Sequence b's n_b new tokens — its last n_b keys, cache_lengths[b] − n_b .. cache_lengths[b] − 1
+// — may carry a boolean n_b×n_b mask, row-major at tree_mask[tree_mask_offsets[b]]: entry
+// (i, j) nonzero means new token i sees new token j (an ancestor mask: j is i or an ancestor
+// of i). tree_mask_offsets holds one int32/int64 offset per sequence, −1 for a sequence
+// without a tree (its rows follow options.causal as usual); masks may overlap or be shared.
+//   - The tree replaces causality among the new tokens: each row sees the whole cached prefix
+//     (keys 0 .. cache_lengths[b] − n_b − 1) and exactly the new tokens its row of the mask
+//     says, whether options.causal is none or bottom_right. Any mask is allowed — a token
+//     may see a later one (trees need not be laid out in topological order; FlashInfer's
+//     custom masks allow the same) — but every token must see itself (the diagonal is true),
+//     so no row is empty.
+//   - The result equals dense-mask attention with that visibility: keys a row does not see
+//     never reach it (a NaN or Inf in a hidden key or value does not leak).
+//   - Every schedule honours it: a sequence with a tree runs on the split-K schedule
+//     whatever its query count (16-query tiles; the prefix blocks fully visible, the
+//     block(s) holding the new tokens masked per row), and the reference backend too.
+//   - The plan copies the masks. Batch invariance holds as for any sequence: a tree
+//     sequence's rows are bitwise those of a one-sequence plan of it with its tree.
+//   - Errors (qkv::Error, naming the argument, index and sequence): tree_mask_offsets
+//     without tree_mask or the other way round, not one offset per sequence, an offset
+//     below −1 or whose n_b² entries run past tree_mask, a false diagonal entry; with a
+//     tree_mask, options.causal top_left, options.window and options.alibi_slopes (they
+//     count positions along the sequence, which a tree's tokens are not) are refused, and
+//     so are key lists (BatchArgs::indices) at run. Softcap and sinks combine as usual.
 //
 // Schedules (cpu backend): sequences of ≤ 16 queries run on the split-K schedule
 // (cpu/decode.cpp), planned together, their tasks handed to threads costliest first; a
@@ -68,6 +95,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "qkv/attention.hpp"
@@ -87,6 +115,10 @@ struct BatchLayout {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   int64_t v_dim = 0;  // 0: head_dim
   StorageType storage = StorageType::float32;  // int4: run over a qkv::KVCache only
+  // Trees (see above): the masks flattened (nonzero: visible), and where sequence b's
+  // n_b×n_b mask starts (−1: none). Both empty: no trees.
+  std::span<const std::uint8_t> tree_mask;
+  SeqOffsets tree_mask_offsets;
 };
 
 template <class T>  // the caches' storage type: float, bfloat16, float16, int8_t, float8_e4m3fn or float8_e5m2

@@ -7,6 +7,12 @@ the paged pool vLLM and FlashAttention use), planned once per step.
     for layer in layers:
         out = plan.run(q, k_pool[layer], v_pool[layer])   # q [total_q, Hq, d]
 
+Draft trees (speculative decoding): ``tree_mask`` holds each sequence's boolean
+``[n_s, n_s]`` mask among its new tokens, flattened, from ``tree_mask_offsets[s]``:
+
+    plan = qkv.BatchPlan(cu_seqlens_q, cache_lengths, ..., tree_mask=masks.ravel(),
+                         tree_mask_offsets=offsets)   # offsets[s] = -1: no tree
+
 See qkv/batch_plan.hpp for the contract (what a sequence's bits depend on, the errors).
 """
 
@@ -29,6 +35,18 @@ def _scales(x):
     return x.detach().numpy() if _is_torch(x) else np.asarray(x)
 
 
+def _tree_mask(mask, function: str):
+    """tree_mask as the flat, contiguous bool/uint8 array the binding reads (None: no trees)."""
+    if mask is None:
+        return None
+    if _is_torch(mask):
+        mask = mask.detach().cpu().numpy()
+    array = np.asarray(mask)
+    if array.dtype != np.bool_ and array.dtype != np.uint8:
+        raise TypeError(f"{function}: tree_mask: expected dtype bool or uint8, got {array.dtype}")
+    return np.ascontiguousarray(array.reshape(-1))
+
+
 class BatchPlan:
     """A serving step planned once: ``cu_seqlens_q [B+1]`` (prefix sums of each sequence's
     new queries; int32 or int64), ``cache_lengths [B]`` (keys each cache holds, the new
@@ -39,11 +57,23 @@ class BatchPlan:
     on that row and the keys it sees (a token decoded alone reproduces its prefill row).
     dtype: the caches' dtype the plan's cost model assumes (default float32); runs over
     caches of another dtype are planned again once for that dtype.
+
+    Draft trees (verifying an EAGLE/Medusa/MTP tree in one step): ``tree_mask``, bool or
+    uint8 (NumPy or torch; any shape, read flattened in row-major order), holds for each
+    sequence s with a tree its ``[n_s, n_s]`` mask among its n_s new tokens (its last n_s
+    keys), row-major from ``tree_mask_offsets[s]`` (one int per sequence; -1: no tree).
+    Entry (i, j) true: new token i sees new token j. Each new token sees the whole cached
+    prefix and exactly the new tokens its row says: the tree replaces causality among them
+    (causal "bottom_right" or "none" alike; "top_left" is refused), any pattern is allowed
+    (a token may see a later one), but every token must see itself (the diagonal is true).
+    Equal to attention with that dense mask; keys a row does not see never reach it. Not
+    with window, alibi_slopes or indices; softcap and sinks combine. The plan copies the masks.
     """
 
     def __init__(self, cu_seqlens_q, cache_lengths, *, num_heads, num_kv_heads, head_dim, v_dim=None,
                  block_table=None, block_size=None, causal="bottom_right", window=None, softcap=None,
-                 alibi_slopes=None, sinks=None, scale=None, threads=None, fixed_key_split=False, dtype=None):
+                 alibi_slopes=None, sinks=None, scale=None, threads=None, fixed_key_split=False, dtype=None,
+                 tree_mask=None, tree_mask_offsets=None):
         fn = "qkv.BatchPlan"
         framework = Torch if any(_is_torch(x) for x in (cu_seqlens_q, alibi_slopes, sinks)) else NumPy
         self._options = make_options(fn, framework, scale=scale, causal=causal, threads=threads, window=window,
@@ -55,7 +85,10 @@ class BatchPlan:
             num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
             v_dim=int(v_dim or 0),
             block_table=None if block_table is None else _int_array(block_table, None, "block_table", fn),
-            block_size=0 if block_size is None else int(block_size))
+            block_size=0 if block_size is None else int(block_size),
+            tree_mask=_tree_mask(tree_mask, fn),
+            tree_mask_offsets=None if tree_mask_offsets is None else _int_array(
+                tree_mask_offsets, None, "tree_mask_offsets", fn))
         if block_table is not None and block_size is None:
             raise Error(f"{fn}: block_size: expected the pool's rows per block with a block_table")
         self._v_dim = int(v_dim or head_dim)

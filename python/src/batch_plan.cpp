@@ -1,6 +1,7 @@
 // qkv._qkv.BatchPlan: qkv::BatchPlan for Python (qkv/batch_plan.hpp). The layout's arrays
 // are read once (the plan copies them); caches are read in place with decode's
 // conventions (decode.hpp: float32, float16, bfloat16 bits as int16 with `bits_as`, int8).
+// Draft trees: tree_mask (bool or uint8, flattened) and tree_mask_offsets (int32/int64).
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -34,6 +35,17 @@ SeqOffsets offsets_of(const char* name, const ArrayRef& array) {
   const auto view = view_of<const int64_t, 1>(name, array, "int32 or int64");
   if (view.shape[0] > 1 && view.strides[0] != 1) throw Error(Caller::named(name) + ": expected a contiguous array");
   return std::span<const int64_t>(view.data, static_cast<std::size_t>(view.shape[0]));
+}
+
+// The flattened tree masks (bool or uint8, 1-D, contiguous: qkv/_batch_plan.py flattens
+// them), in place (the plan copies them).
+std::span<const std::uint8_t> tree_mask_of(const ArrayRef& array) {
+  const char* name = "tree_mask";
+  const auto view = array.dtype() == nb::dtype<bool>()
+                        ? raw_view<const std::uint8_t, 1>(name, array)
+                        : view_of<const std::uint8_t, 1>(name, array, "a tree mask is bool or uint8");
+  if (view.shape[0] > 1 && view.strides[0] != 1) throw Error(Caller::named(name) + ": expected a contiguous array");
+  return {view.data, static_cast<std::size_t>(view.shape[0])};
 }
 
 template <class T>
@@ -83,7 +95,8 @@ void bind_batch_plan(nb::module_& m) {
           "__init__",
           [](BatchPlan* self, nb::handle cu_seqlens_q, nb::handle cache_lengths, nb::handle num_heads,
              nb::handle num_kv_heads, nb::handle head_dim, nb::handle v_dim, nb::handle block_table,
-             nb::handle block_size, const std::string& storage, const BoundOptions& bound) {
+             nb::handle block_size, nb::handle tree_mask, nb::handle tree_mask_offsets, const std::string& storage,
+             const BoundOptions& bound) {
             const Caller caller(bound.function.c_str());
             BatchLayout layout;
             const ArrayRef cu = ArrayRef::from(cu_seqlens_q, false, "cu_seqlens_q");
@@ -99,11 +112,17 @@ void bind_batch_plan(nb::module_& m) {
             layout.head_dim = int64_argument("head_dim", head_dim);
             layout.v_dim = int64_argument("v_dim", v_dim);
             layout.storage = parse_storage(storage);
+            const std::optional<ArrayRef> trees = optional_in("tree_mask", tree_mask);
+            if (trees) layout.tree_mask = tree_mask_of(*trees);
+            const std::optional<ArrayRef> tree_offsets = optional_in("tree_mask_offsets", tree_mask_offsets);
+            if (tree_offsets) layout.tree_mask_offsets = offsets_of("tree_mask_offsets", *tree_offsets);
             new (self) BatchPlan(layout, bound.for_call());
           },
           nb::arg("cu_seqlens_q"), nb::arg("cache_lengths"), nb::kw_only(), nb::arg("num_heads"),
           nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("v_dim") = 0,
-          nb::arg("block_table").none() = nb::none(), nb::arg("block_size") = 0, nb::arg("storage") = "float32",
+          nb::arg("block_table").none() = nb::none(), nb::arg("block_size") = 0,
+          nb::arg("tree_mask").none() = nb::none(), nb::arg("tree_mask_offsets").none() = nb::none(),
+          nb::arg("storage") = "float32",
           nb::arg("options"))
       .def("run", &run_any, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::kw_only(),
            nb::arg("lse").none() = nb::none(), nb::arg("bits_as") = "", nb::arg("k_scale").none() = nb::none(),

@@ -15,6 +15,7 @@
 #include "cache/cache_reader.hpp"
 #include "cache/cache_scales.hpp"
 #include "cache/decode_source.hpp"
+#include "cache/tree_mask.hpp"
 #include "core/checked_size.hpp"
 #include "core/attention_rules.hpp"
 #include "core/dispatch.hpp"
@@ -32,6 +33,7 @@ struct BatchPlan::State {
   std::vector<int32_t> block_table;
   int64_t max_blocks = 0, block_size = 0;
   std::vector<float> alibi_slopes, sinks;
+  detail::TreeMaskCopy trees;  // MaskRule::tree points into it
   StorageType storage = StorageType::float32;
   int64_t total_q = 0;
   // What the run's views must hold: the longest cache (contiguous capacity) and the
@@ -176,6 +178,8 @@ BatchPlan::BatchPlan(const BatchLayout& layout, const AttentionOptions& options)
     check.fail("block_size: expected 0 without a block_table (contiguous caches), got " + std::to_string(layout.block_size));
   }
   detail::refuse_for_caches(check, options);
+  s.trees = detail::checked_tree_masks(check, layout, cu_q);
+  if (!s.trees.offsets.empty()) detail::refuse_with_trees(check, options);
 
   // The step as one problem: its sequences are the packed queries' (cu_q) against their
   // caches (cu_k only sizes each sequence's keys: the key/value source addresses them).
@@ -192,6 +196,7 @@ BatchPlan::BatchPlan(const BatchLayout& layout, const AttentionOptions& options)
   p.mask.sequences.count = batch;
   p.mask.sequences.cu_q = std::move(cu_q);
   p.mask.sequences.cu_k = std::move(cu_k);
+  p.mask.tree = {.bits = s.trees.bits, .offsets = s.trees.offsets};
   detail::check_variants(check, options, e, p.mask, p.modifiers);
   detail::resolve_execution(check, options, /*wants_weights=*/false, p);
   s.alibi_slopes.assign(p.modifiers.alibi_slopes.begin(), p.modifiers.alibi_slopes.end());
@@ -204,7 +209,9 @@ BatchPlan::BatchPlan(const BatchLayout& layout, const AttentionOptions& options)
   if (s.backend == Backend::cpu) {
     std::vector<bool> tiled(static_cast<std::size_t>(batch), false);
     for (int64_t b = 0; b < batch && !p.fixed_key_split; ++b) {
-      if (p.mask.q_len(b) <= cpu::kDecodeQueries) continue;
+      // A tree's rows each see their own keys: the split-K schedule masks per row (its
+      // query tiles of 16 cover a tree of any size), the tiled one has no such mask.
+      if (p.mask.q_len(b) <= cpu::kDecodeQueries || p.mask.tree.has(b)) continue;
       tiled[static_cast<std::size_t>(b)] = true;
       s.chunks.push_back(b);
     }
@@ -442,8 +449,12 @@ void run_chunk(const detail::ForwardProblem<float>& step, const GatheredChunk& g
 // The step itself, over `problem`'s views.
 void run_step(const BatchPlan::State& s, const detail::ForwardProblem<float>& problem,
               const KeyIndices& indices = {}) {
-  if (!indices.empty())  // every row over its own list (cache/decode_sparse.cpp)
+  if (!indices.empty()) {  // every row over its own list (cache/decode_sparse.cpp)
+    if (!s.trees.offsets.empty())
+      Checker("qkv::BatchPlan::run").fail("indices: not with a plan that has a tree_mask (key lists select "
+                                          "keys along the sequence, a tree among its new tokens)");
     return detail::decode_key_lists(Checker("qkv::BatchPlan::run"), problem, indices, s.backend);
+  }
   if (s.total_q == 0) return;
   // Every chunk's keys gathered before anything is written (a workspace that cannot be
   // had is a qkv::Error with the outputs untouched).

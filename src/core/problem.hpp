@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <span>
@@ -49,6 +50,19 @@ struct Sequences {
   int64_t k_len(int64_t b) const { return varlen() ? cu_k[b + 1] - cu_k[b] : dense_k_len; }
 };
 
+// Speculative-decoding trees (qkv::BatchPlan's tree_mask): sequence b's n = q_len(b) new
+// tokens are its last n keys; where offsets[b] ≥ 0, the row-major n×n mask at
+// bits[offsets[b]] says which of them token i sees (nonzero: visible). It replaces
+// causality among the new tokens — a draft tree need not be laid out in topological order —
+// while every key before them (the cached prefix) stays visible to each of them. BatchPlan
+// refuses windows, ALiBi and key lists with a tree, and key_lengths are never set for it.
+struct TreeMask {
+  std::span<const std::uint8_t> bits;
+  std::span<const int64_t> offsets;  // per sequence (−1: no tree); empty: no trees at all
+
+  bool has(int64_t b) const { return !offsets.empty() && offsets[static_cast<std::size_t>(b)] >= 0; }
+};
+
 // Which keys query (b, h, i) sees and what is added to its logits. Causality and key
 // padding cut each row to a prefix [0, key_end); the boolean and additive masks act
 // element by element inside that prefix.
@@ -76,6 +90,7 @@ struct MaskRule {
   View4<const float> bias;
   // A programmable mask (qkv/modifiers.hpp): one more keep condition, never with bias.
   MaskModHook mask_mod;
+  TreeMask tree;
 
   int64_t q_len(int64_t b) const { return sequences.q_len(b); }
   int64_t valid_keys(int64_t b) const {
@@ -91,6 +106,7 @@ struct MaskRule {
   // of entry b. Never decreases along i.
   int64_t key_end(int64_t b, int64_t i) const {
     const int64_t valid = valid_keys(b);
+    if (tree.has(b)) return valid;  // the tree, not causality, orders the new tokens
     int64_t end = valid;
     switch (causal) {
       case Causal::top_left:
@@ -113,11 +129,20 @@ struct MaskRule {
     return std::clamp<int64_t>(i + window_offset(b) - window.left, 0, valid_keys(b));
   }
 
+  // Sequence b's first new token's key: a tree (tree.has(b)) acts on keys from here on.
+  int64_t tree_begin(int64_t b) const { return valid_keys(b) - q_len(b); }
+  // Does new token i of sequence b (tree.has(b)) see key j ≥ tree_begin(b)?
+  bool tree_sees(int64_t b, int64_t i, int64_t j) const {
+    const int64_t n = q_len(b);
+    return tree.bits[static_cast<std::size_t>(tree.offsets[static_cast<std::size_t>(b)] + i * n + (j - tree_begin(b)))] != 0;
+  }
+
   bool has_elementwise() const { return !keep.empty() || !bias.empty(); }
   bool has_mask_mod() const { return mask_mod.active(); }
   bool keeps(int64_t b, int64_t h, int64_t i, int64_t j) const {
     return (keep.empty() || keep(b, h, i, j) != 0) &&
-           (!has_mask_mod() || mask_mod.keeps(mask_mod.context, b, h, i, j));
+           (!has_mask_mod() || mask_mod.keeps(mask_mod.context, b, h, i, j)) &&
+           (!tree.has(b) || j < tree_begin(b) || tree_sees(b, i, j));
   }
   float bias_at(int64_t b, int64_t h, int64_t i, int64_t j) const {
     return bias.empty() ? 0.0f : bias(b, h, i, j);

@@ -35,6 +35,8 @@
 // alignment, a sliding window), so a block is either fully visible to every row of the tile, or partly
 // visible (scores of hidden keys set to -inf — overwritten, so a NaN key behind the
 // mask never reaches a row); keys past the last visible key of the tile are never read.
+// A draft tree (qkv::BatchPlan's tree_mask, MaskRule::tree) hides new tokens per row: the
+// blocks holding a sequence's new tokens are partly visible, its prefix blocks fully.
 //
 // decode_tiles-inl.h holds the register tiles; decode_rows-inl.h the per-thread scratch,
 // the row pointers and scales of a unit read in place, and the channel-scaled scores.
@@ -325,6 +327,10 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
     key_begin[i] = mask.key_begin(task.batch, task.first_query + static_cast<int64_t>(i));
     key_end[i] = mask.key_end(task.batch, task.first_query + static_cast<int64_t>(i));
   }
+  // Keys every query of the tile sees end with the first query's; a tree's new tokens
+  // are not seen by every query (so a non-finite value among them takes the safe path).
+  const int64_t seen_by_all_end =
+      mask.tree.has(task.batch) ? std::min(key_end[0], mask.tree_begin(task.batch)) : key_end[0];
   const float scale = static_cast<float>(p.scale);
   const auto rows = p.rows();  // varlen queries: through the sequence offsets
   for (int64_t h = 0; h < e.q_heads; ++h)
@@ -389,7 +395,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
                          .quantized = s.vnni ? s.quantized_queries().rows_from(row0) : int8dot::Queries{},
                          .m = chunk.m + row0, .l = chunk.l + row0, .acc = chunk.acc + row0 * dv_pad,
                          .key_begin = key_begin, .key_end = key_end, .max_begin = key_begin[tile - 1],
-                         .min_end = key_end[0]};
+                         .min_end = seen_by_all_end};
       // The ring holds units unit .. unit + kUnitsAhead: the farthest takes the slot the
       // previous unit left, and its rows are prefetched while this unit computes.
       const size_t slot = unit % slots, far_slot = (unit + kUnitsAhead) % slots;

@@ -81,7 +81,8 @@ struct TileStages {
 // padded) for query `query` of (batch, head); keys outside [key_begin, key_end) — and the
 // padding past the block's `keys` — are removed (set to −inf, overwriting the score, so a
 // NaN key behind the mask never reaches the row). No elementwise mask reaches this
-// schedule (cpu::runs_split_k), so the mask stage is the key range alone.
+// schedule (cpu::runs_split_k), so the mask stage is the key range alone — and, for a
+// sequence with a tree (MaskRule::tree, qkv::BatchPlan), the tree among its new tokens.
 struct RowStages {
   const detail::MaskRule& rule;
   const detail::ScoreModifiers& mods;
@@ -106,11 +107,17 @@ struct RowStages {
   }
   void mask() {
     const auto block = static_cast<int64_t>(keys);
-    if (padded == keys && first_key >= key_begin && first_key + block <= key_end) return;
-    const int64_t hidden_before = std::clamp<int64_t>(key_begin - first_key, 0, block);
-    const int64_t visible_end = std::clamp<int64_t>(key_end - first_key, hidden_before, block);
-    std::fill(s, s + hidden_before, kMinusInf);
-    std::fill(s + visible_end, s + padded, kMinusInf);
+    if (padded != keys || first_key < key_begin || first_key + block > key_end) {
+      const int64_t hidden_before = std::clamp<int64_t>(key_begin - first_key, 0, block);
+      const int64_t visible_end = std::clamp<int64_t>(key_end - first_key, hidden_before, block);
+      std::fill(s, s + hidden_before, kMinusInf);
+      std::fill(s + visible_end, s + padded, kMinusInf);
+    }
+    if (!rule.tree.has(batch)) return;
+    // The block's keys among the new tokens (at most one or two blocks of a sequence):
+    // those the tree hides from this row removed like the rest.
+    for (int64_t j = std::max(first_key, rule.tree_begin(batch)); j < first_key + block; ++j)
+      if (!rule.tree_sees(batch, query, j)) s[j - first_key] = kMinusInf;
   }
 };
 

@@ -15,12 +15,12 @@ BLOCKS = re.findall(r"```python\n(.*?)```", USAGE.read_text(), flags=re.S)
 
 
 def test_the_examples_are_short():
-    assert len(BLOCKS) == 3  # NumPy in five lines, PyTorch in ten, sparse attention's
+    assert len(BLOCKS) == 4  # NumPy in five lines, PyTorch in ten, sparse attention's, draft trees'
     numpy_lines, torch_lines = (len(b.strip().splitlines()) for b in BLOCKS[:2])
     assert numpy_lines <= 5 and torch_lines <= 12  # ten, plus the two blank lines
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=["numpy", "torch", "sparse"])
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=["numpy", "torch", "sparse", "tree"])
 def test_example_runs(index):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):  # (a block inside a list item is indented)
