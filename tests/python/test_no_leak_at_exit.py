@@ -146,3 +146,25 @@ def test_a_released_cache_says_so():
     with pytest.raises(qkv.Error, match="qkv.BatchPlan: used after the interpreter began to exit"):
         plan.sequences
     assert isinstance(cache._cache, _exit.Released)
+
+
+def test_views_keep_the_memory_not_the_object():
+    """A view of a cache's memory holds the C++ cache (python/src/decode.cpp), not the
+    qkv._qkv object: the memory stays valid after the KVCache is released and gone."""
+    import gc
+
+    import numpy as np
+
+    import qkv
+
+    cache = qkv.KVCache(1, 4, 1, 8, dtype="int8")
+    cache.append(np.ones((1, 1, 2, 8), np.float32), np.full((1, 1, 2, 8), 2.0, np.float32))
+    keys, values = cache.storage()
+    scales = cache.scales()
+    torch_keys, _ = cache.torch_storage()
+    cache._release()
+    del cache
+    gc.collect()
+    assert keys[0, :2].tolist() == [[[127] * 8]] * 2 and values[0, :2].tolist() == [[[127] * 8]] * 2
+    assert np.allclose(scales[0][0, :2], 1 / 127) and np.allclose(scales[1][0, :2], 2 / 127)
+    assert torch_keys[0, :2].tolist() == [[[127] * 8]] * 2
