@@ -246,18 +246,19 @@ void bind_decode(nb::module_& m) {
             const Caller caller("qkv.KVCache");
             if (key_scales != "row" && key_scales != "channel")
               throw Error("qkv::KVCache: config.key_scales: expected 'row' or 'channel', got '" + key_scales + "'");
-            new (self) CacheObject{std::make_shared<KVCache>(KVCacheConfig{.batch = int64_argument("batch", batch),
-                                .capacity = int64_argument("capacity", capacity),
-                                .kv_heads = int64_argument("kv_heads", kv_heads),
-                                .head_dim = int64_argument("head_dim", head_dim),
-                                .v_dim = int64_argument("v_dim", v_dim), .dtype = parse_storage(dtype), .paged = paged,
-                                .block_size = int64_argument("block_size", block_size),
-                                .num_blocks = int64_argument("num_blocks", num_blocks),
-                                .key_scales = key_scales == "channel" ? KeyScales::channel : KeyScales::row,
-                                .group_size = int64_argument("group_size", group_size),
-                                .float_window = int64_argument("float_window", float_window),
-                                .scale_dtype = scale_dtype.empty() ? std::nullopt
-                                                                   : std::optional(parse_storage(scale_dtype))})};
+            const KVCacheConfig config{
+                .batch = int64_argument("batch", batch),
+                .capacity = int64_argument("capacity", capacity),
+                .kv_heads = int64_argument("kv_heads", kv_heads),
+                .head_dim = int64_argument("head_dim", head_dim),
+                .v_dim = int64_argument("v_dim", v_dim), .dtype = parse_storage(dtype), .paged = paged,
+                .block_size = int64_argument("block_size", block_size),
+                .num_blocks = int64_argument("num_blocks", num_blocks),
+                .key_scales = key_scales == "channel" ? KeyScales::channel : KeyScales::row,
+                .group_size = int64_argument("group_size", group_size),
+                .float_window = int64_argument("float_window", float_window),
+                .scale_dtype = scale_dtype.empty() ? std::nullopt : std::optional(parse_storage(scale_dtype))};
+            new (self) CacheObject{std::make_shared<KVCache>(config)};
           },
           nb::arg("batch"), nb::arg("capacity"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("v_dim") = 0,
           nb::arg("dtype") = "float32", nb::arg("paged") = false, nb::arg("block_size") = 16,
