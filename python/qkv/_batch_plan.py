@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from . import _qkv
+from . import _exit, _qkv
 from ._decode_eager import _cache_array, _float32_packed, _int_array, _is_torch, _storage_name, refuse_grad
 from ._options import make_options
 from ._arrays import Error, NumPy, Torch
@@ -94,6 +94,7 @@ class BatchPlan:
         self._v_dim = int(v_dim or head_dim)
         first = "float32" if dtype is None else _storage_name(dtype, fn)
         self._plans = {first: self._plan(first)}  # validates the layout now
+        _exit.release_at_exit(self)  # the C++ plans and options are freed before finalization (qkv/_exit.py)
         # The traced operator's name for this plan (qkv/_torch_ops_cache.py), made here, out of
         # any trace; a plan made before torch is imported is not traceable.
         self._handle = None
@@ -101,6 +102,10 @@ class BatchPlan:
             from . import _torch_ops_cache
 
             self._handle = _torch_ops_cache.register_plan(self)
+
+    def _release(self):
+        """At exit (qkv/_exit.py): frees the C++ plans and options; any later use raises qkv.Error."""
+        self._plans = self._options = _exit.Released("qkv.BatchPlan")
 
     def _plan(self, storage: str):
         return _qkv.BatchPlan(storage=storage, options=self._options, **self._layout)

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from . import _decode_eager, _qkv
+from . import _decode_eager, _exit, _qkv
 from ._arrays import Error
 from ._decode_eager import (_check_layout, _empty_out, _float32_logical, _float32_packed, _int_array, _is_torch,
                             _options, _storage_name, refuse_grad)
@@ -190,7 +190,9 @@ class KVCache:
             key_scales = "channel" if storage == "int4" else "row"
         self._cache = _qkv.KVCache(batch, capacity, kv_heads, head_dim, v_dim or 0, storage,
                                    bool(paged), block_size, num_blocks or 0, key_scales, group_size,
-                                   None if float_window is None else int(float_window), "" if scale_dtype is None else _scale_dtype_name(scale_dtype))
+                                   None if float_window is None else int(float_window),
+                                   "" if scale_dtype is None else _scale_dtype_name(scale_dtype))
+        _exit.release_at_exit(self)  # the C++ cache is freed before the interpreter finalizes (qkv/_exit.py)
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.v_dim = v_dim or head_dim
         # For torch.compile: the handle its operators name the cache by, and the state
@@ -198,6 +200,10 @@ class KVCache:
         self._handle = self._state = None
         if "torch" in sys.modules:
             self._register_for_torch()
+
+    def _release(self):
+        """At exit (qkv/_exit.py): frees the C++ cache; any later use raises qkv.Error."""
+        self._cache = _exit.Released("qkv.KVCache")
 
     def _register_for_torch(self):
         import torch

@@ -131,7 +131,7 @@ void bind_batch_plan(nb::module_& m) {
            "[total_q, Hq, dv] (and lse [Hq, total_q]); the GIL is released.")
       .def(
           "run_cache",
-          [](const BatchPlan& self, nb::handle q, const KVCache& cache, nb::handle out, nb::handle lse,
+          [](const BatchPlan& self, nb::handle q, const CacheObject& cache, nb::handle out, nb::handle lse,
              nb::handle indices) {
             const Caller caller("qkv.BatchPlan.run");
             const std::optional<ArrayRef> index_array = optional_in("indices", indices);
@@ -141,7 +141,7 @@ void bind_batch_plan(nb::module_& m) {
             TensorView<float, 2> lv;
             if (!lse.is_none()) lv = view_of<float, 2>("lse", ArrayRef::from(lse, true, "lse"), "the log-sum-exp is float32");
             nb::gil_scoped_release release;
-            self.run(qv, cache, ov, lv, lists);
+            self.run(qv, *cache.cache, ov, lv, lists);
           },
           nb::arg("q"), nb::arg("cache"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
           nb::arg("indices").none() = nb::none(),

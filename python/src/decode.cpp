@@ -167,9 +167,17 @@ void decode_any(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle
   throw Error("qkv::decode: int4 caches attend through qkv.KVCache.attend");
 }
 
+// The owner of a view of the cache's memory: a capsule holding the C++ cache (not the
+// Python object: see CacheObject in decode.hpp).
+nb::capsule memory_owner(nb::handle self) {
+  auto* cache = new std::shared_ptr<KVCache>(nb::cast<CacheObject&>(self).cache);
+  return nb::capsule(cache, [](void* p) noexcept { delete static_cast<std::shared_ptr<KVCache>*>(p); });
+}
+
 // A NumPy array over the cache's own memory (float32, or uint16 bits for 16-bit types),
-// kept alive by the cache object.
-nb::ndarray<nb::numpy> storage_array(KVCache& cache, bool keys, nb::handle owner) {
+// kept alive by the C++ cache (memory_owner).
+nb::ndarray<nb::numpy> storage_array(nb::handle self, bool keys) {
+  KVCache& cache = *nb::cast<CacheObject&>(self).cache;
   const auto shape4 = keys ? cache.k_shape() : cache.v_shape();
   std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
                           static_cast<std::size_t>(shape4[2]), static_cast<std::size_t>(shape4[3])};
@@ -180,7 +188,7 @@ nb::ndarray<nb::numpy> storage_array(KVCache& cache, bool keys, nb::handle owner
                                : type == StorageType::int8  ? nb::dtype<int8_t>()
                                : type == StorageType::int4  ? nb::dtype<uint8_t>()
                                                             : nb::dtype<uint16_t>();
-  return nb::ndarray<nb::numpy>(data, 4, shape, owner, nullptr, dt);
+  return nb::ndarray<nb::numpy>(data, 4, shape, memory_owner(self), nullptr, dt);
 }
 
 // The cache's scale arrays, in its scale_dtype (float32, or float16 for int4 caches).
@@ -207,13 +215,13 @@ bool has_scales(const KVCache& cache, ScaleKind kind) {
 // `shape`, with `strides` in elements (null: row-major).
 nb::object scale_view(nb::handle self, ScaleKind kind, std::size_t ndim, const std::size_t* shape,
                       const int64_t* strides = nullptr) {
-  const KVCache& cache = nb::cast<KVCache&>(self);
+  const KVCache& cache = *nb::cast<CacheObject&>(self).cache;
   const bool half = half_scales(cache);
   const void* data = half ? static_cast<const void*>(scales_of<float16>(cache, kind).data())
                           : static_cast<const void*>(scales_of<float>(cache, kind).data());
   const nb::dlpack::dtype dt =
       half ? nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1} : nb::dtype<float>();
-  return nb::cast(nb::ndarray<nb::numpy, nb::ro>(const_cast<void*>(data), ndim, shape, self, strides, dt));
+  return nb::cast(nb::ndarray<nb::numpy, nb::ro>(const_cast<void*>(data), ndim, shape, memory_owner(self), strides, dt));
 }
 
 }  // namespace
@@ -228,29 +236,30 @@ void bind_decode(nb::module_& m) {
         "bits of the `bits_as` type). options: an Options (scale, causal, threads and the "
         "variants). Writes out (and lse) in place; the GIL is released.");
 
-  nb::class_<KVCache>(m, "KVCache")
+  nb::class_<CacheObject>(m, "KVCache")
       .def(
           "__init__",
-          [](KVCache* self, nb::handle batch, nb::handle capacity, nb::handle kv_heads, nb::handle head_dim,
+          [](CacheObject* self, nb::handle batch, nb::handle capacity, nb::handle kv_heads, nb::handle head_dim,
              nb::handle v_dim, const std::string& dtype, bool paged, nb::handle block_size, nb::handle num_blocks,
              const std::string& key_scales, nb::handle group_size, nb::handle float_window,
              const std::string& scale_dtype) {
             const Caller caller("qkv.KVCache");
             if (key_scales != "row" && key_scales != "channel")
               throw Error("qkv::KVCache: config.key_scales: expected 'row' or 'channel', got '" + key_scales + "'");
-            new (self) KVCache({.batch = int64_argument("batch", batch),
-                                .capacity = int64_argument("capacity", capacity),
-                                .kv_heads = int64_argument("kv_heads", kv_heads),
-                                .head_dim = int64_argument("head_dim", head_dim),
-                                .v_dim = int64_argument("v_dim", v_dim), .dtype = parse_storage(dtype), .paged = paged,
-                                .block_size = int64_argument("block_size", block_size),
-                                .num_blocks = int64_argument("num_blocks", num_blocks),
-                                .key_scales = key_scales == "channel" ? KeyScales::channel : KeyScales::row,
-                                .group_size = int64_argument("group_size", group_size),
-                                .float_window = float_window.is_none() ? std::optional<int64_t>()
-                                                                   : int64_argument("float_window", float_window),
-                                .scale_dtype = scale_dtype.empty() ? std::nullopt
-                                                                   : std::optional(parse_storage(scale_dtype))});
+            const KVCacheConfig config{
+                .batch = int64_argument("batch", batch),
+                .capacity = int64_argument("capacity", capacity),
+                .kv_heads = int64_argument("kv_heads", kv_heads),
+                .head_dim = int64_argument("head_dim", head_dim),
+                .v_dim = int64_argument("v_dim", v_dim), .dtype = parse_storage(dtype), .paged = paged,
+                .block_size = int64_argument("block_size", block_size),
+                .num_blocks = int64_argument("num_blocks", num_blocks),
+                .key_scales = key_scales == "channel" ? KeyScales::channel : KeyScales::row,
+                .group_size = int64_argument("group_size", group_size),
+                .float_window = float_window.is_none() ? std::optional<int64_t>()
+                                                       : int64_argument("float_window", float_window),
+                .scale_dtype = scale_dtype.empty() ? std::nullopt : std::optional(parse_storage(scale_dtype))};
+            new (self) CacheObject{std::make_shared<KVCache>(config)};
           },
           nb::arg("batch"), nb::arg("capacity"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("v_dim") = 0,
           nb::arg("dtype") = "float32", nb::arg("paged") = false, nb::arg("block_size") = 16,
@@ -258,7 +267,7 @@ void bind_decode(nb::module_& m) {
           nb::arg("float_window").none() = nb::none(), nb::arg("scale_dtype") = "")
       .def(
           "append",
-          [](KVCache& self, const InArray& k, const InArray& v, nb::handle seq_list) {
+          [](CacheObject& object, const InArray& k, const InArray& v, nb::handle seq_list) {
             const Caller caller("qkv.KVCache.append");
             const std::optional<std::vector<int64_t>> seqs = int64_list_argument("seq", seq_list);
             const auto kv = view_of<const float, 4>("k", k, "appended keys are float32");
@@ -266,12 +275,12 @@ void bind_decode(nb::module_& m) {
             const std::vector<int64_t> chosen = seqs.value_or(std::vector<int64_t>{});
             if (seqs && chosen.empty()) throw Error("qkv::KVCache::append: seqs: expected at least one sequence");
             nb::gil_scoped_release release;
-            self.append(kv, vv, chosen);
+            object.cache->append(kv, vv, chosen);
           },
           nb::arg("k"), nb::arg("v"), nb::arg("seqs").none() = nb::none())
       .def(
           "append_varlen",
-          [](KVCache& self, const InArray& k, const InArray& v, nb::handle cu_seqlens_list, nb::handle seq_list) {
+          [](CacheObject& object, const InArray& k, const InArray& v, nb::handle cu_seqlens_list, nb::handle seq_list) {
             const Caller caller("qkv.KVCache.append_varlen");
             const std::vector<int64_t> cu_seqlens = int64_list_argument("cu_seqlens", cu_seqlens_list).value_or(
                 std::vector<int64_t>{});
@@ -281,12 +290,12 @@ void bind_decode(nb::module_& m) {
             const std::vector<int64_t> chosen = seqs.value_or(std::vector<int64_t>{});
             if (seqs && chosen.empty()) throw Error("qkv::KVCache::append_varlen: seqs: expected at least one sequence");
             nb::gil_scoped_release release;
-            self.append_varlen(kv, vv, std::span<const int64_t>(cu_seqlens), chosen);
+            object.cache->append_varlen(kv, vv, std::span<const int64_t>(cu_seqlens), chosen);
           },
           nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens"), nb::arg("seqs").none() = nb::none())
       .def(
           "attend",
-          [](const KVCache& self, nb::handle q, nb::handle out, nb::handle lse, nb::handle indices,
+          [](const CacheObject& object, nb::handle q, nb::handle out, nb::handle lse, nb::handle indices,
              const BoundOptions& bound) {
             const Caller caller(bound.function.c_str());
             const std::optional<ArrayRef> index_array = optional_in("indices", indices);
@@ -297,32 +306,33 @@ void bind_decode(nb::module_& m) {
             View3<float> lv;
             if (!lse.is_none()) lv = view_of<float, 3>("lse", ArrayRef::from(lse, true, "lse"), "the log-sum-exp is float32");
             nb::gil_scoped_release release;
-            self.attend(qv, ov, lv, options, lists);
+            object.cache->attend(qv, ov, lv, options, lists);
           },
           nb::arg("q"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
           nb::arg("indices").none() = nb::none(), nb::arg("options"))
       .def(
           "reset",
-          [](KVCache& self, nb::handle seq) {
+          [](CacheObject& object, nb::handle seq) {
             const Caller caller("qkv.KVCache.reset");
-            if (seq.is_none()) return self.reset();
-            self.reset(int64_argument("seq", seq));
+            if (seq.is_none()) return object.cache->reset();
+            object.cache->reset(int64_argument("seq", seq));
           },
           nb::arg("seq").none() = nb::none())
-      .def_prop_ro("lengths", [](const KVCache& self) {
-        return std::vector<int64_t>(self.lengths().begin(), self.lengths().end());
+      .def_prop_ro("lengths", [](const CacheObject& object) {
+        const auto lengths = object.cache->lengths();
+        return std::vector<int64_t>(lengths.begin(), lengths.end());
       })
-      .def_prop_ro("free_blocks", &KVCache::free_blocks)
-      .def_prop_ro("dtype", [](const KVCache& self) { return std::string(storage_name(self.config().dtype)); })
-      .def_prop_ro("paged", [](const KVCache& self) { return self.config().paged; })
-      .def_prop_ro("block_size", [](const KVCache& self) { return self.config().block_size; })
-      .def_prop_ro("capacity", [](const KVCache& self) { return self.config().capacity; })
-      .def("key_storage", [](nb::handle self) { return storage_array(nb::cast<KVCache&>(self), true, self); })
-      .def("value_storage", [](nb::handle self) { return storage_array(nb::cast<KVCache&>(self), false, self); })
+      .def_prop_ro("free_blocks", [](const CacheObject& object) { return object.cache->free_blocks(); })
+      .def_prop_ro("dtype", [](const CacheObject& object) { return std::string(storage_name(object.cache->config().dtype)); })
+      .def_prop_ro("paged", [](const CacheObject& object) { return object.cache->config().paged; })
+      .def_prop_ro("block_size", [](const CacheObject& object) { return object.cache->config().block_size; })
+      .def_prop_ro("capacity", [](const CacheObject& object) { return object.cache->config().capacity; })
+      .def("key_storage", [](nb::handle self) { return storage_array(self, true); })
+      .def("value_storage", [](nb::handle self) { return storage_array(self, false); })
       .def("scales", [](nb::handle self) -> nb::object {
         // int8: the rows' scales (keys, values), [B | blocks, capacity | block_size, Hkv]
         // NumPy views of the cache's memory; None for other storage types.
-        KVCache& cache = nb::cast<KVCache&>(self);
+        KVCache& cache = *nb::cast<CacheObject&>(self).cache;
         // int4: the keys' row scales (1, or NaN for a non-finite key) and None.
         if (cache.config().dtype != StorageType::int8 && cache.config().dtype != StorageType::int4) return nb::none();
         const auto shape4 = cache.k_shape();
@@ -332,22 +342,23 @@ void bind_decode(nb::module_& m) {
           const int64_t strides[3] = {shape4[1] * shape4[2], 1, shape4[1]};
           return nb::make_tuple(scale_view(self, ScaleKind::key_rows, 3, shape, strides), nb::none());
         }
-        return nb::make_tuple(nb::ndarray<nb::numpy, const float>(cache.k_scales().data(), 3, shape, self),
-                              nb::ndarray<nb::numpy, const float>(cache.v_scales().data(), 3, shape, self));
+        return nb::make_tuple(nb::ndarray<nb::numpy, const float>(cache.k_scales().data(), 3, shape, memory_owner(self)),
+                              nb::ndarray<nb::numpy, const float>(cache.v_scales().data(), 3, shape, memory_owner(self)));
       })
-      .def_prop_ro("key_scales", [](const KVCache& self) {
-        return std::string(self.config().key_scales == KeyScales::channel ? "channel" : "row");
+      .def_prop_ro("key_scales", [](const CacheObject& object) {
+        return std::string(object.cache->config().key_scales == KeyScales::channel ? "channel" : "row");
       })
-      .def_prop_ro("group_size", [](const KVCache& self) { return self.config().group_size; })
-      .def_prop_ro("scale_dtype", [](const KVCache& self) { return std::string(storage_name(*self.config().scale_dtype)); })
-      .def_prop_ro("float_window", [](const KVCache& self) { return self.config().float_window.value_or(0); })
-      .def_prop_ro("quantized_lengths", [](const KVCache& self) {
-        return std::vector<int64_t>(self.quantized_lengths().begin(), self.quantized_lengths().end());
+      .def_prop_ro("group_size", [](const CacheObject& object) { return object.cache->config().group_size; })
+      .def_prop_ro("scale_dtype", [](const CacheObject& object) { return std::string(storage_name(*object.cache->config().scale_dtype)); })
+      .def_prop_ro("float_window", [](const CacheObject& object) { return object.cache->config().float_window.value_or(0); })
+      .def_prop_ro("quantized_lengths", [](const CacheObject& object) {
+        const auto lengths = object.cache->quantized_lengths();
+        return std::vector<int64_t>(lengths.begin(), lengths.end());
       })
       .def("value_group_scales", [](nb::handle self) -> nb::object {
         // int4: each value row's group scales then zero points, [B | blocks, capacity |
         // block_size, Hkv, 2·groups] NumPy view; None otherwise.
-        KVCache& cache = nb::cast<KVCache&>(self);
+        KVCache& cache = *nb::cast<CacheObject&>(self).cache;
         if (!has_scales(cache, ScaleKind::value_groups)) return nb::none();
         const auto shape4 = cache.v_shape();
         const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
@@ -359,7 +370,7 @@ void bind_decode(nb::module_& m) {
       })
       .def(
           "stored",
-          [](const KVCache& self, nb::handle seq_arg) {
+          [](const CacheObject& object, nb::handle seq_arg) {
             const int64_t seq = [&] {
               const Caller caller("qkv.KVCache.stored");
               return int64_argument("seq", seq_arg);
@@ -368,24 +379,25 @@ void bind_decode(nb::module_& m) {
             std::pair<std::vector<float>, std::vector<float>> rows;
             {
               nb::gil_scoped_release release;
-              rows = self.stored(seq);
+              rows = object.cache->stored(seq);
             }
             auto& [k, v] = rows;
-            const auto heads = static_cast<std::size_t>(self.config().kv_heads);
-            const std::size_t length = k.size() / (heads * static_cast<std::size_t>(self.config().head_dim));
+            const auto heads = static_cast<std::size_t>(object.cache->config().kv_heads);
+            const std::size_t length = k.size() / (heads * static_cast<std::size_t>(object.cache->config().head_dim));
             const auto to_array = [&](std::vector<float>&& values, int64_t dim) {
               auto* owned = new std::vector<float>(std::move(values));
               nb::capsule free(owned, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
               const std::size_t shape[3] = {length, heads, static_cast<std::size_t>(dim)};
               return nb::ndarray<nb::numpy, float>(owned->data(), 3, shape, free);
             };
-            return nb::make_tuple(to_array(std::move(k), self.config().head_dim), to_array(std::move(v), self.config().v_dim));
+            const KVCacheConfig& config = object.cache->config();
+            return nb::make_tuple(to_array(std::move(k), config.head_dim), to_array(std::move(v), config.v_dim));
           },
           nb::arg("seq"))
       .def("channel_scales", [](nb::handle self) -> nb::object {
         // key_scales="channel": (the keys' channel scales, their zero points), each
         // [B | blocks, groups, Hkv, d], NumPy views of the cache's memory; None otherwise.
-        KVCache& cache = nb::cast<KVCache&>(self);
+        KVCache& cache = *nb::cast<CacheObject&>(self).cache;
         if (!has_scales(cache, ScaleKind::channel_scales)) return nb::none();
         const auto shape4 = cache.k_channel_shape();
         const std::size_t shape[4] = {static_cast<std::size_t>(shape4[0]), static_cast<std::size_t>(shape4[1]),
@@ -394,10 +406,10 @@ void bind_decode(nb::module_& m) {
                               scale_view(self, ScaleKind::channel_zeros, 4, shape));
       })
       .def("block_table", [](nb::handle self) {
-        KVCache& cache = nb::cast<KVCache&>(self);
+        KVCache& cache = *nb::cast<CacheObject&>(self).cache;
         const std::size_t shape[2] = {static_cast<std::size_t>(cache.config().batch),
                                       static_cast<std::size_t>(cache.blocks_per_sequence())};
-        return nb::ndarray<nb::numpy, const int32_t>(cache.block_table().data(), 2, shape, self);
+        return nb::ndarray<nb::numpy, const int32_t>(cache.block_table().data(), 2, shape, memory_owner(self));
       });
 }
 

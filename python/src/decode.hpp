@@ -3,17 +3,29 @@
 
 #include <nanobind/nanobind.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "arrays.hpp"
 #include "qkv/half.hpp"
+#include "qkv/kv_cache.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv::python {
 
 void bind_decode(nanobind::module_& m);
+
+// What a qkv._qkv.KVCache Python object holds: the cache through a shared_ptr. The NumPy
+// views of its memory (key_storage, scales, block_table, ...) hold another one, not the
+// Python object: PyTorch does not free an autograd graph still alive when the interpreter
+// exits, and a view such a graph saved (a torch tensor over KVCache.torch_storage())
+// would otherwise keep this object alive past finalization, where nanobind reports it
+// as leaked (issue 43, 5). The memory lives as long as the last view either way.
+struct CacheObject {
+  std::shared_ptr<KVCache> cache;
+};
 
 // Shared with batch_plan.cpp: the cache arrays' conventions.
 StorageType parse_storage(const std::string& name);

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "arrays.hpp"
+#include "decode.hpp"
 #include "options.hpp"
 #include "qkv/index_topk.hpp"
 #include "qkv/kv_cache.hpp"
@@ -38,7 +39,7 @@ void index_topk_binding(nb::handle q, nb::handle k, nb::handle weights, nb::hand
 }
 
 // KVCache.index_topk: the indexer over a cache of index keys; q and weights float32.
-void cache_index_topk_binding(const KVCache& cache, nb::handle q, nb::handle weights, nb::handle indices,
+void cache_index_topk_binding(const CacheObject& cache, nb::handle q, nb::handle weights, nb::handle indices,
                               const BoundOptions& bound) {
   const Caller caller(bound.function.c_str());
   const AttentionOptions options = bound.for_call();
@@ -46,7 +47,7 @@ void cache_index_topk_binding(const KVCache& cache, nb::handle q, nb::handle wei
   const auto wv = view_of<const float, 3>("weights", ArrayRef::from(weights, false, "weights"), "float32 for this q");
   const auto iv = view_of<int32_t, 3>("indices", ArrayRef::from(indices, true, "indices"), "the indices are int32");
   nanobind::gil_scoped_release release;
-  cache.index_topk(qv, wv, iv, options);
+  cache.cache->index_topk(qv, wv, iv, options);
 }
 
 }  // namespace
