@@ -163,6 +163,9 @@ void decode_any(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle
     case StorageType::int8:
       return decode_typed<std::int8_t>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs, lists);
     case StorageType::int4: break;  // no array dtype is int4 (cache_storage)
+    case StorageType::float8_e4m3fn:
+    case StorageType::float8_e5m2:  // no array dtype maps to them yet (cache_storage)
+      throw Error("qkv::decode: float8 caches are not yet taken from Python (the C++ API reads them)");
   }
   throw Error("qkv::decode: int4 caches attend through qkv.KVCache.attend");
 }
