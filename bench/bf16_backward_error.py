@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The accuracy of qkv's bf16 backward (precision="fast": S, dP and dK = scale·dSᵀ·Q on
-AVX512-BF16 with dS as one bf16 term, dV and dQ in float32; src/cpu/backward.cpp) and of
+"""The accuracy of qkv's bf16 backward (precision="fast": all five block products on
+AVX512-BF16 or the AMX tiles, P and dS rounded to bf16 once; src/cpu/backward.cpp) and of
 its float32 arithmetic (precision="exact") next to PyTorch's bfloat16 SDPA, each gradient
 against float64 autograd on the same bfloat16 inputs. Sets QKV_DOT_PRODUCTS=on where the
 CPU has AVX512-BF16 (so Intel's cores, where "fast" would not take the unit, show it too).
@@ -30,8 +30,8 @@ def grads(fn, q, k, v, dout):
 def main() -> None:
     torch.manual_seed(1)
     print(f"# QKV_DOT_PRODUCTS={os.environ.get('QKV_DOT_PRODUCTS', 'auto')}, torch {torch.__version__}")
-    print("| shape | grad | qkv fast err | qkv exact err | torch bf16 err | fast ≤ torch |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | grad | qkv fast err | qkv exact err | torch bf16 err | fast/torch err | within 2× |")
+    print("|---|---|---|---|---|---|---|")
     for h, hkv, n, d, causal in ((8, 8, 300, 64, False), (8, 2, 257, 127, True), (4, 4, 200, 128, True),
                                  (8, 8, 1024, 64, False), (8, 8, 1024, 128, True)):
         q = torch.randn(1, h, n, d).to(torch.bfloat16)
@@ -47,7 +47,7 @@ def main() -> None:
         for name, fast, ours_exact, theirs, e in rows:
             err = [(g.double() - e).abs().max().item() for g in (fast, ours_exact, theirs)]
             print(f"| {shape} | d{name} | {err[0]:.2e} | {err[1]:.2e} | {err[2]:.2e} | "
-                  f"{'yes' if err[0] <= err[2] else 'no'} |")
+                  f"{err[0] / err[2]:.2f} | {'yes' if err[0] <= 2 * err[2] else 'NO'} |")
 
 
 if __name__ == "__main__":

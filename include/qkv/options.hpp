@@ -42,13 +42,13 @@ enum class Backend {
 
 // The arithmetic of the fused kernels (docs/numerics.md, bench/RESULTS.md §10):
 //   fast:  the default. Where the CPU has dot-product units for the storage type that
-//          beat its float32 FMAs (AVX512-BF16 on AMD Zen 4/5 for bfloat16; not Intel's,
-//          which run them at a quarter of the FMA rate), the block products use them: Q·Kᵀ from exact
-//          bf16 products summed in float32, P as two bfloat16 terms (hi + lo) for P·V —
-//          measured, the float32 path's error (≤ PyTorch's bf16 SDPA against fp64, the
-//          contract's bound); in the backward S, dP and dK = dSᵀ·Q (dS one bf16 term:
-//          dk measured 1.4–4.3× below PyTorch's error), dV and dQ in float32. Elsewhere
-//          (float16, float32, caches) it is `exact`.
+//          beat its float32 FMAs (AMX tiles on Intel Xeons, AVX512-BF16 on AMD Zen 4/5 for
+//          bfloat16; not Intel's vdpbf16ps, a quarter of the FMA rate), the block products
+//          use them: Q·Kᵀ from exact bf16 products summed in float32, P rounded to bfloat16
+//          once for P·V, and in the backward all five products with P and dS rounded once,
+//          as PyTorch does: out, lse and every gradient within 2× PyTorch's bf16 error
+//          against fp64 (measured: within 1.1×). Elsewhere (float16, float32, caches) it
+//          is `exact`.
 //   exact: every input widened exactly to float32, float32 products and sums: the same
 //          bits as before this option existed, on every machine.
 // float32 and float16 storage compute the same either way (no fp16 dot on these CPUs).

@@ -36,9 +36,10 @@ _COMMON_DOC = """
     check_finite: scan inputs first and raise naming the first NaN/Inf element.
     precision: None or ``"fast"`` (default) lets bfloat16 calls use the CPU's bf16 dot
         products (AVX512-BF16) where they beat its float32 FMAs (AMD Zen 4/5; not
-        Intel's, see docs/platforms-and-performance.md): exact products of q and k, the
-        softmax weights as two bfloat16 terms for ``P·v``, with an error against fp64 no
-        larger than PyTorch's bf16 SDPA (docs/numerics.md). ``"exact"``: inputs widened
+        Intel's, see docs/platforms-and-performance.md) or its AMX tiles: exact products
+        of q and k, the softmax weights rounded to bfloat16 once for ``P·v`` (as PyTorch
+        does), out, lse and every gradient within 2× PyTorch's bf16 error against fp64
+        (docs/numerics.md). ``"exact"``: inputs widened
         exactly, float32 products and sums, on every CPU. float32, float16 and float64 compute the same either way.
 
     Variants (as FlashAttention defines them; all off by default):

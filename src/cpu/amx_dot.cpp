@@ -94,7 +94,7 @@ struct Scratch {
   alignas(64) float c[2 * kTileRows * 2 * kTileWords];
   alignas(64) std::uint16_t a_tile[kTileRows * kTileValues];
   alignas(64) std::uint32_t b_tile[kTileRows * kTileWords];
-  alignas(64) std::uint16_t p_terms[2][kMaxRows * kMaxRows];  // P's hi and lo terms, row-major
+  alignas(64) std::uint16_t p_terms[kMaxRows * kMaxRows];  // bf16(P), row-major
 };
 
 Scratch& scratch() {
@@ -140,8 +140,8 @@ const std::uint32_t* right_tile(const Right& b, std::size_t pair, std::size_t co
 
 constexpr std::size_t kCBlockLd = 2 * kTileWords;  // floats a row of the scratch's C block
 
-// One term of a product: A_t·B_t. Terms that share an operand (P's two terms times V, the
-// backward's dS terms times K or Q) load it once a step: tile loads wait for the products
+// One term of a product: A_t·B_t. Terms that share an operand (a left operand given as two
+// bfloat16 terms, bf16dot::Terms::two) load it once a step: tile loads wait for the products
 // still reading the tile they overwrite.
 struct Term {
   Left a;
@@ -219,7 +219,6 @@ void for_block_vectors(std::size_t m0, std::size_t m, std::size_t n0, std::size_
       f(m0 + r, x, lanes_below(n - x), c + r * kCBlockLd + (x - n0));
 }
 
-__m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
 __m256i to_bf16(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
 
 // Transposes 16 rows of 16 floats in place (r[i] lane j ↔ r[j] lane i).
@@ -253,8 +252,9 @@ void transpose16(__m512 r[16]) {
 // acc_i = acc_i·alpha_i + Σ_j P_ij·v_j with V's pairs in b (alpha null: acc_i + Σ).
 void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys, const Right& b,
               std::size_t dv, float* acc, std::size_t acc_ld, const float* alpha) {
-  // P = (Pᵀ)ᵀ as two bfloat16 terms, row-major (row i: query i's weights over the keys),
-  // zero past the keys up to whole tiles; hi = bf16(P), lo = bf16(P − hi) as bf16_dot.cpp.
+  // P = (Pᵀ)ᵀ as one bfloat16 term, bf16(P) rounded to nearest even (the Precision::fast
+  // contract, as bf16_dot.cpp and the peers), row-major (row i: query i's weights over
+  // the keys), zero past the keys up to whole tiles.
   Scratch& s = scratch();
   const std::size_t values = round_up(keys, kTileValues), rows = round_up(count, kTileRows);
   for (std::size_t i0 = 0; i0 < rows; i0 += 16) {
@@ -264,16 +264,12 @@ void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t
       for (std::size_t j = 0; j < 16; ++j)
         r[j] = j0 + j < keys ? _mm512_maskz_loadu_ps(columns, pt + (j0 + j) * pt_ld + i0) : _mm512_setzero_ps();
       transpose16(r);  // r[i]: query i0 + i's weights of keys j0..j0+15
-      for (std::size_t i = 0; i < 16; ++i) {
-        const __m256i hi = to_bf16(r[i]);
-        const __m256i lo = to_bf16(_mm512_sub_ps(r[i], widen(hi)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.p_terms[0] + (i0 + i) * kMaxRows + j0), hi);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.p_terms[1] + (i0 + i) * kMaxRows + j0), lo);
-      }
+      for (std::size_t i = 0; i < 16; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.p_terms + (i0 + i) * kMaxRows + j0), to_bf16(r[i]));
     }
   }
-  const Term terms[2] = {{{s.p_terms[0], kMaxRows, rows, values}, b}, {{s.p_terms[1], kMaxRows, rows, values}, b}};
-  product(terms, 2, count, dv, [&](std::size_t m0, std::size_t n0, const float* c) {
+  const Term term{{s.p_terms, kMaxRows, rows, values}, b};
+  product(&term, 1, count, dv, [&](std::size_t m0, std::size_t n0, const float* c) {
     for_block_vectors(m0, count, n0, dv, c, [&](std::size_t i, std::size_t x, __mmask16 m, const float* sum) {
       float* out = acc + i * acc_ld + x;
       const __m512 block_sum = _mm512_maskz_loadu_ps(m, sum);

@@ -6,8 +6,7 @@
 // products of two bfloat16 values are exact in float32 and summed in float32 (in the
 // unit's own order, fixed by the shape: results never depend on threads), bf16 inputs
 // that are subnormal count as 0 (as vdpbf16ps does), and P (and in the backward P and
-// dS for dV and dQ, which the vdpbf16ps path leaves to the fp32 FMAs) enters as two
-// bfloat16 terms. What differs is only the order of the float32 sums, so a call that takes AMX
+// dS) enters as one bfloat16 term, rounded once (the Precision::fast contract). What differs is only the order of the float32 sums, so a call that takes AMX
 // for its forward must take it for its backward's recomputed scores too (forward.cpp and
 // backward.cpp decide once per call from dot_products.hpp's bf16_unit).
 //
@@ -36,8 +35,8 @@ void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, s
                       const std::uint32_t* qp, std::size_t q_ld, std::size_t width, float scale,
                       float* st, std::size_t st_ld);
 
-// As bf16dot::RescaleAddWeighted: acc_i = acc_i·alpha_i + Σ_j P_ij·v_j, P as two bfloat16
-// terms (scratch.v_pairs holds V's pairs; scratch.p_pairs is not used: P's terms are
+// As bf16dot::RescaleAddWeighted: acc_i = acc_i·alpha_i + Σ_j P_ij·v_j, P as one bfloat16
+// term (the Precision::fast contract; scratch.v_pairs holds V's pairs; scratch.p_pairs is not used: P's terms are
 // transposed into this thread's own tile scratch).
 void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
                         const bfloat16* v, std::int64_t v_row, std::size_t dv, bf16dot::PvScratch scratch,
@@ -51,9 +50,9 @@ void AddWeightedPairs(const float* pt, std::size_t pt_ld, std::size_t count, std
                       std::size_t acc_ld, const float* alpha);
 
 // c_r += Σ_j A_rj·b_j for r < rows (≤ 64), columns < n, with A given transposed (float
-// rows j < inner ≤ 64 of at, at_ld apart, columns < rows) and entering as two bfloat16
-// terms, b_j bfloat16 rows (b_row apart) packed into pairs in b_pairs (⌈inner/2⌉ ×
-// pair_ld(n) words): the backward's dQ = dS·K from dSᵀ, at the float32 path's accuracy.
+// rows j < inner ≤ 64 of at, at_ld apart, columns < rows) and entering as one bfloat16
+// term, b_j bfloat16 rows (b_row apart) packed into pairs in b_pairs (⌈inner/2⌉ ×
+// pair_ld(n) words): the backward's dQ = dS·K from dSᵀ, dS rounded once as PyTorch's.
 void AddTransposedProduct(const float* at, std::size_t at_ld, std::size_t rows, std::size_t inner,
                           const bfloat16* b, std::int64_t b_row, std::size_t n, std::uint32_t* b_pairs, float* c,
                           std::size_t c_ld);

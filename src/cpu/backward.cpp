@@ -23,10 +23,10 @@
 // already; with bfloat16/float16 storage the Q and dO row operands are packed as float
 // copies too, and each K/V block is widened once per task and key block into per-thread
 // scratch (float K and V are read in place). dQ, dK, dV are rounded to T once.
-// bfloat16 in Precision::fast where the CPU's dot products pay (dot_products.hpp): S,
-// dP and dK on AVX512-BF16 (bf16_dot.hpp), from pair panels of Q and dO packed once per
-// query block (Packed); dV and dQ keep the float32 FMAs (kKeyGradientTerms says why). On
-// the AMX tiles (amx_dot.hpp) all five products: dV and dQ with P and dS as two terms.
+// bfloat16 in Precision::fast where the CPU's dot products pay (dot_products.hpp): all
+// five block products on AVX512-BF16 (bf16_dot.hpp) or the AMX tiles (amx_dot.hpp), from
+// pair panels of Q and dO packed once per query block (Packed), P and dS rounded to
+// bfloat16 once (kWeightTerms says why).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -69,17 +69,15 @@ namespace qkv::cpu::HWY_NAMESPACE {
 
 namespace {
 
-// Which of the backward's block products run on the dot products (bfloat16 storage,
-// Packed::dots), chosen by measurement (bench/RESULTS.md §10, 2026-12-02, Zen 5):
+// The backward's block products on the dot products (bfloat16 storage, Packed::dots):
 //   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: products of bfloat16 values, exact in float32 either way;
-//   dK += dSᵀ·Q with dS as one bfloat16 term (as PyTorch's bf16 backward rounds it): dk's
-//     error against fp64 stayed 1.4–4.3× below PyTorch bf16's on every row measured;
-//   dV += Pᵀ·dO and dQ += dS·K stay float32: with P or dS as one bfloat16 term dv and dq
-//     came out level with PyTorch's error and above it on some rows (dq 9.6e-3 against
-//     8.2e-3), and as two terms (bf16_dot.hpp) they ran slower than the float32 FMAs —
-//     except on the AMX tiles, where two terms cost little: there they take them
-//     (AddValueGradient, amx::AddTransposedProduct; the float32 path's errors, §10c).
-constexpr bf16dot::Terms kKeyGradientTerms = bf16dot::Terms::one;
+//   dV += Pᵀ·dO, dK += dSᵀ·Q and dQ += dS·K with P and dS as one bfloat16 term each, as
+//     PyTorch's bf16 backward (and FlashAttention's) rounds them: the Precision::fast
+//     contract, every gradient within 2× PyTorch's bf16 error (docs/numerics.md). Measured
+//     (bench/RESULTS.md §10c, Zen 5): dq 9.6e-3 against PyTorch's 8.2e-3, dv 2.0e-3
+//     against 1.9e-3 at worst, dk 1.4–4.3× below PyTorch's. Precision::exact keeps the
+//     float32 FMAs for all five.
+constexpr bf16dot::Terms kWeightTerms = bf16dot::Terms::one;
 
 // Pᵀ (with dropout: P·Z, as the forward multiplied V by) and dSᵀ of one (key block,
 // query block) tile into scratch.pt and scratch.dst, scored and masked exactly as the
@@ -161,28 +159,47 @@ size_t ScoreBlock(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
 inline void AddKeyGradient(bool on_tiles, const float* dst, size_t width, size_t kn, size_t count, const uint32_t* q_pairs,
                            size_t q_ld, size_t d, float* dk, size_t dk_ld, BackwardScratch& s) {
   constexpr size_t a_ld = kBlockQueries / 2;
-  bf16dot::PairsAlongRows(dst, width, kn, count, kKeyGradientTerms, s.ds_pairs.data(), a_ld);
-  const bf16dot::LeftPairs a{s.ds_pairs.data(), a_ld, 1, kKeyGradientTerms, kn * a_ld};
+  bf16dot::PairsAlongRows(dst, width, kn, count, kWeightTerms, s.ds_pairs.data(), a_ld);
+  const bf16dot::LeftPairs a{s.ds_pairs.data(), a_ld, 1, kWeightTerms, kn * a_ld};
   (on_tiles ? amx::AddProduct : bf16dot::AddProduct)(a, kn, (count + 1) / 2, q_pairs, q_ld, d, dk, dk_ld);
 }
 
-// dV_blk += Pᵀ·dO_blk on the AMX tiles: Pᵀ (kn rows of `width` floats, columns < count)
-// as two bfloat16 terms paired along the queries (the float32 path's accuracy, as the
-// forward's P·V), dO's rows paired across them (Packed).
-inline void AddValueGradient(const float* pt, size_t width, size_t kn, size_t count, const uint32_t* dout_pairs,
-                             size_t dout_ld, size_t dv, float* dv_acc, size_t dv_ld, BackwardScratch& s) {
+// dV_blk += Pᵀ·dO_blk with dot products: Pᵀ (kn rows of `width` floats, columns < count)
+// as bfloat16 pairs along the queries (one term, as the forward's P·V), dO's rows paired
+// across them (Packed).
+inline void AddValueGradient(bool on_tiles, const float* pt, size_t width, size_t kn, size_t count,
+                             const uint32_t* dout_pairs, size_t dout_ld, size_t dv, float* dv_acc, size_t dv_ld,
+                             BackwardScratch& s) {
   constexpr size_t a_ld = kBlockQueries / 2;
-  bf16dot::PairsAlongRows(pt, width, kn, count, bf16dot::Terms::two, s.p_pairs.data(), a_ld);
-  const bf16dot::LeftPairs a{s.p_pairs.data(), a_ld, 1, bf16dot::Terms::two, kn * a_ld};
-  amx::AddProduct(a, kn, (count + 1) / 2, dout_pairs, dout_ld, dv, dv_acc, dv_ld);
+  bf16dot::PairsAlongRows(pt, width, kn, count, kWeightTerms, s.p_pairs.data(), a_ld);
+  const bf16dot::LeftPairs a{s.p_pairs.data(), a_ld, 1, kWeightTerms, kn * a_ld};
+  (on_tiles ? amx::AddProduct : bf16dot::AddProduct)(a, kn, (count + 1) / 2, dout_pairs, dout_ld, dv, dv_acc, dv_ld);
+}
+
+// K's rows of one key block paired across the keys (bf16dot::PackRowPairs) into
+// s.k_pairs: the right operand of dQ += dS·K on vdpbf16ps, packed once per key block.
+template <class T>
+const uint32_t* PackKeyPairs(const Context<T>& c, int64_t b, int64_t kv_head, int64_t first_key, size_t kn,
+                             BackwardScratch& s) {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (c.packed.dots && !c.packed.amx) {
+      const size_t d = static_cast<size_t>(c.p.extents.head_dim);
+      bf16dot::PackRowPairs(c.p.rows().k(b, first_key, kv_head), c.p.args.k.strides[1], kn, d, s.k_pairs.data(),
+                            bf16dot::pair_ld(d));
+      return s.k_pairs.data();
+    }
+  }
+  (void)c, (void)b, (void)kv_head, (void)first_key, (void)kn, (void)s;
+  return nullptr;
 }
 
 // dQ_rows += dS·K_blk for the tile just scored (dS read in place from dSᵀ in s.dst).
+// k_pairs: PackKeyPairs's for this key block (vdpbf16ps), else null.
 template <class T>
 void AccumulateQueryGradient(const Context<T>& c, const QueryRows& rows, detail::Tile tile,
                              size_t width, int64_t kv_head, const KeyValueRows& kv,
                              int64_t first_key, int64_t keys, float* dq_rows,
-                             BackwardScratch& s) {
+                             BackwardScratch& s, const uint32_t* k_pairs) {
   const Packed& packed = c.packed;
   const size_t d = static_cast<size_t>(c.p.extents.head_dim);
   const size_t kn = static_cast<size_t>(keys), count = static_cast<size_t>(rows.count);
@@ -195,10 +212,15 @@ void AccumulateQueryGradient(const Context<T>& c, const QueryRows& rows, detail:
     return;
   }
   if constexpr (std::is_same_v<T, bfloat16>) {
-    if (packed.amx) {  // dS as two bfloat16 terms on the tiles: the float32 path's accuracy
+    if (packed.amx) {  // dS as one bfloat16 term on the tiles (kWeightTerms)
       const auto access = c.p.rows();
       amx::AddTransposedProduct(s.dst.get(), width, count, kn, access.k(rows.batch, first_key, kv_head),
                                 c.p.args.k.strides[1], d, s.k_pairs.data(), dq_rows, packed.d_ld);
+      return;
+    }
+    if (packed.dots) {  // dS as one bfloat16 term on vdpbf16ps, K's pairs packed per key block
+      bf16dot::AddWeightedPairs(s.dst.get(), width, count, kn, k_pairs, bf16dot::pair_ld(d), d,
+                                s.p_pairs.data(), dq_rows, packed.d_ld, nullptr);
       return;
     }
   }
@@ -253,6 +275,7 @@ void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
   std::fill(dk_acc, dk_acc + kn * packed.d_ld, 0.0f);
   std::fill(dv_acc, dv_acc + kn * packed.dv_ld, 0.0f);
   const KeyValueRows kv = LoadKeyValues(c, b, task.kv_head, first_key, keys, s);
+  const uint32_t* k_pairs = dq_group != nullptr ? PackKeyPairs(c, b, task.kv_head, first_key, kn, s) : nullptr;
 
   for (int64_t h = task.kv_head * e.group(); h < (task.kv_head + 1) * e.group(); ++h) {
     Rows q_rows{packed.q_rows_of(b, h), packed.d_ld};
@@ -282,8 +305,8 @@ void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
       const size_t width = ScoreBlock(c, rows, tile, kv, first_key, keys, s, alibi_sum);
       const size_t count = static_cast<size_t>(rows.count);
       // dV += Pᵀ·dO_blk and dK += dSᵀ·Q_blk (the sum runs over this block's queries).
-      if (packed.amx)
-        AddValueGradient(s.pt.get(), width, kn, count, packed.dout_row_pairs_block(b, h, first),
+      if (packed.dots)
+        AddValueGradient(packed.amx, s.pt.get(), width, kn, count, packed.dout_row_pairs_block(b, h, first),
                          packed.dout_row_pair_ld, dv, dv_acc, packed.dv_ld, s);
       else
         GemmAddBlock(kn, packed.dv_ld, count, StridedA{s.pt.get(), width, 1},
@@ -301,7 +324,7 @@ void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
         float* dq_rows =
             dq_group + (head_in_group * group_rows + static_cast<size_t>(first)) * packed.d_ld;
         AccumulateQueryGradient(c, rows, tile, width, task.kv_head, kv, first_key, keys, dq_rows,
-                                s);
+                                s, k_pairs);
       }
     }
   }
@@ -349,7 +372,8 @@ void QueryBlockGradient(const Context<T>& c, const ForwardTask& task, BackwardSc
     const int64_t keys = std::min(kBlockKeys, k_len - first_key);
     const KeyValueRows kv = LoadKeyValues(c, b, kv_head, first_key, keys, s);
     const size_t width = ScoreBlock(c, rows, tile, kv, first_key, keys, s, alibi_sum);
-    AccumulateQueryGradient(c, rows, tile, width, kv_head, kv, first_key, keys, dq_acc, s);
+    const uint32_t* k_pairs = PackKeyPairs(c, b, kv_head, first_key, static_cast<size_t>(keys), s);
+    AccumulateQueryGradient(c, rows, tile, width, kv_head, kv, first_key, keys, dq_acc, s, k_pairs);
   }
   WriteQueryGradient(c.p, c.packed, b, h, rows.first, rows.count, dq_acc);
 }

@@ -57,8 +57,8 @@ struct Packed {
   bool amx = false;  // the products on the AMX tiles (amx_dot.hpp), as the forward's
   size_t q_pair_words = 0, dout_pair_words = 0, q_row_pair_ld = 0;
   std::vector<uint32_t> q_pairs, dout_pairs, q_row_pairs;
-  // On the AMX tiles dV = Pᵀ·dO runs on them too (P as two bf16 terms): dO paired across
-  // the block's queries, as Q is for dK.
+  // dV = Pᵀ·dO on the dot products too (P as one bf16 term): dO paired across the block's
+  // queries, as Q is for dK.
   size_t dout_row_pair_ld = 0;
   std::vector<uint32_t> dout_row_pairs;
   const detail::Extents* e = nullptr;
@@ -97,10 +97,8 @@ struct Packed {
       q_pairs.assign(blocks * q_pair_words, 0);
       dout_pairs.assign(blocks * dout_pair_words, 0);
       q_row_pairs.assign(blocks * kBlockQueries / 2 * q_row_pair_ld, 0);
-      if (amx) {
-        dout_row_pair_ld = bf16dot::pair_ld(dv);
-        dout_row_pairs.assign(blocks * kBlockQueries / 2 * dout_row_pair_ld, 0);
-      }
+      dout_row_pair_ld = bf16dot::pair_ld(dv);
+      dout_row_pairs.assign(blocks * kBlockQueries / 2 * dout_row_pair_ld, 0);
     }
   }
   size_t block_index(int64_t b, int64_t h, int64_t first) const {
@@ -198,10 +196,8 @@ void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan&
       bf16dot::PackQueryPairs(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, block, kBlockQueries);
       block = const_cast<uint32_t*>(packed.q_row_pairs_block(b, h, first));
       bf16dot::PackRowPairs(rows.q(b, first, h), p.args.q.strides[1], count, d, block, packed.q_row_pair_ld);
-      if (packed.amx) {
-        block = const_cast<uint32_t*>(packed.dout_row_pairs_block(b, h, first));
-        bf16dot::PackRowPairs(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, block, packed.dout_row_pair_ld);
-      }
+      block = const_cast<uint32_t*>(packed.dout_row_pairs_block(b, h, first));
+      bf16dot::PackRowPairs(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, block, packed.dout_row_pair_ld);
     }
   }
   if (packed.pad_q_rows)

@@ -53,8 +53,8 @@ struct BackwardScratch {
   std::vector<int32_t> key_begin, key_end;  // width (0 past the block's queries)
   std::vector<uint32_t> dropout_keys;       // width: dropout row keys of the block
   SplitKLogits split_k;                     // the split-K schedule's logits (Context::split_k_logits)
-  // bfloat16 with dot products (Packed::dots): dSᵀ paired along queries (dK's left operand);
-  // on the tiles also Pᵀ's two terms (dV's) and K's pairs (dQ's).
+  // bfloat16 with dot products (Packed::dots): dSᵀ paired along queries (dK's left operand),
+  // P's pairs (dV's; on vdpbf16ps dS's pairs along the keys for dQ too) and K's pairs (dQ's).
   std::vector<uint32_t> ds_pairs, p_pairs, k_pairs;
 
   // dq_rows: kBlockQueries (two-pass) or group × Nq (single-pass); split_k_head_dim: the
@@ -76,8 +76,8 @@ struct BackwardScratch {
         dropout_keys(width, 0),
         split_k(split_k_head_dim, kBlockQueries, kBlockKeys, split_k_head_dim > 0),
         ds_pairs(packed.dots ? kBlockKeys * (kBlockQueries / 2) : 0),
-        p_pairs(packed.amx ? 2 * kBlockKeys * (kBlockQueries / 2) : 0),
-        k_pairs(packed.amx ? kBlockKeys / 2 * bf16dot::pair_ld(packed.d_ld) : 0) {
+        p_pairs(packed.dots ? kBlockKeys * (kBlockQueries / 2) : 0),
+        k_pairs(packed.dots ? kBlockKeys / 2 * bf16dot::pair_ld(packed.d_ld) : 0) {
     // Padding columns never get a derivative; ChainScoreMod ignores them (dS = 0 there),
     // but they should not be read uninitialized.
     if (score_mod) std::fill(mod_slope.get(), mod_slope.get() + kBlockKeys * width, 1.0f);

@@ -261,19 +261,23 @@ void AddProduct(const LeftPairs& a, std::size_t rows, std::size_t pairs, const s
   AddProductImpl(a, rows, pairs, b, b_ld, n, c, c_ld, nullptr);
 }
 
+void AddWeightedPairs(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
+                      const std::uint32_t* v_pairs, std::size_t v_ld, std::size_t dv, std::uint32_t* p_pairs,
+                      float* acc, std::size_t acc_ld, const float* alpha) {
+  const std::size_t key_pairs = (keys + 1) / 2, p_ld = pair_ld(count);
+  // Pairs (P_i,2c, P_i,2c+1) of bf16(P) (one rounding, the fast contract); an odd key
+  // count's last partner 0.
+  PairsAcrossRows(pt, pt_ld, keys, count, Terms::one, p_pairs, p_ld);
+  const LeftPairs p{p_pairs, 1, p_ld, Terms::one, 0};
+  AddProductImpl(p, count, key_pairs, v_pairs, v_ld, dv, acc, acc_ld, alpha);
+}
+
 void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
                         const bfloat16* v, std::int64_t v_row, std::size_t dv, PvScratch scratch,
                         float* acc, std::size_t acc_ld, const float* alpha) {
-  const std::size_t key_pairs = (keys + 1) / 2, p_ld = pair_ld(count), v_ld = pair_ld(dv);
-  // P as two bfloat16 terms, hi = bf16(P) (round to nearest even) and lo = bf16(P − hi):
-  // hi + lo is P to ~2⁻¹⁶ relative, so P·V = hi·V + lo·V keeps the float32 arithmetic's
-  // accuracy (one bf16 P alone costs up to 2⁻⁹·P and measured above PyTorch's bf16 error on
-  // some rows, bench/RESULTS.md §10). Pairs (P_i,2c, P_i,2c+1); an odd key count's last
-  // partner 0.
-  PairsAcrossRows(pt, pt_ld, keys, count, Terms::two, scratch.p_pairs, p_ld);
+  const std::size_t v_ld = pair_ld(dv);
   PackRowPairs(v, v_row, keys, dv, scratch.v_pairs, v_ld);
-  const LeftPairs p{scratch.p_pairs, 1, p_ld, Terms::two, key_pairs * p_ld};
-  AddProductImpl(p, count, key_pairs, scratch.v_pairs, v_ld, dv, acc, acc_ld, alpha);
+  AddWeightedPairs(pt, pt_ld, count, keys, scratch.v_pairs, v_ld, dv, scratch.p_pairs, acc, acc_ld, alpha);
 }
 
 }  // namespace qkv::cpu::bf16dot
@@ -292,6 +296,8 @@ void ScoresTransposed(const bfloat16*, std::int64_t, std::size_t, std::size_t, c
                       std::size_t, float, float*, std::size_t) { unavailable(); }
 void RescaleAddWeighted(const float*, std::size_t, std::size_t, std::size_t, const bfloat16*, std::int64_t,
                         std::size_t, PvScratch, float*, std::size_t, const float*) { unavailable(); }
+void AddWeightedPairs(const float*, std::size_t, std::size_t, std::size_t, const std::uint32_t*, std::size_t,
+                      std::size_t, std::uint32_t*, float*, std::size_t, const float*) { unavailable(); }
 void PackRowPairs(const bfloat16*, std::int64_t, std::size_t, std::size_t, std::uint32_t*, std::size_t) { unavailable(); }
 void PairsAlongRows(const float*, std::size_t, std::size_t, std::size_t, Terms, std::uint32_t*, std::size_t) { unavailable(); }
 void PairsAcrossRows(const float*, std::size_t, std::size_t, std::size_t, Terms, std::uint32_t*, std::size_t) { unavailable(); }

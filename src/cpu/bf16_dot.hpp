@@ -32,8 +32,8 @@ void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, s
                       const std::uint32_t* qp, std::size_t q_ld, std::size_t width, float scale,
                       float* st, std::size_t st_ld);
 
-// Scratch of RescaleAddWeighted: pairs of P's two bfloat16 terms (2 × ⌈keys/2⌉ ×
-// pair_ld(count)) and of V (⌈keys/2⌉ × pair_ld(dv)).
+// Scratch of RescaleAddWeighted: pairs of P (⌈keys/2⌉ × pair_ld(count)) and of V
+// (⌈keys/2⌉ × pair_ld(dv)).
 struct PvScratch {
   std::uint32_t* p_pairs;
   std::uint32_t* v_pairs;
@@ -41,11 +41,21 @@ struct PvScratch {
 
 // acc_i = acc_i·alpha_i + Σ_j P_ij·v_j for i < count (columns < dv), P read from Pᵀ (pt
 // row j at pt + j·pt_ld, columns < count): the forward's online-softmax update, the
-// block's sum from zero. P enters as hi + lo, two bfloat16 terms (hi = bf16(P), lo =
-// bf16(P − hi)), so the products lose ~2⁻¹⁶ of P instead of bf16's 2⁻⁹.
+// block's sum from zero (alpha null: acc_i + Σ). P enters as one bfloat16 term, bf16(P)
+// rounded to nearest even, as PyTorch's, oneDNN's, SGLang's and vLLM's CPU kernels and
+// FlashAttention round it: the Precision::fast contract (within 2× PyTorch's bf16 error,
+// docs/numerics.md). The sums stay float32.
 void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
                         const bfloat16* v, std::int64_t v_row, std::size_t dv, PvScratch scratch,
                         float* acc, std::size_t acc_ld, const float* alpha);
+
+// The same with V's pairs already packed (PackRowPairs's layout, v_ld words a pair row,
+// ⌈keys/2⌉ rows): the forward packs each key block's V once per call when several query
+// blocks read it, and the backward's dQ = dS·K takes K's pairs packed once per key block.
+// p_pairs: ⌈keys/2⌉ × pair_ld(count) words of scratch.
+void AddWeightedPairs(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
+                      const std::uint32_t* v_pairs, std::size_t v_ld, std::size_t dv, std::uint32_t* p_pairs,
+                      float* acc, std::size_t acc_ld, const float* alpha);
 
 // The pieces the backward composes (backward.cpp): packings into pairs and one product.
 //

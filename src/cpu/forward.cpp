@@ -112,7 +112,7 @@ struct ForwardScratch {
         dots(unit != Bf16Unit::fp32_fma),
         amx(unit == Bf16Unit::amx),
         q_pairs(dots ? (static_cast<size_t>(p.extents.head_dim) + 1) / 2 * bf16dot::pair_ld(kBlockQueries) : 0),
-        p_pairs(dots ? 2 * (kBlockKeys / 2) * bf16dot::pair_ld(kBlockQueries) : 0),
+        p_pairs(dots ? kBlockKeys / 2 * bf16dot::pair_ld(kBlockQueries) : 0),
         v_pairs(dots ? kBlockKeys / 2 * bf16dot::pair_ld(static_cast<size_t>(p.extents.v_dim)) : 0) {}
 };
 
@@ -145,11 +145,12 @@ void RowStatistics(const detail::ForwardProblem<T>& p, const QueryRows& rows,
   sum = block;
 }
 
-// bfloat16 on the AMX tiles: every key block's V as pairs (bf16dot::PackRowPairs's
-// layout, zero pair rows up to 32), packed once per call, when a key block is read by more
-// than one query block (a GQA group's heads, or a head's query blocks) and the copy stays
-// under kMaxBytes; otherwise each (query block, key block) packs its own. Packing per block
-// measured ~20% of the AMX P·V's time (64 × 64 keys × queries, dv 128, Xeon of §10).
+// bfloat16 on the dot products (either unit): every key block's V as pairs
+// (bf16dot::PackRowPairs's layout, zero pair rows up to 32), packed once per call, when a
+// key block is read by more than one query block (a GQA group's heads, or a head's query
+// blocks) and the copy stays under kMaxBytes; otherwise each (query block, key block)
+// packs its own. Packing per block measured ~20% of the AMX P·V's time (64 × 64 keys ×
+// queries, dv 128, Xeon of §10).
 template <class T>
 class PackedValues {
  public:
@@ -157,7 +158,7 @@ class PackedValues {
 
   PackedValues(const detail::ForwardProblem<T>& p, Bf16Unit unit) {
     const detail::Extents& e = p.extents;
-    if (!std::is_same_v<T, bfloat16> || unit != Bf16Unit::amx) return;
+    if (!std::is_same_v<T, bfloat16> || unit == Bf16Unit::fp32_fma) return;
     if (e.group() == 1 && e.q_len <= kBlockQueries) return;  // each key block read once
     ld_ = bf16dot::pair_ld(static_cast<size_t>(e.v_dim));
     block_words_ = kBlockKeys / 2 * ld_;
@@ -347,13 +348,17 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
       continue;
     }
     if constexpr (std::is_same_v<T, bfloat16>) {
-      if (s.dots && packed_values.active()) {  // V's pairs packed once per call (the tiles)
-        amx::AddWeightedPairs(s.st.get(), width, count, static_cast<size_t>(keys),
-                              packed_values.block(p, b, kv_head, k_block), packed_values.ld(), dv, s.acc.get(),
-                              s.dv_ld, alpha);
+      if (s.dots && packed_values.active()) {  // V's pairs packed once per call
+        const uint32_t* v_pairs = packed_values.block(p, b, kv_head, k_block);
+        if (s.amx)
+          amx::AddWeightedPairs(s.st.get(), width, count, static_cast<size_t>(keys), v_pairs, packed_values.ld(), dv,
+                                s.acc.get(), s.dv_ld, alpha);
+        else
+          bf16dot::AddWeightedPairs(s.st.get(), width, count, static_cast<size_t>(keys), v_pairs, packed_values.ld(),
+                                    dv, s.p_pairs.data(), s.acc.get(), s.dv_ld, alpha);
         continue;
       }
-      if (s.dots) {  // P as two bfloat16 terms (bf16_dot.hpp); the sums stay float32
+      if (s.dots) {  // P as one bfloat16 term (bf16_dot.hpp); the sums stay float32
         (s.amx ? amx::RescaleAddWeighted : bf16dot::RescaleAddWeighted)(
             s.st.get(), width, count, static_cast<size_t>(keys), rows_of.v(b, first_key, kv_head), v_row, dv,
             {s.p_pairs.data(), s.v_pairs.data()}, s.acc.get(), s.dv_ld, alpha);

@@ -9,15 +9,15 @@
 // once, so |T(x) − ref| ≤ u_T·|x| + |x − ref|, and |x − ref| is the fp32 kernel's error.
 // lse stays float and keeps the fp32 rule itself (2·err(plain fp32) + floor).
 //
-// Precision::fast with bfloat16 dot products (cpu/bf16_dot.hpp) gives each weight P_ij
-// to P·V as two bfloat16 terms (Q·Kᵀ's products stay exact): the out bound adds
-// u_bf16 · max_i (P·|V|)_i, what one bf16 rounding of every weight could cost — a bound
-// the two-term P stays far below (test_bf16_dot.cpp checks the stored values against the
-// exact path's too).
+// Precision::fast with bfloat16 dot products (cpu/bf16_dot.hpp, cpu/amx_dot.hpp) rounds
+// each weight P_ij to bfloat16 once for P·V (Q·Kᵀ's products stay exact), as PyTorch does:
+// the out bound adds u_bf16 · max_i (P·|V|)_i, what one bf16 rounding of every weight
+// can cost.
 //
-// The backward's dot products (the same switch) take dS_ij = P_ij·(dP_ij − D_i) as one
-// bfloat16 term in dK = scale·dSᵀ·Q (S and dP are products of bf16 values, exact either
-// way; dV and dQ keep float32 operands): dk's bound adds u_bf16·scale·max Σ_i |dS_ij|·|q_i|.
+// The backward's dot products (the same switch) round P_ij and dS_ij = P_ij·(dP_ij − D_i)
+// to bfloat16 once each (S and dP are products of bf16 values, exact either way): dv's
+// bound adds u_bf16·max Σ_i P_ij·|dO_i|, dk's u_bf16·scale·max Σ_i |dS_ij|·|q_i| and dq's
+// u_bf16·scale·max Σ_j |dS_ij|·|k_j| (GradientWeightRounding).
 //
 // For the gradients, X_ref64 is the exact backward *of the stored out*. The backward
 // takes out as an input and uses it only through D_i = ⟨dO_i, O_i⟩ (FlashAttention's,
@@ -245,17 +245,21 @@ inline double max_weighted_abs_value(const Case<float>& c) {
   return worst;
 }
 
-// What rounding every dS_ij to bfloat16 can move dk by, in units of u (see the top of
-// this file): fp64, P from the reference, D_i from the stored out (as the kernel
-// computes it).
-inline double key_gradient_weight_rounding(const Case<float>& c, const Tensor<float, 4>& dout,
+// What rounding every P_ij and dS_ij to bfloat16 can move dv, dk and dq by, in units of u
+// (see the top of this file): fp64, P from the reference, D_i from the stored out (as the
+// kernel computes it).
+struct GradientWeightRounding {
+  double dq = 0.0, dk = 0.0, dv = 0.0;
+};
+
+inline GradientWeightRounding gradient_weight_rounding(const Case<float>& c, const Tensor<float, 4>& dout,
                                                        const Tensor<float, 4>& out_stored) {
   const CaseSpec& s = c.spec;
-  const auto q = widen<double>(c.q), v = widen<double>(c.v);
+  const auto q = widen<double>(c.q), k = widen<double>(c.k), v = widen<double>(c.v);
   const Tensor<double, 4> weights = reference_weights(c);
   const double scale = s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
   const int64_t group = s.q_heads / s.kv_heads;
-  Tensor<double, 4> dk_sum(c.k.shape());
+  Tensor<double, 4> dq_sum(c.q.shape()), dk_sum(c.k.shape()), dv_sum(c.v.shape());
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t h = 0; h < s.q_heads; ++h)
       for (int64_t i = 0; i < s.q_len; ++i) {
@@ -265,12 +269,18 @@ inline double key_gradient_weight_rounding(const Case<float>& c, const Tensor<fl
           const double p = weights(b, h, i, j);
           if (p == 0.0) continue;
           double dp = 0.0;
-          for (int64_t x = 0; x < s.v_dim; ++x) dp += double{dout(b, i, h, x)} * v(b, j, h / group, x);
+          for (int64_t x = 0; x < s.v_dim; ++x) {
+            dp += double{dout(b, i, h, x)} * v(b, j, h / group, x);
+            dv_sum(b, j, h / group, x) += p * std::abs(double{dout(b, i, h, x)});
+          }
           const double ds = std::abs(p * (dp - delta));
-          for (int64_t x = 0; x < s.head_dim; ++x) dk_sum(b, j, h / group, x) += ds * std::abs(q(b, i, h, x));
+          for (int64_t x = 0; x < s.head_dim; ++x) {
+            dk_sum(b, j, h / group, x) += ds * std::abs(q(b, i, h, x));
+            dq_sum(b, i, h, x) += ds * std::abs(k(b, j, h / group, x));
+          }
         }
       }
-  return scale * max_abs(dk_sum);
+  return {scale * max_abs(dq_sum), scale * max_abs(dk_sum), max_abs(dv_sum)};
 }
 
 template <int R>
@@ -312,10 +322,12 @@ void check_half_case(const CaseSpec& spec, int threads = 2, bool bhsd = false,
   expect_within_rule("lse", cpu.lse, plain.lse, ref.lse);
   if (!backward) return;
   const OutRoundingEffect effect = out_rounding_effect(c, dout, cpu.out, ref);
-  const double dk_rounding = rounds_weights ? unit_roundoff<T>() * key_gradient_weight_rounding(c, dout, cpu.out) : 0.0;
-  expect_half_contract<T>("dq", cpu.dq, plain.dq, plus(ref.dq, effect.dq), ref.dq);
-  expect_half_contract<T>("dk", cpu.dk, plain.dk, plus(ref.dk, effect.dk), ref.dk, dk_rounding);
-  expect_half_contract<T>("dv", cpu.dv, plain.dv, ref.dv, ref.dv);
+  const GradientWeightRounding rounding =
+      rounds_weights ? gradient_weight_rounding(c, dout, cpu.out) : GradientWeightRounding{};
+  const double u = unit_roundoff<T>();
+  expect_half_contract<T>("dq", cpu.dq, plain.dq, plus(ref.dq, effect.dq), ref.dq, u * rounding.dq);
+  expect_half_contract<T>("dk", cpu.dk, plain.dk, plus(ref.dk, effect.dk), ref.dk, u * rounding.dk);
+  expect_half_contract<T>("dv", cpu.dv, plain.dv, ref.dv, ref.dv, u * rounding.dv);
 }
 
 }  // namespace qkv::test
