@@ -3,7 +3,9 @@
 //                                        THREADS threads, best of 5 passes
 //   qkv_decode_probe decode HQ HKV D N TYPE THREADS [PAGE]
 //                                        best ms and GB/s of qkv::decode, one query per
-//                                        head, N keys, TYPE f32|bf16|f16|i8, PAGE 0 = contiguous
+//                                        head, N keys, TYPE f32|bf16|f16|i8|e4m3|e5m2 (i8: a
+//                                        scale per row; float8: one per kv head, zero-stride
+//                                        views as vLLM's per-head scales), PAGE 0 = contiguous
 //                                        [1, N, HKV, D], -1 = PyTorch's [1, HKV, N, D], > 0 paged
 //   qkv_decode_probe cache HQ HKV D N TYPE THREADS
 //                                        best ms and GB/s of a qkv::KVCache's attend, one
@@ -119,10 +121,13 @@ void decode_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, int th
   Tensor<T, 4> k(page > 0 ? std::array<int64_t, 4>{blocks, page, kv_heads, d} : std::array<int64_t, 4>{1, n, kv_heads, d});
   Tensor<T, 4> v(k.shape());
   constexpr bool kInt8 = std::is_same_v<T, std::int8_t>;
+  constexpr bool kFloat8 = is_float8(storage_type_of<T>);
   for (std::size_t i = 0; i < k.size(); ++i) {
     if constexpr (kInt8) k[i] = v[i] = static_cast<std::int8_t>(i % 17);
     else k[i] = v[i] = T(static_cast<float>(i % 17) * 0.05f);
   }
+  // float8: one scale per kv head, a [rows, .., Hkv] view with strides {0, 0, 1}.
+  std::vector<float> head_scales(static_cast<std::size_t>(kv_heads), 0.05f);
   // int8: one scale per row (4 bytes per d values; counted in the bytes read below).
   Tensor<float, 3> scales({k.shape()[0], k.shape()[1], kv_heads});
   for (std::size_t i = 0; i < scales.size(); ++i) scales[i] = 0.05f;
@@ -137,6 +142,9 @@ void decode_rate(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t n, int th
     args.v_cache = TensorView<const T, 4>::from_bhsd(v.data(), 1, kv_heads, n, d);
   }
   if constexpr (kInt8) args.k_scale = args.v_scale = scales.cview();
+  if constexpr (kFloat8)
+    args.k_scale = args.v_scale =
+        View3<const float>(head_scales.data(), {k.shape()[0], k.shape()[1], kv_heads}, {0, 0, 1});
   AttentionOptions options;
   options.causal = Causal::bottom_right;
   options.execution.threads = threads;
@@ -232,6 +240,8 @@ int main(int argc, char** argv) {
     if (type == "bf16") decode_rate<qkv::bfloat16>(hq, hkv, d, n, threads, page);
     else if (type == "f16") decode_rate<qkv::float16>(hq, hkv, d, n, threads, page);
     else if (type == "i8") decode_rate<std::int8_t>(hq, hkv, d, n, threads, page);
+    else if (type == "e4m3") decode_rate<qkv::float8_e4m3fn>(hq, hkv, d, n, threads, page);
+    else if (type == "e5m2") decode_rate<qkv::float8_e5m2>(hq, hkv, d, n, threads, page);
     else decode_rate<float>(hq, hkv, d, n, threads, page);
     return 0;
   }

@@ -123,14 +123,42 @@ template <class T>
 inline constexpr bool kVectorLoad =
     std::is_same_v<T, float> || std::is_same_v<T, std::int8_t> || kVectorWiden<T> || kIsFloat8<T>;
 
-// Lanes(df) float8 values as floats, exactly, with integer lane operations on every
-// target (Highway's software float16 widening would lose ±inf and NaN): the magnitude's
+// Lanes(df) float8 values as floats, exactly. WidenFloat8Integer: with integer lane
+// operations, on every target (Highway's software float16 widening would lose ±inf and
+// NaN): the magnitude's
 // exponent and mantissa bits are moved into a float's and rebiased. A subnormal
 // (exponent field 0) is built as 2^emin · (1 + m / 2^M) and 2^emin subtracted — exact,
 // and never a float subnormal, which a denormals-are-zero mode would flush. NaN (and
 // e5m2's ±inf) are selected by code; the sign bit is put back last.
+//
+// Where float16 widens in hardware (kHardwareFloat16: F16C, AVX-512, aarch64) float8 goes
+// through it, about half the instructions (decode over an fp8 cache is bound by them):
+// e5m2 is float16's high byte, so code << 8 is the same number as a float16; e4m3fn's
+// exponent and mantissa shifted into float16's (code & 0x7F) << 7 are the value · 2⁻⁸
+// (bias 15 instead of 7, subnormals alike: 2⁻¹⁴·m/8 against 2⁻⁶·m/8), so the float is
+// multiplied by 2⁸ (exact). Its NaN code S.1111.111 (which would become ±1.875 · 2⁸) is
+// given float16's NaN bits first. The conversion widens float16 subnormals to normal
+// floats, whatever the denormal mode.
 template <class T, class D>
-HWY_INLINE hn::Vec<D> WidenFloat8(D df, const T* HWY_RESTRICT p) {
+HWY_INLINE hn::Vec<D> WidenFloat8ThroughFloat16(D df, const T* HWY_RESTRICT p) {
+  const hn::Rebind<uint8_t, D> d8;
+  const hn::Rebind<int16_t, D> d16;
+  const hn::Rebind<hwy::float16_t, D> dh;
+  const auto code = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
+  if constexpr (std::is_same_v<T, float8_e5m2>) {
+    return hn::PromoteTo(df, hn::BitCast(dh, hn::ShiftLeft<8>(code)));
+  } else {
+    // code << 8 then an arithmetic shift right by 1: the sign lands in bits 15 and 14, the
+    // exponent and mantissa in 13..7; bit 14 cleared. Work on 16-bit lanes (half the
+    // vector width of the float ones). NaN: float16's NaN bits, which stay NaN times 2⁸.
+    auto bits = hn::And(hn::ShiftRight<1>(hn::ShiftLeft<8>(code)), hn::Set(d16, static_cast<int16_t>(0xBFFF)));
+    bits = hn::IfThenElse(hn::Eq(hn::And(code, hn::Set(d16, 0x7F)), hn::Set(d16, 0x7F)), hn::Set(d16, 0x7E00), bits);
+    return hn::Mul(hn::PromoteTo(df, hn::BitCast(dh, bits)), hn::Set(df, 256.0f));
+  }
+}
+
+template <class T, class D>
+HWY_INLINE hn::Vec<D> WidenFloat8Integer(D df, const T* HWY_RESTRICT p) {
   constexpr bool kE5M2 = std::is_same_v<T, float8_e5m2>;
   constexpr int kMantissa = kE5M2 ? 2 : 3, kBias = kE5M2 ? 15 : 7;
   const hn::RebindToSigned<D> di;
@@ -151,6 +179,15 @@ HWY_INLINE hn::Vec<D> WidenFloat8(D df, const T* HWY_RESTRICT p) {
     bits = hn::IfThenElse(hn::Eq(magnitude, hn::Set(di, 0x7F)), hn::Set(di, 0x7FC00000), bits);
   }
   return hn::BitCast(df, hn::Or(bits, sign));
+}
+
+template <class T, class D>
+HWY_INLINE hn::Vec<D> WidenFloat8(D df, const T* HWY_RESTRICT p) {
+  if constexpr (kHardwareFloat16) {
+    return WidenFloat8ThroughFloat16(df, p);
+  } else {
+    return WidenFloat8Integer(df, p);
+  }
 }
 
 // Whether int4 rows are read with vectors here: 2 to 16 lanes (a vector's channels are

@@ -169,6 +169,50 @@ void expect_decode_reads_every_code(double (*value)(std::uint8_t)) {
   });
 }
 
+// One visible key: its weight is exactly 1, so out is the value row widened, bit for bit,
+// through the decode kernel's vector widening (WidenFloat8: through float16 where the
+// target converts float16 in hardware, by integer lanes elsewhere). The value row holds
+// all 256 codes (NaN and e5m2's ±inf included: each stays in its own channel), scale 1;
+// only ±0 lose their sign (the weighted sum starts from +0).
+template <class T>
+void expect_decode_widens_every_code_exactly(double (*value)(std::uint8_t)) {
+  const int64_t d = 256;
+  Tensor<T, 4> k({1, 1, 1, d}), v({1, 1, 1, d});
+  for (int64_t c = 0; c < d; ++c) {
+    k(0, 0, 0, c) = T::from_bits(0);
+    v(0, 0, 0, c) = T::from_bits(static_cast<std::uint8_t>(c));
+  }
+  Tensor<float, 4> q({1, 1, 1, d});
+  const std::vector<int64_t> lengths{1};
+  const float one = 1.0f;
+  const std::array<int64_t, 3> rows{1, 1, 1}, zero_strides{0, 0, 0};
+  test::for_each_simd_target([&](int64_t) {
+    Tensor<float, 4> out({1, 1, 1, d});
+    DecodeArgs<T> a;
+    a.q = q.cview();
+    a.k_cache = k.cview();
+    a.v_cache = v.cview();
+    a.cache_lengths = lengths;
+    a.k_scale = View3<const float>(&one, rows, zero_strides);
+    a.v_scale = View3<const float>(&one, rows, zero_strides);
+    a.out = out.view();
+    decode(a);
+    for (int code = 0; code < 256; ++code) {
+      const double want = value(static_cast<std::uint8_t>(code));
+      if (want == 0.0) {
+        EXPECT_EQ(out(0, 0, 0, code), 0.0f) << "code " << code;  // −0 sums to +0 from a zero accumulator
+      } else {
+        expect_same(out(0, 0, 0, code), want, code);
+      }
+    }
+  });
+}
+
+TEST(Float8, DecodeWidensEveryCodeExactlyOnEveryTarget) {
+  expect_decode_widens_every_code_exactly<float8_e4m3fn>(e4m3);
+  expect_decode_widens_every_code_exactly<float8_e5m2>(e5m2);
+}
+
 TEST(Float8, DecodeReadsEveryCodeOnEveryTarget) {
   expect_decode_reads_every_code<float8_e4m3fn>(e4m3);
   expect_decode_reads_every_code<float8_e5m2>(e5m2);
