@@ -68,6 +68,13 @@ REAL += [(f"int4 fp16 scales, K channel G={g}" + (f", newest {w} float" if w els
           {"dtype": "int4", "group_size": g, "float_window": w, "scale_dtype": "float16"})
          for w in (0, 32) for g in (32, 64, 128)]
 
+# The defaults a user gets: int4 with nothing else said (float16 scales, G=32 key
+# channels, the float window of qkv's kInt4FloatWindow), and the FP8 caches with their
+# per-KV-head scales computed at the first append (vLLM's and SGLang's layout).
+REAL += [("int4 (defaults)", {"dtype": "int4"}),
+         ("float8 e4m3, per-head scales", {"dtype": "float8_e4m3fn"}),
+         ("float8 e5m2, per-head scales", {"dtype": "float8_e5m2"})]
+
 _backend = None  # (q, k, v) -> out [B, Hq, T, d]: the storage every layer attends through
 
 
