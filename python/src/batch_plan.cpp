@@ -12,6 +12,7 @@
 
 #include "arrays.hpp"
 #include "cache_scales.hpp"
+#include "debug.hpp"
 #include "decode.hpp"
 #include "options.hpp"
 #include "qkv/batch_plan.hpp"
@@ -66,6 +67,13 @@ void run_typed(const BatchPlan& plan, const ArrayRef& q, const ArrayRef& k_cache
   const auto& vc = args.v_cache.shape;
   args.k_scale = cache_scale_view("k_scale", k_scale, storage, {kc[0], kc[1], kc[2]});
   args.v_scale = cache_scale_view("v_scale", v_scale, storage, {vc[0], vc[1], vc[2]});
+  if (debug_recording.load(std::memory_order_relaxed)) {  // tests: what the library reads, in place or not
+    debug_begin_call();
+    debug_record("k_cache", args.k_cache);
+    debug_record("v_cache", args.v_cache);
+    debug_record("k_scale", args.k_scale);
+    debug_record("v_scale", args.v_scale);
+  }
   nb::gil_scoped_release release;
   plan.run(args);
 }

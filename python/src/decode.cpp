@@ -17,6 +17,7 @@
 
 #include "arrays.hpp"
 #include "cache_scales.hpp"
+#include "debug.hpp"
 #include "options.hpp"
 #include "qkv/decode.hpp"
 #include "qkv/error.hpp"
@@ -146,6 +147,13 @@ void decode_typed(const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_
   if (block_table) args.block_table = block_table_view(*block_table, table_storage, "qkv::decode");
   args.out = view_of<float, 4>("out", out, "the output is float32");
   if (lse) args.lse = view_of<float, 3>("lse", *lse, "the log-sum-exp is float32");
+  if (debug_recording.load(std::memory_order_relaxed)) {  // tests: what the library reads, in place or not
+    debug_begin_call();
+    debug_record("k_cache", args.k_cache);
+    debug_record("v_cache", args.v_cache);
+    debug_record("k_scale", args.k_scale);
+    debug_record("v_scale", args.v_scale);
+  }
   nb::gil_scoped_release release;
   decode(args, options);
 }
