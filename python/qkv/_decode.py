@@ -187,9 +187,9 @@ class KVCache:
     attention reads.
 
     dtype="float8_e4m3fn" or "float8_e5m2" (or torch.float8_e4m3fn / ml_dtypes' types)
-    stores one byte a value, float8(x / scale) rounded to nearest even, finite values
-    beyond the format's largest (448, 57344) saturating to it (torch's own cast gives NaN /
-    inf there); NaN stays NaN. k_scale, v_scale: a float (per tensor) or kv_heads floats
+    stores one byte a value, float8(x / scale) rounded to nearest even (torch's bits),
+    finite values beyond the format's largest (448, 57344) saturating to it (torch 2.13's
+    CPU cast overflows e5m2 to inf); NaN stays NaN, inf is inf (e5m2) or NaN (e4m3fn). k_scale, v_scale: a float (per tensor) or kv_heads floats
     (per kv head), positive and finite, both or neither; None: per kv head, set by the first
     append that brings tokens to max |x| of that head's finite values / the largest
     finite value (1 for a head with no nonzero one), then kept (reset keeps them).
