@@ -169,6 +169,20 @@ def test_decode_matches_fp64_attention_over_the_stored_values(fmt, per_head, pag
     assert_close(out, want, v_stored)
 
 
+def test_decode_with_values_in_the_keys_lends_them_the_key_scales():
+    """v_cache=None (K = V layers, MLA's latent cache): the values are the float8 keys'
+    first v_dim channels, scaled by k_scale."""
+    k = torch.randn(2, 20, 2, 16) * torch.tensor([1.0, 10.0])[:, None]
+    k_scale = head_scales(k, "float8_e5m2", per_head=True)
+    k8 = quantize(k, "float8_e5m2", k_scale)
+    stored = dequantize(k8, k_scale)
+    q = torch.randn(2, 1, 4, 16)
+    out = qkv.decode(q, k8, None, [20, 9], v_dim=8, layout="bshd", k_scale=k_scale)
+    assert_close(out, reference(q, stored, stored[..., :8], [20, 9]), stored[..., :8])
+    with pytest.raises(qkv.Error, match="v_scale: not with v_cache=None"):
+        qkv.decode(q, k8, None, [20, 9], v_dim=8, layout="bshd", k_scale=k_scale, v_scale=k_scale)
+
+
 def test_decode_reads_float8_caches_and_scales_in_place():
     """No copy: the library is handed the caller's float8 bytes (same address, same
     strides: a transposed torch view stays transposed), and per-head / per-tensor scales
