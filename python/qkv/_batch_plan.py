@@ -22,14 +22,18 @@ import sys
 
 import numpy as np
 
-from . import _exit, _qkv
+from . import _exit, _float8, _qkv
 from ._decode_eager import _cache_array, _float32_packed, _int_array, _is_torch, _storage_name, refuse_grad
 from ._options import make_options
 from ._arrays import Error, NumPy, Torch
 from ._decode import KVCache
 
 
-def _scales(x):
+def _scales(name, x, bits_as):
+    """k_scale / v_scale as the binding reads them: a float8 cache's 1 or Hkv floats as a
+    float32 vector (qkv/_float8.py), int8 row scales as they are."""
+    if bits_as in _float8.FORMATS:
+        return _float8.scale_vector("qkv.BatchPlan.run", name, x)
     if x is None:
         return None
     return x.detach().numpy() if _is_torch(x) else np.asarray(x)
@@ -122,8 +126,9 @@ class BatchPlan:
     def run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None):
         """One layer: q ``[total_q, Hq, d]`` against ``k_cache``/``v_cache`` — contiguous
         ``[B, capacity, Hkv, d]`` or the pool ``[num_blocks, block_size, Hkv, d]``, float32,
-        bfloat16, float16 or int8 (with ``k_scale``/``v_scale``, one float32 per row),
-        read in place; or ``k_cache`` a ``qkv.KVCache`` (v_cache None): any of its storages
+        bfloat16, float16, int8 (with ``k_scale``/``v_scale``, one float32 per row) or float8
+        (torch.float8_e4m3fn / float8_e5m2 or ml_dtypes; ``k_scale``/``v_scale`` a float or
+        Hkv floats, required: as ``qkv.decode``), read in place; or ``k_cache`` a ``qkv.KVCache`` (v_cache None): any of its storages
         (int4 and float windows too), its lengths and block table the plan's. Returns out
         ``[total_q, Hq, dv]`` (q's dtype when floating) or
         ``(out, lse [Hq, total_q])``. Traceable (torch.compile fullgraph, torch.export):
@@ -134,8 +139,8 @@ class BatchPlan:
         the n-th packed query's own sequence b, -1 for none; as ``qkv.decode``'s indices
         (causal on top, repeats once, out-of-range a qkv.Error naming sequence and row).
         v_cache=None with an array k_cache: the values are its first ``v_dim`` channels (the
-        plan's), read in place (K = V layers, MLA's latent cache); int8 keys lend their
-        k_scale."""
+        plan's), read in place (K = V layers, MLA's latent cache); int8 and float8 keys lend
+        their k_scale."""
         refuse_grad("qkv.BatchPlan.run", q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
         if v_cache is None and not isinstance(k_cache, KVCache):
             if v_scale is not None:
@@ -151,6 +156,10 @@ class BatchPlan:
                 if self._handle is None:
                     raise Error("qkv.BatchPlan.run: traced (torch.compile), but the plan was made before torch "
                                 "was imported: make it after `import torch`")
+                import torch
+
+                # A float8 cache's float scales become tensors: the operator's schema takes tensors.
+                k_scale, v_scale = (_torch_ops_cache._tensor(x, torch.float32) for x in (k_scale, v_scale))
                 out, lse = _torch_ops_cache.batch_plan_run(self._handle, q, k_cache, v_cache, k_scale, v_scale,
                                                            indices)
                 return (out, lse) if return_lse else out
@@ -178,7 +187,8 @@ class BatchPlan:
                               else "float32")
         return self._run(q, q_lib, storage, return_lse,
                          lambda plan, out, lse: plan.run(q_lib, k_lib, v_lib, out, lse=lse, bits_as=bits_as,
-                                                         k_scale=_scales(k_scale), v_scale=_scales(v_scale),
+                                                         k_scale=_scales("k_scale", k_scale, bits_as),
+                                                         v_scale=_scales("v_scale", v_scale, bits_as),
                                                          indices=indices))
 
     def _run(self, q, q_lib, storage, return_lse, call):

@@ -1,6 +1,6 @@
 """qkv.KVCache and qkv.decode: attention of new tokens against a key/value cache, for a
-generation loop. Caches are read in place (torch or NumPy, float32, bfloat16 or
-float16); queries and outputs are the caller's type and dtype, computed in float32.
+generation loop. Caches are read in place (torch or NumPy, float32, bfloat16, float16,
+int8 or float8); queries and outputs are the caller's type and dtype, computed in float32.
 
 Layouts: with ``layout="bhsd"`` (the default, PyTorch's and Hugging Face's) q, k, v and
 out are ``[batch, heads, seq, dim]``; with ``"bshd"`` ``[batch, seq, heads, dim]``. A
@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from . import _decode_eager, _exit, _qkv
+from . import _decode_eager, _exit, _float8, _qkv
 from ._arrays import Error
 from ._decode_eager import (_check_layout, _empty_out, _float32_logical, _float32_packed, _int_array, _is_torch,
                             _options, _storage_name, refuse_grad)
@@ -29,13 +29,20 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     k_cache, v_cache: contiguous ``[B, Hkv, capacity, d]`` ("bhsd") / ``[B, capacity, Hkv, d]``
     ("bshd"); or, with ``block_table [B, max_blocks]`` (int32, or int64 whose entries
     fit int32), the paged pool
-    ``[num_blocks, block_size, Hkv, d]``. float32, bfloat16, float16, or int8 with scales.
+    ``[num_blocks, block_size, Hkv, d]``. float32, bfloat16, float16, int8 with scales, or
+    float8 with scales (torch.float8_e4m3fn / torch.float8_e5m2 tensors, ml_dtypes arrays).
     cache_lengths: ``[B]`` keys held per sequence, the new tokens' own keys included.
     causal: ``"bottom_right"`` (default: the queries are each sequence's last tokens),
     ``"top_left"`` or None.
     int8 caches take ``k_scale`` and ``v_scale``, one float32 per cached row (the row's
     values are int8 · scale): ``[B, Hkv, capacity]`` ("bhsd"), ``[B, capacity, Hkv]``
     ("bshd"), or ``[num_blocks, block_size, Hkv]`` for a paged pool.
+    float8 caches (vLLM's and SGLang's FP8 KV caches) take ``k_scale`` and ``v_scale`` as a
+    float (per tensor) or a sequence / 1-D array / CPU tensor of Hkv floats (per kv head),
+    each positive and finite: the cached values are float8 · scale. Required (vLLM's
+    layers use 1.0 when a checkpoint has none: pass ``k_scale=1.0, v_scale=1.0`` for that);
+    a missing, miscounted or bad scale raises qkv.Error naming it. Caches of other dtypes
+    refuse a scale by name.
     scale, causal, threads, window, softcap, alibi_slopes, sinks, precision: as in ``qkv.attention``
     (the same Options, checked alike: a bad value gets the same error;
     ``window=(left, right)``, -1 or None unbounded; a sliding window reads only the keys
@@ -48,8 +55,8 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     and row. ``window`` and ``alibi_slopes`` are refused with them.
     v_cache=None with ``v_dim``: the values are the keys' first v_dim channels, read in
     place from k_cache (DeepSeek-V4's and Gemma 4's K = V layers, MLA's latent cache): no
-    second cache, and each row is read from memory once. int8 keys lend the values their
-    row scales (k_scale).
+    second cache, and each row is read from memory once. int8 and float8 keys lend the
+    values their scales (k_scale).
     Returns out like q (with v's last dimension), or ``(out, lse [B, Hq, Nq])``.
     With torch tensors under torch.compile or torch.export the call is the operator
     ``torch.ops.qkv.decode`` (the same computation).
@@ -178,11 +185,20 @@ class KVCache:
     (min(32, capacity); without it a 4-bit cache misses the quality bar, mean KLD 2e-2),
     none otherwise; float_window=0 asks for none. stored(seq) returns the values
     attention reads.
+
+    dtype="float8_e4m3fn" or "float8_e5m2" (or torch.float8_e4m3fn / ml_dtypes' types)
+    stores one byte a value, float8(x / scale) rounded to nearest even (torch's bits),
+    finite values beyond the format's largest (448, 57344) saturating to it (torch 2.13's
+    CPU cast overflows e5m2 to inf); NaN stays NaN, inf is inf (e5m2) or NaN (e4m3fn). k_scale, v_scale: a float (per tensor) or kv_heads floats
+    (per kv head), positive and finite, both or neither; None: per kv head, set by the first
+    append that brings tokens to max |x| of that head's finite values / the largest
+    finite value (1 for a head with no nonzero one), then kept (reset keeps them).
+    scales() reports them ([kv_heads] each).
     """
 
     def __init__(self, batch, capacity, kv_heads, head_dim, *, v_dim=None, dtype="float32", paged=False,
                  block_size=16, num_blocks=None, layout="bhsd", key_scales=None, group_size=32, float_window=None,
-                 scale_dtype=None):
+                 scale_dtype=None, k_scale=None, v_scale=None):
         _check_layout("qkv.KVCache", layout)
         self.layout = layout
         storage = _storage_name(dtype, "qkv.KVCache")
@@ -191,7 +207,9 @@ class KVCache:
         self._cache = _qkv.KVCache(batch, capacity, kv_heads, head_dim, v_dim or 0, storage,
                                    bool(paged), block_size, num_blocks or 0, key_scales, group_size,
                                    None if float_window is None else int(float_window),
-                                   "" if scale_dtype is None else _scale_dtype_name(scale_dtype))
+                                   "" if scale_dtype is None else _scale_dtype_name(scale_dtype),
+                                   _float8.config_scales("qkv.KVCache", "k_scale", k_scale),
+                                   _float8.config_scales("qkv.KVCache", "v_scale", v_scale))
         _exit.release_at_exit(self)  # the C++ cache is freed before the interpreter finalizes (qkv/_exit.py)
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.v_dim = v_dim or head_dim
@@ -343,8 +361,9 @@ class KVCache:
     def storage(self):
         """(keys, values): NumPy views of the cache memory — ``[B, capacity, Hkv, d]`` or
         the paged pool ``[num_blocks, block_size, Hkv, d]``; float32, int8, uint16 holding
-        bfloat16/float16 bits, or (int4) uint8 pairs of levels ``[..., ⌈d / 2⌉]``, channel
-        2i in the low nibble. Shares memory with the cache (it stays alive with them)."""
+        bfloat16/float16 bits, uint8 holding float8 bytes (``.view(ml_dtypes.float8_e4m3fn)``
+        reads them as such; torch_storage() gives torch float8 tensors), or (int4) uint8
+        pairs of levels ``[..., ⌈d / 2⌉]``, channel 2i in the low nibble. Shares memory with the cache (it stays alive with them)."""
         return self._cache.key_storage(), self._cache.value_storage()
 
     def scales(self):
@@ -352,7 +371,10 @@ class KVCache:
         ``[num_blocks, block_size, Hkv]``) NumPy views, one float32 per stored row; None
         for other dtypes. The stored values are ``storage() · scales()`` (broadcast).
         int4: (the keys' row scales — 1, or NaN for a non-finite key — None). Every scale
-        array of an int4 cache with scale_dtype="float16" is float16."""
+        array of an int4 cache with scale_dtype="float16" is float16.
+        float8: (key scales, value scales), float32 ``[Hkv]`` copies, one per kv head (a
+        per-tensor scale repeated): the stored values are ``storage() · scale[h]``. None
+        until the first append sets them when none were given."""
         return self._cache.scales()
 
     def channel_scales(self):
@@ -369,10 +391,13 @@ class KVCache:
 
         keys, values = self.storage()
         to = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-              "int8": torch.int8, "int4": torch.uint8}[self.dtype]
+              "int8": torch.int8, "int4": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn,
+              "float8_e5m2": torch.float8_e5m2}[self.dtype]
         k, v = torch.from_numpy(keys), torch.from_numpy(values)
         if to in (torch.bfloat16, torch.float16):
             k, v = k.view(torch.int16).view(to), v.view(torch.int16).view(to)
+        elif to in (torch.float8_e4m3fn, torch.float8_e5m2):  # the same bytes, uint8 to NumPy
+            k, v = k.view(to), v.view(to)
         return k, v
 
     def block_table(self):

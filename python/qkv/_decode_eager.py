@@ -1,7 +1,7 @@
 """The eager half of qkv.KVCache and qkv.decode (qkv/_decode.py): the argument conversions
 and the library call. Attention of new tokens against a key/value cache, for a
-generation loop. Caches are read in place (torch or NumPy, float32, bfloat16 or
-float16); queries and outputs are the caller's type and dtype, computed in float32.
+generation loop. Caches are read in place (torch or NumPy, float32, bfloat16, float16,
+int8 or float8: qkv/_float8.py); queries and outputs are the caller's type and dtype, computed in float32.
 
 Layouts: with ``layout="bhsd"`` (the default, PyTorch's and Hugging Face's) q, k, v and
 out are ``[batch, heads, seq, dim]``; with ``"bshd"`` ``[batch, seq, heads, dim]``. A
@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from . import _qkv
+from . import _float8, _qkv
 from ._arrays import LAYOUTS, Error, NumPy, Torch
 from ._options import make_options
 
@@ -28,8 +28,16 @@ def _is_torch(x) -> bool:
 
 
 def _storage_name(dtype, function: str = "qkv") -> str:
-    """'float32', 'bfloat16', 'float16', 'int8' or 'int4' from a name, a NumPy or a torch dtype."""
-    name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+    """'float32', 'bfloat16', 'float16', 'int8', 'int4', 'float8_e4m3fn' or 'float8_e5m2' from a
+    name, a NumPy (ml_dtypes) or a torch dtype."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif isinstance(dtype, type) and dtype.__module__ == "ml_dtypes":  # the scalar type, ml_dtypes.float8_e5m2
+        name = dtype.__name__
+    else:
+        name = str(dtype).replace("torch.", "")
+    if name in _float8.FORMATS:
+        return name
     if name in ("int8", "<class 'numpy.int8'>"):
         return "int8"
     if name == "int4":
@@ -40,7 +48,8 @@ def _storage_name(dtype, function: str = "qkv") -> str:
         return "float16"
     if name in ("bfloat16",):
         return "bfloat16"
-    raise Error(f"{function}: dtype: expected float32, bfloat16, float16, int8 or int4, got {dtype!r}")
+    raise Error(f"{function}: dtype: expected float32, bfloat16, float16, int8, int4, float8_e4m3fn or float8_e5m2, "
+                f"got {dtype!r}")
 
 
 def _check_layout(function: str, layout: str) -> None:
@@ -157,7 +166,13 @@ def result(q, out, work, lse):
 
 
 def _cache_array(x, name: str, function: str):
-    """(array the library reads in place, bits_as): torch bfloat16 goes over as int16 bits."""
+    """(array the library reads in place, bits_as): torch bfloat16 goes over as int16 bits,
+    float8 (torch or ml_dtypes) as uint8 bytes (qkv/_float8.py)."""
+    if _is_torch(x) and x.device.type != "cpu":
+        raise TypeError(f"{function}: {name}: expected a CPU tensor, got device {x.device}")
+    float8 = _float8.cache_bytes(x.detach() if _is_torch(x) else x, name, function)
+    if float8 is not None:
+        return float8
     if _is_torch(x):
         import torch
 
@@ -170,7 +185,8 @@ def _cache_array(x, name: str, function: str):
             return x.view(torch.int16).numpy(), "float16"
         if x.dtype in (torch.float32, torch.int8):
             return x.numpy(), ""
-        raise TypeError(f"{function}: {name}: expected dtype float32, bfloat16, float16 or int8, got {x.dtype}")
+        raise TypeError(f"{function}: {name}: expected dtype float32, bfloat16, float16, int8, float8_e4m3fn or "
+                        f"float8_e5m2, got {x.dtype}")
     if isinstance(x, np.ndarray):
         return x, ""
     raise TypeError(f"{function}: {name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
@@ -227,6 +243,9 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
     lengths = _int_array(cache_lengths, np.int64, "cache_lengths", fn)
     scales = {}
     for name, row_scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if bits_as in _float8.FORMATS:  # a float or Hkv floats, whatever the layout
+            scales[name] = _float8.scale_vector(fn, name, row_scales)
+            continue
         if row_scales is None:
             continue
         if _is_torch(row_scales):

@@ -1,6 +1,7 @@
 // qkv._qkv.BatchPlan: qkv::BatchPlan for Python (qkv/batch_plan.hpp). The layout's arrays
 // are read once (the plan copies them); caches are read in place with decode's
-// conventions (decode.hpp: float32, float16, bfloat16 bits as int16 with `bits_as`, int8).
+// conventions (decode.hpp: float32, float16, bfloat16 bits as int16 with `bits_as`, int8,
+// float8 bytes as uint8 with `bits_as`; cache_scales.hpp: the scales).
 // Draft trees: tree_mask (bool or uint8, flattened) and tree_mask_offsets (int32/int64).
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -10,6 +11,8 @@
 #include <vector>
 
 #include "arrays.hpp"
+#include "cache_scales.hpp"
+#include "debug.hpp"
 #include "decode.hpp"
 #include "options.hpp"
 #include "qkv/batch_plan.hpp"
@@ -59,8 +62,18 @@ void run_typed(const BatchPlan& plan, const ArrayRef& q, const ArrayRef& k_cache
   args.v_cache = raw_view<const T, 4>("v_cache", v_cache);
   args.out = view_of<float, 3>("out", out, "the output is float32");
   if (lse) args.lse = view_of<float, 2>("lse", *lse, "the log-sum-exp is float32");
-  if (k_scale) args.k_scale = view_of<const float, 3>("k_scale", *k_scale, "scales are float32");
-  if (v_scale) args.v_scale = view_of<const float, 3>("v_scale", *v_scale, "scales are float32");
+  constexpr StorageType storage = storage_type_of<T>;
+  const auto& kc = args.k_cache.shape;
+  const auto& vc = args.v_cache.shape;
+  args.k_scale = cache_scale_view("k_scale", k_scale, storage, {kc[0], kc[1], kc[2]});
+  args.v_scale = cache_scale_view("v_scale", v_scale, storage, {vc[0], vc[1], vc[2]});
+  if (debug_recording.load(std::memory_order_relaxed)) {  // tests: what the library reads, in place or not
+    debug_begin_call();
+    debug_record("k_cache", args.k_cache);
+    debug_record("v_cache", args.v_cache);
+    debug_record("k_scale", args.k_scale);
+    debug_record("v_scale", args.v_scale);
+  }
   nb::gil_scoped_release release;
   plan.run(args);
 }
@@ -82,10 +95,9 @@ void run_any(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::handle
     case StorageType::bfloat16: return run_typed<bfloat16>(plan, qa, ka, va, oa, la, ks, vs, lists);
     case StorageType::float16: return run_typed<float16>(plan, qa, ka, va, oa, la, ks, vs, lists);
     case StorageType::int8: return run_typed<std::int8_t>(plan, qa, ka, va, oa, la, ks, vs, lists);
+    case StorageType::float8_e4m3fn: return run_typed<float8_e4m3fn>(plan, qa, ka, va, oa, la, ks, vs, lists);
+    case StorageType::float8_e5m2: return run_typed<float8_e5m2>(plan, qa, ka, va, oa, la, ks, vs, lists);
     case StorageType::int4: break;  // no array dtype is int4 (cache_storage)
-    case StorageType::float8_e4m3fn:
-    case StorageType::float8_e5m2:  // no array dtype maps to them yet (cache_storage)
-      throw Error("qkv::BatchPlan::run: float8 caches are not yet taken from Python (the C++ API reads them)");
   }
   throw Error("qkv::BatchPlan::run: int4 caches attend through qkv.KVCache.attend");
 }

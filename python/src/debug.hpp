@@ -1,5 +1,6 @@
 // What the library was last handed, for tests that prove no copy was made: each view's
-// address, shape and strides as passed to qkv::attention_forward / attention_backward.
+// address, shape and strides as passed to qkv::attention_forward / attention_backward
+// (and, for caller-owned caches, qkv::decode / BatchPlan::run: the caches and their scales).
 // Off unless a test turns it on (qkv._qkv._debug_record_views(True)): an ordinary call
 // pays one relaxed load of a flag, nothing else. Per thread, overwritten by every call.
 #pragma once

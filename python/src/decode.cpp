@@ -1,7 +1,8 @@
 // qkv._qkv.decode and qkv._qkv.KVCache: the decode kernel and the owned cache for Python.
 // Caches are read in place: float32 arrays, float16 arrays, DLPack bfloat16 tensors, or
 // any 16-bit integer array holding bfloat16/float16 bits (how the Python package hands
-// over a torch bfloat16 tensor without copying: tensor.view(torch.int16).numpy()).
+// over a torch bfloat16 tensor without copying: tensor.view(torch.int16).numpy()); float8
+// caches likewise as uint8 arrays holding their bytes, `bits_as` naming the format.
 #include "decode.hpp"
 
 #include <nanobind/ndarray.h>
@@ -15,6 +16,8 @@
 #include <vector>
 
 #include "arrays.hpp"
+#include "cache_scales.hpp"
+#include "debug.hpp"
 #include "options.hpp"
 #include "qkv/decode.hpp"
 #include "qkv/error.hpp"
@@ -30,8 +33,11 @@ StorageType parse_storage(const std::string& name) {
   if (name == "float16") return StorageType::float16;
   if (name == "int8") return StorageType::int8;
   if (name == "int4") return StorageType::int4;
-  throw Error(Caller::named("dtype") + ": expected 'float32', 'bfloat16', 'float16', 'int8' or 'int4', got '" + name +
-              "'");
+  if (name == "float8_e4m3fn") return StorageType::float8_e4m3fn;
+  if (name == "float8_e5m2") return StorageType::float8_e5m2;
+  throw Error(Caller::named("dtype") +
+              ": expected 'float32', 'bfloat16', 'float16', 'int8', 'int4', 'float8_e4m3fn' or 'float8_e5m2', got '" +
+              name + "'");
 }
 
 // The storage type of a cache array: its own dtype, or `bits_as` for 16-bit integers.
@@ -46,7 +52,12 @@ StorageType cache_storage(const char* name, const ArrayRef& array, const std::st
     const StorageType type = parse_storage(bits_as);
     if (type == StorageType::bfloat16 || type == StorageType::float16) return type;
   }
-  argument_type_error(name, "expected dtype float32, float16, bfloat16 or int8, got " + dtype_name(dt));
+  if (dt == nb::dtype<uint8_t>() && !bits_as.empty()) {  // float8 bytes (NumPy has no float8 dtype)
+    const StorageType type = parse_storage(bits_as);
+    if (is_float8(type)) return type;
+  }
+  argument_type_error(name, "expected dtype float32, float16, bfloat16, int8, float8_e4m3fn or float8_e5m2, got " +
+                                dtype_name(dt));
 }
 
 std::span<const int64_t> lengths_of(const ArrayRef& lengths) {
@@ -123,16 +134,26 @@ void decode_typed(const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_
                   const KeyIndices& indices) {
   DecodeArgs<T> args;
   args.indices = indices;
-  if (k_scale) args.k_scale = view_of<const float, 3>("k_scale", *k_scale, "scales are float32");
-  if (v_scale) args.v_scale = view_of<const float, 3>("v_scale", *v_scale, "scales are float32");
-  args.q = view_of<const float, 4>("q", q, "queries are float32");
   args.k_cache = raw_view<const T, 4>("k_cache", k_cache);
   args.v_cache = raw_view<const T, 4>("v_cache", v_cache);
+  constexpr StorageType storage = storage_type_of<T>;
+  const auto& kc = args.k_cache.shape;
+  const auto& vc = args.v_cache.shape;
+  args.k_scale = cache_scale_view("k_scale", k_scale, storage, {kc[0], kc[1], kc[2]});
+  args.v_scale = cache_scale_view("v_scale", v_scale, storage, {vc[0], vc[1], vc[2]});
+  args.q = view_of<const float, 4>("q", q, "queries are float32");
   args.cache_lengths = lengths;
   std::vector<int32_t> table_storage;
   if (block_table) args.block_table = block_table_view(*block_table, table_storage, "qkv::decode");
   args.out = view_of<float, 4>("out", out, "the output is float32");
   if (lse) args.lse = view_of<float, 3>("lse", *lse, "the log-sum-exp is float32");
+  if (debug_recording.load(std::memory_order_relaxed)) {  // tests: what the library reads, in place or not
+    debug_begin_call();
+    debug_record("k_cache", args.k_cache);
+    debug_record("v_cache", args.v_cache);
+    debug_record("k_scale", args.k_scale);
+    debug_record("v_scale", args.v_scale);
+  }
   nb::gil_scoped_release release;
   decode(args, options);
 }
@@ -162,10 +183,11 @@ void decode_any(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle
       return decode_typed<float16>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs, lists);
     case StorageType::int8:
       return decode_typed<std::int8_t>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs, lists);
-    case StorageType::int4: break;  // no array dtype is int4 (cache_storage)
     case StorageType::float8_e4m3fn:
-    case StorageType::float8_e5m2:  // no array dtype maps to them yet (cache_storage)
-      throw Error("qkv::decode: float8 caches are not yet taken from Python (the C++ API reads them)");
+      return decode_typed<float8_e4m3fn>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs, lists);
+    case StorageType::float8_e5m2:
+      return decode_typed<float8_e5m2>(qa, ka, va, lengths, table, oa, lse_a, options, ks, vs, lists);
+    case StorageType::int4: break;  // no array dtype is int4 (cache_storage)
   }
   throw Error("qkv::decode: int4 caches attend through qkv.KVCache.attend");
 }
@@ -177,8 +199,8 @@ nb::capsule memory_owner(nb::handle self) {
   return nb::capsule(cache, [](void* p) noexcept { delete static_cast<std::shared_ptr<KVCache>*>(p); });
 }
 
-// A NumPy array over the cache's own memory (float32, or uint16 bits for 16-bit types),
-// kept alive by the C++ cache (memory_owner).
+// A NumPy array over the cache's own memory (float32, int8, uint16 bits for 16-bit types,
+// uint8 bytes for int4 and float8), kept alive by the C++ cache (memory_owner).
 nb::ndarray<nb::numpy> storage_array(nb::handle self, bool keys) {
   KVCache& cache = *nb::cast<CacheObject&>(self).cache;
   const auto shape4 = keys ? cache.k_shape() : cache.v_shape();
@@ -189,8 +211,8 @@ nb::ndarray<nb::numpy> storage_array(nb::handle self, bool keys) {
   if (type == StorageType::int4) shape[3] = (shape[3] + 1) / 2;  // bytes: two levels each
   const nb::dlpack::dtype dt = type == StorageType::float32 ? nb::dtype<float>()
                                : type == StorageType::int8  ? nb::dtype<int8_t>()
-                               : type == StorageType::int4  ? nb::dtype<uint8_t>()
-                                                            : nb::dtype<uint16_t>();
+                               : type == StorageType::int4 || is_float8(type) ? nb::dtype<uint8_t>()
+                                                                              : nb::dtype<uint16_t>();
   return nb::ndarray<nb::numpy>(data, 4, shape, memory_owner(self), nullptr, dt);
 }
 
@@ -245,7 +267,7 @@ void bind_decode(nb::module_& m) {
           [](CacheObject* self, nb::handle batch, nb::handle capacity, nb::handle kv_heads, nb::handle head_dim,
              nb::handle v_dim, const std::string& dtype, bool paged, nb::handle block_size, nb::handle num_blocks,
              const std::string& key_scales, nb::handle group_size, nb::handle float_window,
-             const std::string& scale_dtype) {
+             const std::string& scale_dtype, const std::vector<float>& k_scale, const std::vector<float>& v_scale) {
             const Caller caller("qkv.KVCache");
             if (key_scales != "row" && key_scales != "channel")
               throw Error("qkv::KVCache: config.key_scales: expected 'row' or 'channel', got '" + key_scales + "'");
@@ -261,13 +283,15 @@ void bind_decode(nb::module_& m) {
                 .group_size = int64_argument("group_size", group_size),
                 .float_window = float_window.is_none() ? std::optional<int64_t>()
                                                        : int64_argument("float_window", float_window),
-                .scale_dtype = scale_dtype.empty() ? std::nullopt : std::optional(parse_storage(scale_dtype))};
+                .scale_dtype = scale_dtype.empty() ? std::nullopt : std::optional(parse_storage(scale_dtype)),
+                .k_scale = k_scale, .v_scale = v_scale};
             new (self) CacheObject{std::make_shared<KVCache>(config)};
           },
           nb::arg("batch"), nb::arg("capacity"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("v_dim") = 0,
           nb::arg("dtype") = "float32", nb::arg("paged") = false, nb::arg("block_size") = 16,
           nb::arg("num_blocks") = 0, nb::arg("key_scales") = "row", nb::arg("group_size") = 32,
-          nb::arg("float_window").none() = nb::none(), nb::arg("scale_dtype") = "")
+          nb::arg("float_window").none() = nb::none(), nb::arg("scale_dtype") = "",
+          nb::arg("k_scale") = std::vector<float>{}, nb::arg("v_scale") = std::vector<float>{})
       .def(
           "append",
           [](CacheObject& object, const InArray& k, const InArray& v, nb::handle seq_list) {
@@ -336,6 +360,19 @@ void bind_decode(nb::module_& m) {
         // int8: the rows' scales (keys, values), [B | blocks, capacity | block_size, Hkv]
         // NumPy views of the cache's memory; None for other storage types.
         KVCache& cache = *nb::cast<CacheObject&>(self).cache;
+        // float8: (key scales, value scales), float32 [Hkv] copies (one per kv head, a
+        // per-tensor scale repeated; fixed once known, so a copy is as good as a view);
+        // None until the first append sets them, if they were not given.
+        if (is_float8(cache.config().dtype)) {
+          if (cache.k_scales().empty()) return nb::none();
+          const auto copy = [](std::span<const float> values) {
+            auto* owned = new std::vector<float>(values.begin(), values.end());
+            nb::capsule free(owned, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+            const std::size_t shape[1] = {owned->size()};
+            return nb::ndarray<nb::numpy, float>(owned->data(), 1, shape, free);
+          };
+          return nb::make_tuple(copy(cache.k_scales()), copy(cache.v_scales()));
+        }
         // int4: the keys' row scales (1, or NaN for a non-finite key) and None.
         if (cache.config().dtype != StorageType::int8 && cache.config().dtype != StorageType::int4) return nb::none();
         const auto shape4 = cache.k_shape();

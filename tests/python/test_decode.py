@@ -157,7 +157,7 @@ def test_errors_name_the_argument():
         qkv.decode(q, k, k, [3])
     with pytest.raises(TypeError, match="v_cache: expected the dtype of k_cache"):
         qkv.decode(q, k, k.to(torch.bfloat16), [3, 3])
-    with pytest.raises(TypeError, match="k_cache: expected dtype float32, bfloat16, float16 or int8"):
+    with pytest.raises(TypeError, match="k_cache: expected dtype float32, bfloat16, float16, int8, float8_e4m3fn or float8_e5m2"):
         qkv.decode(q, k.double(), k.double(), [3, 3])
     with pytest.raises(qkv.Error, match=r"block_table\[0, 0\]: expected a pool block"):
         qkv.decode(q, k.transpose(1, 2), k.transpose(1, 2), [3, 3],
@@ -165,7 +165,7 @@ def test_errors_name_the_argument():
     cache = qkv.KVCache(1, 4, 1, 8)
     with pytest.raises(qkv.Error, match="sequence 0 holds 0 of 4 keys; 5 more do not fit"):
         cache.append(torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8))
-    with pytest.raises(qkv.Error, match="dtype: expected float32, bfloat16, float16, int8 or int4"):
+    with pytest.raises(qkv.Error, match="dtype: expected float32, bfloat16, float16, int8, int4, float8_e4m3fn or float8_e5m2"):
         qkv.KVCache(1, 4, 1, 8, dtype="int2")
     with pytest.raises(qkv.Error, match="config.block_size"):
         qkv.KVCache(1, 4, 1, 8, paged=True, block_size=0)

@@ -187,7 +187,7 @@ def test_bad_config():
         qkv.KVCache(1, 64, 1, 16, dtype="int8", float_window=8)
     with pytest.raises(qkv.Error, match=r"config.float_window: expected 0..64"):
         qkv.KVCache(1, 64, 1, 16, dtype="int4", float_window=65)
-    with pytest.raises(qkv.Error, match="dtype: expected float32, bfloat16, float16, int8 or int4"):
+    with pytest.raises(qkv.Error, match="dtype: expected float32, bfloat16, float16, int8, int4, float8_e4m3fn or float8_e5m2"):
         qkv.KVCache(1, 64, 1, 16, dtype="int2")
     with pytest.raises(qkv.Error, match="qkv::KVCache: config.scale_dtype: expected float32 or float16, got bfloat16"):
         qkv.KVCache(1, 64, 1, 16, dtype="int4", scale_dtype="bfloat16")
