@@ -12,8 +12,8 @@
 // Widening to float is exact for every bit pattern. Narrowing (float8_*(float)) rounds
 // to nearest, ties to even — the same bits as torch's `.to(float8_*)` for every value
 // within the format's range — but SATURATES finite values beyond the largest finite one
-// to ±448 / ±57344, as vLLM's and SGLang's cache writes do (torch's cast gives NaN for
-// e4m3fn at ≥ 480 and inf for e5m2 at ≥ 61440). A KV cache stores x / scale with a
+// to ±448 / ±57344, as vLLM's and SGLang's cache writes do (torch 2.13's CPU cast
+// saturates e4m3fn too, but also turns ±inf into ±448, and gives inf for e5m2 at ≥ 61440). A KV cache stores x / scale with a
 // scale chosen from the data, so a later token beyond the range is clipped, not turned
 // into a NaN that would poison every query that sees it. NaN stays NaN (the quiet
 // pattern with the input's sign); ±inf becomes ±inf in e5m2 and NaN in e4m3fn, which
