@@ -73,7 +73,9 @@ REAL += [(f"int4 fp16 scales, K channel G={g}" + (f", newest {w} float" if w els
 # per-KV-head scales computed at the first append (vLLM's and SGLang's layout).
 REAL += [("int4 (defaults)", {"dtype": "int4"}),
          ("float8 e4m3, per-head scales", {"dtype": "float8_e4m3fn"}),
-         ("float8 e5m2, per-head scales", {"dtype": "float8_e5m2"})]
+         ("float8 e5m2, per-head scales", {"dtype": "float8_e5m2"}),
+         ("float8 e4m3, scale 1", {"dtype": "float8_e4m3fn", "k_scale": 1.0, "v_scale": 1.0}),
+         ("float8 e5m2, scale 1", {"dtype": "float8_e5m2", "k_scale": 1.0, "v_scale": 1.0})]
 
 _backend = None  # (q, k, v) -> out [B, Hq, T, d]: the storage every layer attends through
 
@@ -176,7 +178,7 @@ def main() -> int:
     parser.add_argument("--rows", default="real,v,l", help="real and/or emulated sets a,b,c,d,f,l,s,v; all")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="also write the rows here")
-    parser.add_argument("--only", default="", help="the real rows whose label contains this (e.g. int4)")
+    parser.add_argument("--only", default="", help="the real rows whose label contains this (e.g. int4; a|b: either)")
     args = parser.parse_args()
     sets = args.rows.split(",")
     unknown = set(sets) - {"real", "v", "a", "l", "s", "b", "f", "c", "d", "all"}
@@ -196,7 +198,7 @@ def main() -> int:
     rows = []  # (label, kind, bytes per value or None, backend or None)
     if "real" in sets:
         for label, kwargs in REAL[1:]:
-            if args.only not in label:
+            if not any(part in label for part in args.only.split("|")):
                 continue
             bpv = real_bytes_per_value(kwargs, model.config.num_key_value_heads, model.config.head_dim)
             rows.append((label, "real", bpv, real_backend(kwargs, args.chunk, args.threads) if bpv else None))
