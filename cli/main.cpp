@@ -3,10 +3,10 @@
 #include <iostream>
 
 #include "command.hpp"
-#include "faster_blas.hpp"
+#include "load_time_environment.hpp"
 
 int main(int argc, char** argv) {
-  qkv::cli::restart_for_faster_blas(argv);  // OpenBLAS on a CPU newer than it: see there
+  qkv::cli::restart_with_load_time_environment(argv);  // what OpenBLAS and OpenMP read at load: see there
   static constexpr qkv::cli::Registrar kCommands[] = {
       qkv::cli::register_explain,
       qkv::cli::register_run,
