@@ -124,3 +124,76 @@ def eager_run(plan, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_l
                      lambda p, out, lse: _qkv.batch_plan_run_appending(
                          p, q_lib, k_lib, v_lib, out, new["k_new"], new["v_new"], lse=lse, bits_as=bits_as,
                          k_scale=_scales(k_scale), v_scale=_scales(v_scale), indices=indices, **rotary))
+
+
+def _refuse_traced(function: str, x) -> None:
+    if _is_torch(x):
+        from . import _torch_ops_cache
+
+        if _torch_ops_cache.traced(x):
+            raise Error(f"{function}: rotary_cos: a KVCache's rotating append is not traceable yet (torch.compile): "
+                        "rotate the keys first, or use BatchPlan.run(..., k_new=, rotary_cos=) over cache arrays")
+
+
+def _logical_rows(cache, x, name: str, function: str):
+    """x ([n, Hkv, T, d] "bhsd" or [n, T, Hkv, d]) as float32 [n, T, H, d] NumPy."""
+    from ._decode_eager import _float32_logical
+
+    return np.ascontiguousarray(_float32_logical(x, cache.layout, name, function))
+
+
+def cache_append(cache, k, v, seq, rotary: dict, function: str = "qkv.KVCache.append"):
+    """KVCache.append with rotary tables: new token t of entry n is table row n·T + t (or that
+    entry of positions); transformers' ``[n, T, rotary_dim]`` tables are taken flattened.
+    k is rotated into scratch; the append is the cache's own (every storage type)."""
+    _refuse_traced(function, k)
+    k_rows = _logical_rows(cache, k, "k", function)
+    n, tokens, heads, dim = k_rows.shape
+    args = rotary_arguments(function, *(_flat(rotary.get(name)) for name in ("rotary_cos", "rotary_sin")),
+                            rotary.get("rotary_interleaved", False), rotary.get("rotary_dim"),
+                            _flat(rotary.get("positions"), rows=False))
+    rotated = np.empty((n * tokens, heads, dim), dtype=np.float32)
+    _qkv.apply_rotary(k_rows.reshape(n * tokens, heads, dim), rotated, function=function, **args)
+    from ._decode_eager import _float32_logical
+
+    seqs = None if seq is None else ([int(seq)] if np.ndim(seq) == 0 else [int(s) for s in seq])
+    cache._cache.append(rotated.reshape(n, tokens, heads, dim), _float32_logical(v, cache.layout, "v", function), seqs)
+
+
+def _flat(x, rows: bool = True):
+    """[n, T, r] tables (transformers' per-batch output) as [n·T, r]; [n, T] positions as [n·T]."""
+    if x is None or getattr(x, "ndim", 0) != (3 if rows else 2):
+        return x
+    return x.reshape(-1, x.shape[-1]) if rows else x.reshape(-1)
+
+
+def cache_attend(cache, q, k_new, v_new, rotary: dict, attend):
+    """KVCache.attend(q, k_new=, v_new=, rotary_cos=, ...): q's shape is checked against the
+    new tokens first, then they are appended (rotated), then q rotated alike attends."""
+    function = "qkv.KVCache.attend"
+    if k_new is None or v_new is None:
+        raise Error(f"{function}: {'k_new' if k_new is None else 'v_new'}: expected with "
+                    f"{'v_new' if k_new is None else 'k_new'} (the new tokens' keys and values are appended together)")
+    _refuse_traced(function, q)
+    q_rows = _logical_rows(cache, q, "q", function)
+    k_rows = _logical_rows(cache, k_new, "k_new", function)
+    if q_rows.shape[:2] != k_rows.shape[:2] or q_rows.shape[3] != k_rows.shape[3]:
+        raise Error(f"{function}: q: expected the batch, tokens and head_dim of k_new {tuple(k_rows.shape)} "
+                    f"(as [B, T, H, d]), got {tuple(q_rows.shape)}")
+    cache_append(cache, k_new, v_new, None, rotary, "qkv.KVCache.append")
+    if rotary.get("rotary_cos") is not None or rotary.get("rotary_sin") is not None:
+        n, tokens, heads, dim = q_rows.shape
+        args = rotary_arguments(function, *(_flat(rotary.get(name)) for name in ("rotary_cos", "rotary_sin")),
+                                rotary.get("rotary_interleaved", False), rotary.get("rotary_dim"),
+                                _flat(rotary.get("positions"), rows=False))
+        rotated = np.empty((n * tokens, heads, dim), dtype=np.float32)
+        _qkv.apply_rotary(q_rows.reshape(n * tokens, heads, dim), rotated, function=function, **args)
+        q_rows = rotated.reshape(n, tokens, heads, dim)
+        if cache.layout == "bhsd":
+            q_rows = q_rows.swapaxes(1, 2)
+        if _is_torch(q):
+            import torch
+
+            q_rows = torch.from_numpy(q_rows).to(q.dtype if q.is_floating_point() else torch.float32)
+        q = q_rows
+    return attend(q)

@@ -258,3 +258,49 @@ def test_operator_passes_opcheck_and_compiles_fullgraph_with_the_cache_writes():
         torch.library.opcheck(torch.ops.qkv.batch_plan_run_appending.default,
                               (step_plan._handle, step.q, step.k, step.v, step.k_scale, step.v_scale, step.k_new,
                                step.v_new, cos, sin, step.positions, False, None))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_kv_cache_append_and_attend_rotate_like_transformers(dtype):
+    """KVCache.append(k, v, rotary_cos=...) stores what appending transformers-rotated keys
+    stores, and KVCache.attend(q, k_new=, v_new=, rotary...) gives what that append plus
+    attend(rotated q) gives — bitwise; the caller's q and k are not modified."""
+    g = torch.Generator().manual_seed(5)
+    batch, tokens = 2, 3
+    q = torch.randn(batch, HEADS, tokens, D, generator=g)
+    k = torch.randn(batch, KV_HEADS, tokens, D, generator=g)
+    v = torch.randn(batch, KV_HEADS, tokens, DV, generator=g)
+    cos_table, sin_table = tables(32, True)
+    positions = torch.arange(tokens)[None].expand(batch, tokens) + 4  # [B, T], after 4 cached tokens
+    cos, sin = cos_table[positions], sin_table[positions]  # transformers' [B, T, r]
+    flat_q = q.transpose(1, 2).flatten(0, 1)
+    flat_k = k.transpose(1, 2).flatten(0, 1)
+    q_rot, k_rot = rotate(flat_q, flat_k, cos.flatten(0, 1), sin.flatten(0, 1), True)
+    q_rot = q_rot.view(batch, tokens, HEADS, D).transpose(1, 2)
+    k_rot = k_rot.view(batch, tokens, KV_HEADS, D).transpose(1, 2)
+    old = torch.randn(batch, KV_HEADS, 4, D, generator=g), torch.randn(batch, KV_HEADS, 4, DV, generator=g)
+    caches = [qkv.KVCache(batch, 16, KV_HEADS, D, v_dim=DV, dtype=dtype, paged=True, block_size=4) for _ in range(3)]
+    for cache in caches:
+        cache.append(*old)
+    q_before, k_before = q.clone(), k.clone()
+    caches[0].append(k, v, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=True)
+    caches[1].append(k_rot, v)
+    for b in range(batch):
+        for x, y in zip(caches[0].stored(b), caches[1].stored(b)):
+            assert np.array_equal(x, y)
+    expect = caches[1].attend(q_rot)
+    out = caches[2].attend(q, k_new=k, v_new=v, rotary_cos=cos_table, rotary_sin=sin_table, positions=positions,
+                           rotary_interleaved=True)
+    assert torch.equal(out, expect)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)
+    # Bad calls change nothing.
+    lengths = caches[2].lengths
+    with pytest.raises(qkv.Error, match="v_new: expected with k_new"):
+        caches[2].attend(q, k_new=k)
+    with pytest.raises(qkv.Error, match="q: expected the batch, tokens and head_dim of k_new"):
+        caches[2].attend(q[:, :, :2], k_new=k, v_new=v)
+    with pytest.raises(qkv.Error, match=r"rotary.cos.shape\[1\] \(rotary_dim\): expected an even number"):
+        caches[2].append(k, v, rotary_cos=cos[..., :31], rotary_sin=sin[..., :31])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rotary_cosine'"):
+        caches[2].append(k, v, rotary_cosine=cos)
+    assert caches[2].lengths == lengths
