@@ -151,6 +151,9 @@ class BatchPlan:
         if any(x is not None for x in (k_new, v_new, rotary_cos, rotary_sin, rotary_dim, positions)) or rotary_interleaved:
             from . import _rotary
 
+            if isinstance(k_cache, KVCache):
+                raise Error("qkv.BatchPlan.run: k_new: not with a qkv.KVCache as k_cache (the cache appends its own "
+                            "new tokens: cache.append(k, v, rotary_cos=...), or cache.attend(q, k_new=, v_new=))")
             return _rotary.run(self, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
                                indices=indices, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos,
                                rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, rotary_dim=rotary_dim,

@@ -77,11 +77,6 @@ def run(plan, q, k_cache, v_cache, *, k_scale, v_scale, return_lse, indices, k_n
         rotary_interleaved, rotary_dim, positions):
     """BatchPlan.run with new tokens: traced as torch.ops.qkv.batch_plan_run_appending,
     eagerly the binding."""
-    from ._decode import KVCache
-
-    if isinstance(k_cache, KVCache):
-        raise Error(f"{_FUNCTION}: k_new: not with a qkv.KVCache as k_cache (the cache appends its own new tokens: "
-                    "cache.append(k, v, rotary_cos=...), or cache.attend(q, k_new=..., v_new=...))")
     if v_cache is None:
         raise Error(f"{_FUNCTION}: v_cache: None (the values in the keys) is not with k_new: pass the value cache")
     if _is_torch(q):

@@ -29,10 +29,10 @@ def batch_plan_run_appending(
     k_new: Optional[Tensor], v_new: Optional[Tensor], rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor],
     positions: Optional[Tensor], rotary_interleaved: bool, rotary_dim: Optional[int], indices: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    from . import _rotary
-
-    return _rotary.eager_run(_plan(handle), q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True,
-                             indices=indices, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+    # The plan's own eager run (real tensors here: never traced), so this module needs no
+    # import of qkv/_rotary.py, which imports it.
+    return _plan(handle).run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True, indices=indices,
+                             k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                              rotary_interleaved=rotary_interleaved, rotary_dim=rotary_dim, positions=positions)
 
 
