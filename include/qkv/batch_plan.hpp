@@ -67,6 +67,28 @@
 //     count positions along the sequence, which a tree's tokens are not) are refused, and
 //     so are key lists (BatchArgs::indices) at run. Softcap and sinks combine as usual.
 //
+// Appending (run_appending; FlashAttention's flash_attn_with_kvcache with k, v and rotary):
+// the step's new tokens k_new [total_q, Hkv, d] and v_new [total_q, Hkv, dv], packed as q,
+// are written into each sequence's last n_b cache rows — rows cache_lengths[b] − n_b ..
+// cache_lengths[b] − 1 (the plan's lengths count them), through the block table when
+// paged — and then attended with the rest, in one call that reads the cache once more.
+//   - With a Rotary (qkv/rotary.hpp), q and k_new are rotated first, new token n by its
+//     table row n (or rotary.positions[n]); q is rotated into the call's own scratch: the
+//     caller's q is never written. v_new is not rotated.
+//   - The caches are the caller's memory and are written (BatchAppendArgs holds them
+//     mutable): float32 as given, bfloat16 and float16 rounded to nearest even, int8 per
+//     row as KVCache stores it (scale max|x| / 127 written to k_scale / v_scale), float8
+//     as x / scale rounded with the scale read from k_scale / v_scale. int8 keys scaled
+//     per channel are not written (use a KVCache); int4 has no BatchArgs.
+//   - The result equals writing those rows by hand and calling run(BatchArgs) with the
+//     rotated q: bitwise (the rotation rounds as PyTorch's float32 does).
+//   - Everything is checked before anything is written (a qkv::Error leaves caches, scales
+//     and out as they were): run(BatchArgs)'s errors, and k_new without v_new (or the
+//     other way round), their shapes, the Rotary's errors, a Rotary without k_new (the
+//     cache's keys would then be rotated differently from the queries that read them:
+//     refused, rotary.cos named), caches that share memory with each other or with q,
+//     k_new, v_new, out or the tables, and key lists (indices) with a tree_mask.
+//
 // Schedules (cpu backend): sequences of ≤ 16 queries run on the split-K schedule
 // (cpu/decode.cpp), planned together, their tasks handed to threads costliest first; a
 // prefill chunk of more queries runs on the tiled schedule over its keys gathered into
@@ -102,6 +124,7 @@
 #include "qkv/half.hpp"
 #include "qkv/kv_cache.hpp"
 #include "qkv/options.hpp"
+#include "qkv/rotary.hpp"
 #include "qkv/sparse.hpp"
 #include "qkv/tensor.hpp"
 
@@ -141,6 +164,20 @@ struct BatchArgs {
   KeyIndices indices;
 };
 
+// run_appending: the step's new tokens written into caches the caller owns, then attended
+// (see "Appending" above). T as BatchArgs'; the caches are written, so they are not const.
+template <class T>
+struct BatchAppendArgs {
+  View3<const float> q;             // [total_q, Hq, d]: read only (rotated into scratch)
+  View3<const float> k_new, v_new;  // [total_q, Hkv, d], [total_q, Hkv, dv], packed as q
+  Rotary rotary;                    // optional: rotates q and k_new (qkv/rotary.hpp)
+  View4<T> k_cache, v_cache;        // as BatchArgs'; each sequence's last n_b rows written
+  View3<float> out;
+  TensorView<float, 2> lse;         // optional
+  View3<float> k_scale, v_scale;    // int8: the new rows' scales written; float8: read
+  KeyIndices indices;               // as BatchArgs'
+};
+
 class BatchPlan {
  public:
   BatchPlan(const BatchLayout& layout, const AttentionOptions& options);
@@ -156,6 +193,14 @@ class BatchPlan {
   void run(const BatchArgs<std::int8_t>& args) const;
   void run(const BatchArgs<float8_e4m3fn>& args) const;
   void run(const BatchArgs<float8_e5m2>& args) const;
+  // The new tokens written into the caches (rotated, and quantized for int8 and float8),
+  // then the step as run(BatchArgs) computes it: see "Appending" above.
+  void run_appending(const BatchAppendArgs<float>& args) const;
+  void run_appending(const BatchAppendArgs<bfloat16>& args) const;
+  void run_appending(const BatchAppendArgs<float16>& args) const;
+  void run_appending(const BatchAppendArgs<std::int8_t>& args) const;
+  void run_appending(const BatchAppendArgs<float8_e4m3fn>& args) const;
+  void run_appending(const BatchAppendArgs<float8_e5m2>& args) const;
   // The step over a qkv::KVCache: q [total_q, Hq, d], out [total_q, Hq, dv], lse
   // [Hq, total_q] (optional).
   void run(View3<const float> q, const KVCache& cache, View3<float> out, TensorView<float, 2> lse = {}) const;

@@ -76,6 +76,7 @@
 #include "qkv/attention.hpp"  // SeqOffsets
 #include "qkv/decode.hpp"
 #include "qkv/half.hpp"
+#include "qkv/rotary.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
@@ -142,6 +143,13 @@ class KVCache {
   // cu_seqlens[n+1]) of k [total, Hkv, d] and v [total, Hkv, dv] — any number each, 0
   // included. Checked in full before anything is written, as append is.
   void append_varlen(View3<const float> k, View3<const float> v, SeqOffsets cu_seqlens,
+                     std::span<const int64_t> seqs = {});
+  // The same with the new keys rotated on the way in (RoPE, qkv/rotary.hpp; v is not
+  // rotated): new token t of entry n is rotary row n·T + t (append) or cu_seqlens[n] + t
+  // (append_varlen), or that entry of rotary.positions. k itself is not written (the
+  // rotated rows go through scratch). The Rotary's errors, like every other, change nothing.
+  void append(View4<const float> k, View4<const float> v, const Rotary& rotary, std::span<const int64_t> seqs = {});
+  void append_varlen(View3<const float> k, View3<const float> v, SeqOffsets cu_seqlens, const Rotary& rotary,
                      std::span<const int64_t> seqs = {});
 
   // out [B, T, Hq, dv] (and lse [B, Hq, T], optional: {}) = attention of q [B, T, Hq, d]

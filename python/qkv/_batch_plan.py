@@ -123,7 +123,8 @@ class BatchPlan:
 
     v_dim = property(lambda self: self._v_dim)
 
-    def run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None):
+    def run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None, k_new=None,
+            v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False, rotary_dim=None, positions=None):
         """One layer: q ``[total_q, Hq, d]`` against ``k_cache``/``v_cache`` — contiguous
         ``[B, capacity, Hkv, d]`` or the pool ``[num_blocks, block_size, Hkv, d]``, float32,
         bfloat16, float16, int8 (with ``k_scale``/``v_scale``, one float32 per row) or float8
@@ -140,8 +141,28 @@ class BatchPlan:
         (causal on top, repeats once, out-of-range a qkv.Error naming sequence and row).
         v_cache=None with an array k_cache: the values are its first ``v_dim`` channels (the
         plan's), read in place (K = V layers, MLA's latent cache); int8 and float8 keys lend
-        their k_scale."""
-        refuse_grad("qkv.BatchPlan.run", q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
+        their k_scale.
+        k_new, v_new ``[total_q, Hkv, d | dv]`` (packed as q): the step's new tokens, written
+        into each sequence's last rows of k_cache/v_cache (the plan's cache_lengths count
+        them) — IN PLACE: the caller's caches (and int8 scales) are modified — then
+        attended, in one call. rotary_cos/rotary_sin ``[total_q, rotary_dim]`` (or tables
+        ``[max_position, rotary_dim]`` indexed by ``positions [total_q]``): q and k_new are
+        rotated first (NeoX half-split order; pairs with ``rotary_interleaved=True``; the
+        first ``rotary_dim`` channels when that is below head_dim). q itself is never
+        modified (rotated into scratch). qkv/_rotary.py and docs/decode-and-caches.md say more.
+        Traced: torch.ops.qkv.batch_plan_run_appending, which declares the caches mutated."""
+        refuse_grad("qkv.BatchPlan.run", q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale,
+                    k_new=k_new, v_new=v_new)
+        if any(x is not None for x in (k_new, v_new, rotary_cos, rotary_sin, rotary_dim, positions)) or rotary_interleaved:
+            from . import _rotary
+
+            if isinstance(k_cache, KVCache):
+                raise Error("qkv.BatchPlan.run: k_new: not with a qkv.KVCache as k_cache (the cache appends its own "
+                            "new tokens: cache.append(k, v, rotary_cos=...), or cache.attend(q, k_new=, v_new=))")
+            return _rotary.run(self, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
+                               indices=indices, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos,
+                               rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, rotary_dim=rotary_dim,
+                               positions=positions)
         if v_cache is None and not isinstance(k_cache, KVCache):
             if v_scale is not None:
                 raise Error("qkv.BatchPlan.run: v_scale: not with v_cache=None (the values use the keys' k_scale)")

@@ -283,12 +283,19 @@ class KVCache:
         """Keys held per sequence (a new list)."""
         return self._cache.lengths
 
-    def append(self, k, v, seq=None):
+    def append(self, k, v, seq=None, **rotary):
         """Appends T new tokens: k ``[n, Hkv, T, d]``, v ``[n, Hkv, T, dv]`` (layout "bhsd")
         for the sequences `seq` (an int, a list of ints, or None for all `batch`).
         Traced (torch.compile, torch.export): the mutating operator
-        ``torch.ops.qkv.kv_cache_append``; attend is ``kv_cache_attend``."""
+        ``torch.ops.qkv.kv_cache_append``; attend is ``kv_cache_attend``.
+        rotary_cos, rotary_sin (``[n*T | max_position, rotary_dim]``, or transformers'
+        ``[n, T, rotary_dim]``), rotary_interleaved, rotary_dim, positions: the keys are
+        rotated on the way in (k itself is not modified; qkv/_rotary.py; eager only)."""
         fn = "qkv.KVCache.append"
+        if rotary:
+            from . import _rotary
+
+            return _rotary.cache_append(self, k, v, seq, _rotary_keywords(fn, rotary))
         if _is_torch(k):
             from . import _torch_ops_cache
 
@@ -309,12 +316,26 @@ class KVCache:
         self._cache.append_varlen(k_lib, v_lib, offsets, seqs)
 
     def attend(self, q, *, scale=None, causal="bottom_right", return_lse=False, threads=None, window=None,
-               softcap=None, alibi_slopes=None, sinks=None, precision=None, indices=None):
+               softcap=None, alibi_slopes=None, sinks=None, precision=None, indices=None, k_new=None, v_new=None,
+               **rotary):
         """Attention of q ``[B, Hq, T, d]`` against every sequence's cache, the T queries
         aligned with each sequence's newest keys. window, softcap, alibi_slopes, sinks,
         precision, indices (key lists of cache positions): as in ``qkv.decode``. Returns
-        out like q, or (out, lse)."""
+        out like q, or (out, lse).
+        k_new, v_new ``[B, Hkv, T, d | dv]``: appended to every sequence first (the cache
+        is modified), with rotary_cos/rotary_sin/... as in append; q is then rotated alike
+        (into scratch: the caller's q is not modified) and attends. q's shape is checked
+        against k_new before the append. Eager only."""
         fn = "qkv.KVCache.attend"
+        if k_new is not None or v_new is not None or rotary:
+            from . import _rotary
+
+            return _rotary.cache_attend(
+                self, q, k_new, v_new, _rotary_keywords(fn, rotary),
+                lambda rotated: self.attend(rotated, scale=scale, causal=causal, return_lse=return_lse,
+                                            threads=threads, window=window, softcap=softcap,
+                                            alibi_slopes=alibi_slopes, sinks=sinks, precision=precision,
+                                            indices=indices))
         refuse_grad(fn, q=q, alibi_slopes=alibi_slopes, sinks=sinks)
         if _is_torch(q):
             from . import _torch_ops_cache
@@ -403,3 +424,12 @@ class KVCache:
     def block_table(self):
         """Paged: ``[batch, blocks per sequence]`` int32 view, -1 where no block is assigned."""
         return self._cache.block_table()
+
+
+def _rotary_keywords(function, keywords):
+    """The rotary keywords of KVCache.append/attend; any other is a TypeError naming it."""
+    allowed = ("rotary_cos", "rotary_sin", "rotary_interleaved", "rotary_dim", "positions")
+    for name in keywords:
+        if name not in allowed:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+    return keywords

@@ -23,7 +23,7 @@ import torch
 from . import _autograd, _torch_ops, _torch_stats
 # The other operators (torch.ops.qkv.*), registered with torch on import so that a
 # traced or exported program that names them finds them.
-from . import _torch_ops_cache, _torch_ops_index, _torch_ops_stats, _torch_ops_varlen  # noqa: F401
+from . import _torch_ops_cache, _torch_ops_index, _torch_ops_rotary, _torch_ops_stats, _torch_ops_varlen  # noqa: F401
 from ._arrays import Torch
 from ._options import Options, make_options
 from ._qkv import Error

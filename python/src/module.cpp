@@ -18,6 +18,7 @@ void bind_batch_plan(nanobind::module_& m);  // batch_plan.cpp
 void bind_sparse(nanobind::module_& m);      // sparse.cpp
 void bind_index_topk(nanobind::module_& m);  // index_topk.cpp
 void bind_mla(nanobind::module_& m);         // mla.cpp
+void bind_rotary(nanobind::module_& m);      // rotary.cpp
 }
 
 NB_MODULE(_qkv, m) {
@@ -37,4 +38,5 @@ NB_MODULE(_qkv, m) {
   qkv::python::bind_sparse(m);
   qkv::python::bind_index_topk(m);
   qkv::python::bind_mla(m);
+  qkv::python::bind_rotary(m);
 }

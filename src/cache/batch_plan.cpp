@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache/batch_plan_state.hpp"
 #include "cache/cache_reader.hpp"
 #include "cache/cache_scales.hpp"
 #include "cache/decode_source.hpp"
@@ -27,29 +28,6 @@
 
 namespace qkv {
 
-struct BatchPlan::State {
-  // Owned copies of the layout and the per-head options: the caller's arrays may change
-  // or go away once the plan is made.
-  std::vector<int32_t> block_table;
-  int64_t max_blocks = 0, block_size = 0;
-  std::vector<float> alibi_slopes, sinks;
-  detail::TreeMaskCopy trees;  // MaskRule::tree points into it
-  StorageType storage = StorageType::float32;
-  int64_t total_q = 0;
-  // What the run's views must hold: the longest cache (contiguous capacity) and the
-  // largest pool block the table names, with where they come from (for the error).
-  int64_t longest_cache = 0, longest_cache_sequence = 0;
-  int64_t largest_block = -1, largest_block_sequence = 0, largest_block_entry = 0;
-  Backend backend = Backend::cpu;
-  // The problem without its views, and the split-K schedule's plan of it.
-  detail::ForwardProblem<float> problem;
-  std::optional<cpu::DecodePlan> schedule;
-  // Prefill chunks (> 16 queries; not with fixed_key_split): each runs the tiled schedule
-  // over its keys gathered into float32 rows, and the split-K plan leaves them out.
-  std::vector<int64_t> chunks;
-
-  bool paged() const { return !block_table.empty(); }
-};
 
 namespace {
 
@@ -270,9 +248,11 @@ detail::ForwardProblem<float> step_problem(const BatchPlan::State& s, View3<cons
   return p;
 }
 
+}  // namespace
+
 // The run's views against the plan: O(1) checks (the layout was checked when planned).
 template <class T>
-detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const BatchArgs<T>& a) {
+detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State& s, const BatchArgs<T>& a) {
   const Checker check("qkv::BatchPlan::run");
   if (storage_type_of<T> != s.storage) {
     check.fail(std::string("k_cache: expected ") + storage_name(s.storage) + " elements (the plan's layout.storage), got " +
@@ -326,6 +306,8 @@ detail::ForwardProblem<float> planned_problem(const BatchPlan::State& s, const B
   }
   return p;
 }
+
+namespace {
 
 // Row (b, j, h) of a key/value source's keys (or values), widened to float into `to`
 // (exactly; int8 and float8: value · the row's scale, one rounding, as the kernel's).
@@ -446,9 +428,11 @@ void run_chunk(const detail::ForwardProblem<float>& step, const GatheredChunk& g
   detail::run_forward(chunk, Backend::cpu);  // > 16 queries: the tiled schedule
 }
 
+}  // namespace
+
 // The step itself, over `problem`'s views.
-void run_step(const BatchPlan::State& s, const detail::ForwardProblem<float>& problem,
-              const KeyIndices& indices = {}) {
+void detail::run_step(const BatchPlan::State& s, const detail::ForwardProblem<float>& problem,
+                      const KeyIndices& indices) {
   if (!indices.empty()) {  // every row over its own list (cache/decode_sparse.cpp)
     if (!s.trees.offsets.empty())
       Checker("qkv::BatchPlan::run").fail("indices: not with a plan that has a tree_mask (key lists select "
@@ -464,9 +448,19 @@ void run_step(const BatchPlan::State& s, const detail::ForwardProblem<float>& pr
   for (const GatheredChunk& chunk : chunks) run_chunk(problem, chunk);
 }
 
+template detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State&, const BatchArgs<float>&);
+template detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State&, const BatchArgs<bfloat16>&);
+template detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State&, const BatchArgs<float16>&);
+template detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State&, const BatchArgs<std::int8_t>&);
+template detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State&,
+                                                               const BatchArgs<float8_e4m3fn>&);
+template detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State&, const BatchArgs<float8_e5m2>&);
+
+namespace {
+
 template <class T>
 void run_plan(const BatchPlan::State& s, const BatchArgs<T>& args) {
-  run_step(s, planned_problem(s, args), args.indices);
+  detail::run_step(s, detail::planned_problem(s, args), args.indices);
 }
 
 // A cache against the plan: its storage, shape and lengths (and, paged, block table)
@@ -544,7 +538,7 @@ void BatchPlan::run(View3<const float> q_view, const KVCache& cache, View3<float
     problem.kv.block_table = s.block_table.data();
     problem.kv.table_stride = s.max_blocks;
   }
-  run_step(s, problem, indices);
+  detail::run_step(s, problem, indices);
 }
 
 }  // namespace qkv

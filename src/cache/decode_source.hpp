@@ -56,5 +56,8 @@ void refuse_for_key_lists(const Checker& check, const AttentionOptions& options)
 // row over its listed keys that the rule allows, read in place, on `backend`.
 void decode_key_lists(const Checker& check, const ForwardProblem<float>& dense, const KeyIndices& indices,
                       Backend backend);
+// decode_key_lists' checks alone (the same errors), for a call that must refuse bad lists
+// before it writes anything (BatchPlan::run_appending writes the cache first).
+void check_key_lists(const Checker& check, const ForwardProblem<float>& dense, const KeyIndices& indices);
 
 }  // namespace qkv::detail

@@ -113,14 +113,26 @@ void refuse_for_key_lists(const Checker& check, const AttentionOptions& options)
     check.fail("options.alibi_slopes: not supported with indices (use the dense decode)");
 }
 
-void decode_key_lists(const Checker& check, const ForwardProblem<float>& dense, const KeyIndices& indices,
-                      Backend backend) {
+namespace {
+
+KeySelection checked_key_lists(const Checker& check, const ForwardProblem<float>& dense, const KeyIndices& indices) {
   if (indices.empty()) check.fail("indices: required, [B, Nq, topk] or [B, Hkv, Nq, topk] of int32 or int64");
   if (dense.mask.window.left >= 0 || dense.mask.window.right >= 0)
     check.fail("options.window: not supported with indices (list only the window's keys)");
   if (dense.modifiers.has_alibi()) check.fail("options.alibi_slopes: not supported with indices (use the dense decode)");
-  const KeySelection keys = indices.is_int64() ? checked_lists(check, indices, indices.int64_view(), dense)
-                                               : checked_lists(check, indices, indices.int32_view(), dense);
+  return indices.is_int64() ? checked_lists(check, indices, indices.int64_view(), dense)
+                            : checked_lists(check, indices, indices.int32_view(), dense);
+}
+
+}  // namespace
+
+void check_key_lists(const Checker& check, const ForwardProblem<float>& dense, const KeyIndices& indices) {
+  (void)checked_key_lists(check, dense, indices);
+}
+
+void decode_key_lists(const Checker& check, const ForwardProblem<float>& dense, const KeyIndices& indices,
+                      Backend backend) {
+  const KeySelection keys = checked_key_lists(check, dense, indices);
   const Extents& e = dense.extents;
   const Sequences& seq = dense.mask.sequences;
   // Entries of a gathered problem: every (sequence, query) row, in order.

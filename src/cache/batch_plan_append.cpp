@@ -1,0 +1,165 @@
+// qkv::BatchPlan::run_appending (qkv/batch_plan.hpp, "Appending"): a serving step's new
+// tokens rotated, written into the caller's caches and attended in one call.
+//
+// Order, so that a bad call writes nothing: every view is checked against the plan first
+// (the checks run() makes, then the new tokens', the Rotary's and the writes' own), and
+// key lists are checked in full; then q is rotated into scratch (the caller's q is never
+// written), the new rows are rotated, quantized and stored (nothing here throws), and the
+// step runs over the rotated q exactly as run(BatchArgs) would.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "cache/batch_plan_state.hpp"
+#include "cache/decode_source.hpp"
+#include "cache/quantize_rows.hpp"
+#include "cache/rotary.hpp"
+#include "check/checker.hpp"
+#include "core/checked_size.hpp"
+#include "qkv/batch_plan.hpp"
+#include "qkv/error.hpp"
+
+namespace qkv {
+namespace {
+
+using detail::Checker;
+using detail::Described;
+using detail::describe;
+
+// The attention half of the call: run()'s arguments over `q` (the rotated queries).
+template <class T>
+BatchArgs<T> attend_args(const BatchAppendArgs<T>& a, View3<const float> q) {
+  BatchArgs<T> b;
+  b.q = q;
+  b.k_cache = a.k_cache;
+  b.v_cache = a.v_cache;
+  b.out = a.out;
+  b.lse = a.lse;
+  b.k_scale = a.k_scale;
+  b.v_scale = a.v_scale;
+  b.indices = a.indices;
+  return b;
+}
+
+// One float row of `count` into the cache's element type: float32 as is, 16-bit types
+// rounded to nearest even, int8 per row as KVCache stores it (its scale into
+// *written_scale), float8 as x / read_scale (qkv/float8.hpp's rounding and saturation).
+template <class T>
+void store(const float* src, int64_t count, T* dst, float* written_scale, float read_scale) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(src, src + count, dst);
+  } else if constexpr (std::is_same_v<T, std::int8_t>) {
+    detail::store_row(StorageType::int8, src, count, dst, written_scale, /*half=*/false);
+  } else if constexpr (is_float8(storage_type_of<T>)) {
+    detail::store_float8_row(storage_type_of<T>, src, count, read_scale, dst);
+  } else {
+    for (int64_t c = 0; c < count; ++c) dst[c] = T(src[c]);
+  }
+}
+
+template <class T>
+void run_appending(const BatchPlan::State& s, const BatchAppendArgs<T>& a) {
+  const Checker check("qkv::BatchPlan::run");  // run()'s errors and these read alike
+  if (a.k_new.empty() && a.v_new.empty()) {
+    if (!a.rotary.empty())
+      check.fail("rotary.cos: only with k_new (the new keys are rotated with the queries; the cached keys "
+                 "were rotated when written)");
+    check.fail("k_new: expected the step's new keys [total_q, Hkv, d] (run() attends without appending)");
+  }
+  if (a.k_new.empty()) check.fail("k_new: expected with v_new (the new tokens' keys and values are written together)");
+  if (a.v_new.empty()) check.fail("v_new: expected with k_new (the new tokens' keys and values are written together)");
+  (void)detail::planned_problem(s, attend_args(a, a.q));  // run()'s checks, on the caller's q
+  const detail::Extents& e = s.problem.extents;
+  const Described k_new = describe("k_new", a.k_new), v_new = describe("v_new", a.v_new);
+  check.expect_well_formed(k_new);
+  check.expect_well_formed(v_new);
+  check.expect_extent(k_new, 0, "total_q", s.total_q, "as cu_seqlens_q[-1]");
+  check.expect_extent(k_new, 1, "kv heads", e.kv_heads, "as layout.num_kv_heads");
+  check.expect_extent(k_new, 2, "head_dim", e.head_dim, "as layout.head_dim");
+  check.expect_extent(v_new, 0, "total_q", s.total_q, "as cu_seqlens_q[-1]");
+  check.expect_extent(v_new, 1, "kv heads", e.kv_heads, "as layout.num_kv_heads");
+  check.expect_extent(v_new, 2, "head_dim", e.v_dim, "as layout.v_dim");
+  const detail::CheckedRotary rotary(check, a.rotary, s.total_q, e.head_dim);
+
+  // What is written must not overlap what is read or written elsewhere in the call.
+  std::vector<Described> written{describe("k_cache", a.k_cache), describe("v_cache", a.v_cache), describe("out", a.out)};
+  if (!a.lse.empty()) written.push_back(describe("lse", a.lse));
+  if constexpr (std::is_same_v<T, std::int8_t>) {
+    written.push_back(describe("k_scale", a.k_scale));
+    written.push_back(describe("v_scale", a.v_scale));
+  }
+  std::vector<Described> read{describe("q", a.q), k_new, v_new};
+  if (rotary.active()) {
+    read.push_back(describe("rotary.cos", a.rotary.cos));
+    read.push_back(describe("rotary.sin", a.rotary.sin));
+  }
+  check.expect_outputs_apart(written, read);
+  if (!a.indices.empty()) {  // checked now, since the lists are read after the write
+    if (!s.trees.offsets.empty())
+      check.fail("indices: not with a plan that has a tree_mask (key lists select keys along the sequence, a tree "
+                 "among its new tokens)");
+    detail::check_key_lists(check, detail::planned_problem(s, attend_args(a, a.q)), a.indices);
+  }
+
+  // Checked: from here on only an allocation can throw, and it comes before any write.
+  std::vector<float> rotated_q, row;
+  View3<const float> q = a.q;
+  if (rotary.active()) {
+    const auto floats = static_cast<std::size_t>(detail::checked_product(
+        "qkv::BatchPlan::run", "the rotated queries", {{"total_q", s.total_q}, {"heads", e.q_heads}, {"head_dim", e.head_dim}}));
+    detail::allocate_or_throw("qkv::BatchPlan::run", "the rotated queries", floats * sizeof(float), [&] {
+      rotated_q.resize(floats);
+      row.resize(static_cast<std::size_t>(e.head_dim));
+    });
+    const View3<float> to(rotated_q.data(), {s.total_q, e.q_heads, e.head_dim},
+                          {e.q_heads * e.head_dim, e.head_dim, 1});
+    for (int64_t r = 0; r < s.total_q; ++r)
+      for (int64_t h = 0; h < e.q_heads; ++h) rotary.rotate(r, &a.q(r, h, 0), &to(r, h, 0));
+    q = to;
+  }
+
+  // Each sequence's new tokens into its last n_b rows: (pool block, row) through the
+  // plan's table, or (sequence, key).
+  const detail::Sequences& seq = s.problem.mask.sequences;
+  for (int64_t b = 0; b < e.batch; ++b) {
+    const int64_t first = seq.cu_q[b], count = seq.cu_q[b + 1] - first, length = seq.k_len(b);
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t r = first + t, key = length - count + t;
+      const int64_t outer = s.paged() ? s.block_table[static_cast<std::size_t>(b * s.max_blocks + key / s.block_size)] : b;
+      const int64_t inner = s.paged() ? key % s.block_size : key;
+      for (int64_t h = 0; h < e.kv_heads; ++h) {
+        const float* k_row = &a.k_new(r, h, 0);
+        if (rotary.active()) {
+          rotary.rotate(r, k_row, row.data());
+          k_row = row.data();
+        }
+        float* k_scale = nullptr;
+        float* v_scale = nullptr;
+        float k_read = 1.0f, v_read = 1.0f;
+        if constexpr (std::is_same_v<T, std::int8_t>) {
+          k_scale = &a.k_scale(outer, inner, h);
+          v_scale = &a.v_scale(outer, inner, h);
+        } else if constexpr (is_float8(storage_type_of<T>)) {
+          k_read = a.k_scale(outer, inner, h);
+          v_read = a.v_scale(outer, inner, h);
+        }
+        store(k_row, e.head_dim, &a.k_cache(outer, inner, h, 0), k_scale, k_read);
+        store(&a.v_new(r, h, 0), e.v_dim, &a.v_cache(outer, inner, h, 0), v_scale, v_read);
+      }
+    }
+  }
+  detail::run_step(s, detail::planned_problem(s, attend_args(a, q)), a.indices);
+}
+
+}  // namespace
+
+void BatchPlan::run_appending(const BatchAppendArgs<float>& args) const { qkv::run_appending(*state_, args); }
+void BatchPlan::run_appending(const BatchAppendArgs<bfloat16>& args) const { qkv::run_appending(*state_, args); }
+void BatchPlan::run_appending(const BatchAppendArgs<float16>& args) const { qkv::run_appending(*state_, args); }
+void BatchPlan::run_appending(const BatchAppendArgs<std::int8_t>& args) const { qkv::run_appending(*state_, args); }
+void BatchPlan::run_appending(const BatchAppendArgs<float8_e4m3fn>& args) const { qkv::run_appending(*state_, args); }
+void BatchPlan::run_appending(const BatchAppendArgs<float8_e5m2>& args) const { qkv::run_appending(*state_, args); }
+
+}  // namespace qkv

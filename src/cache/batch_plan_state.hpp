@@ -1,0 +1,52 @@
+// qkv::BatchPlan's state (src/cache/batch_plan.cpp), shared with the run that appends new
+// tokens first (src/cache/batch_plan_append.cpp): what a plan holds, the checks of one
+// run's views against it, and the step itself.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "cache/tree_mask.hpp"
+#include "core/validate.hpp"
+#include "cpu/decode_plan.hpp"
+#include "qkv/batch_plan.hpp"
+
+namespace qkv {
+
+struct BatchPlan::State {
+  // Owned copies of the layout and the per-head options: the caller's arrays may change
+  // or go away once the plan is made.
+  std::vector<int32_t> block_table;
+  int64_t max_blocks = 0, block_size = 0;
+  std::vector<float> alibi_slopes, sinks;
+  detail::TreeMaskCopy trees;  // MaskRule::tree points into it
+  StorageType storage = StorageType::float32;
+  int64_t total_q = 0;
+  // What the run's views must hold: the longest cache (contiguous capacity) and the
+  // largest pool block the table names, with where they come from (for the error).
+  int64_t longest_cache = 0, longest_cache_sequence = 0;
+  int64_t largest_block = -1, largest_block_sequence = 0, largest_block_entry = 0;
+  Backend backend = Backend::cpu;
+  // The problem without its views, and the split-K schedule's plan of it.
+  detail::ForwardProblem<float> problem;
+  std::optional<cpu::DecodePlan> schedule;
+  // Prefill chunks (> 16 queries; not with fixed_key_split): each runs the tiled schedule
+  // over its keys gathered into float32 rows, and the split-K plan leaves them out.
+  std::vector<int64_t> chunks;
+
+  bool paged() const { return !block_table.empty(); }
+};
+
+namespace detail {
+
+// The run's views against the plan (O(1) checks; a qkv::Error naming the argument) and
+// the planned problem over them.
+template <class T>
+ForwardProblem<float> planned_problem(const BatchPlan::State& s, const BatchArgs<T>& a);
+
+// The step itself, over `problem`'s views (key lists: every row over its own).
+void run_step(const BatchPlan::State& s, const ForwardProblem<float>& problem, const KeyIndices& indices = {});
+
+}  // namespace detail
+}  // namespace qkv
