@@ -156,6 +156,12 @@ class BatchPlan:
         if any(x is not None for x in (k_new, v_new, rotary_cos, rotary_sin, rotary_dim, positions)) or rotary_interleaved:
             from . import _rotary
 
+            from ._float8 import cache_bytes
+
+            if any(cache_bytes(x, name, "qkv.BatchPlan.run") is not None
+                   for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")) if x is not None and not isinstance(x, KVCache)):
+                raise Error("qkv.BatchPlan.run: k_new: float8 caches are not yet written from Python (the C++ "
+                            "BatchPlan::run_appending writes them); append with the caches' own writer, then run")
             if isinstance(k_cache, KVCache):
                 raise Error("qkv.BatchPlan.run: k_new: not with a qkv.KVCache as k_cache (the cache appends its own "
                             "new tokens: cache.append(k, v, rotary_cos=...), or cache.attend(q, k_new=, v_new=))")

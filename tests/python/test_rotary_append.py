@@ -304,3 +304,16 @@ def test_kv_cache_append_and_attend_rotate_like_transformers(dtype):
     with pytest.raises(TypeError, match="unexpected keyword argument 'rotary_cosine'"):
         caches[2].append(k, v, rotary_cosine=cos)
     assert caches[2].lengths == lengths
+
+
+def test_float8_pools_with_new_tokens_are_refused_by_name():
+    """Writing new tokens into caller-owned float8 pools is C++ only so far: refused, by name,
+    nothing written."""
+    plan = qkv.BatchPlan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([4]), num_heads=2, num_kv_heads=1,
+                         head_dim=8, dtype=torch.float8_e4m3fn)
+    k = torch.zeros(1, 8, 1, 8).to(torch.float8_e4m3fn)
+    v = k.clone()
+    new = torch.randn(1, 1, 8)
+    with pytest.raises(qkv.Error, match=r"qkv.BatchPlan.run: k_new: float8 caches are not yet written from Python"):
+        plan.run(torch.randn(1, 2, 8), k, v, k_scale=1.0, v_scale=1.0, k_new=new, v_new=new)
+    assert k.view(torch.uint8).eq(0).all() and v.view(torch.uint8).eq(0).all()
