@@ -19,6 +19,8 @@
 //     num_heads (Hq), num_kv_heads (Hkv, divides Hq), head_dim (d), v_dim (dv; 0: d),
 //     storage: the caches' element type
 //     tree_mask, tree_mask_offsets [B]: speculative-decoding trees (optional; see Trees)
+//     share_prefixes: attend pool blocks that sequences share once (optional; see Shared
+//                           prefixes)
 //   run (BatchArgs<T>, T the storage type):
 //     q        [total_q, Hq, d]   float32, packed: sequence b's rows cu_seqlens_q[b]..
 //     k_cache  contiguous [B, capacity, Hkv, d] (any strides, last axis contiguous), or the
@@ -67,6 +69,33 @@
 //     count positions along the sequence, which a tree's tokens are not) are refused, and
 //     so are key lists (BatchArgs::indices) at run. Softcap and sinks combine as usual.
 //
+// Shared prefixes (parallel sampling, beam search, a common system prompt: FlashInfer's
+// cascade attention). With layout.share_prefixes, sequences whose block tables start with
+// the same pool blocks — the same memory, so the same keys — form groups, found at plan
+// time (prefix_groups() lists them): each group's shared keys are attended once, in one
+// pass over the pool that takes all its members' query rows together (16-query tiles of
+// the split-K schedule, the G query heads of a kv head sharing each read), and every
+// member attends only its own keys after them; the two parts are merged by their LSE
+// (qkv/merge.hpp's arithmetic). A decode step of 32 sequences over one 16k prefix then
+// reads that prefix twice instead of 32 times.
+//   - Grouping: a sequence takes part when it has new queries and at least one whole block
+//     cached before them; a group's prefix is whole blocks its members all share, every one
+//     before each member's new tokens (so all of them are visible to every new query).
+//     Among nested sharing (all share a system prompt, pairs share more), the grouping that
+//     saves the most block reads is taken, one group per sequence.
+//   - Exactness: a grouped row equals the plain step's within float32 rounding (a
+//     partition of its keys merged in double-weighted float32: |Δ| of a few ulp of the
+//     largest value it averages); sinks join the member's own part once, softcap both.
+//   - Invariance: deterministic for any thread count, as always. A grouped row's bits
+//     depend on its group (the shared length, and the group's query rows, which set the
+//     pass's tiles), so they are not batch invariant; rows of sequences in no group are.
+//   - Paged layouts only, the cpu backend (the reference backend computes the plain step).
+//     Refused by name: a contiguous layout, options.causal top_left (queries would not see
+//     the whole prefix), options.window and options.alibi_slopes (they depend on each
+//     query's position), options.execution.fixed_key_split (its bits promise), key lists
+//     (indices) at run, and a KVCache with a float window (its rows sit at positions the
+//     trimmed tables do not keep).
+//
 // Appending (run_appending; FlashAttention's flash_attn_with_kvcache with k, v and rotary):
 // the step's new tokens k_new [total_q, Hkv, d] and v_new [total_q, Hkv, dv], packed as q,
 // are written into each sequence's last n_b cache rows — rows cache_lengths[b] − n_b ..
@@ -97,7 +126,8 @@
 // nothing.
 //
 // Invariance (what a sequence's output rows depend on):
-//   - batch invariant, always: a sequence's rows are bitwise identical whether it runs
+//   - batch invariant (always, but for the rows of a shared-prefix group: see Shared
+//     prefixes): a sequence's rows are bitwise identical whether it runs
 //     alone (a one-sequence plan; qkv::decode for ≤ 16 queries) or in any batch, with any thread count, contiguous or paged, whatever the
 //     other sequences' lengths — its blocks and chunks follow from its own query count
 //     and keys only;
@@ -142,6 +172,16 @@ struct BatchLayout {
   // n_b×n_b mask starts (−1: none). Both empty: no trees.
   std::span<const std::uint8_t> tree_mask;
   SeqOffsets tree_mask_offsets;
+  // Shared prefixes (see above): pool blocks that several sequences' tables start with are
+  // attended once per group. Paged layouts only.
+  bool share_prefixes = false;
+};
+
+// One group of a plan with share_prefixes: its sequences (ascending) and the keys they
+// share (whole blocks from key 0).
+struct PrefixGroup {
+  std::vector<int64_t> sequences;
+  int64_t keys = 0;
 };
 
 template <class T>  // the caches' storage type: float, bfloat16, float16, int8_t, float8_e4m3fn or float8_e5m2
@@ -212,9 +252,13 @@ class BatchPlan {
   int64_t total_queries() const;  // cu_seqlens_q[B]
   int64_t tasks() const;          // units of parallel work of one run
   // The plan's cost estimate of each task (flop-equivalents: max(flops, 8 · bytes), the
-  // streaming or the arithmetic, whichever binds), in the order threads take them: for
+  // streaming or the arithmetic, whichever binds), in the order threads take them (a
+  // plan with shared prefixes: their passes' tasks first, run before the step's): for
   // modelling how a step spreads over more cores than a machine has (bench/).
   std::vector<double> task_costs() const;
+  // The groups that share a prefix (layout.share_prefixes; empty otherwise or when no
+  // sequences share a whole block).
+  std::vector<PrefixGroup> prefix_groups() const;
 
   struct State;  // opaque (src/serve/batch_plan.cpp)
 

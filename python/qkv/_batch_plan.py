@@ -72,12 +72,21 @@ class BatchPlan:
     (a token may see a later one), but every token must see itself (the diagonal is true).
     Equal to attention with that dense mask; keys a row does not see never reach it. Not
     with window, alibi_slopes or indices; softcap and sinks combine. The plan copies the masks.
+
+    Shared prefixes (parallel sampling, beam search, a common system prompt; FlashInfer's
+    cascade attention): with ``shared_prefixes=True`` and a paged layout, sequences whose
+    block tables start with the same pool blocks are grouped at plan time
+    (``plan.prefix_groups``); each group's shared keys are attended once for all its
+    members' queries and merged with each member's own keys by LSE. Rows equal the plain
+    step's within float32 rounding; grouped rows' bits depend on their group (not batch
+    invariant); deterministic for any thread count. Not with causal "top_left", window,
+    alibi_slopes, fixed_key_split, or indices at run; softcap and sinks combine.
     """
 
     def __init__(self, cu_seqlens_q, cache_lengths, *, num_heads, num_kv_heads, head_dim, v_dim=None,
                  block_table=None, block_size=None, causal="bottom_right", window=None, softcap=None,
                  alibi_slopes=None, sinks=None, scale=None, threads=None, fixed_key_split=False, dtype=None,
-                 tree_mask=None, tree_mask_offsets=None):
+                 tree_mask=None, tree_mask_offsets=None, shared_prefixes=False):
         fn = "qkv.BatchPlan"
         framework = Torch if any(_is_torch(x) for x in (cu_seqlens_q, alibi_slopes, sinks)) else NumPy
         self._options = make_options(fn, framework, scale=scale, causal=causal, threads=threads, window=window,
@@ -92,7 +101,8 @@ class BatchPlan:
             block_size=0 if block_size is None else int(block_size),
             tree_mask=_tree_mask(tree_mask, fn),
             tree_mask_offsets=None if tree_mask_offsets is None else _int_array(
-                tree_mask_offsets, None, "tree_mask_offsets", fn))
+                tree_mask_offsets, None, "tree_mask_offsets", fn),
+            share_prefixes=bool(shared_prefixes))
         if block_table is not None and block_size is None:
             raise Error(f"{fn}: block_size: expected the pool's rows per block with a block_table")
         self._v_dim = int(v_dim or head_dim)
@@ -120,6 +130,12 @@ class BatchPlan:
     def task_costs(self):
         """The plan's cost estimate per task (flop-equivalents), costliest first."""
         return next(iter(self._plans.values())).task_costs()
+
+    @property
+    def prefix_groups(self):
+        """With shared_prefixes=True: the groups found, ``[(sequences, shared_keys), ...]``
+        (sequences ascending; shared keys are whole blocks from key 0). Empty otherwise."""
+        return [(list(members), keys) for members, keys in next(iter(self._plans.values())).prefix_groups()]
 
     v_dim = property(lambda self: self._v_dim)
 

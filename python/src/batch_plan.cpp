@@ -110,8 +110,8 @@ void bind_batch_plan(nb::module_& m) {
           "__init__",
           [](BatchPlan* self, nb::handle cu_seqlens_q, nb::handle cache_lengths, nb::handle num_heads,
              nb::handle num_kv_heads, nb::handle head_dim, nb::handle v_dim, nb::handle block_table,
-             nb::handle block_size, nb::handle tree_mask, nb::handle tree_mask_offsets, const std::string& storage,
-             const BoundOptions& bound) {
+             nb::handle block_size, nb::handle tree_mask, nb::handle tree_mask_offsets, bool share_prefixes,
+             const std::string& storage, const BoundOptions& bound) {
             const Caller caller(bound.function.c_str());
             BatchLayout layout;
             const ArrayRef cu = ArrayRef::from(cu_seqlens_q, false, "cu_seqlens_q");
@@ -131,13 +131,14 @@ void bind_batch_plan(nb::module_& m) {
             if (trees) layout.tree_mask = tree_mask_of(*trees);
             const std::optional<ArrayRef> tree_offsets = optional_in("tree_mask_offsets", tree_mask_offsets);
             if (tree_offsets) layout.tree_mask_offsets = offsets_of("tree_mask_offsets", *tree_offsets);
+            layout.share_prefixes = share_prefixes;
             new (self) BatchPlan(layout, bound.for_call());
           },
           nb::arg("cu_seqlens_q"), nb::arg("cache_lengths"), nb::kw_only(), nb::arg("num_heads"),
           nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("v_dim") = 0,
           nb::arg("block_table").none() = nb::none(), nb::arg("block_size") = 0,
           nb::arg("tree_mask").none() = nb::none(), nb::arg("tree_mask_offsets").none() = nb::none(),
-          nb::arg("storage") = "float32",
+          nb::arg("share_prefixes") = false, nb::arg("storage") = "float32",
           nb::arg("options"))
       .def("run", &run_any, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::kw_only(),
            nb::arg("lse").none() = nb::none(), nb::arg("bits_as") = "", nb::arg("k_scale").none() = nb::none(),
@@ -165,7 +166,16 @@ void bind_batch_plan(nb::module_& m) {
       .def_prop_ro("sequences", &BatchPlan::sequences)
       .def_prop_ro("total_queries", &BatchPlan::total_queries)
       .def_prop_ro("tasks", &BatchPlan::tasks)
-      .def("task_costs", &BatchPlan::task_costs);
+      .def("task_costs", &BatchPlan::task_costs)
+      .def(
+          "prefix_groups",
+          [](const BatchPlan& self) {
+            nb::list groups;
+            for (const PrefixGroup& group : self.prefix_groups())
+              groups.append(nb::make_tuple(nb::cast(group.sequences), group.keys));
+            return groups;
+          },
+          "The groups whose sequences share a prefix: [(sequences, shared keys), ...].");
 }
 
 }  // namespace qkv::python

@@ -155,6 +155,13 @@ BatchPlan::BatchPlan(const BatchLayout& layout, const AttentionOptions& options)
   } else if (layout.block_size != 0) {
     check.fail("block_size: expected 0 without a block_table (contiguous caches), got " + std::to_string(layout.block_size));
   }
+  s.cache_lengths = lengths;
+  if (layout.share_prefixes) {  // each member's lengths and table row trimmed to its own keys
+    std::vector<int32_t> trimmed = s.block_table;
+    s.shared = detail::find_shared_prefixes(check, layout, options, cu_q, lengths, trimmed, s.max_blocks, s.block_size);
+    if (s.shared.active()) s.step_table = std::move(trimmed);
+    for (int64_t b = 0; b < batch; ++b) cu_k[b + 1] = cu_k[b] + lengths[b];
+  }
   detail::refuse_for_caches(check, options);
   s.trees = detail::checked_tree_masks(check, layout, cu_q);
   if (!s.trees.offsets.empty()) detail::refuse_with_trees(check, options);
@@ -194,6 +201,7 @@ BatchPlan::BatchPlan(const BatchLayout& layout, const AttentionOptions& options)
       s.chunks.push_back(b);
     }
     s.schedule.emplace(p.extents, p.mask, s.storage, cpu::decode_vector_lanes(), p.fixed_key_split, &tiled);
+    detail::plan_prefix_passes(s.shared, p, s.storage);
   }
   state_ = std::move(state);
 }
@@ -206,15 +214,16 @@ BatchPlan& BatchPlan::operator=(BatchPlan&&) noexcept = default;
 
 int64_t BatchPlan::sequences() const { return state_->problem.extents.batch; }
 int64_t BatchPlan::total_queries() const { return state_->total_q; }
-int64_t BatchPlan::tasks() const {
-  return state_->schedule ? static_cast<int64_t>(state_->schedule->tasks.size()) : 0;
-}
+int64_t BatchPlan::tasks() const { return static_cast<int64_t>(task_costs().size()); }
 std::vector<double> BatchPlan::task_costs() const {
   std::vector<double> costs;
-  if (!state_->schedule) return costs;
-  for (const std::size_t t : state_->schedule->order) costs.push_back(state_->schedule->cost[t]);
+  for (const auto* schedule : {&state_->shared.schedule, &state_->schedule}) {  // in the order they run
+    if (!*schedule) continue;
+    for (const std::size_t t : (*schedule)->order) costs.push_back((*schedule)->cost[t]);
+  }
   return costs;
 }
+std::vector<PrefixGroup> BatchPlan::prefix_groups() const { return state_->shared.groups; }
 
 namespace {
 
@@ -300,7 +309,7 @@ detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State& s,
   kv = detail::KvSource::of_cache(s.storage, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.k_channel_scale,
                                   a.k_channel_zero, a.key_group);
   if (s.paged()) {
-    kv.block_table = s.block_table.data();
+    kv.block_table = s.read_table();
     kv.table_stride = s.max_blocks;
     kv.page_size = s.block_size;
   }
@@ -433,6 +442,7 @@ void run_chunk(const detail::ForwardProblem<float>& step, const GatheredChunk& g
 // The step itself, over `problem`'s views.
 void detail::run_step(const BatchPlan::State& s, const detail::ForwardProblem<float>& problem,
                       const KeyIndices& indices) {
+  detail::refuse_with_shared_prefixes(Checker("qkv::BatchPlan::run"), s.shared, indices, problem.kv);
   if (!indices.empty()) {  // every row over its own list (cache/decode_sparse.cpp)
     if (!s.trees.offsets.empty())
       Checker("qkv::BatchPlan::run").fail("indices: not with a plan that has a tree_mask (key lists select "
@@ -440,12 +450,17 @@ void detail::run_step(const BatchPlan::State& s, const detail::ForwardProblem<fl
     return detail::decode_key_lists(Checker("qkv::BatchPlan::run"), problem, indices, s.backend);
   }
   if (s.total_q == 0) return;
-  // Every chunk's keys gathered before anything is written (a workspace that cannot be
-  // had is a qkv::Error with the outputs untouched).
+  // Every chunk's keys, and the shared prefixes' scratch, had before anything is written
+  // (a workspace that cannot be had is a qkv::Error with the outputs untouched).
+  detail::ForwardProblem<float> step = problem;
+  std::optional<detail::PrefixRun> prefixes;
+  if (s.shared.active()) prefixes = detail::prepare_prefix_run(s.shared, step);  // step.args.lse set
   std::vector<GatheredChunk> chunks;
-  for (const int64_t b : s.chunks) chunks.push_back(gather_chunk(problem, b));
-  detail::run_planned_forward(problem, s.backend, s.schedule ? &*s.schedule : nullptr);
-  for (const GatheredChunk& chunk : chunks) run_chunk(problem, chunk);
+  for (const int64_t b : s.chunks) chunks.push_back(gather_chunk(step, b));
+  if (prefixes) detail::run_prefix_passes(s.shared, step, *prefixes);
+  detail::run_planned_forward(step, s.backend, s.schedule ? &*s.schedule : nullptr);
+  for (const GatheredChunk& chunk : chunks) run_chunk(step, chunk);
+  if (prefixes) detail::merge_prefix_passes(s.shared, step, *prefixes);
 }
 
 template detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State&, const BatchArgs<float>&);
@@ -486,8 +501,8 @@ void check_cache(const Checker& check, const BatchPlan::State& s, const KVCache&
   if (c.paged) expect("block_size", c.block_size, s.block_size, "layout.block_size");
   for (int64_t b = 0; b < e.batch; ++b) {
     const int64_t length = cache.lengths()[static_cast<std::size_t>(b)];
-    if (length != s.problem.mask.sequences.k_len(b))
-      check.fail("cache.lengths()[" + std::to_string(b) + "]: expected " + std::to_string(s.problem.mask.sequences.k_len(b)) +
+    if (length != s.cache_lengths[static_cast<std::size_t>(b)])
+      check.fail("cache.lengths()[" + std::to_string(b) + "]: expected " + std::to_string(s.cache_lengths[static_cast<std::size_t>(b)]) +
                  " (the plan's cache_lengths), got " + std::to_string(length));
     if (!c.paged) continue;
     for (int64_t j = 0; j * s.block_size < length; ++j) {
@@ -535,7 +550,7 @@ void BatchPlan::run(View3<const float> q_view, const KVCache& cache, View3<float
       step_problem(s, q_view, out_view, lse, s.paged() ? s.max_blocks * s.block_size : cache.config().capacity);
   problem.kv = detail::CacheReader::source(cache);
   if (s.paged()) {  // the plan's copy of the table (equal to the cache's where it is read)
-    problem.kv.block_table = s.block_table.data();
+    problem.kv.block_table = s.read_table();
     problem.kv.table_stride = s.max_blocks;
   }
   detail::run_step(s, problem, indices);

@@ -96,6 +96,7 @@ void run_appending(const BatchPlan::State& s, const BatchAppendArgs<T>& a) {
     read.push_back(describe("rotary.sin", a.rotary.sin));
   }
   check.expect_outputs_apart(written, read);
+  detail::refuse_with_shared_prefixes(check, s.shared, a.indices, detail::KvSource{});  // the pool: no window
   if (!a.indices.empty()) {  // checked now, since the lists are read after the write
     if (!s.trees.offsets.empty())
       check.fail("indices: not with a plan that has a tree_mask (key lists select keys along the sequence, a tree "
@@ -124,7 +125,8 @@ void run_appending(const BatchPlan::State& s, const BatchAppendArgs<T>& a) {
   // plan's table, or (sequence, key).
   const detail::Sequences& seq = s.problem.mask.sequences;
   for (int64_t b = 0; b < e.batch; ++b) {
-    const int64_t first = seq.cu_q[b], count = seq.cu_q[b + 1] - first, length = seq.k_len(b);
+    const int64_t first = seq.cu_q[b], count = seq.cu_q[b + 1] - first,
+                  length = s.cache_lengths[static_cast<std::size_t>(b)];  // the layout's, not trimmed
     for (int64_t t = 0; t < count; ++t) {
       const int64_t r = first + t, key = length - count + t;
       const int64_t outer = s.paged() ? s.block_table[static_cast<std::size_t>(b * s.max_blocks + key / s.block_size)] : b;

@@ -7,6 +7,7 @@
 #include <optional>
 #include <vector>
 
+#include "cache/shared_prefix.hpp"
 #include "cache/tree_mask.hpp"
 #include "core/validate.hpp"
 #include "cpu/decode_plan.hpp"
@@ -34,8 +35,15 @@ struct BatchPlan::State {
   // Prefill chunks (> 16 queries; not with fixed_key_split): each runs the tiled schedule
   // over its keys gathered into float32 rows, and the split-K plan leaves them out.
   std::vector<int64_t> chunks;
+  // The layout's cache lengths. With shared prefixes the problem's are each member's own
+  // keys, read through step_table (block_table with each member's row trimmed alike);
+  // appending and a KVCache's check use these and block_table.
+  std::vector<int64_t> cache_lengths;
+  std::vector<int32_t> step_table;  // empty: block_table
+  detail::SharedPrefixes shared;
 
   bool paged() const { return !block_table.empty(); }
+  const int32_t* read_table() const { return step_table.empty() ? block_table.data() : step_table.data(); }
 };
 
 namespace detail {

@@ -1,11 +1,10 @@
 // merge_partials: the LSE merge of two partial attention results (qkv/merge.hpp).
 #include "qkv/merge.hpp"
 
-#include <cmath>
-#include <limits>
 #include <string>
 
 #include "check/checker.hpp"
+#include "core/lse_merge.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv {
@@ -41,33 +40,12 @@ void merge_partials(View4<float> out, View3<float> lse, View4<const float> part_
   expect_like(check, d_part_lse, d_lse, kLseAxes);
   for (const Described* view : {&d_out, &d_lse, &d_part_out, &d_part_lse}) check.expect_data(*view);
 
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t dim = out.shape[3];
-  for (int64_t b = 0; b < out.shape[0]; ++b) {
-    for (int64_t h = 0; h < out.shape[2]; ++h) {
-      for (int64_t n = 0; n < out.shape[1]; ++n) {
-        const float a = lse(b, h, n), p = part_lse(b, h, n);
-        float* acc = &out(b, n, h, 0);
-        const float* part = &part_out(b, n, h, 0);
-        const int64_t acc_step = out.strides[3], part_step = part_out.strides[3];
-        if (p == kNegInf) continue;  // the part saw no key of this row
-        if (a == kNegInf && !std::isnan(p)) {  // first part with keys: take it as is
-          for (int64_t x = 0; x < dim; ++x) acc[x * acc_step] = part[x * part_step];
-          lse(b, h, n) = p;
-          continue;
-        }
-        // Both finite (or a NaN/+inf, which the arithmetic below turns into NaN).
-        const double m = std::isnan(p) ? static_cast<double>(p) : std::fmax(a, p);
-        const double wa = std::exp(static_cast<double>(a) - m);
-        const double wp = std::exp(static_cast<double>(p) - m);
-        const double total = wa + wp;
-        const float keep = static_cast<float>(wa / total), take = static_cast<float>(wp / total);
-        for (int64_t x = 0; x < dim; ++x)
-          acc[x * acc_step] = keep * acc[x * acc_step] + take * part[x * part_step];
-        lse(b, h, n) = static_cast<float>(m + std::log(total));
-      }
-    }
-  }
+  for (int64_t b = 0; b < out.shape[0]; ++b)
+    for (int64_t h = 0; h < out.shape[2]; ++h)
+      for (int64_t n = 0; n < out.shape[1]; ++n)
+        detail::merge_lse_row(&out(b, n, h, 0), out.strides[3], lse(b, h, n), &part_out(b, n, h, 0),
+                              part_out.strides[3], part_lse(b, h, n), dim);
 }
 
 }  // namespace qkv
