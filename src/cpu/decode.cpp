@@ -49,6 +49,7 @@
 #include "cpu/block_ops-inl.h"
 #include "cpu/decode_tiles-inl.h"
 #include "cpu/decode_rows-inl.h"
+#include "cpu/decode_latent-inl.h"
 #include "cpu/score_pipeline-inl.h"
 
 #ifndef QKV_CPU_DECODE_ONCE_
@@ -337,10 +338,17 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
     for (size_t i = 0; i < tile; ++i) {
       const float* q = rows.q(task.batch, task.first_query + static_cast<int64_t>(i), h);
       float* row = s.queries.get() + (static_cast<size_t>(h) * tile + i) * d_pad;
-      for (size_t c = 0; c < d; ++c) row[c] = scale * q[c];
+      // (Latent blocks on vdpbf16ps: q rounded to bfloat16 once, for every block of the row.)
+      if (s.latent)
+        for (size_t c = 0; c < d; ++c) row[c] = scale * static_cast<float>(bfloat16(q[c]));
+      else
+        for (size_t c = 0; c < d; ++c) row[c] = scale * q[c];
       std::fill(row + d, row + d_pad, 0.0f);
     }
   if (s.vnni) int8dot::QuantizeQueries(s.queries.get(), all_rows, d_pad, d, s.quantized_queries());
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (s.latent) PackLatentQueries(rows, task.batch, task.first_query, tile, static_cast<size_t>(e.q_heads), d, s);
+  }
   std::fill(chunk.m, chunk.m + all_rows, kMinusInf);
   std::fill(chunk.l, chunk.l + all_rows, 0.0f);
   std::fill(chunk.acc, chunk.acc + all_rows * dv_pad, 0.0f);
@@ -412,7 +420,19 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
       // Its lines ride with the keys' prefetches, then the values' (one a key each).
       const size_t lines = s.scale_lines.size(), k_lines = std::min(lines, far_keys);
       const size_t keys = slot_keys[slot];  // the block's stored keys
-      if (keys > 0)
+      // Latent attention on vdpbf16ps: blocks every row of the tile sees whole.
+      bool latent_block = false;
+      if constexpr (std::is_same_v<T, bfloat16>) {
+        latent_block = s.latent && keys > 0 && first >= gr.max_begin && first + static_cast<int64_t>(keys) <= gr.min_end;
+        if (latent_block)
+          LatentBlock(group_rows, gr.m, gr.l, gr.acc, s, keys, d, static_cast<size_t>(kv.rope_from), dv, dv_pad, scale,
+                      s.k_ring.data() + slot * slot_rows, s.rope_ring.data() + slot * slot_rows,
+                      s.v_ring.data() + slot * slot_rows,
+                      Ahead<T>{s.k_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(d), s.scale_lines.data(), k_lines},
+                      Ahead<T>{s.rope_ring.data() + far_slot * slot_rows, far_keys,
+                               RowBytes<T>(d - static_cast<size_t>(kv.rope_from))});
+      }
+      if (keys > 0 && !latent_block)
         BlockStep<T, T>(p, kv, plan, task, gr, s, first, keys, s.k_ring.data() + slot * slot_rows,
                         s.v_ring.data() + slot * slot_rows, scales_of(s.k_scales, slot), scales_of(s.v_scales, slot),
                         groups_of(slot),
@@ -495,15 +515,17 @@ void RunDecode(const Problem& p, const KvSource& kv, const DecodePlan& plan) {
   // Its blocks of keys must be whole groups of 4.
   const size_t d = static_cast<size_t>(p.extents.head_dim), dv = static_cast<size_t>(p.extents.v_dim);
   const bool int8_dots = std::is_same_v<T, std::int8_t> && int8_dot_products(p.precision) && VectorLanes() % 4 == 0;
+  const bool latent_dots = std::is_same_v<T, bfloat16> && kv.split_keys() &&
+                           LatentDots(p, kv, plan, true, bf16_unit(p.precision) == Bf16Unit::avx512_bf16);
   if (threads <= 1) {  // no parallel region for work one thread does best
-    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv);
+    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots);
     for (const DecodeTask& task : plan.tasks) DecodeChunk<T>(p, kv, plan, task, scratch, states.get());
     for (const DecodeUnit& unit : plan.units) MergeChunks(p, plan, unit, states.get(), scratch.merged.get());
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
-    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv);
+    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < plan.order.size(); ++t)
       DecodeChunk<T>(p, kv, plan, plan.tasks[plan.order[t]], scratch, states.get());

@@ -19,6 +19,7 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "core/kv_source.hpp"
+#include "cpu/bf16_dot.hpp"
 #include "cpu/block_ops-inl.h"
 #include "cpu/blocking.hpp"
 #include "cpu/decode_plan.hpp"
@@ -119,12 +120,23 @@ struct DecodeScratch {
   std::vector<std::int32_t> query_biases;
   std::vector<std::uint8_t> weight_bytes;
   std::vector<std::int8_t> value_bytes;
+  // Latent attention over a bfloat16 cache on vdpbf16ps (decode.cpp's LatentBlock): the
+  // tile's query rows rounded to bfloat16 once and paired ([⌈d/2⌉][latent_q_ld] words), a
+  // block's keys gathered into whole bf16 rows (d apart) and values (dv apart, when not
+  // the keys' own first channels), its transposed scores then weights ([block][st_ld]),
+  // and the pairs of its values and weights.
+  bool latent;
+  size_t latent_q_ld, latent_st_ld;
+  std::vector<bfloat16> latent_q_rows, latent_keys, latent_values;
+  std::vector<std::uint32_t> latent_q_pairs, latent_v_pairs, latent_p_pairs;
+  hwy::AlignedFreeUniquePtr<float[]> latent_st;
 
   int8dot::Queries quantized_queries() {
     return {query_terms.data(), query_scales.data(), query_biases.data(), query_ld};
   }
 
-  DecodeScratch(const DecodePlan& plan, const KvSource& kv, bool int8_dots, size_t head_dim, size_t v_dim)
+  DecodeScratch(const DecodePlan& plan, const KvSource& kv, bool int8_dots, size_t head_dim, size_t v_dim,
+                bool latent_dots = false)
       : queries(AllocateFloats(plan.tile_rows() * plan.d_pad)),
         keys(AllocateFloats(plan.packed || kv.split_keys() ? plan.block_keys * plan.d_pad : 0)),
         values(AllocateFloats(plan.packed || PackValuesFor<T>(plan.group_rows()) ? plan.block_keys * (plan.dv_pad + plan.lanes)
@@ -155,7 +167,17 @@ struct DecodeScratch {
         query_scales(vnni ? plan.tile_rows() : 0),
         query_biases(vnni ? 2 * plan.tile_rows() : 0),
         weight_bytes(vnni ? int8dot::weight_bytes(plan.group_rows(), plan.block_keys) : 0),
-        value_bytes(vnni ? int8dot::value_bytes(plan.block_keys, v_dim) : 0) {}
+        value_bytes(vnni ? int8dot::value_bytes(plan.block_keys, v_dim) : 0),
+        latent(latent_dots),
+        latent_q_ld(bf16dot::pair_ld(plan.tile_rows())),
+        latent_st_ld(bf16dot::pair_ld(plan.group_rows())),
+        latent_q_rows(latent ? plan.tile_rows() * head_dim : 0),
+        latent_keys(latent ? plan.block_keys * head_dim : 0),
+        latent_values(latent ? plan.block_keys * v_dim : 0),
+        latent_q_pairs(latent ? (head_dim + 1) / 2 * latent_q_ld : 0),
+        latent_v_pairs(latent ? (plan.block_keys + 1) / 2 * bf16dot::pair_ld(v_dim) : 0),
+        latent_p_pairs(latent ? (plan.block_keys + 1) / 2 * latent_st_ld : 0),
+        latent_st(AllocateFloats(latent ? plan.block_keys * latent_st_ld : 0)) {}
 };
 
 // Entries [keys, padded) of a block's row pointers (and scales) repeat entry keys − 1.

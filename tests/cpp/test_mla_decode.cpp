@@ -9,7 +9,12 @@
 // with nothing written.
 //
 // Tolerance, as test_decode.cpp's: max |got − ref64| ≤ 2·max |plain32 − ref64| + floor,
-// plain32 the same formula as an unfused float32 loop, floor = 8·ε₃₂·max(1, max |ref64|).
+// plain32 the same formula as an unfused float32 loop, floor = 8·ε₃₂·max(1, max |ref64|):
+// float32 arithmetic (every storage with Precision::exact; float32 and float16 caches
+// always). A bfloat16 cache with Precision::fast on a CPU with vdpbf16ps takes the dot
+// products (cpu/decode_latent-inl.h): q rounded to bfloat16 once and P once, the bf16
+// contract: checked against the oracle of the rounded queries, plus what P rounded once
+// can add to each element.
 #include <gtest/gtest.h>
 
 #include <qkv/error.hpp>
@@ -25,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/dot_products.hpp"
 #include "simd_targets.hpp"
 #include "test_support.hpp"
 
@@ -117,14 +123,18 @@ struct Case {
 struct Oracle {
   std::vector<double> out, lse;
   std::vector<float> plain_out;
+  std::vector<double> weighted_abs;  // Σ_j P_j·|v_j| per output element
 };
 
+// round_q: the queries rounded to bfloat16 first (what the dot products multiply).
 template <class T>
-Oracle oracle(const Case<T>& c, double scale) {
+Oracle oracle(const Case<T>& c, double scale, bool round_q = false) {
+  const auto q_of = [&](float x) { return round_q ? static_cast<float>(bfloat16(x)) : x; };
   const Shape& s = c.s;
   Oracle o;
   o.out.assign(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.dc), 0.0);
   o.plain_out.assign(o.out.size(), 0.0f);
+  o.weighted_abs.assign(o.out.size(), 0.0);
   o.lse.assign(static_cast<std::size_t>(s.batch * s.heads * s.q_len), -std::numeric_limits<double>::infinity());
   for (int64_t b = 0; b < s.batch; ++b) {
     const int64_t len = s.lengths[static_cast<std::size_t>(b)];
@@ -151,13 +161,13 @@ Oracle oracle(const Case<T>& c, double scale) {
           float dot32 = 0.0f;
           for (int64_t x = 0; x < s.dc; ++x) {
             const float kx = c.ckv_f[static_cast<std::size_t>(r * s.dc + x)];
-            dot += static_cast<double>(c.q_nope(b, i, h, x)) * kx;
-            dot32 += c.q_nope(b, i, h, x) * kx;
+            dot += static_cast<double>(q_of(c.q_nope(b, i, h, x))) * kx;
+            dot32 += q_of(c.q_nope(b, i, h, x)) * kx;
           }
           for (int64_t x = 0; x < s.dr; ++x) {
             const float kx = c.kpe_f[static_cast<std::size_t>(r * s.dr + x)];
-            dot += static_cast<double>(c.q_pe(b, i, h, x)) * kx;
-            dot32 += c.q_pe(b, i, h, x) * kx;
+            dot += static_cast<double>(q_of(c.q_pe(b, i, h, x))) * kx;
+            dot32 += q_of(c.q_pe(b, i, h, x)) * kx;
           }
           sc[n] = scale * dot;
           sc32[n] = static_cast<float>(scale) * dot32;
@@ -177,6 +187,8 @@ Oracle oracle(const Case<T>& c, double scale) {
           const int64_t r = c.row(b, keys[n]);
           for (int64_t x = 0; x < s.dc; ++x) {
             o.out[at + static_cast<std::size_t>(x)] += p * c.ckv_f[static_cast<std::size_t>(r * s.dc + x)];
+            o.weighted_abs[at + static_cast<std::size_t>(x)] +=
+                p * std::abs(static_cast<double>(c.ckv_f[static_cast<std::size_t>(r * s.dc + x)]));
             o.plain_out[at + static_cast<std::size_t>(x)] += p32 * c.ckv_f[static_cast<std::size_t>(r * s.dc + x)];
           }
         }
@@ -187,8 +199,10 @@ Oracle oracle(const Case<T>& c, double scale) {
   return o;
 }
 
-AttentionOptions step_options(double scale, int threads = 2, Backend backend = Backend::automatic) {
+AttentionOptions step_options(double scale, int threads = 2, Backend backend = Backend::automatic,
+                              Precision precision = Precision::fast) {
   AttentionOptions o;
+  o.precision = precision;
   o.scale = scale;
   o.causal = Causal::bottom_right;
   o.execution.threads = threads;
@@ -197,17 +211,21 @@ AttentionOptions step_options(double scale, int threads = 2, Backend backend = B
 }
 
 template <class T>
-void expect_matches(const Case<T>& c, Backend backend, const std::string& what) {
+void expect_matches(const Case<T>& c, Backend backend, const std::string& what, Precision precision = Precision::exact) {
   SCOPED_TRACE(what);
   const double scale = 0.3;
   const Shape& s = c.s;
   Tensor<float, 4> out({s.batch, s.q_len, s.heads, s.dc});
   Tensor<float, 3> lse({s.batch, s.heads, s.q_len});
-  mla_decode(c.args(out, lse), step_options(scale, 2, backend));
-  const Oracle o = oracle(c, scale);
+  mla_decode(c.args(out, lse), step_options(scale, 2, backend, precision));
+  // The dot products (bf16 cache, Precision::fast, a CPU with the unit forced on by the
+  // caller): against the oracle of the bf16-rounded queries, with what P rounded once to
+  // bfloat16 can add to each element, u·Σ_j P_j·|v_j| (u = 2⁻⁸).
+  const bool dots = std::is_same_v<T, bfloat16> && precision == Precision::fast && cpu::bf16_dot_products(precision);
+  const Oracle o = oracle(c, scale, dots);
   double err = 0.0, plain_err = 0.0, ref_max = 0.0;
   for (std::size_t n = 0; n < o.out.size(); ++n) {
-    err = std::max(err, std::abs(out[n] - o.out[n]));
+    err = std::max(err, std::abs(out[n] - o.out[n]) - (dots ? o.weighted_abs[n] / 256.0 : 0.0));
     plain_err = std::max(plain_err, std::abs(o.plain_out[n] - o.out[n]));
     ref_max = std::max(ref_max, std::abs(o.out[n]));
   }
@@ -244,6 +262,45 @@ void every_shape(const char* storage) {
       expect_matches(Case<T>(s, seed++), Backend::automatic, what);
       expect_matches(Case<T>(s, seed++, 9), Backend::automatic, what + " indices");
     }
+  });
+}
+
+// A bfloat16 cache with Precision::fast on vdpbf16ps, forced on: the latent block step
+// for tiles of whole vectors of rows (16 heads × Nq 1, 2, 4; a partly visible block
+// falls back to the float step within the same rows), within the bound expect_matches
+// states — and not the float32 path's bits (the dot products did run).
+struct ForcedVdpbf16ps {  // restored even when an ASSERT returns early
+  ForcedVdpbf16ps() {
+    cpu::set_dot_products_for_test(true);
+    cpu::set_amx_for_test(false);
+  }
+  ForcedVdpbf16ps(const ForcedVdpbf16ps&) = delete;
+  ForcedVdpbf16ps& operator=(const ForcedVdpbf16ps&) = delete;
+  ~ForcedVdpbf16ps() {
+    cpu::set_dot_products_for_test(std::nullopt);
+    cpu::set_amx_for_test(std::nullopt);
+  }
+};
+
+TEST(MlaDecode, Bfloat16OnTheDotUnitWithinTheBf16Contract) {
+  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  const ForcedVdpbf16ps forced;
+  test::for_each_simd_target([&](int64_t) {
+    std::uint64_t seed = 41;
+    for (int64_t q_len : {1, 2, 4})
+      for (int64_t block : {0, 16}) {
+        const Shape s{2, q_len, 16, 64, 16, {77, 300}, 304, block};
+        const std::string what = "Nq " + std::to_string(q_len) + (block > 0 ? " paged" : " contiguous");
+        for (int64_t lists : {0, 40}) {
+          const Case<bfloat16> c(s, seed++, lists);
+          expect_matches(c, Backend::automatic, what + (lists > 0 ? " indices" : ""), Precision::fast);
+          Tensor<float, 4> fast({s.batch, s.q_len, s.heads, s.dc}), exact({s.batch, s.q_len, s.heads, s.dc});
+          Tensor<float, 3> lse({s.batch, s.heads, s.q_len});
+          mla_decode(c.args(fast, lse), step_options(0.3, 2, Backend::automatic, Precision::fast));
+          mla_decode(c.args(exact, lse), step_options(0.3, 2, Backend::automatic, Precision::exact));
+          EXPECT_NE(0, std::memcmp(fast.data(), exact.data(), fast.size() * sizeof(float))) << what;
+        }
+      }
   });
 }
 

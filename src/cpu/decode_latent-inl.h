@@ -1,0 +1,126 @@
+// Latent attention (qkv::mla_decode) over a bfloat16 cache on AVX512-BF16's vdpbf16ps:
+// the split-K schedule's block step for that one case, where the work per cached byte is
+// large (H query heads, up to 16 queries, against one latent kv head: 128·(d + dv)
+// multiply-adds per 2·(d + dv) bytes at DeepSeek's shape), so the FMA rate, not the
+// memory, sets the pace, and vdpbf16ps doubles it.
+//
+// Numerics (Precision::fast, the bf16 contract of docs/numerics.md): each query row is
+// rounded to bfloat16 once per task, and each weight P once (bf16_dot.hpp); keys and
+// values are the cache's bfloat16 values, products exact, every sum float32. The softmax
+// state (m, l, acc) is the float kernel's, so blocks this step takes and blocks the float
+// step takes (partly visible ones, a float window) mix in one row.
+//
+// Layout: the block's keys are gathered into whole bf16 rows (latent part then rotary
+// part: the cache keeps them apart), scored transposed — Sᵀ[j][r], the tile's rows in
+// the lanes — by bf16dot::ScoresTransposed; the online softmax runs down the columns
+// (vectors of rows); bf16dot::AddWeightedPairs adds P·V from Pᵀ and the values' pairs.
+#if defined(QKV_CPU_DECODE_LATENT_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_CPU_DECODE_LATENT_INL_H_
+#undef QKV_CPU_DECODE_LATENT_INL_H_
+#else
+#define QKV_CPU_DECODE_LATENT_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+
+#include "hwy/highway.h"
+#include "cpu/bf16_dot.hpp"
+#include "cpu/block_ops-inl.h"
+#include "cpu/decode_rows-inl.h"
+#include "qkv/half.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::cpu::HWY_NAMESPACE {
+
+// Whether a decode call takes LatentBlock: keys in two parts over one kv head in
+// bfloat16 (qkv::mla_decode's layout), the tile's rows whole vectors (so the column
+// softmax needs no tail), no softcap (the transposed scores skip the score pipeline), and
+// vdpbf16ps the unit the call's precision picks (AMX machines keep the float kernel here).
+inline bool LatentDots(const detail::ForwardProblem<float>& p, const KvSource& kv, const DecodePlan& plan,
+                       bool bf16_storage, bool vdpbf16ps) {
+  return bf16_storage && vdpbf16ps && kv.split_keys() && p.extents.kv_heads == 1 &&
+         p.modifiers.softcap == 0.0f && !p.modifiers.has_score_mod() && plan.group_rows() % 16 == 0 &&
+         p.extents.q_heads % 16 == 0;
+}
+
+// The tile's query rows (unscaled: the products of two bf16 values are exact in float32,
+// scale·q would not be), rounded to bfloat16 once and paired for ScoresTransposed.
+template <class Rows>
+void PackLatentQueries(const Rows& rows, int64_t batch, int64_t first_query, size_t tile, size_t q_heads, size_t d,
+                       DecodeScratch<bfloat16>& s) {
+  for (size_t h = 0; h < q_heads; ++h)
+    for (size_t i = 0; i < tile; ++i) {
+      const float* q = rows.q(batch, first_query + static_cast<int64_t>(i), static_cast<int64_t>(h));
+      bfloat16* to = s.latent_q_rows.data() + (h * tile + i) * d;
+      for (size_t c = 0; c < d; ++c) to[c] = bfloat16(q[c]);
+    }
+  bf16dot::PackQueryPairs(s.latent_q_rows.data(), static_cast<std::int64_t>(d), q_heads * tile, d,
+                          s.latent_q_pairs.data(), s.latent_q_ld);
+}
+
+// The online-softmax step down the columns of Sᵀ (keys × rows, rows a multiple of the
+// vector): m_new = max(m, max_j S[j]), alpha = e^(m − m_new), Pᵀ[j] = e^(S[j] − m_new),
+// l = l·alpha + Σ_j P[j] — the float kernel's SoftmaxRows, transposed.
+HWY_INLINE void SoftmaxColumns(size_t rows, size_t keys, float* HWY_RESTRICT st, size_t st_ld,
+                               float* HWY_RESTRICT m, float* HWY_RESTRICT l, float* HWY_RESTRICT alpha) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  const FloatVec minus_inf = hn::Set(df, kMinusInf);
+  for (size_t r = 0; r < rows; r += lanes) {
+    const FloatVec m_old = hn::LoadU(df, m + r);
+    FloatVec m_new = m_old;
+    for (size_t j = 0; j < keys; ++j) m_new = hn::Max(m_new, hn::LoadU(df, st + j * st_ld + r));
+    const auto none = hn::Eq(m_new, minus_inf);  // no key yet: nothing to rescale or shift by
+    const FloatVec shift = hn::IfThenZeroElse(none, m_new);
+    hn::StoreU(hn::IfThenElse(none, hn::Set(df, 1.0f), ExpKeepNaN(df, hn::Sub(m_old, m_new))), df, alpha + r);
+    FloatVec sum = hn::Zero(df);
+    for (size_t j = 0; j < keys; ++j) {
+      float* at = st + j * st_ld + r;
+      const FloatVec pv = ExpKeepNaN(df, hn::Sub(hn::LoadU(df, at), shift));
+      hn::StoreU(pv, df, at);
+      sum = hn::Add(sum, pv);
+    }
+    hn::StoreU(hn::MulAdd(hn::LoadU(df, l + r), hn::LoadU(df, alpha + r), sum), df, l + r);
+    hn::StoreU(m_new, df, m + r);
+  }
+}
+
+// One block of keys visible to every row of the tile: K rows (the first d_first channels
+// from k_rows, the rest from rope_rows) and V rows (v_rows; the keys' own first channels
+// in latent attention) read from the cache, then the products on vdpbf16ps.
+// rows: the tile's (one kv head), their softmax state m, l and acc (dv_pad apart). The
+// next unit's rows are prefetched key by key, as the float step does.
+inline void LatentBlock(size_t rows, float* m, float* l, float* acc, DecodeScratch<bfloat16>& s, size_t keys, size_t d,
+                        size_t d_first, size_t dv, size_t dv_pad, float scale, const bfloat16* const* k_rows,
+                        const bfloat16* const* rope_rows, const bfloat16* const* v_rows, Ahead<bfloat16> k_ahead,
+                        Ahead<bfloat16> rope_ahead) {
+  bfloat16* key = s.latent_keys.data();
+  bool values_in_keys = true;
+  for (size_t j = 0; j < keys; ++j) {
+    k_ahead(j);
+    rope_ahead(j);
+    std::memcpy(key + j * d, k_rows[j], d_first * sizeof(bfloat16));
+    std::memcpy(key + j * d + d_first, rope_rows[j], (d - d_first) * sizeof(bfloat16));
+    values_in_keys = values_in_keys && v_rows[j] == k_rows[j] && dv <= d_first;
+  }
+  // One kv head: the group's rows are the whole tile's, the query pairs' every column.
+  bf16dot::ScoresTransposed(key, static_cast<std::int64_t>(d), keys, d, s.latent_q_pairs.data(), s.latent_q_ld, rows,
+                            scale, s.latent_st.get(), s.latent_st_ld);
+  const size_t v_ld = bf16dot::pair_ld(dv);
+  if (values_in_keys) {
+    bf16dot::PackRowPairs(key, static_cast<std::int64_t>(d), keys, dv, s.latent_v_pairs.data(), v_ld);
+  } else {
+    for (size_t j = 0; j < keys; ++j) std::memcpy(s.latent_values.data() + j * dv, v_rows[j], dv * sizeof(bfloat16));
+    bf16dot::PackRowPairs(s.latent_values.data(), static_cast<std::int64_t>(dv), keys, dv, s.latent_v_pairs.data(), v_ld);
+  }
+  SoftmaxColumns(rows, keys, s.latent_st.get(), s.latent_st_ld, m, l, s.alpha.get());
+  bf16dot::AddWeightedPairs(s.latent_st.get(), s.latent_st_ld, rows, keys, s.latent_v_pairs.data(), v_ld, dv,
+                            s.latent_p_pairs.data(), acc, dv_pad, s.alpha.get());
+}
+
+}  // namespace qkv::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_CPU_DECODE_LATENT_INL_H_
