@@ -194,3 +194,27 @@ def test_values_in_the_keys_decode_and_batch_plan():
                          block_table=table, block_size=4)
     qp = torch.randn(3, 3, 24)
     assert torch.equal(plan.run(qp, pool, None), plan.run(qp, pool, pool[..., :16].contiguous()))
+
+
+def torch_bf16_formula(q_nope, q_pe, ckv, kpe):
+    """PyTorch's absorbed formula in bfloat16 (what an engine writes without a kernel):
+    bf16 matmuls, float32 softmax, P rounded to bf16; contiguous caches, Nq = 1."""
+    qn, qp = q_nope[:, 0].bfloat16(), q_pe[:, 0].bfloat16()
+    s = (torch.matmul(qn, ckv.transpose(1, 2)) + torch.matmul(qp, kpe.transpose(1, 2))).float() * SCALE
+    return torch.matmul(torch.softmax(s, dim=-1).bfloat16(), ckv).unsqueeze(1).double()
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_bf16_cache_fast_within_twice_pytorchs_bf16_error(heads):
+    """precision "fast" (default) over a bfloat16 cache: on a CPU with AVX512-BF16 the
+    products run on vdpbf16ps (q and P rounded to bf16 once): out within 2× the error of
+    PyTorch's bf16 formula (the bf16 contract); "exact" keeps the float32 bound."""
+    rng = np.random.default_rng(heads)
+    q_nope, q_pe, ckv, kpe, _, c_rows, p_rows = make(rng, 2, 1, heads, 64, 16, [300, 300], 300, torch.bfloat16)
+    lengths = torch.tensor([300, 300])
+    want, _ = oracle(q_nope.numpy(), q_pe.numpy(), c_rows, p_rows, [300, 300])
+    peer = (torch_bf16_formula(q_nope, q_pe, ckv, kpe).numpy() - want)
+    fast = qkv.mla_decode(q_nope, q_pe, ckv, kpe, lengths, scale=SCALE)
+    assert np.abs(fast.numpy() - want).max() <= 2 * np.abs(peer).max()
+    exact = qkv.mla_decode(q_nope, q_pe, ckv, kpe, lengths, scale=SCALE, precision="exact")
+    np.testing.assert_allclose(exact.numpy(), want, atol=TOL, rtol=0)
