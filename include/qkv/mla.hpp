@@ -31,9 +31,11 @@
 // before anything is written; results are bitwise identical for every thread count.
 //
 // Arithmetic: float32 (caches widened exactly), except a bfloat16 cache with
-// options.precision fast on a CPU with AVX512-BF16 (not AMX): the products on vdpbf16ps,
-// q rounded to bfloat16 once and each weight P once, float32 sums — the bf16 contract
-// (docs/numerics.md); Precision::exact keeps float32 bit for bit.
+// options.precision fast, at least 16 heads and no softcap, on a CPU with AVX512-BF16
+// (not AMX): the products on vdpbf16ps, q rounded to bfloat16 once and each weight P
+// once, float32 sums — the bf16 contract (docs/numerics.md); Precision::exact keeps
+// float32 bit for bit. (qkv::decode and qkv::BatchPlan do the same for any one-kv-head
+// bfloat16 cache: a combined latent pool gives these bits.)
 //
 // The kernel is qkv::decode's split-K schedule: the H·Nq query rows of a sequence stacked
 // into one tile against each block of latent keys (each c_kv row read once, for its

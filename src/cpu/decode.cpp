@@ -425,12 +425,13 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
       if constexpr (std::is_same_v<T, bfloat16>) {
         latent_block = s.latent && keys > 0 && first >= gr.max_begin && first + static_cast<int64_t>(keys) <= gr.min_end;
         if (latent_block)
-          LatentBlock(group_rows, gr.m, gr.l, gr.acc, s, keys, d, static_cast<size_t>(kv.rope_from), dv, dv_pad, scale,
-                      s.k_ring.data() + slot * slot_rows, s.rope_ring.data() + slot * slot_rows,
-                      s.v_ring.data() + slot * slot_rows,
+          LatentBlock(group_rows, gr.m, gr.l, gr.acc, s, keys, d, kv.split_keys() ? static_cast<size_t>(kv.rope_from) : d,
+                      dv, dv_pad, scale, s.k_ring.data() + slot * slot_rows,
+                      kv.split_keys() ? s.rope_ring.data() + slot * slot_rows : nullptr, s.v_ring.data() + slot * slot_rows,
                       Ahead<T>{s.k_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(d), s.scale_lines.data(), k_lines},
-                      Ahead<T>{s.rope_ring.data() + far_slot * slot_rows, far_keys,
-                               RowBytes<T>(d - static_cast<size_t>(kv.rope_from))});
+                      kv.split_keys() ? Ahead<T>{s.rope_ring.data() + far_slot * slot_rows, far_keys,
+                                                 RowBytes<T>(d - static_cast<size_t>(kv.rope_from))}
+                                      : Ahead<T>{});
       }
       if (keys > 0 && !latent_block)
         BlockStep<T, T>(p, kv, plan, task, gr, s, first, keys, s.k_ring.data() + slot * slot_rows,
@@ -515,7 +516,7 @@ void RunDecode(const Problem& p, const KvSource& kv, const DecodePlan& plan) {
   // Its blocks of keys must be whole groups of 4.
   const size_t d = static_cast<size_t>(p.extents.head_dim), dv = static_cast<size_t>(p.extents.v_dim);
   const bool int8_dots = std::is_same_v<T, std::int8_t> && int8_dot_products(p.precision) && VectorLanes() % 4 == 0;
-  const bool latent_dots = std::is_same_v<T, bfloat16> && kv.split_keys() &&
+  const bool latent_dots = std::is_same_v<T, bfloat16> && p.extents.kv_heads == 1 &&
                            LatentDots(p, kv, plan, true, bf16_unit(p.precision) == Bf16Unit::avx512_bf16);
   if (threads <= 1) {  // no parallel region for work one thread does best
     DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots);

@@ -34,15 +34,18 @@
 HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
 
-// Whether a decode call takes LatentBlock: keys in two parts over one kv head in
-// bfloat16 (qkv::mla_decode's layout), the tile's rows whole vectors (so the column
-// softmax needs no tail), no softcap (the transposed scores skip the score pipeline), and
-// vdpbf16ps the unit the call's precision picks (AMX machines keep the float kernel here).
+// Whether a decode call takes LatentBlock: one kv head in bfloat16 — latent attention
+// (qkv::mla_decode's c_kv / k_pe, or a combined [c_kv | k_pe] pool through qkv::decode or
+// qkv::BatchPlan with v_cache=None) and multi-query attention — whose tiles have whole
+// vectors of rows (≥ 16 query heads: the arithmetic per cached byte that makes the dot
+// products pay, and no tail for the column softmax), no softcap (the transposed scores
+// skip the score pipeline), and vdpbf16ps the unit the call's precision picks (AMX
+// machines keep the float kernel here). Decided per call, so every row rounds its query
+// alike.
 inline bool LatentDots(const detail::ForwardProblem<float>& p, const KvSource& kv, const DecodePlan& plan,
                        bool bf16_storage, bool vdpbf16ps) {
-  return bf16_storage && vdpbf16ps && kv.split_keys() && p.extents.kv_heads == 1 &&
-         p.modifiers.softcap == 0.0f && !p.modifiers.has_score_mod() && plan.group_rows() % 16 == 0 &&
-         p.extents.q_heads % 16 == 0;
+  return bf16_storage && vdpbf16ps && !kv.windowed() && p.extents.kv_heads == 1 && p.modifiers.softcap == 0.0f &&
+         !p.modifiers.has_score_mod() && plan.group_rows() % 16 == 0 && p.extents.q_heads % 16 == 0;
 }
 
 // The tile's query rows (unscaled: the products of two bf16 values are exact in float32,
@@ -88,7 +91,7 @@ HWY_INLINE void SoftmaxColumns(size_t rows, size_t keys, float* HWY_RESTRICT st,
 }
 
 // One block of keys visible to every row of the tile: K rows (the first d_first channels
-// from k_rows, the rest from rope_rows) and V rows (v_rows; the keys' own first channels
+// from k_rows, the rest from rope_rows; rope_rows null: d_first = d) and V rows (v_rows; the keys' own first channels
 // in latent attention) read from the cache, then the products on vdpbf16ps.
 // rows: the tile's (one kv head), their softmax state m, l and acc (dv_pad apart). The
 // next unit's rows are prefetched key by key, as the float step does.
@@ -100,9 +103,11 @@ inline void LatentBlock(size_t rows, float* m, float* l, float* acc, DecodeScrat
   bool values_in_keys = true;
   for (size_t j = 0; j < keys; ++j) {
     k_ahead(j);
-    rope_ahead(j);
     std::memcpy(key + j * d, k_rows[j], d_first * sizeof(bfloat16));
-    std::memcpy(key + j * d + d_first, rope_rows[j], (d - d_first) * sizeof(bfloat16));
+    if (rope_rows != nullptr) {  // keys in two parts (mla_decode): the rotary part after
+      rope_ahead(j);
+      std::memcpy(key + j * d + d_first, rope_rows[j], (d - d_first) * sizeof(bfloat16));
+    }
     values_in_keys = values_in_keys && v_rows[j] == k_rows[j] && dv <= d_first;
   }
   // One kv head: the group's rows are the whole tile's, the query pairs' every column.

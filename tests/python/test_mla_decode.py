@@ -218,3 +218,27 @@ def test_bf16_cache_fast_within_twice_pytorchs_bf16_error(heads):
     assert np.abs(fast.numpy() - want).max() <= 2 * np.abs(peer).max()
     exact = qkv.mla_decode(q_nope, q_pe, ckv, kpe, lengths, scale=SCALE, precision="exact")
     np.testing.assert_allclose(exact.numpy(), want, atol=TOL, rtol=0)
+
+
+def test_one_kv_head_bf16_on_the_dot_path_everywhere():
+    """The dot path is a property of the call (one bf16 kv head, ≥ 16 query heads, fast),
+    not of the entry point: qkv.decode with v_cache=None and with the values passed apart
+    give the same bits, and so do BatchPlan over a combined [c_kv | k_pe] pool and
+    mla_decode over its two parts (test_mla_decode.cpp forces the unit on and off)."""
+    rng = np.random.default_rng(17)
+    dc, dr, heads, lengths = 64, 16, 16, [300, 77]
+    pool = torch.randn(40, 16, 1, dc + dr).bfloat16()
+    table = torch.from_numpy(rng.permutation(40).reshape(2, 20).astype(np.int32))
+    q = torch.randn(2, heads, dc + dr)
+    plan = qkv.BatchPlan([0, 1, 2], lengths, num_heads=heads, num_kv_heads=1, head_dim=dc + dr, v_dim=dc,
+                         block_table=table, block_size=16, scale=SCALE, dtype=torch.bfloat16)
+    planned = plan.run(q, pool, None)
+    latent = qkv.mla_decode(q[:, None, :, :dc], q[:, None, :, dc:], pool[:, :, 0, :dc], pool[:, :, 0, dc:],
+                            torch.tensor(lengths), block_table=table, scale=SCALE)
+    assert torch.equal(planned, latent[:, 0])
+    dense = pool[table.long()].reshape(2, 20 * 16, 1, dc + dr)  # [B, N, 1, d] contiguous caches
+    q_bhsd = q[:, :, None]
+    together = qkv.decode(q_bhsd, dense.transpose(1, 2), None, torch.tensor(lengths), v_dim=dc, scale=SCALE)
+    apart = qkv.decode(q_bhsd, dense.transpose(1, 2), dense.transpose(1, 2)[..., :dc].contiguous(),
+                       torch.tensor(lengths), scale=SCALE)
+    assert torch.equal(together, apart)
