@@ -372,37 +372,34 @@ void widen_row(const detail::KvSource& kv, bool keys, int64_t b, int64_t j, int6
 // and output rows in place, its keys and values gathered (widened exactly; int8 as
 // value · scale) into float32 [1, L, Hkv, d] rows — a copy of L·Hkv·(d + dv) elements
 // against the chunk's n·L·Hq·(d + dv) multiply-adds — so the tiled schedule reads them.
-struct GatheredChunk {
-  int64_t sequence = 0;
-  std::vector<float> keys, values;
-};
-
-GatheredChunk gather_chunk(const detail::ForwardProblem<float>& step, int64_t b) {
+// Allocated by prepare_step, filled by finish_step (after run_appending's writes).
+detail::GatheredChunk allocate_chunk(const detail::ForwardProblem<float>& step, int64_t b) {
   const detail::Extents& e = step.extents;
   const int64_t length = step.mask.sequences.k_len(b);
   const auto floats = [&](int64_t dim) {
     return static_cast<std::size_t>(detail::checked_product("qkv::BatchPlan::run", "a prefill chunk's gathered keys",
                                                             {{"cache length", length}, {"kv heads", e.kv_heads}, {"dim", dim}}));
   };
-  GatheredChunk gathered{.sequence = b, .keys = {}, .values = {}};
-  std::vector<float>& keys = gathered.keys;
-  std::vector<float>& values = gathered.values;
+  detail::GatheredChunk gathered{.sequence = b, .keys = {}, .values = {}};
   detail::allocate_or_throw("qkv::BatchPlan::run", "a prefill chunk's gathered keys",
                             (floats(e.head_dim) + floats(e.v_dim)) * sizeof(float), [&] {
-                              keys.resize(floats(e.head_dim));
-                              values.resize(floats(e.v_dim));
+                              gathered.keys.resize(floats(e.head_dim));
+                              gathered.values.resize(floats(e.v_dim));
                             });
-  for (int64_t j = 0; j < length; ++j)
-    for (int64_t h = 0; h < e.kv_heads; ++h) {
-      float* k = keys.data() + (j * e.kv_heads + h) * e.head_dim;
-      float* v = values.data() + (j * e.kv_heads + h) * e.v_dim;
-      widen_row(step.kv, true, b, j, h, e.head_dim, k);
-      widen_row(step.kv, false, b, j, h, e.v_dim, v);
-    }
   return gathered;
 }
 
-void run_chunk(const detail::ForwardProblem<float>& step, const GatheredChunk& gathered) {
+void fill_chunk(const detail::ForwardProblem<float>& step, detail::GatheredChunk& gathered) {
+  const detail::Extents& e = step.extents;
+  const int64_t b = gathered.sequence, length = step.mask.sequences.k_len(b);
+  for (int64_t j = 0; j < length; ++j)
+    for (int64_t h = 0; h < e.kv_heads; ++h) {
+      widen_row(step.kv, true, b, j, h, e.head_dim, gathered.keys.data() + (j * e.kv_heads + h) * e.head_dim);
+      widen_row(step.kv, false, b, j, h, e.v_dim, gathered.values.data() + (j * e.kv_heads + h) * e.v_dim);
+    }
+}
+
+void run_chunk(const detail::ForwardProblem<float>& step, const detail::GatheredChunk& gathered) {
   const detail::Extents& e = step.extents;
   const int64_t b = gathered.sequence;
   const int64_t n = step.mask.q_len(b), length = step.mask.sequences.k_len(b), first = step.mask.sequences.q_begin(b);
@@ -439,28 +436,38 @@ void run_chunk(const detail::ForwardProblem<float>& step, const GatheredChunk& g
 
 }  // namespace
 
-// The step itself, over `problem`'s views.
+// The step's workspace, before anything is written (a workspace that cannot be had is a
+// qkv::Error with the outputs, and run_appending's caches, untouched).
+detail::StepWork detail::prepare_step(const BatchPlan::State& s, const detail::ForwardProblem<float>& problem,
+                                      const KeyIndices& indices) {
+  detail::refuse_with_shared_prefixes(Checker("qkv::BatchPlan::run"), s.shared, indices, problem.kv);
+  if (!indices.empty() && !s.trees.offsets.empty())
+    Checker("qkv::BatchPlan::run").fail("indices: not with a plan that has a tree_mask (key lists select "
+                                        "keys along the sequence, a tree among its new tokens)");
+  detail::StepWork work{.step = problem, .prefixes = {}, .chunks = {}};
+  if (!indices.empty() || s.total_q == 0) return work;
+  if (s.shared.active()) work.prefixes = detail::prepare_prefix_run(s.shared, work.step);  // step.args.lse set
+  for (const int64_t b : s.chunks) work.chunks.push_back(allocate_chunk(work.step, b));
+  return work;
+}
+
+// The step itself, over the prepared problem's views.
+void detail::finish_step(const BatchPlan::State& s, detail::StepWork& work, const KeyIndices& indices) {
+  const detail::ForwardProblem<float>& step = work.step;
+  if (!indices.empty())  // every row over its own list (cache/decode_sparse.cpp)
+    return detail::decode_key_lists(Checker("qkv::BatchPlan::run"), step, indices, s.backend);
+  if (s.total_q == 0) return;
+  for (detail::GatheredChunk& chunk : work.chunks) fill_chunk(step, chunk);
+  if (work.prefixes) detail::run_prefix_passes(s.shared, step, *work.prefixes);
+  detail::run_planned_forward(step, s.backend, s.schedule ? &*s.schedule : nullptr);
+  for (const detail::GatheredChunk& chunk : work.chunks) run_chunk(step, chunk);
+  if (work.prefixes) detail::merge_prefix_passes(s.shared, step, *work.prefixes);
+}
+
 void detail::run_step(const BatchPlan::State& s, const detail::ForwardProblem<float>& problem,
                       const KeyIndices& indices) {
-  detail::refuse_with_shared_prefixes(Checker("qkv::BatchPlan::run"), s.shared, indices, problem.kv);
-  if (!indices.empty()) {  // every row over its own list (cache/decode_sparse.cpp)
-    if (!s.trees.offsets.empty())
-      Checker("qkv::BatchPlan::run").fail("indices: not with a plan that has a tree_mask (key lists select "
-                                          "keys along the sequence, a tree among its new tokens)");
-    return detail::decode_key_lists(Checker("qkv::BatchPlan::run"), problem, indices, s.backend);
-  }
-  if (s.total_q == 0) return;
-  // Every chunk's keys, and the shared prefixes' scratch, had before anything is written
-  // (a workspace that cannot be had is a qkv::Error with the outputs untouched).
-  detail::ForwardProblem<float> step = problem;
-  std::optional<detail::PrefixRun> prefixes;
-  if (s.shared.active()) prefixes = detail::prepare_prefix_run(s.shared, step);  // step.args.lse set
-  std::vector<GatheredChunk> chunks;
-  for (const int64_t b : s.chunks) chunks.push_back(gather_chunk(step, b));
-  if (prefixes) detail::run_prefix_passes(s.shared, step, *prefixes);
-  detail::run_planned_forward(step, s.backend, s.schedule ? &*s.schedule : nullptr);
-  for (const GatheredChunk& chunk : chunks) run_chunk(step, chunk);
-  if (prefixes) detail::merge_prefix_passes(s.shared, step, *prefixes);
+  detail::StepWork work = detail::prepare_step(s, problem, indices);
+  detail::finish_step(s, work, indices);
 }
 
 template detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State&, const BatchArgs<float>&);

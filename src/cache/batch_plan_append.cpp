@@ -121,6 +121,9 @@ void run_appending(const BatchPlan::State& s, const BatchAppendArgs<T>& a) {
     q = to;
   }
 
+  // The step's workspace, before the first write (the caches are written next).
+  detail::StepWork work = detail::prepare_step(s, detail::planned_problem(s, attend_args(a, q)), a.indices);
+
   // Each sequence's new tokens into its last n_b rows: (pool block, row) through the
   // plan's table, or (sequence, key).
   const detail::Sequences& seq = s.problem.mask.sequences;
@@ -152,7 +155,7 @@ void run_appending(const BatchPlan::State& s, const BatchAppendArgs<T>& a) {
       }
     }
   }
-  detail::run_step(s, detail::planned_problem(s, attend_args(a, q)), a.indices);
+  detail::finish_step(s, work, a.indices);
 }
 
 }  // namespace

@@ -53,7 +53,26 @@ namespace detail {
 template <class T>
 ForwardProblem<float> planned_problem(const BatchPlan::State& s, const BatchArgs<T>& a);
 
-// The step itself, over `problem`'s views (key lists: every row over its own).
+// A prefill chunk's keys and values gathered into float32 rows (cache/batch_plan.cpp).
+struct GatheredChunk {
+  int64_t sequence = 0;
+  std::vector<float> keys, values;
+};
+
+// What a step needs besides the caller's views, had before anything is written: the
+// problem (with a scratch lse when shared prefixes need one), the shared prefixes'
+// scratch and the chunks' buffers (filled when the step runs, after run_appending's
+// writes, which they read).
+struct StepWork {
+  ForwardProblem<float> step;
+  std::optional<PrefixRun> prefixes;
+  std::vector<GatheredChunk> chunks;
+};
+StepWork prepare_step(const BatchPlan::State& s, const ForwardProblem<float>& problem, const KeyIndices& indices = {});
+void finish_step(const BatchPlan::State& s, StepWork& work, const KeyIndices& indices = {});
+
+// The step itself, over `problem`'s views (key lists: every row over its own):
+// prepare_step, then finish_step.
 void run_step(const BatchPlan::State& s, const ForwardProblem<float>& problem, const KeyIndices& indices = {});
 
 }  // namespace detail
