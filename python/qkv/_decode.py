@@ -292,6 +292,7 @@ class KVCache:
         ``[n, T, rotary_dim]``), rotary_interleaved, rotary_dim, positions: the keys are
         rotated on the way in (k itself is not modified; qkv/_rotary.py; eager only)."""
         fn = "qkv.KVCache.append"
+        refuse_grad(fn, k=k, v=v)  # the cache stores values, not a graph: never drop one silently
         if rotary:
             from . import _rotary
 
@@ -310,6 +311,7 @@ class KVCache:
         Hkv, dv]`` (any layout argument aside: packed rows, as qkv.BatchPlan takes q), rows
         ``cu_seqlens[n]:cu_seqlens[n+1]`` to sequence n (or to ``seq[n]``); 0 rows allowed."""
         fn = "qkv.KVCache.append_varlen"
+        refuse_grad(fn, k=k, v=v)
         seqs = None if seq is None else ([int(seq)] if np.ndim(seq) == 0 else [int(s) for s in seq])
         offsets = [int(x) for x in np.asarray(_int_array(cu_seqlens, None, "cu_seqlens", fn)).reshape(-1)]
         k_lib, v_lib = (_float32_packed(x, name, fn) for x, name in ((k, "k"), (v, "v")))

@@ -238,6 +238,14 @@ def test_decoding_refuses_an_input_that_requires_grad():
         qkv.decode(dq, k_cache, k_cache, [3, 3])
     with pytest.raises(qkv.Error, match=r"qkv\.decode: sinks: requires grad"):
         qkv.decode(dq.detach(), k_cache, k_cache, [3, 3], sinks=torch.zeros(2, requires_grad=True))
+    # Appending stores values, not a graph: a k or v that requires grad is refused too
+    # (it used to be detached silently), and nothing is appended.
+    dk = torch.ones(2, 1, 2, 8, requires_grad=True)
+    with pytest.raises(qkv.Error, match=r"qkv\.KVCache\.append: k: requires grad"):
+        kv.append(dk, dk.detach())
+    with pytest.raises(qkv.Error, match=r"qkv\.KVCache\.append_varlen: v: requires grad"):
+        kv.append_varlen(torch.ones(2, 1, 8), torch.ones(2, 1, 8, requires_grad=True), [0, 1, 2])
+    assert list(kv.lengths) == [2, 2]
     with torch.no_grad():
         assert torch.equal(plan.run(q, cache, cache), plan.run(q.detach(), cache, cache))
         assert torch.equal(kv.attend(dq), kv.attend(dq.detach()))
