@@ -1,9 +1,14 @@
-"""What the Python benchmarks share: the best time of a call and the CPU's name (every
-figure names its CPU). Imported by the bench_*.py scripts, which run from this folder."""
+"""What the Python benchmarks share: the best or median time of calls, the CPU's name and
+the SIMD target qkv runs on (every figure names its CPU). Imported by the bench_*.py
+scripts, which run from this folder."""
 
 from __future__ import annotations
 
+import os
 import platform
+import statistics
+import subprocess
+import sys
 import time
 
 
@@ -29,3 +34,49 @@ def cpu_model():
     except OSError:
         pass
     return platform.processor()
+
+
+def interleaved_medians(fns, repeats):
+    """The median time of each of fns over `repeats` rounds, after one untimed call of each.
+    Each round times every fn once, the order reversed every other round, so a load that
+    comes and goes (a neighbour's build on these shared VMs) lands on all of them alike."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for round_ in range(repeats):
+        order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            start = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def cpu_family_model():
+    """'family F model M' from /proc/cpuinfo (empty where there is none)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return ""
+    return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
+def simd_target():
+    """The SIMD target qkv's kernels run on in this process's environment. The Python
+    package does not expose it, but an unknown QKV_SIMD_TARGET makes the library list the
+    targets of its build that this CPU runs, best first (src/cpu/simd_target.cpp), and the
+    best is what it picks when the variable is unset: ask a child interpreter."""
+    forced = os.environ.get("QKV_SIMD_TARGET")
+    if forced:
+        return f"{forced.upper()} (forced by QKV_SIMD_TARGET)"
+    probe = ("import numpy as np, qkv\n"
+             "x = np.ones((1, 1, 1, 8), np.float32)\n"
+             "try:\n    qkv.attention(x, x, x)\nexcept qkv.Error as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, QKV_SIMD_TARGET="?"),
+                          capture_output=True, text=True, check=True)
+    listed = done.stdout.rsplit("choose one of", 1)
+    return listed[1].split(",")[0].strip() if len(listed) == 2 else "unknown"
