@@ -22,7 +22,8 @@ Columns (same process; qkv threads = torch.set_num_threads): the median of each 
 repeats, the two paths interleaved (bench_timing.interleaved_medians); the three calls'
 parts timed alone the same way; "binding alone": the fused call's C++ half through qkv's
 private binding with its arrays converted once (fused − it: the Python layer's cost);
-load = the 1-minute load average before the row.
+load = the 1-minute load average before the row; others = the cores the rest of the machine
+kept busy during the row (bench_timing.OthersBusy: a 2-thread row needs it near 0).
 
 Correctness (once per row, each path from its own copy of the same pool, whose new-token
 rows hold NaN so that a missed write shows): max |difference| of the outputs, and of the
@@ -46,7 +47,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 import qkv
-from bench_timing import cpu_family_model, cpu_model, interleaved_medians, simd_target
+from bench_timing import OthersBusy, cpu_family_model, cpu_model, interleaved_medians, simd_target
 
 HEADS, KV_HEADS, D, BLOCK = 32, 8, 128, 16
 ROPE_THETA = 500000.0  # Llama-3-8B's
@@ -159,6 +160,27 @@ def check(step, plan):
             differing(step.q, q_before) == 0)
 
 
+def timings(step, plan, repeats):
+    """Medians (s) of the three calls, the fused call, the three calls' parts alone, and the
+    fused call's binding alone (None where its private names have changed)."""
+    # One pool for every timed call: two copies of the same pool can read at speeds 10–15%
+    # apart (one sequence of 8k keys, plan.run alone; where the pages landed), and both
+    # paths write the same bits into the same rows (check() says so), so sharing it
+    # changes no input.
+    k_pool, v_pool = step.pools()
+    q_rotated, k_rotated = step.rotate()
+    step.write(k_rotated, k_pool, v_pool)  # the rows plan.run alone reads
+    binding = binding_call(step, plan, k_pool, v_pool)
+    times = interleaved_medians([
+        lambda: step.three_calls(plan, k_pool, v_pool),
+        lambda: step.fused(plan, k_pool, v_pool),
+        step.rotate,
+        lambda: step.write(k_rotated, k_pool, v_pool),
+        lambda: plan.run(q_rotated, k_pool, v_pool),
+        binding or (lambda: None)], repeats)
+    return times[:-1] + [times[-1] if binding else None]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
@@ -168,10 +190,10 @@ def main():
     args = parser.parse_args()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu_model()} ({cpu_family_model()}), "
           f"{os.cpu_count()} cpus; qkv SIMD target {simd_target()}; torch {torch.__version__}")
-    print("| step | threads | load | three calls ms | fused ms | three / fused | rotary ms | write ms | "
+    print("| step | threads | load | others | three calls ms | fused ms | three / fused | rotary ms | write ms | "
           "plan.run ms | fused − plan.run ms | fused, binding alone ms | out max diff (bits differing) | "
           "pool max diff (bits differing) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     steps = {"chat": ([1024], args.chat_repeats),
              "batch": (rng.integers(512, 8193, 48).tolist(), args.repeats)}
@@ -182,30 +204,16 @@ def main():
             torch.set_num_threads(threads)
             plan = step.plan(threads)
             load = os.getloadavg()[0]
-            out_diff, out_bits, pool_diff, pool_bits, q_kept = check(step, plan)
+            with OthersBusy() as others:
+                out_diff, out_bits, pool_diff, pool_bits, q_kept = check(step, plan)
+                t_three, t_fused, t_rotate, t_write, t_run, t_binding = timings(step, plan, repeats)
             if not q_kept:  # the contract: q is rotated into scratch, never in place
                 print(f"!! {name}, {threads} threads: the fused call modified q")
-            # One pool for every timed call: two copies of the same pool can read at speeds
-            # 10–15% apart (one sequence of 8k keys, plan.run alone; where the pages landed),
-            # and both paths write the same bits into the same rows (checked above), so
-            # sharing it changes no input.
-            k_pool, v_pool = step.pools()
-            q_rotated, k_rotated = step.rotate()
-            step.write(k_rotated, k_pool, v_pool)  # the rows plan.run alone reads
-            binding = binding_call(step, plan, k_pool, v_pool)
-            t_three, t_fused, t_rotate, t_write, t_run, t_binding = interleaved_medians([
-                lambda: step.three_calls(plan, k_pool, v_pool),
-                lambda: step.fused(plan, k_pool, v_pool),
-                step.rotate,
-                lambda: step.write(k_rotated, k_pool, v_pool),
-                lambda: plan.run(q_rotated, k_pool, v_pool),
-                binding or (lambda: None)], repeats)
-            binding_ms = f"{t_binding * 1e3:.3f}" if binding else "n/a"
-            print(f"| {name} ({len(cached)} seq) | {threads} | {load:.2f} | {t_three * 1e3:.3f} | {t_fused * 1e3:.3f} "
-                  f"| {t_three / t_fused:.2f}× | {t_rotate * 1e3:.3f} | {t_write * 1e3:.3f} | {t_run * 1e3:.3f} | "
-                  f"{(t_fused - t_run) * 1e3:+.3f} | {binding_ms} | {out_diff:.3g} ({out_bits}) | "
-                  f"{pool_diff:.3g} ({pool_bits}) |",
-                  flush=True)
+            binding = "n/a" if t_binding is None else f"{t_binding * 1e3:.3f}"
+            print(f"| {name} ({len(cached)} seq) | {threads} | {load:.2f} | {others.cores:.2f} | "
+                  f"{t_three * 1e3:.3f} | {t_fused * 1e3:.3f} | {t_three / t_fused:.2f}× | {t_rotate * 1e3:.3f} | "
+                  f"{t_write * 1e3:.3f} | {t_run * 1e3:.3f} | {(t_fused - t_run) * 1e3:+.3f} | {binding} | "
+                  f"{out_diff:.3g} ({out_bits}) | {pool_diff:.3g} ({pool_bits}) |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -80,3 +80,39 @@ def simd_target():
                           capture_output=True, text=True, check=True)
     listed = done.stdout.rsplit("choose one of", 1)
     return listed[1].split(",")[0].strip() if len(listed) == 2 else "unknown"
+
+
+class OthersBusy:
+    """How many cores the rest of the machine kept busy while a row ran: the CPU time of
+    every process (/proc/stat) less this one's (/proc/self/stat), over the wall time. The
+    1-minute load average lags a row by a minute; this is the row's own neighbour, which
+    on a 2-core VM decides whether a 2-thread team gets both cores. Linux only (else None).
+
+        with OthersBusy() as others:
+            ...
+        others.cores   # e.g. 0.02 quiet, ~1 with one busy neighbour
+    """
+
+    cores = None
+
+    @staticmethod
+    def _sample():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        return busy, int(own[11]) + int(own[12]), time.perf_counter()  # utime + stime, clock ticks
+
+    def __enter__(self):
+        try:
+            self._start = self._sample()
+        except (OSError, ValueError, IndexError):
+            self._start = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._start is not None:
+            busy, own, wall = (b - a for a, b in zip(self._start, self._sample()))
+            self.cores = max(0.0, (busy - own) / os.sysconf("SC_CLK_TCK") / wall)
+        return False

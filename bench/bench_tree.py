@@ -23,7 +23,8 @@ bfloat16 widened exactly — and the same float32 q):
                of its own (rounded) inputs: the contract's 16-bit rule (within 2× of it).
 Times (median of --repeats rounds after a warm-up, same process, qkv threads =
 torch.set_num_threads, the columns interleaved per round; load = the 1-minute load average
-before the row):
+before the row; others = the cores the rest of the machine kept busy during the timings,
+bench_timing.OthersBusy: a 2-thread row needs it near 0):
   qkv          plan.run over the pool (the plan, masks copied in, made once per step and run
                per layer: its making is the next column, once);
   causal       plan.run of the same step without trees (bottom-right causal): what the mask costs;
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from bench_timing import cpu_family_model, cpu_model, interleaved_medians, simd_target
+from bench_timing import OthersBusy, cpu_family_model, cpu_model, interleaved_medians, simd_target
 
 HEADS, KV_HEADS, D, BLOCK = 32, 8, 128, 16
 POOL_DTYPE = torch.bfloat16
@@ -164,9 +165,9 @@ def main():
     args = parser.parse_args()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu_model()} ({cpu_family_model()}), "
           f"{os.cpu_count()} cpus; qkv SIMD target {simd_target()}; torch {torch.__version__}")
-    print("| seqs (tree tokens; prefix keys) | threads | load | qkv err | SDPA fp32 err | qkv / SDPA fp32 | "
+    print("| seqs (tree tokens; prefix keys) | threads | load | others | qkv err | SDPA fp32 err | qkv / SDPA fp32 | "
           "SDPA bf16 err | qkv ms | causal ms | SDPA bf16 ms | SDPA fp32 ms | vs bf16 | vs fp32 | plan make ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in args.batch:
         step = TreeStep(batch, seed=batch)
         prefixes = [length - n for length, n in zip(step.lengths, step.queries)]
@@ -179,19 +180,20 @@ def main():
             plan, causal = step.plan(threads), step.plan(threads, trees=False)
             out = plan.run(step.q, step.k, step.v)
             # Determinism: qkv's bits do not depend on the thread count.
-            same = "" if first_out is None or torch.equal(out, first_out) else " (bits differ from 1 thread's!)"
+            same = "" if first_out is None or torch.equal(out, first_out) else " (bits differ across threads!)"
             first_out = out if first_out is None else first_out
             ours, theirs32, theirs16 = errors(step, out)
-            t_qkv, t_causal, t_bf16, t_fp32 = interleaved_medians([
-                lambda: plan.run(step.q, step.k, step.v),
-                lambda: causal.run(step.q, step.k, step.v),
-                lambda: step.torch_per_sequence(torch.bfloat16),
-                lambda: step.torch_per_sequence(torch.float32)], args.repeats)
-            (t_make,) = interleaved_medians([lambda: step.plan(threads)], args.repeats)
-            print(f"| {shape} | {threads} | {load:.2f} | {ours:.2e}{same} | {theirs32:.2e} | {ours / theirs32:.2f} | "
-                  f"{theirs16:.2e} | {t_qkv * 1e3:.2f} | {t_causal * 1e3:.2f} | {t_bf16 * 1e3:.2f} | "
-                  f"{t_fp32 * 1e3:.2f} | {t_bf16 / t_qkv:.2f}× | {t_fp32 / t_qkv:.2f}× | {t_make * 1e3:.3f} |",
-                  flush=True)
+            with OthersBusy() as others:
+                t_qkv, t_causal, t_bf16, t_fp32 = interleaved_medians([
+                    lambda: plan.run(step.q, step.k, step.v),
+                    lambda: causal.run(step.q, step.k, step.v),
+                    lambda: step.torch_per_sequence(torch.bfloat16),
+                    lambda: step.torch_per_sequence(torch.float32)], args.repeats)
+                (t_make,) = interleaved_medians([lambda: step.plan(threads)], args.repeats)
+            print(f"| {shape} | {threads} | {load:.2f} | {others.cores:.2f} | {ours:.2e}{same} | {theirs32:.2e} | "
+                  f"{ours / theirs32:.2f} | {theirs16:.2e} | {t_qkv * 1e3:.2f} | {t_causal * 1e3:.2f} | "
+                  f"{t_bf16 * 1e3:.2f} | {t_fp32 * 1e3:.2f} | {t_bf16 / t_qkv:.2f}× | {t_fp32 / t_qkv:.2f}× | "
+                  f"{t_make * 1e3:.3f} |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
