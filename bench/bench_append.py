@@ -4,7 +4,7 @@ engine makes without it (issue 43 item 1): Llama-3-8B-shaped decode steps (32/8 
 d 128, rope_theta 500000), a bfloat16 paged pool (blocks of 16, shuffled), one layer.
 
     python bench/bench_append.py                       # threads 1 and 2
-    python bench/bench_append.py --threads 2 --repeats 11 --chat-repeats 101
+    python bench/bench_append.py --threads 2 --repeats 11 --chat-repeats 101 --steps chat batch
 
 Steps (fixed seeds): "chat", one sequence with 1024 cached keys (latency-bound: the extra
 passes and calls show); "batch", 48 sequences with 512…8192 cached keys. Each sequence
@@ -184,7 +184,7 @@ def timings(step, plan, repeats):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--repeats", type=int, default=11, help="rounds for the 48-sequence step")
+    parser.add_argument("--repeats", type=int, default=31, help="rounds for the 48-sequence step")
     parser.add_argument("--chat-repeats", type=int, default=201, help="rounds for the one-sequence step")
     parser.add_argument("--steps", nargs="+", default=["chat", "batch"], choices=["chat", "batch"])
     args = parser.parse_args()

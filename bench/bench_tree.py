@@ -27,6 +27,7 @@ before the row; others = the cores the rest of the machine kept busy during the 
 bench_timing.OthersBusy: a 2-thread row needs it near 0):
   qkv          plan.run over the pool (the plan, masks copied in, made once per step and run
                per layer: its making is the next column, once);
+  GFLOP/s      qkv's, counting 4 · Hq · n_b · L_b · d per sequence (DESIGN.md's forward formula);
   causal       plan.run of the same step without trees (bottom-right causal): what the mask costs;
   SDPA bf16 / fp32  per sequence: its K/V gathered out of the pool (counted, as
                bench_serving.py's torch/seq), then SDPA with its dense boolean mask
@@ -166,13 +167,17 @@ def main():
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu_model()} ({cpu_family_model()}), "
           f"{os.cpu_count()} cpus; qkv SIMD target {simd_target()}; torch {torch.__version__}")
     print("| seqs (tree tokens; prefix keys) | threads | load | others | qkv err | SDPA fp32 err | qkv / SDPA fp32 | "
-          "SDPA bf16 err | qkv ms | causal ms | SDPA bf16 ms | SDPA fp32 ms | vs bf16 | vs fp32 | plan make ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "SDPA bf16 err | qkv ms | qkv GFLOP/s | causal ms | SDPA bf16 ms | SDPA fp32 ms | vs bf16 | vs fp32 | "
+          "plan make ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in args.batch:
         step = TreeStep(batch, seed=batch)
         prefixes = [length - n for length, n in zip(step.lengths, step.queries)]
         shape = (f"{batch} ({min(step.queries)}–{max(step.queries)}, {sum(step.queries)} in all; "
                  f"{min(prefixes)}–{max(prefixes)})")
+        # Every row against every key of its sequence, as a dense call (the hidden tree keys,
+        # < 1% of a row's keys, counted too): 4 · Hq · n_b · L_b · d per sequence.
+        flops = sum(4 * HEADS * n * length * D for n, length in zip(step.queries, step.lengths))
         first_out = None
         for threads in args.threads:
             torch.set_num_threads(threads)
@@ -191,9 +196,9 @@ def main():
                     lambda: step.torch_per_sequence(torch.float32)], args.repeats)
                 (t_make,) = interleaved_medians([lambda: step.plan(threads)], args.repeats)
             print(f"| {shape} | {threads} | {load:.2f} | {others.cores:.2f} | {ours:.2e}{same} | {theirs32:.2e} | "
-                  f"{ours / theirs32:.2f} | {theirs16:.2e} | {t_qkv * 1e3:.2f} | {t_causal * 1e3:.2f} | "
-                  f"{t_bf16 * 1e3:.2f} | {t_fp32 * 1e3:.2f} | {t_bf16 / t_qkv:.2f}× | {t_fp32 / t_qkv:.2f}× | "
-                  f"{t_make * 1e3:.3f} |", flush=True)
+                  f"{ours / theirs32:.2f} | {theirs16:.2e} | {t_qkv * 1e3:.2f} | {flops / t_qkv / 1e9:.1f} | "
+                  f"{t_causal * 1e3:.2f} | {t_bf16 * 1e3:.2f} | {t_fp32 * 1e3:.2f} | {t_bf16 / t_qkv:.2f}× | "
+                  f"{t_fp32 / t_qkv:.2f}× | {t_make * 1e3:.3f} |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
