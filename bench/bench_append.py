@@ -195,10 +195,10 @@ def main():
           "pool max diff (bits differing) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
-    steps = {"chat": ([1024], args.chat_repeats),
-             "batch": (rng.integers(512, 8193, 48).tolist(), args.repeats)}
+    steps = {"chat": ([1024], args.chat_repeats, "chat (1 seq, 1024 cached)"),
+             "batch": (rng.integers(512, 8193, 48).tolist(), args.repeats, "batch (48 seq, 512–8192 cached)")}
     for name in args.steps:
-        cached, repeats = steps[name]
+        cached, repeats, label = steps[name]
         step = DecodeStep(cached, seed=1)
         for threads in args.threads:
             torch.set_num_threads(threads)
@@ -210,7 +210,7 @@ def main():
             if not q_kept:  # the contract: q is rotated into scratch, never in place
                 print(f"!! {name}, {threads} threads: the fused call modified q")
             binding = "n/a" if t_binding is None else f"{t_binding * 1e3:.3f}"
-            print(f"| {name} ({len(cached)} seq) | {threads} | {load:.2f} | {others.cores:.2f} | "
+            print(f"| {label} | {threads} | {load:.2f} | {others.cores:.2f} | "
                   f"{t_three * 1e3:.3f} | {t_fused * 1e3:.3f} | {t_three / t_fused:.2f}× | {t_rotate * 1e3:.3f} | "
                   f"{t_write * 1e3:.3f} | {t_run * 1e3:.3f} | {(t_fused - t_run) * 1e3:+.3f} | {binding} | "
                   f"{out_diff:.3g} ({out_bits}) | {pool_diff:.3g} ({pool_bits}) |", flush=True)

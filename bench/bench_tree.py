@@ -174,7 +174,7 @@ def main():
         step = TreeStep(batch, seed=batch)
         prefixes = [length - n for length, n in zip(step.lengths, step.queries)]
         shape = (f"{batch} ({min(step.queries)}–{max(step.queries)}, {sum(step.queries)} in all; "
-                 f"{min(prefixes)}–{max(prefixes)})")
+                 f"{min(prefixes)}–{max(prefixes)})") if batch > 1 else f"1 ({step.queries[0]}; {prefixes[0]})"
         # Every row against every key of its sequence, as a dense call (the hidden tree keys,
         # < 1% of a row's keys, counted too): 4 · Hq · n_b · L_b · d per sequence.
         flops = sum(4 * HEADS * n * length * D for n, length in zip(step.queries, step.lengths))
