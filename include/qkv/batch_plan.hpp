@@ -118,7 +118,7 @@
 //     refused, rotary.cos named), caches that share memory with each other or with q,
 //     k_new, v_new, out or the tables, and key lists (indices) with a tree_mask.
 //
-// Schedules (cpu backend): sequences of ≤ 16 queries run on the split-K schedule
+// Schedules (cpu backend): sequences of ≤ 32 queries run on the split-K schedule
 // (cpu/decode.cpp), planned together, their tasks handed to threads costliest first; a
 // prefill chunk of more queries runs on the tiled schedule over its keys gathered into
 // float32 rows per run (bitwise attention_forward of that chunk alone over them). With

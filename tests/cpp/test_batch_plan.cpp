@@ -1,7 +1,7 @@
 // qkv::BatchPlan: a serving step (prefill chunks and decode tokens over one set of
 // caches) planned once, run per layer.
 //   - Every sequence's rows equal that sequence computed alone, bit for bit (batch
-//     invariance): qkv::decode for ≤ 16 queries, attention_forward over the chunk's keys
+//     invariance): qkv::decode for ≤ 32 queries, attention_forward over the chunk's keys
 //     for prefill chunks (their accuracy against the fp64 oracle is test_decode.cpp's and
 //     test_cpu_attention.cpp's), for
 //     query counts 0, 1, 3, 17, 40, 200, GQA, every storage type, contiguous and shuffled
@@ -233,7 +233,7 @@ Results run_plan(const Step<T>& step, const AttentionOptions& options) {
 bool same_bits(const float* a, const float* b, std::size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
 
 // Sequence b's rows of the plan's results equal b computed alone, bit for bit: by
-// qkv::decode (the split-K schedule) for ≤ 16 queries or with fixed_key_split, else (a
+// qkv::decode (the split-K schedule) for ≤ 32 queries or with fixed_key_split, else (a
 // prefill chunk) by attention_forward over its stored keys as float rows (the tiled
 // schedule, which the plan runs chunks on).
 template <class T>
@@ -246,7 +246,7 @@ void expect_rows_of_alone(const Step<T>& step, const Results& got, const Attenti
     Tensor<float, 4> out({1, n, s.q_heads, s.v_dim});
     Tensor<float, 3> lse({1, s.q_heads, n});
     const std::vector<int64_t> length{s.lengths[b]};
-    const bool chunk = n > 16 && !options.execution.fixed_key_split && options.execution.backend != Backend::reference;
+    const bool chunk = n > 32 && !options.execution.fixed_key_split && options.execution.backend != Backend::reference;
     if (chunk) {
       const Tensor<float, 4> keys = step.stored_rows(static_cast<int64_t>(b), true);
       const Tensor<float, 4> values = step.stored_rows(static_cast<int64_t>(b), false);

@@ -7,7 +7,7 @@
 //     into the caches by hand (rounded, or quantized per row as KVCache does) and calling
 //     run(BatchArgs): the same caches, scales and outputs, the caller's q untouched. Over
 //     float32, bfloat16, float16, int8 and float8 caches, contiguous and shuffled paged,
-//     a step mixing decode tokens with a prefill chunk (> 16 queries: the tiled schedule),
+//     a step mixing decode tokens with a prefill chunk (> 32 queries: the tiled schedule),
 //     GQA, dv ≠ d.
 //   - KVCache::append with a Rotary stores what an append of keys rotated by hand stores.
 //   - Every bad argument is a qkv::Error naming it, with caches, scales and out unchanged.
@@ -114,8 +114,8 @@ TEST(Rotary, PositionsIndexTheTables) {
 template <class T>
 struct Step {
   static constexpr bool kScaled = std::is_same_v<T, std::int8_t> || is_float8(storage_type_of<T>);
-  std::vector<int64_t> queries{1, 3, 20, 1}, lengths{9, 12, 40, 5}, cu{0};
-  int64_t hq = 8, hkv = 2, d = 64, dv = 32, block_size = 0, capacity = 40, max_blocks = 0;
+  std::vector<int64_t> queries{1, 3, 40, 1}, lengths{9, 12, 60, 5}, cu{0};
+  int64_t hq = 8, hkv = 2, d = 64, dv = 32, block_size = 0, capacity = 60, max_blocks = 0;
   Tensor<float, 3> q, k_new, v_new, k_scale, v_scale;
   Tensor<T, 4> k, v;
   Tensor<int32_t, 2> table;
@@ -349,7 +349,7 @@ TEST(RotaryAppend, BadCallsWriteNothing) {
   call([&](A& a) { a.rotary.cos = wide.cos.cview(), a.rotary.sin = wide.sin.cview(); }, "expected an even number 2..64");
   call([&](A& a) { a.rotary.rotary_dim = 16; }, "rotary.rotary_dim: expected rotary.cos.shape[1] (32");
   call([&](A& a) { a.rotary.cos = table.cos.cview(), a.rotary.sin = table.sin.cview(); },
-       "rotary.cos.shape[0] (new tokens): expected 25");
+       "rotary.cos.shape[0] (new tokens): expected 45");
   call([&](A& a) {
     a.rotary.cos = table.cos.cview(), a.rotary.sin = table.sin.cview();
     a.rotary.positions = std::span<const int64_t>(positions);
@@ -357,7 +357,7 @@ TEST(RotaryAppend, BadCallsWriteNothing) {
   call([&](A& a) {
     a.rotary.cos = table.cos.cview(), a.rotary.sin = table.sin.cview();
     a.rotary.positions = std::span<const int64_t>(too_few);
-  }, "rotary.positions: expected one position per new token (25)");
+  }, "rotary.positions: expected one position per new token (45)");
   call([&](A& a) { a.k_new = View3<const float>(&step.k(0, 0, 0, 0), {total, step.hkv, step.d}, {step.hkv * step.d, step.d, 1}); },
        "k_cache: must not share memory with k_new");
   call([&](A& a) { a.v_cache = step.k.view(); }, "v_cache.shape[3] (head_dim): expected 32");
@@ -368,7 +368,7 @@ TEST(RotaryAppend, BadCallsWriteNothing) {
   BatchAppendArgs<float> a = flat.appending(out, lse, {});
   a.k_cache = short_k.view();
   a.v_cache = short_v.view();
-  expect_error([&] { flat_plan.run_appending(a); }, "k_cache.shape[1] (capacity): expected at least cache_lengths[2] = 40");
+  expect_error([&] { flat_plan.run_appending(a); }, "k_cache.shape[1] (capacity): expected at least cache_lengths[2] = 60");
   // int8 without the scales it writes.
   Step<std::int8_t> int8(0);
   const BatchPlan int8_plan(int8.layout(), AttentionOptions{});

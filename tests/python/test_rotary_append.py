@@ -25,7 +25,7 @@ import qkv
 
 pytestmark = pytest.mark.skipif("cpu" not in qkv.available_backends(), reason="cpu backend not built")
 
-QUERIES, LENGTHS = [1, 3, 20, 1], [9, 12, 40, 5]  # decode tokens and a prefill chunk (> 16: tiled)
+QUERIES, LENGTHS = [1, 3, 20, 1], [9, 12, 40, 5]  # decode tokens and a 20-query chunk (split-K: test_rotary_append.cpp has a tiled one)
 HEADS, KV_HEADS, D, DV, MAX_POSITION = 8, 2, 64, 32, 64
 
 
