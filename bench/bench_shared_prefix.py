@@ -8,7 +8,7 @@ Workload (default): Llama-3-8B attention (32/8 heads, d 128), a bfloat16 paged p
 (fixed seed), one new token each; one layer.
 
 Columns: plan.run time plain and shared (median of --repeats after a warm-up) and their
-ratio; K/V bytes each reads (plain: every sequence's keys; shared: the prefix once per
+ratio (interleaved rounds: bench_timing); K/V bytes each reads (plain: every sequence's keys; shared: the prefix once per
 16-query tile of the group's pass, ⌈32/16⌉ = 2 times, plus each sequence's own keys); the
 arithmetic (the same for both: every row still meets every key) as GFLOP/s and share of
 the FMA peak (qkv_fma_peak, this run) — the limit once the traffic is gone — and the
@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
 import subprocess
-import time
+import sys
 
 import numpy as np
 import torch
 
-import qkv
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_timing import cpu_family_model, cpu_model, interleaved_medians  # noqa: E402
+
+import qkv  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.join(HERE, "..", "build", "release", "bench")
@@ -42,16 +43,6 @@ def probe_fields(*command) -> dict:
     out = subprocess.run([os.path.join(BUILD, command[0]), *command[1:]], check=True, capture_output=True,
                          text=True).stdout
     return [dict(item.split("=") for item in line.split()) for line in out.splitlines() if "=" in line]
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def step(sequences: int, prefix: int, seed: int):
@@ -96,12 +87,7 @@ def main() -> int:
     fma = {int(f["threads"]): float(f["gflops"]) for f in probe_fields("qkv_fma_peak", str(max(args.threads)))}
     target = probe_fields("qkv_fma_peak", "1")[0].get("target", "?")
     bandwidth = {t: float(probe_fields("qkv_decode_probe", "bandwidth", str(t))[0]["bandwidth_gbs"]) for t in args.threads}
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    print(f"# {cpu}, qkv SIMD target {os.environ.get('QKV_SIMD_TARGET', target)}, torch {torch.__version__}")
+    print(f"# {cpu_model()} ({cpu_family_model()}), qkv SIMD target {os.environ.get('QKV_SIMD_TARGET', target)}, torch {torch.__version__}")
     print(f"# load average at start (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"# {args.sequences} sequences, {args.prefix}-key shared prefix, own keys {own.min()}–{own.max()} "
           f"(mean {own.mean():.0f}); 32/8 heads, d 128, bf16 pool, blocks of 16")
@@ -120,8 +106,8 @@ def main() -> int:
         torch.set_num_threads(t)
         out_plain, lse_plain = plain.run(q, k, v, return_lse=True)
         out_shared, lse_shared = shared.run(q, k, v, return_lse=True)
-        t_plain = median_time(lambda: plain.run(q, k, v), args.repeats)
-        t_shared = median_time(lambda: shared.run(q, k, v), args.repeats)
+        t_plain, t_shared = interleaved_medians([lambda: plain.run(q, k, v), lambda: shared.run(q, k, v)],
+                                                args.repeats)
         limit = [max(b / (bandwidth[t] * 1e9), flops / (fma[t] * 1e9)) for b in (plain_bytes, shared_bytes)]
         gflops = [flops / s / 1e9 for s in (t_plain, t_shared)]
         print(f"| {t} | {t_plain * 1e3:.1f} | {t_shared * 1e3:.1f} | {t_plain / t_shared:.2f}× | "

@@ -33,12 +33,15 @@
 #include <vector>
 
 #include "simd_targets.hpp"
+#include "step_options.hpp"
 #include "test_support.hpp"
 
 namespace qkv {
 namespace {
 
 using test::expect_error;
+using test::same_bits;
+using test::sink_logits;
 
 enum class Kind { none, tree, shuffled_tree, arbitrary };
 
@@ -231,20 +234,8 @@ struct TreeStep {
   }
 };
 
-std::vector<float> sink_logits(int64_t heads) {
-  std::vector<float> sinks(static_cast<std::size_t>(heads));
-  for (int64_t h = 0; h < heads; ++h) sinks[h] = 0.5f * static_cast<float>(h) - 1.0f;
-  return sinks;
-}
-
 AttentionOptions options_for(const Spec& s, int threads = 2) {
-  static const std::vector<float> sinks = sink_logits(8);
-  AttentionOptions o;
-  o.causal = Causal::bottom_right;
-  o.execution.threads = threads;
-  o.softcap = s.softcap;
-  if (s.sinks) o.sinks = std::span<const float>(sinks.data(), static_cast<std::size_t>(s.q_heads));
-  return o;
+  return test::step_options(s.softcap, s.sinks, s.q_heads, threads);
 }
 
 template <class Acc>
@@ -316,13 +307,6 @@ double largest(const Tensor<double, R>& t) {
   double m = 0.0;
   for (std::size_t i = 0; i < t.size(); ++i) m = std::max(m, std::abs(t[i]));
   return m;
-}
-
-bool same_bits(const Tensor<float, 3>& a, const Tensor<float, 3>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-bool same_bits(const Tensor<float, 2>& a, const Tensor<float, 2>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 // The plan's results within the tolerance of the oracle (see the top of the file).
