@@ -99,6 +99,10 @@ def _float32_logical(x, layout: str, name: str, function: str):
 
 def _float32_packed(x, name: str, function: str):
     """x as a float32 [total, heads, dim] array (a view when x is float32 already)."""
+    torch = sys.modules.get("torch")
+    if (torch is not None and type(x) is torch.Tensor and x.dtype is torch.float32 and x.ndim == 3
+            and not x.requires_grad and x.device.type == "cpu" and (x.shape[-1] <= 1 or x.stride(-1) == 1)):
+        return x.numpy()  # the common case: a view, nothing to convert
     if getattr(x, "ndim", None) != 3:
         raise Error(f"{function}: {name}: expected [total, heads, dim], got shape {tuple(getattr(x, 'shape', ()))}")
     if _is_torch(x):
@@ -165,11 +169,32 @@ def result(q, out, work, lse):
     return out, lse
 
 
+def _torch_cache_views():
+    """torch dtype → (the dtype the library reads its bits as, bits_as), made once."""
+    global _TORCH_CACHE_VIEWS
+    if _TORCH_CACHE_VIEWS is None:
+        import torch
+
+        _TORCH_CACHE_VIEWS = {torch.bfloat16: (torch.int16, "bfloat16"), torch.float16: (torch.int16, "float16"),
+                              torch.float32: (None, ""), torch.int8: (None, "")}
+    return _TORCH_CACHE_VIEWS
+
+
+_TORCH_CACHE_VIEWS = None
+
+
 def _cache_array(x, name: str, function: str):
     """(array the library reads in place, bits_as): torch bfloat16 goes over as int16 bits,
     float8 (torch or ml_dtypes) as uint8 bytes (qkv/_float8.py)."""
     if _is_torch(x) and x.device.type != "cpu":
         raise TypeError(f"{function}: {name}: expected a CPU tensor, got device {x.device}")
+    if _is_torch(x):  # the common case first: one lookup, one view (every decode call's caches)
+        known = _torch_cache_views().get(x.dtype)
+        if known is not None:
+            if x.requires_grad:
+                x = x.detach()
+            view, bits_as = known
+            return (x.view(view) if view is not None else x).numpy(), bits_as
     float8 = _float8.cache_bytes(x.detach() if _is_torch(x) else x, name, function)
     if float8 is not None:
         return float8
