@@ -28,7 +28,8 @@ returning them to the kernel on every call, which would otherwise charge page fa
 to whoever allocates (torch allocates its outputs and buffers per call, qkv too).
 
 SIMD targets: QKV_SIMD_TARGET=AVX2 makes qkv run its AVX2 kernels on an AVX-512 CPU and
-ATEN_CPU_CAPABILITY=avx2 does the same for PyTorch; set both to measure the AVX2 rows.
+ATEN_CPU_CAPABILITY=avx2 does the same for PyTorch; set both to measure the AVX2 rows
+(qkv_fma_peak then measures the AVX2 peak too). bench/portability.py does it for every target.
 """
 from __future__ import annotations
 
