@@ -28,7 +28,8 @@ returning them to the kernel on every call, which would otherwise charge page fa
 to whoever allocates (torch allocates its outputs and buffers per call, qkv too).
 
 SIMD targets: QKV_SIMD_TARGET=AVX2 makes qkv run its AVX2 kernels on an AVX-512 CPU and
-ATEN_CPU_CAPABILITY=avx2 does the same for PyTorch; set both to measure the AVX2 rows.
+ATEN_CPU_CAPABILITY=avx2 does the same for PyTorch; set both to measure the AVX2 rows
+(qkv_fma_peak then measures the AVX2 peak too). bench/portability.py does it for every target.
 """
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ def shapes(quick: bool, half: bool = False) -> list[Shape]:
     return rows
 
 
+# The probes' folder; bench/portability.py points it at another build (--build).
+BUILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build", "release", "bench")
 BF16_PEAK: dict[int, float] = {}  # threads → the bf16 dot peak (GFLOP/s; 0: no unit)
 AMX_PEAK: dict[int, float] = {}  # threads → the AMX tiles' bf16 peak (GFLOP/s; 0: none)
 
@@ -110,7 +113,7 @@ def bf16_unit_peak(threads: int) -> tuple[str, float]:
 def fma_peak(threads: int) -> tuple[float, str]:
     """(GFLOP/s, the SIMD target Highway picks: the one qkv's kernels dispatch to); the
     bf16 dot peak of the same run goes to BF16_PEAK."""
-    exe = os.path.join(os.path.dirname(__file__), "..", "build", "release", "bench", "qkv_fma_peak")
+    exe = os.path.join(BUILD, "qkv_fma_peak")
     out = subprocess.run([exe, str(threads)], check=True, capture_output=True, text=True).stdout
     for line in out.splitlines():
         fields = dict(f.split("=") for f in line.split())
@@ -130,7 +133,7 @@ summary = statistics.median
 def fma_peak_thread_time() -> tuple[float, str]:
     """One core's FMA peak by thread CPU time, on the SIMD target qkv will use
     (QKV_SIMD_TARGET included), from qkv_dense_probe's header line."""
-    exe = os.path.join(os.path.dirname(__file__), "..", "build", "release", "bench", "qkv_dense_probe")
+    exe = os.path.join(BUILD, "qkv_dense_probe")
     target = os.environ.get("QKV_SIMD_TARGET", "best") or "best"
     out = subprocess.run([exe, "64", "64", "0", "1", "1", "fwd", "bhsd", target, "bfloat16"],
                          check=True, capture_output=True, text=True).stdout

@@ -1,6 +1,7 @@
 // The machine probes (fma_probe.hpp): the FMA peak and the streaming read bandwidth,
 // compiled for every SIMD target Highway knows and dispatched at run time to the best
-// the CPU has.
+// the CPU has, or to the one QKV_SIMD_TARGET forces (as qkv's kernels are), so that a
+// run on forced kernels states its share of the peak that target can reach.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "fma_probe.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -18,6 +19,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "cpu/simd_target.hpp"  // qkv's own reading of QKV_SIMD_TARGET
 #include "fma_probe.hpp"
 #endif
 
@@ -110,6 +112,9 @@ double cpu_time_gflops(long iterations, float* sink) {
 namespace qkv::bench {
 
 FmaPeak measure_fma_peak(int threads, long iterations, int repeats) {
+  // The library's override (it throws qkv::Error naming the choices for a bad name):
+  // Highway's dispatch mask is process-wide, so it forces these probes as well.
+  qkv::cpu::apply_simd_target_override();
   FmaPeak peak;
   for (int repeat = 0; repeat < repeats; ++repeat) {
     peak.gflops = std::max(peak.gflops, qkv_bench::measure(threads, iterations));
@@ -129,6 +134,7 @@ FmaPeak measure_fma_peak_cpu_time(long iterations, int repeats) {
 }
 
 double measure_read_bandwidth(int threads, size_t bytes, int repeats) {
+  qkv::cpu::apply_simd_target_override();  // as measure_fma_peak
   const size_t count = bytes / sizeof(float);
   float* data = static_cast<float*>(std::aligned_alloc(64, count * sizeof(float)));
   if (data == nullptr) return 0.0;

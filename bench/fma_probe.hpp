@@ -1,7 +1,9 @@
 // The machine's fp32 FMA peak and streaming read bandwidth, measured. FMA peak: each
 // thread runs independent fused multiply-adds on enough accumulators to cover FMA
-// latency × ports, nothing else, with the widest SIMD target Highway dispatches to. Shared by bench/fma_peak (for bench/bench_attention.py)
-// and `qkv bench`, so both state a kernel's share of the same peak.
+// latency × ports, nothing else, with the widest SIMD target Highway dispatches to (or
+// QKV_SIMD_TARGET's, read as qkv reads it: the target qkv's kernels run). Shared by
+// bench/fma_peak (for bench/bench_attention.py) and `qkv bench`, so both state a
+// kernel's share of the same peak.
 #pragma once
 
 #include <cstddef>
