@@ -132,7 +132,7 @@ class Row:
 
     def result(self) -> str:
         def show(what, x):
-            return f"{x:.1%}" if what == "share" else f"{x:.2f}"  # 79.7% is not 80%
+            return f"{x:.1%}" if what == "share" else f"{x:.3f}"  # 79.7% is not 80%, 1.196 not 1.2
 
         misses = [f"{what} {show(what, value)}, not {sign} {show(what, bound)}"
                   for what, value, sign, bound in self.checks
