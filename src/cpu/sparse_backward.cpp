@@ -4,19 +4,24 @@
 // so now, with D_i = ⟨dO_i, O_i⟩ (= Σ_j P_ij·dP_ij, FlashAttention's D):
 //   dP_ij = ⟨dO_i, v_j⟩,   dS_ij = P_ij·(dP_ij − D_i)·cap'(·),
 //   dQ_i = scale·Σ_(j∈A_i) dS_ij·k_j                       (pass C: one writer per row)
-//   dK_j = Σ_(i: j∈A_i) dS_ij·(scale·q_i),  dV_j = Σ_(i: j∈A_i) P_ij·dO_i   (pass D: per key)
+//   dK_j = Σ_(i: j∈A_i) dS_ij·(scale·q_i),  dV_j = Σ_(i: j∈A_i) P_ij·dO_i   (pass D: per key block)
 //   dsink_h = −Σ_i e^(sink_h − lse_i)·D_i                 (the sink: dP = 0, no value)
 // A key receives from every query that lists it, so dK and dV are not written by scattering
-// (that would need atomics and make the sums depend on the threads): pass B inverts the
-// sets into, per (batch, list) and key, the ascending list of query rows that attend it,
-// and pass D gives each key row one writer that sums its queries in that fixed order.
-// Pass D recomputes s_ij with the same tile (decode_tiles-inl.h's ScoreKeys, key and query
-// roles swapped: each lane's product and the tree of lane sums are the same), so P is the
-// forward's to the last bit of the logit. Every pass writes its own outputs, the same way
-// on any thread: results are bitwise identical for every thread count.
+// (that would need atomics and make the sums depend on the threads): pass D gives each
+// block of kKeyBlock consecutive keys one writer. It visits the rows in ascending order,
+// takes the part of each row's sorted set that falls in the block (a binary search) and
+// computes that row's P and dS for those keys exactly as pass C does (the same tiles, the
+// same query rows: the logits are the forward's to the last bit), then adds the tile
+// products P^T·dO and dS^T·(scale·q) — keys × heads times heads × d — to the block's
+// accumulators. Each loaded q and dO row is used by every listed key of the block and
+// every head of the group, and the block's K, V, dK and dV rows stay in L2 across rows:
+// the old per-key pass (one key against gathered query rows, one FMA per loaded float,
+// the query workspace streamed from DRAM once per key) ran the MLA shape at 14% of the
+// FMA peak. Every pass writes its own outputs, the same way on any thread: results are
+// bitwise identical for every thread count.
 //
-// Workspace, per call: the sets (B·lists·Nq·topk int32, the size of the lists) and their
-// inverse, scale·q and dO widened to float, D; nothing Nq × Nk.
+// Workspace, per call: the sets (B·lists·Nq·topk int32, the size of the lists), scale·q
+// and dO widened to float, D; nothing Nq × Nk.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/sparse_backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -42,8 +47,10 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
 namespace {
 
-// Keys per unit of pass D: small, so that even one (batch, kv head) spreads over threads.
-constexpr int64_t kKeysPerUnit = 16;
+// Keys per unit of pass D: one gathered block (its K, V, dK and dV rows stay in L2 while
+// every row that lists one of them passes), and units enough that even one (batch, kv
+// head) spreads over the threads.
+constexpr int64_t kKeyBlock = static_cast<int64_t>(kGatherKeys);
 
 // The call's workspace, shared by the passes.
 struct Workspace {
@@ -51,8 +58,6 @@ struct Workspace {
   size_t d_pad = 0, dv_pad = 0;
   std::vector<int32_t> sets;        // [B, lists, Nq, topk]: A of each row
   std::vector<int32_t> set_sizes;   // [B, lists, Nq]
-  std::vector<int64_t> key_starts;  // [B, lists, Nk + 1]: pass B's inverse, as offsets...
-  std::vector<int32_t> key_rows;    // ...into the query rows that attend each key, ascending
   hwy::AlignedFreeUniquePtr<float[]> scaled_q;  // [B, Nq, Hq, d_pad]: scale·q
   hwy::AlignedFreeUniquePtr<float[]> dout;      // [B, Nq, Hq, dv_pad]: dO in float
   std::vector<float> delta;                     // [B, Nq, Hq]: D = ⟨dO, O⟩
@@ -63,7 +68,7 @@ struct Workspace {
   const float* dout_row(int64_t b, int64_t i, int64_t h) const { return dout.get() + head_row(b, i, h) * dv_pad; }
 };
 
-// One thread's scratch for passes C and D (rows: the group's heads in C, entries in D).
+// One thread's scratch for passes C and D.
 template <class T>
 struct Scratch {
   Scratch(const detail::Extents& e, const detail::KeySelection& selection)
@@ -73,23 +78,29 @@ struct Scratch {
         scores(AllocateFloats(rows * kGatherKeys)),
         d_scores(AllocateFloats(rows * kGatherKeys)),
         slope(AllocateFloats(rows * kGatherKeys)),
-        acc(AllocateFloats(rows * std::max(block.d_pad(), block.dv_pad()))),
-        dk(AllocateFloats(block.d_pad())),
-        dv(AllocateFloats(block.dv_pad())),
-        key(AllocateFloats(block.d_pad())),
-        value(AllocateFloats(block.dv_pad())),
+        weights_t(AllocateFloats(kGatherKeys * rows)),
+        d_weights_t(AllocateFloats(kGatherKeys * rows)),
+        acc(AllocateFloats(rows * block.d_pad())),
+        dk(AllocateFloats(kGatherKeys * block.d_pad())),
+        dv(AllocateFloats(kGatherKeys * block.dv_pad())),
         lse(kGatherKeys),
         delta(kGatherKeys),
         ones(std::max(rows, kGatherKeys), 1.0f),
-        q_rows(kGatherKeys),
-        dout_rows(kGatherKeys) {}
+        head_q(rows),
+        head_dout(rows),
+        dk_rows(kGatherKeys),
+        dv_rows(kGatherKeys) {}
 
   std::vector<uint64_t> marks;  // attended_keys's bit set
   GatheredBlock<T> block;
-  size_t rows;
-  hwy::AlignedFreeUniquePtr<float[]> scores, d_scores, slope, acc, dk, dv, key, value;
+  size_t rows;  // the group's query heads
+  hwy::AlignedFreeUniquePtr<float[]> scores, d_scores, slope;  // rows × kGatherKeys: S → P, dP → dS
+  hwy::AlignedFreeUniquePtr<float[]> weights_t, d_weights_t;   // kGatherKeys × rows: P, dS transposed
+  hwy::AlignedFreeUniquePtr<float[]> acc;     // pass C: dQ of the group
+  hwy::AlignedFreeUniquePtr<float[]> dk, dv;  // pass D: the key block's sums
   std::vector<float> lse, delta, ones;
-  std::vector<const float*> q_rows, dout_rows;
+  std::vector<const float*> head_q, head_dout;  // pass D: the group's scale·q and dO rows
+  std::vector<float*> dk_rows, dv_rows;         // pass D: the listed keys' rows of dk, dv
 };
 
 // Over `padded` entries of one row of scores s (already through the soft-cap) and dP:
@@ -108,6 +119,69 @@ HWY_INLINE void WeightsAndGradients(float* HWY_RESTRICT s, float* HWY_RESTRICT d
     hn::StoreU(ds, df, dp + j);
   }
   for (size_t j = n; j < padded; ++j) s[j] = dp[j] = 0.0f;
+}
+
+// P and dS of the group's heads for row i over one gathered block (n keys, padded), from
+// its scores and dP in s.scores / s.d_scores (group × kGatherKeys), in place.
+template <class T>
+void GroupWeightsAndGradients(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t i,
+                              int64_t g, size_t n, size_t padded, Scratch<T>& s) {
+  const auto& dense = problem.dense;
+  const auto rows = dense.rows();
+  const int64_t group = dense.extents.group();
+  const float cap = dense.modifiers.softcap;
+  for (int64_t r = 0; r < group; ++r) {
+    const int64_t h = g * group + r;
+    float* row = s.scores.get() + static_cast<size_t>(r) * kGatherKeys;
+    float* slope = cap > 0.0f ? s.slope.get() + static_cast<size_t>(r) * kGatherKeys : nullptr;
+    if (slope != nullptr) SoftcapTile(row, 1, padded, cap, slope);
+    std::fill(s.lse.begin(), s.lse.begin() + static_cast<std::ptrdiff_t>(padded), static_cast<float>(rows.lse(b, h, i)));
+    std::fill(s.delta.begin(), s.delta.begin() + static_cast<std::ptrdiff_t>(padded),
+              w.delta[static_cast<size_t>(w.head_row(b, i, h))]);
+    WeightsAndGradients(row, s.d_scores.get() + static_cast<size_t>(r) * kGatherKeys, slope, s.lse.data(),
+                        s.delta.data(), n, padded);
+  }
+}
+
+// dst[x] += Σ_r w[x·group + r]·src[r] over columns [col, col + C·lanes) of R rows x: R
+// listed keys' dK or dV sums (rows of the key block's accumulators) plus one query row's
+// terms, kept in registers over the group's heads (each sum gains its terms in head order).
+template <size_t R, size_t C>
+HWY_INLINE void AddWeightedTile(const float* HWY_RESTRICT w, size_t group, const float* const* src, size_t col,
+                                float* const* dst) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  VecArray2<FloatTag, R, C> sum;
+  for (size_t r = 0; r < R; ++r)
+    for (size_t c = 0; c < C; ++c) sum[r][c] = hn::LoadU(df, dst[r] + col + c * lanes);
+  for (size_t h = 0; h < group; ++h) {
+    VecArray<FloatTag, C> x;
+    for (size_t c = 0; c < C; ++c) x[c] = hn::LoadU(df, src[h] + col + c * lanes);
+    for (size_t r = 0; r < R; ++r) {
+      const FloatVec weight = hn::Set(df, w[r * group + h]);
+      for (size_t c = 0; c < C; ++c) sum[r][c] = hn::MulAdd(weight, x[c], sum[r][c]);
+    }
+  }
+  for (size_t r = 0; r < R; ++r)
+    for (size_t c = 0; c < C; ++c) hn::StoreU(sum[r][c], df, dst[r] + col + c * lanes);
+}
+
+// The same over dim (a whole number of vectors) for n rows: tiles of 4 rows, then single rows.
+HWY_INLINE void AddWeightedRows(size_t n, const float* HWY_RESTRICT w, size_t group, const float* const* src, size_t dim,
+                                float* const* dst) {
+  const size_t lanes = VectorLanes();
+  constexpr size_t kC = kValueTileVectors / 4 >= 4 ? 4 : 2;  // 4·kC accumulators + kC loads
+  size_t x = 0;
+  for (; x + 4 <= n; x += 4) {
+    size_t col = 0;
+    for (; col + kC * lanes <= dim; col += kC * lanes) AddWeightedTile<4, kC>(w + x * group, group, src, col, dst + x);
+    for (; col < dim; col += lanes) AddWeightedTile<4, 1>(w + x * group, group, src, col, dst + x);
+  }
+  for (; x < n; ++x) {
+    size_t col = 0;
+    for (; col + kC * lanes <= dim; col += kC * lanes) AddWeightedTile<1, kC>(w + x * group, group, src, col, dst + x);
+    for (; col < dim; col += lanes) AddWeightedTile<1, 1>(w + x * group, group, src, col, dst + x);
+  }
 }
 
 // Pass A, row (b, i): the sets of every list, scale·q and dO in float, D = ⟨dO, O⟩.
@@ -134,26 +208,6 @@ void PrepareRow(const detail::SparseBackwardProblem<T>& problem, Workspace& w, i
   }
 }
 
-// Pass B, (b, list): key j's attending rows, ascending (rows are visited in order).
-void InvertSets(Workspace& w, int64_t b, int64_t list) {
-  int64_t* starts = w.key_starts.data() + (b * w.lists + list) * (w.k_len + 1);
-  std::vector<int64_t> next(static_cast<size_t>(w.k_len) + 1, 0);
-  for (int64_t i = 0; i < w.q_len; ++i) {
-    const int64_t at = w.row(b, list, i);
-    for (int32_t t = 0; t < w.set_sizes[at]; ++t) ++next[static_cast<size_t>(w.sets[at * w.topk + t]) + 1];
-  }
-  // Offsets within this (b, list)'s region of key_rows, which starts at its first row's slot.
-  const int64_t base = w.row(b, list, 0) * w.topk;
-  starts[0] = base;
-  for (int64_t j = 0; j < w.k_len; ++j) starts[j + 1] = starts[j] + next[static_cast<size_t>(j) + 1];
-  for (int64_t j = 0; j < w.k_len; ++j) next[static_cast<size_t>(j)] = starts[j];
-  for (int64_t i = 0; i < w.q_len; ++i) {
-    const int64_t at = w.row(b, list, i);
-    for (int32_t t = 0; t < w.set_sizes[at]; ++t)
-      w.key_rows[static_cast<size_t>(next[static_cast<size_t>(w.sets[at * w.topk + t])]++)] = static_cast<int32_t>(i);
-  }
-}
-
 // Pass C, (b, i, kv head g): dQ of the group's heads over the gathered blocks of A_i.
 template <class T>
 void QueryGradients(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t i,
@@ -167,7 +221,6 @@ void QueryGradients(const detail::SparseBackwardProblem<T>& problem, const Works
   const auto count = static_cast<size_t>(w.set_sizes[at]);
   const float* q = w.q_row(b, i, g * e.group());
   const float* dout = w.dout_row(b, i, g * e.group());
-  const float cap = dense.modifiers.softcap;
   std::fill(s.acc.get(), s.acc.get() + group * w.d_pad, 0.0f);
   for (size_t start = 0; start < count; start += kGatherKeys) {
     const size_t n = std::min(kGatherKeys, count - start), padded = round_up(n, lanes);
@@ -178,20 +231,14 @@ void QueryGradients(const detail::SparseBackwardProblem<T>& problem, const Works
     s.block.GatherNext(std::min(kGatherKeys, count - start - n), [&](size_t j) { return rows.k(b, next[j], g); },
                        [&](size_t j) { return rows.v(b, next[j], g); });
     s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
-      using S = std::remove_cv_t<std::remove_pointer_t<std::remove_pointer_t<decltype(k_rows)>>>;
       for (size_t j = 0; j < padded; j += lanes) {
         ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, k_ahead.offset(j), s.scores.get() + j, kGatherKeys);
         ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, v_ahead.offset(j), s.d_scores.get() + j, kGatherKeys);
       }
-      for (size_t r = 0; r < group; ++r) {
-        const int64_t h = g * e.group() + static_cast<int64_t>(r);
-        float* row = s.scores.get() + r * kGatherKeys;
-        float* slope = cap > 0.0f ? s.slope.get() + r * kGatherKeys : nullptr;
-        if (slope != nullptr) SoftcapTile(row, 1, padded, cap, slope);
-        std::fill(s.lse.begin(), s.lse.begin() + padded, static_cast<float>(rows.lse(b, h, i)));
-        std::fill(s.delta.begin(), s.delta.begin() + padded, w.delta[static_cast<size_t>(w.head_row(b, i, h))]);
-        WeightsAndGradients(row, s.d_scores.get() + r * kGatherKeys, slope, s.lse.data(), s.delta.data(), n, padded);
-      }
+    });
+    GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
+    s.block.Visit([&](auto k_rows, auto, size_t k_dim, size_t, auto, auto) {
+      using S = std::remove_cv_t<std::remove_pointer_t<std::remove_pointer_t<decltype(k_rows)>>>;
       // dQ_r += Σ_j dS_rj·k_j (alpha 1: the running sum is kept).
       ValueBlock(group, s.d_scores.get(), kGatherKeys, n, k_rows, k_dim, Ahead<S>{}, s.ones.data(), s.acc.get(), w.d_pad);
     });
@@ -203,56 +250,68 @@ void QueryGradients(const detail::SparseBackwardProblem<T>& problem, const Works
   }
 }
 
-// Pass D, key j of (b, kv head g): dK_j and dV_j over the entries (query row, head of the
-// group) that attend it, in ascending row order, in chunks of kGatherKeys entries: the key
-// is the tile's one row and the entries' scale·q (and dO) rows are its "keys".
+// Pass D, keys [first, first + kKeyBlock) of (b, kv head g): dK and dV over every row
+// that lists one of them, rows ascending. Per row, the block's part of its sorted set
+// (n keys) gives P and dS (group × n) as in pass C; transposed (n × group), they weigh
+// the group's dO and scale·q rows into the block's accumulators of those keys.
 template <class T>
-void KeyGradients(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t j,
-                  int64_t g, Scratch<T>& s) {
+void KeyBlockGradients(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t first,
+                       int64_t g, Scratch<T>& s) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
-  const int64_t group = e.group();
-  const size_t lanes = VectorLanes();
-  const int64_t* starts = w.key_starts.data() + (b * w.lists + problem.keys.list_of(g)) * (w.k_len + 1);
-  const int64_t entries = (starts[j + 1] - starts[j]) * group;
-  const float cap = dense.modifiers.softcap;
-  std::fill(s.dk.get(), s.dk.get() + w.d_pad, 0.0f);
-  std::fill(s.dv.get(), s.dv.get() + w.dv_pad, 0.0f);
-  if (entries > 0) {
-    WidenRows(rows.k(b, j, g), 0, 1, static_cast<size_t>(e.head_dim), s.key.get(), w.d_pad);
-    WidenRows(rows.v(b, j, g), 0, 1, static_cast<size_t>(e.v_dim), s.value.get(), w.dv_pad);
-  }
-  for (int64_t first = 0; first < entries; first += static_cast<int64_t>(kGatherKeys)) {
-    const size_t n = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kGatherKeys), entries - first));
+  const size_t group = static_cast<size_t>(e.group()), lanes = VectorLanes();
+  const int64_t last = std::min(first + kKeyBlock, e.k_len);
+  const int64_t list = problem.keys.list_of(g);
+  std::fill(s.dk.get(), s.dk.get() + static_cast<size_t>(last - first) * w.d_pad, 0.0f);
+  std::fill(s.dv.get(), s.dv.get() + static_cast<size_t>(last - first) * w.dv_pad, 0.0f);
+  for (int64_t i = 0; i < w.q_len; ++i) {
+    const int64_t at = w.row(b, list, i);
+    const int32_t* set = w.sets.data() + at * w.topk;
+    const int32_t* set_end = set + w.set_sizes[at];
+    if (set == set_end || set_end[-1] < first || set[0] >= last) continue;
+    const int32_t* keys = std::lower_bound(set, set_end, static_cast<int32_t>(first));
+    const auto n = static_cast<size_t>(std::lower_bound(keys, set_end, static_cast<int32_t>(last)) - keys);
+    if (n == 0) continue;
     const size_t padded = round_up(n, lanes);
-    for (size_t x = 0; x < padded; ++x) {
-      const int64_t entry = first + static_cast<int64_t>(std::min(x, n - 1));
-      const int64_t i = w.key_rows[static_cast<size_t>(starts[j] + entry / group)];
-      const int64_t h = g * group + entry % group;
-      s.q_rows[x] = w.q_row(b, i, h);
-      s.dout_rows[x] = w.dout_row(b, i, h);
-      s.lse[x] = static_cast<float>(rows.lse(b, h, i));
-      s.delta[x] = w.delta[static_cast<size_t>(w.head_row(b, i, h))];
+    const float* q = w.q_row(b, i, g * e.group());
+    const float* dout = w.dout_row(b, i, g * e.group());
+    const auto k_row = [&](size_t j) { return rows.k(b, keys[j], g); };
+    const auto v_row = [&](size_t j) { return rows.v(b, keys[j], g); };
+    s.block.Gather(n, padded, k_row, v_row);
+    s.block.GatherNext(0, k_row, v_row);  // the block's rows are in L2 after the first row
+    s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
+      for (size_t j = 0; j < padded; j += lanes) {
+        ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, k_ahead, s.scores.get() + j, kGatherKeys);
+        ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, v_ahead, s.d_scores.get() + j, kGatherKeys);
+      }
+    });
+    GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
+    for (size_t x = 0; x < n; ++x)
+      for (size_t r = 0; r < group; ++r) {
+        s.weights_t[x * group + r] = s.scores[r * kGatherKeys + x];
+        s.d_weights_t[x * group + r] = s.d_scores[r * kGatherKeys + x];
+      }
+    for (size_t r = 0; r < group; ++r) {
+      s.head_q[r] = q + r * w.d_pad;
+      s.head_dout[r] = dout + r * w.dv_pad;
     }
-    for (size_t x = 0; x < padded; x += lanes) {
-      ScoreKeys(1, s.key.get(), w.d_pad, s.q_rows.data() + x, w.d_pad, Ahead<float>{}, s.scores.get() + x, kGatherKeys);
-      ScoreKeys(1, s.value.get(), w.dv_pad, s.dout_rows.data() + x, w.dv_pad, Ahead<float>{}, s.d_scores.get() + x,
-                kGatherKeys);
+    // dV_key += Σ_h P_h,key·dO_h;  dK_key += Σ_h dS_h,key·(scale·q_h)
+    for (size_t x = 0; x < n; ++x) {
+      s.dv_rows[x] = s.dv.get() + static_cast<size_t>(keys[x] - first) * w.dv_pad;
+      s.dk_rows[x] = s.dk.get() + static_cast<size_t>(keys[x] - first) * w.d_pad;
     }
-    float* slope = cap > 0.0f ? s.slope.get() : nullptr;
-    if (slope != nullptr) SoftcapTile(s.scores.get(), 1, padded, cap, slope);
-    WeightsAndGradients(s.scores.get(), s.d_scores.get(), slope, s.lse.data(), s.delta.data(), n, padded);
-    // dV_j += Σ_e P_e·dO_e,  dK_j += Σ_e dS_e·(scale·q_e)
-    ValueBlock(1, s.scores.get(), kGatherKeys, n, s.dout_rows.data(), w.dv_pad, Ahead<float>{}, s.ones.data(),
-               s.dv.get(), w.dv_pad);
-    ValueBlock(1, s.d_scores.get(), kGatherKeys, n, s.q_rows.data(), w.d_pad, Ahead<float>{}, s.ones.data(),
-               s.dk.get(), w.d_pad);
+    AddWeightedRows(n, s.weights_t.get(), group, s.head_dout.data(), w.dv_pad, s.dv_rows.data());
+    AddWeightedRows(n, s.d_weights_t.get(), group, s.head_q.data(), w.d_pad, s.dk_rows.data());
   }
-  T* dk = rows.dk(b, j, g);
-  T* dv = rows.dv(b, j, g);
-  for (int64_t c = 0; c < e.head_dim; ++c) dk[c] = StoreAs<T>(s.dk[static_cast<size_t>(c)]);
-  for (int64_t c = 0; c < e.v_dim; ++c) dv[c] = StoreAs<T>(s.dv[static_cast<size_t>(c)]);
+  for (int64_t j = first; j < last; ++j) {
+    const float* dk_sum = s.dk.get() + static_cast<size_t>(j - first) * w.d_pad;
+    const float* dv_sum = s.dv.get() + static_cast<size_t>(j - first) * w.dv_pad;
+    T* dk = rows.dk(b, j, g);
+    T* dv = rows.dv(b, j, g);
+    for (int64_t c = 0; c < e.head_dim; ++c) dk[c] = StoreAs<T>(dk_sum[c]);
+    for (int64_t c = 0; c < e.v_dim; ++c) dv[c] = StoreAs<T>(dv_sum[c]);
+  }
 }
 
 template <class T>
@@ -272,8 +331,6 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
   const auto head_rows = static_cast<size_t>(e.batch * e.q_len * e.q_heads);
   w.sets.resize(set_rows * static_cast<size_t>(w.topk));
   w.set_sizes.resize(set_rows);
-  w.key_starts.resize(static_cast<size_t>(e.batch * w.lists * (e.k_len + 1)));
-  w.key_rows.resize(w.sets.size());
   w.scaled_q = AllocateFloats(head_rows * w.d_pad);
   w.dout = AllocateFloats(head_rows * w.dv_pad);
   w.delta.resize(head_rows);
@@ -286,22 +343,17 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
   for (int64_t u = 0; u < query_rows; ++u)
     PrepareRow(problem, w, u / e.q_len, u % e.q_len, scratch[static_cast<size_t>(omp_get_thread_num())].marks);
-  const int64_t list_groups = e.batch * w.lists;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t u = 0; u < list_groups; ++u) InvertSets(w, u / w.lists, u % w.lists);
   const int64_t query_units = query_rows * e.kv_heads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
   for (int64_t u = 0; u < query_units; ++u)
     QueryGradients(problem, w, u / (e.q_len * e.kv_heads), (u / e.kv_heads) % e.q_len, u % e.kv_heads,
                    scratch[static_cast<size_t>(omp_get_thread_num())]);
-  const int64_t key_blocks = (e.k_len + kKeysPerUnit - 1) / kKeysPerUnit;
+  const int64_t key_blocks = (e.k_len + kKeyBlock - 1) / kKeyBlock;
   const int64_t key_units = e.batch * e.kv_heads * key_blocks;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t u = 0; u < key_units; ++u) {
     const int64_t b = u / (e.kv_heads * key_blocks), g = (u / key_blocks) % e.kv_heads;
-    const int64_t first = (u % key_blocks) * kKeysPerUnit, last = std::min(first + kKeysPerUnit, e.k_len);
-    for (int64_t j = first; j < last; ++j)
-      KeyGradients(problem, w, b, j, g, scratch[static_cast<size_t>(omp_get_thread_num())]);
+    KeyBlockGradients(problem, w, b, (u % key_blocks) * kKeyBlock, g, scratch[static_cast<size_t>(omp_get_thread_num())]);
   }
 
   // dsink_h = −Σ_(b,i) e^(sink_h − lse)·D, summed in a fixed order.

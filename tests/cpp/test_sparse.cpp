@@ -36,6 +36,9 @@ const SparseSpec kCases[] = {
     // Nk > 256·topk: the attended set is sorted, not marked in a bit set (KeySelection).
     {.name = "few_keys_long_sequence", .batch = 1, .q_len = 4, .k_len = 600, .q_heads = 2, .kv_heads = 1,
      .head_dim = 8, .v_dim = 8, .topk = 2, .causal = Causal::bottom_right},
+    // Many rows listing keys of each 64-key block of the backward's per-block pass.
+    {.name = "many_rows_three_key_blocks", .batch = 1, .q_len = 70, .k_len = 150, .q_heads = 8, .kv_heads = 2,
+     .head_dim = 32, .v_dim = 16, .topk = 40, .causal = Causal::bottom_right},
     {.name = "per_head_sinks_top_left", .batch = 2, .q_len = 8, .k_len = 8, .q_heads = 4, .kv_heads = 4,
      .head_dim = 16, .v_dim = 8, .topk = 4, .shared = false, .causal = Causal::top_left, .sinks = true},
 };
