@@ -347,7 +347,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
     }
   if (s.vnni) int8dot::QuantizeQueries(s.queries.get(), all_rows, d_pad, d, s.quantized_queries());
   if constexpr (std::is_same_v<T, bfloat16>) {
-    if (s.latent) PackLatentQueries(rows, task.batch, task.first_query, tile, static_cast<size_t>(e.q_heads), d, s);
+    if (s.latent) PackLatentQueries(rows, task.batch, task.first_query, tile, static_cast<size_t>(e.q_heads), d, s.lat);
   }
   std::fill(chunk.m, chunk.m + all_rows, kMinusInf);
   std::fill(chunk.l, chunk.l + all_rows, 0.0f);
@@ -425,7 +425,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
       if constexpr (std::is_same_v<T, bfloat16>) {
         latent_block = s.latent && keys > 0 && first >= gr.max_begin && first + static_cast<int64_t>(keys) <= gr.min_end;
         if (latent_block)
-          LatentBlock(group_rows, gr.m, gr.l, gr.acc, s, keys, d, kv.split_keys() ? static_cast<size_t>(kv.rope_from) : d,
+          LatentBlock(group_rows, gr.m, gr.l, gr.acc, s.alpha.get(), s.lat, keys, d, kv.split_keys() ? static_cast<size_t>(kv.rope_from) : d,
                       dv, dv_pad, scale, s.k_ring.data() + slot * slot_rows,
                       kv.split_keys() ? s.rope_ring.data() + slot * slot_rows : nullptr, s.v_ring.data() + slot * slot_rows,
                       Ahead<T>{s.k_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(d), s.scale_lines.data(), k_lines},

@@ -52,15 +52,14 @@ inline bool LatentDots(const detail::ForwardProblem<float>& p, const KvSource& k
 // scale·q would not be), rounded to bfloat16 once and paired for ScoresTransposed.
 template <class Rows>
 void PackLatentQueries(const Rows& rows, int64_t batch, int64_t first_query, size_t tile, size_t q_heads, size_t d,
-                       DecodeScratch<bfloat16>& s) {
+                       LatentScratch& s) {
   for (size_t h = 0; h < q_heads; ++h)
     for (size_t i = 0; i < tile; ++i) {
       const float* q = rows.q(batch, first_query + static_cast<int64_t>(i), static_cast<int64_t>(h));
-      bfloat16* to = s.latent_q_rows.data() + (h * tile + i) * d;
+      bfloat16* to = s.q_rows.data() + (h * tile + i) * d;
       for (size_t c = 0; c < d; ++c) to[c] = bfloat16(q[c]);
     }
-  bf16dot::PackQueryPairs(s.latent_q_rows.data(), static_cast<std::int64_t>(d), q_heads * tile, d,
-                          s.latent_q_pairs.data(), s.latent_q_ld);
+  bf16dot::PackQueryPairs(s.q_rows.data(), static_cast<std::int64_t>(d), q_heads * tile, d, s.q_pairs.data(), s.q_ld);
 }
 
 // The online-softmax step down the columns of Sᵀ (keys × rows, rows a multiple of the
@@ -93,13 +92,14 @@ HWY_INLINE void SoftmaxColumns(size_t rows, size_t keys, float* HWY_RESTRICT st,
 // One block of keys visible to every row of the tile: K rows (the first d_first channels
 // from k_rows, the rest from rope_rows; rope_rows null: d_first = d) and V rows (v_rows; the keys' own first channels
 // in latent attention) read from the cache, then the products on vdpbf16ps.
-// rows: the tile's (one kv head), their softmax state m, l and acc (dv_pad apart). The
-// next unit's rows are prefetched key by key, as the float step does.
-inline void LatentBlock(size_t rows, float* m, float* l, float* acc, DecodeScratch<bfloat16>& s, size_t keys, size_t d,
+// rows: the tile's (one kv head), their softmax state m, l and acc (dv_pad apart), and
+// alpha, scratch of one float per row. The next unit's rows are prefetched key by key,
+// as the float step does.
+inline void LatentBlock(size_t rows, float* m, float* l, float* acc, float* alpha, LatentScratch& s, size_t keys, size_t d,
                         size_t d_first, size_t dv, size_t dv_pad, float scale, const bfloat16* const* k_rows,
                         const bfloat16* const* rope_rows, const bfloat16* const* v_rows, Ahead<bfloat16> k_ahead,
                         Ahead<bfloat16> rope_ahead) {
-  bfloat16* key = s.latent_keys.data();
+  bfloat16* key = s.keys.data();
   bool values_in_keys = true;
   for (size_t j = 0; j < keys; ++j) {
     k_ahead(j);
@@ -111,18 +111,18 @@ inline void LatentBlock(size_t rows, float* m, float* l, float* acc, DecodeScrat
     values_in_keys = values_in_keys && v_rows[j] == k_rows[j] && dv <= d_first;
   }
   // One kv head: the group's rows are the whole tile's, the query pairs' every column.
-  bf16dot::ScoresTransposed(key, static_cast<std::int64_t>(d), keys, d, s.latent_q_pairs.data(), s.latent_q_ld, rows,
-                            scale, s.latent_st.get(), s.latent_st_ld);
+  bf16dot::ScoresTransposed(key, static_cast<std::int64_t>(d), keys, d, s.q_pairs.data(), s.q_ld, rows, scale,
+                            s.st.get(), s.st_ld);
   const size_t v_ld = bf16dot::pair_ld(dv);
   if (values_in_keys) {
-    bf16dot::PackRowPairs(key, static_cast<std::int64_t>(d), keys, dv, s.latent_v_pairs.data(), v_ld);
+    bf16dot::PackRowPairs(key, static_cast<std::int64_t>(d), keys, dv, s.v_pairs.data(), v_ld);
   } else {
-    for (size_t j = 0; j < keys; ++j) std::memcpy(s.latent_values.data() + j * dv, v_rows[j], dv * sizeof(bfloat16));
-    bf16dot::PackRowPairs(s.latent_values.data(), static_cast<std::int64_t>(dv), keys, dv, s.latent_v_pairs.data(), v_ld);
+    for (size_t j = 0; j < keys; ++j) std::memcpy(s.values.data() + j * dv, v_rows[j], dv * sizeof(bfloat16));
+    bf16dot::PackRowPairs(s.values.data(), static_cast<std::int64_t>(dv), keys, dv, s.v_pairs.data(), v_ld);
   }
-  SoftmaxColumns(rows, keys, s.latent_st.get(), s.latent_st_ld, m, l, s.alpha.get());
-  bf16dot::AddWeightedPairs(s.latent_st.get(), s.latent_st_ld, rows, keys, s.latent_v_pairs.data(), v_ld, dv,
-                            s.latent_p_pairs.data(), acc, dv_pad, s.alpha.get());
+  SoftmaxColumns(rows, keys, s.st.get(), s.st_ld, m, l, alpha);
+  bf16dot::AddWeightedPairs(s.st.get(), s.st_ld, rows, keys, s.v_pairs.data(), v_ld, dv, s.p_pairs.data(), acc, dv_pad,
+                            alpha);
 }
 
 }  // namespace qkv::cpu::HWY_NAMESPACE

@@ -75,6 +75,30 @@ constexpr bool PackValuesFor(size_t rows) {
 }
 
 // Per-thread scratch, laid out once per call (sizes in floats / rows).
+// Scratch of the latent step on vdpbf16ps (decode_latent-inl.h's LatentBlock; the
+// split-K schedule's and sparse attention's): the tile's query rows rounded to bfloat16
+// once and paired ([⌈d/2⌉][q_ld] words), a block's keys gathered into whole bf16 rows (d
+// apart) and values (dv apart, when not the keys' own first channels), its transposed
+// scores then weights ([block][st_ld]), and the pairs of its values and weights.
+struct LatentScratch {
+  LatentScratch() : st(AllocateFloats(0)) {}
+  LatentScratch(size_t tile_rows, size_t group_rows, size_t block_keys, size_t head_dim, size_t v_dim)
+      : q_ld(bf16dot::pair_ld(tile_rows)),
+        st_ld(bf16dot::pair_ld(group_rows)),
+        q_rows(tile_rows * head_dim),
+        keys(block_keys * head_dim),
+        values(block_keys * v_dim),
+        q_pairs((head_dim + 1) / 2 * q_ld),
+        v_pairs((block_keys + 1) / 2 * bf16dot::pair_ld(v_dim)),
+        p_pairs((block_keys + 1) / 2 * st_ld),
+        st(AllocateFloats(block_keys * st_ld)) {}
+
+  size_t q_ld = 0, st_ld = 0;
+  std::vector<bfloat16> q_rows, keys, values;
+  std::vector<std::uint32_t> q_pairs, v_pairs, p_pairs;
+  hwy::AlignedFreeUniquePtr<float[]> st;
+};
+
 template <class T>
 struct DecodeScratch {
   hwy::AlignedFreeUniquePtr<float[]> queries;  // Hq·tile rows × d_pad: scale·q, zero-padded
@@ -120,16 +144,9 @@ struct DecodeScratch {
   std::vector<std::int32_t> query_biases;
   std::vector<std::uint8_t> weight_bytes;
   std::vector<std::int8_t> value_bytes;
-  // Latent attention over a bfloat16 cache on vdpbf16ps (decode.cpp's LatentBlock): the
-  // tile's query rows rounded to bfloat16 once and paired ([⌈d/2⌉][latent_q_ld] words), a
-  // block's keys gathered into whole bf16 rows (d apart) and values (dv apart, when not
-  // the keys' own first channels), its transposed scores then weights ([block][st_ld]),
-  // and the pairs of its values and weights.
+  // Latent attention over a bfloat16 cache on vdpbf16ps (decode_latent-inl.h).
   bool latent;
-  size_t latent_q_ld, latent_st_ld;
-  std::vector<bfloat16> latent_q_rows, latent_keys, latent_values;
-  std::vector<std::uint32_t> latent_q_pairs, latent_v_pairs, latent_p_pairs;
-  hwy::AlignedFreeUniquePtr<float[]> latent_st;
+  LatentScratch lat;
 
   int8dot::Queries quantized_queries() {
     return {query_terms.data(), query_scales.data(), query_biases.data(), query_ld};
@@ -169,15 +186,8 @@ struct DecodeScratch {
         weight_bytes(vnni ? int8dot::weight_bytes(plan.group_rows(), plan.block_keys) : 0),
         value_bytes(vnni ? int8dot::value_bytes(plan.block_keys, v_dim) : 0),
         latent(latent_dots),
-        latent_q_ld(bf16dot::pair_ld(plan.tile_rows())),
-        latent_st_ld(bf16dot::pair_ld(plan.group_rows())),
-        latent_q_rows(latent ? plan.tile_rows() * head_dim : 0),
-        latent_keys(latent ? plan.block_keys * head_dim : 0),
-        latent_values(latent ? plan.block_keys * v_dim : 0),
-        latent_q_pairs(latent ? (head_dim + 1) / 2 * latent_q_ld : 0),
-        latent_v_pairs(latent ? (plan.block_keys + 1) / 2 * bf16dot::pair_ld(v_dim) : 0),
-        latent_p_pairs(latent ? (plan.block_keys + 1) / 2 * latent_st_ld : 0),
-        latent_st(AllocateFloats(latent ? plan.block_keys * latent_st_ld : 0)) {}
+        lat(latent ? LatentScratch(plan.tile_rows(), plan.group_rows(), plan.block_keys, head_dim, v_dim)
+                   : LatentScratch()) {}
 };
 
 // Entries [keys, padded) of a block's row pointers (and scales) repeat entry keys − 1.

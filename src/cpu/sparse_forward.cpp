@@ -23,6 +23,7 @@
 
 #include "hwy/highway.h"
 #include "cpu/block_ops-inl.h"
+#include "cpu/decode_latent-inl.h"
 #include "cpu/decode_tiles-inl.h"
 #include "cpu/score_pipeline-inl.h"
 #include "cpu/sparse_gather-inl.h"
@@ -37,6 +38,7 @@
 #include <vector>
 
 #include "core/score_pipeline.hpp"
+#include "cpu/dot_products.hpp"
 #include "cpu/sparse.hpp"
 #endif
 
@@ -44,11 +46,39 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
 namespace {
 
+// Whether the call's units take the latent step on vdpbf16ps (decode_latent-inl.h, as
+// latent decode does): bfloat16 storage, Precision::fast where the call's bf16 unit is
+// AVX512-BF16, groups of whole vectors of heads (≥ 16: DeepSeek's MQA/MLA mode, where each
+// gathered key feeds enough rows to make the dot products pay) and no modifier the
+// transposed scores skip (soft-cap, ALiBi, score_mod). The queries and keys are bf16
+// already, their products exact in float32: the logits, and so the lse the backward
+// divides by, are the float step's up to the order of the float32 sums; each weight P is
+// rounded to bfloat16 once for P·V (the bf16 contract, docs/numerics.md). May throw
+// (QKV_DOT_PRODUCTS=on without the unit): called before the parallel region.
+template <class T>
+bool SparseLatentDots(const detail::SparseForwardProblem<T>& problem) {
+  const auto& p = problem.dense;
+  if constexpr (!std::is_same_v<T, bfloat16>) {
+    return false;
+  } else {
+    const bool eligible = p.extents.group() % 16 == 0 && p.modifiers.softcap == 0.0f && !p.modifiers.has_alibi() &&
+                          !p.modifiers.has_score_mod();
+    return eligible && bf16_unit(p.precision) == Bf16Unit::avx512_bf16;
+  }
+}
+
 // One thread's scratch, reused by its units.
 template <class T>
 struct ForwardScratch {
-  ForwardScratch(const detail::Extents& e, const detail::KeySelection& selection)
-      : keys(static_cast<size_t>(selection.topk)),
+  ForwardScratch(const detail::Extents& e, const detail::KeySelection& selection, bool latent_dots)
+      : latent(latent_dots),
+        lat(latent ? LatentScratch(static_cast<size_t>(e.group()), static_cast<size_t>(e.group()), kGatherKeys,
+                                   static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim))
+                   : LatentScratch()),
+        k_rows(latent ? kGatherKeys : 0),
+        v_rows(latent ? kGatherKeys : 0),
+        k_next(latent ? kGatherKeys : 0),
+        keys(static_cast<size_t>(selection.topk)),
         marks(selection.marks_for(e.k_len)),
         block(static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
         queries(AllocateFloats(static_cast<size_t>(e.group()) * block.d_pad())),
@@ -58,6 +88,9 @@ struct ForwardScratch {
         l(m.size()),
         alpha(m.size()) {}
 
+  bool latent;                   // SparseLatentDots: the latent step, its scratch and row pointers
+  LatentScratch lat;
+  std::vector<const T*> k_rows, v_rows, k_next;
   std::vector<int32_t> keys;     // the unit's attended set
   std::vector<uint64_t> marks;   // attended_keys's bit set
   GatheredBlock<T> block;        // one block of its K/V rows
@@ -65,23 +98,62 @@ struct ForwardScratch {
   std::vector<float> m, l, alpha;  // online-softmax state per head of the group
 };
 
+// The unit's outputs from its softmax state (m, l, acc): out and lse of the group's heads.
+template <class T>
+void Finish(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g, ForwardScratch<T>& s);
+
+// The unit's blocks on the latent step (SparseLatentDots): the group's query rows rounded
+// to bfloat16 (they are bf16 already) and paired once, then each block of attended keys
+// gathered as row pointers, the next block's keys prefetched.
+inline void LatentUnit(const detail::SparseForwardProblem<bfloat16>& problem, int64_t b, int64_t i, int64_t g,
+                       size_t count, ForwardScratch<bfloat16>& s) {
+  const auto& dense = problem.dense;
+  const detail::Extents& e = dense.extents;
+  const auto rows = dense.rows();
+  const size_t group = static_cast<size_t>(e.group());
+  const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim), dv_pad = s.block.dv_pad();
+  for (size_t r = 0; r < group; ++r)
+    std::copy_n(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, s.lat.q_rows.data() + r * d);
+  bf16dot::PackQueryPairs(s.lat.q_rows.data(), static_cast<std::int64_t>(d), group, d, s.lat.q_pairs.data(), s.lat.q_ld);
+  const float scale = static_cast<float>(dense.scale);
+  for (size_t start = 0; start < count; start += kGatherKeys) {
+    const size_t n = std::min(kGatherKeys, count - start);
+    const int32_t* keys = s.keys.data() + start;
+    for (size_t j = 0; j < n; ++j) {
+      s.k_rows[j] = rows.k(b, keys[j], g);
+      s.v_rows[j] = rows.v(b, keys[j], g);
+    }
+    const size_t ahead = std::min(kGatherKeys, count - start - n);
+    for (size_t j = 0; j < ahead; ++j) s.k_next[j] = rows.k(b, keys[n + j], g);
+    LatentBlock(group, s.m.data(), s.l.data(), s.acc.get(), s.alpha.data(), s.lat, n, d, d, dv, dv_pad, scale,
+                s.k_rows.data(), nullptr, s.v_rows.data(), Ahead<bfloat16>{s.k_next.data(), ahead, RowBytes<bfloat16>(d)},
+                Ahead<bfloat16>{});
+  }
+}
+
 template <class T>
 void ForwardUnit(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g,
                  ForwardScratch<T>& s) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
-  const size_t group = static_cast<size_t>(e.group());
-  const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
+  const size_t group = static_cast<size_t>(e.group()), d = static_cast<size_t>(e.head_dim);
   const size_t d_pad = s.block.d_pad(), dv_pad = s.block.dv_pad();
   const size_t lanes = VectorLanes();
   const auto count = static_cast<size_t>(problem.keys.attended_keys(dense.mask, b, problem.keys.list_of(g), i, s.keys.data(), s.marks));
   const float scale = static_cast<float>(dense.scale);
-  for (size_t r = 0; r < group; ++r)
-    ScaledRow(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, d_pad, scale, s.queries.get() + r * d_pad);
   std::fill(s.m.begin(), s.m.end(), kMinusInf);
   std::fill(s.l.begin(), s.l.end(), 0.0f);
   std::fill(s.acc.get(), s.acc.get() + group * dv_pad, 0.0f);
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (s.latent) {
+      LatentUnit(problem, b, i, g, count, s);
+      Finish(problem, b, i, g, s);
+      return;
+    }
+  }
+  for (size_t r = 0; r < group; ++r)
+    ScaledRow(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, d_pad, scale, s.queries.get() + r * d_pad);
 
   for (size_t start = 0; start < count; start += kGatherKeys) {
     const size_t n = std::min(kGatherKeys, count - start), padded = round_up(n, lanes);
@@ -107,6 +179,15 @@ void ForwardUnit(const detail::SparseForwardProblem<T>& problem, int64_t b, int6
     });
   }
 
+  Finish(problem, b, i, g, s);
+}
+
+template <class T>
+void Finish(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g, ForwardScratch<T>& s) {
+  const auto& dense = problem.dense;
+  const detail::Extents& e = dense.extents;
+  const auto rows = dense.rows();
+  const size_t group = static_cast<size_t>(e.group()), dv = static_cast<size_t>(e.v_dim), dv_pad = s.block.dv_pad();
   const auto& sinks = dense.modifiers.sinks;
   for (size_t r = 0; r < group; ++r) {
     const int64_t h = g * e.group() + static_cast<int64_t>(r);
@@ -133,9 +214,10 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   // Scratch allocated before the parallel region: a workspace the system cannot give is
   // a qkv::Error from here, not an exception escaping an OpenMP thread.
   const int threads = static_cast<int>(std::min<int64_t>(problem.dense.threads, units));
+  const bool latent_dots = SparseLatentDots(problem);
   std::vector<ForwardScratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys);
+  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, latent_dots);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
   for (int64_t u = 0; u < units; ++u) {
     // Queries innermost: consecutive units read one kv head's K and V, which then stay in

@@ -90,8 +90,9 @@ inline KeyIndices indices_of(const SparseSpec& s, const Tensor<int64_t, 4>& list
 }
 
 inline AttentionOptions sparse_options(const SparseSpec& s, const std::vector<float>& sinks, Backend backend,
-                                       int threads = 2) {
+                                       int threads = 2, Precision precision = Precision::fast) {
   AttentionOptions options;
+  options.precision = precision;
   options.causal = s.causal;
   options.softcap = s.softcap;
   options.sinks = sinks;
@@ -120,9 +121,9 @@ SparseResults<T> sparse_results(const SparseSpec& s) {
 // Forward, then (with_backward) the backward with dout, through sparse attention.
 template <class T>
 SparseResults<T> run_sparse(const SparseSpec& s, const SparseInputs<T>& in, Backend backend, int threads,
-                            bool with_backward) {
+                            bool with_backward, Precision precision = Precision::fast) {
   SparseResults<T> r = sparse_results<T>(s);
-  const AttentionOptions options = sparse_options(s, in.sinks, backend, threads);
+  const AttentionOptions options = sparse_options(s, in.sinks, backend, threads, precision);
   const KeyIndices indices = indices_of(s, in.lists);
   sparse_attention_forward(SparseForwardArgs<T>{.q = in.q.cview(), .k = in.k.cview(), .v = in.v.cview(),
                                                 .indices = indices, .out = r.out.view(), .lse = r.lse.view()},

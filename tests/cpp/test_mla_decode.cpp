@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu/dot_products.hpp"
+#include "forced_vdpbf16ps.hpp"
 #include "simd_targets.hpp"
 #include "test_support.hpp"
 
@@ -269,22 +270,9 @@ void every_shape(const char* storage) {
 // for tiles of whole vectors of rows (16 heads × Nq 1, 2, 4; a partly visible block
 // falls back to the float step within the same rows), within the bound expect_matches
 // states — and not the float32 path's bits (the dot products did run).
-struct ForcedVdpbf16ps {  // restored even when an ASSERT returns early
-  ForcedVdpbf16ps() {
-    cpu::set_dot_products_for_test(true);
-    cpu::set_amx_for_test(false);
-  }
-  ForcedVdpbf16ps(const ForcedVdpbf16ps&) = delete;
-  ForcedVdpbf16ps& operator=(const ForcedVdpbf16ps&) = delete;
-  ~ForcedVdpbf16ps() {
-    cpu::set_dot_products_for_test(std::nullopt);
-    cpu::set_amx_for_test(std::nullopt);
-  }
-};
-
 TEST(MlaDecode, Bfloat16OnTheDotUnitWithinTheBf16Contract) {
   if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
-  const ForcedVdpbf16ps forced;
+  const test::ForcedVdpbf16ps forced;
   test::for_each_simd_target([&](int64_t) {
     std::uint64_t seed = 41;
     for (int64_t q_len : {1, 2, 4})

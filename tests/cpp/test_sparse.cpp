@@ -10,6 +10,8 @@
 #include <limits>
 #include <random>
 
+#include "cpu/dot_products.hpp"
+#include "forced_vdpbf16ps.hpp"
 #include "simd_targets.hpp"
 #include "sparse_case.hpp"
 
@@ -150,6 +152,42 @@ void expect_half_close(const SparseSpec& s, double rounding) {
 TEST_P(SparseCases, HalfStorageWithinItsRounding) {
   expect_half_close<bfloat16>(GetParam(), std::ldexp(1.0, -9));
   expect_half_close<float16>(GetParam(), std::ldexp(1.0, -12));
+}
+
+// bfloat16 with Precision::fast on vdpbf16ps, forced on, groups of 16 heads (DeepSeek's
+// MQA/MLA mode; two kv heads here): the forward's latent step (sparse_forward.cpp). Its
+// logits are the float step's but for the order of float32 sums, so lse is held to the
+// fp32 bound; each weight P is rounded to bfloat16 once for P·V (|ΔP| ≤ u·P, u = 2^-9),
+// which moves out by at most u·Σ_j P_j·|v_j| ≤ u·max|v|, and the stored out rounds once
+// more (u·|out|). The backward recomputes the logits in float32 against this lse: its
+// gradients keep the 16-bit bound of expect_half_close. The dot products did run (fast
+// differs from exact), and the bits do not depend on the thread count.
+TEST(Sparse, Bfloat16GroupsOf16OnTheDotUnitWithinTheBf16Contract) {
+  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  const test::ForcedVdpbf16ps forced;
+  const double u = std::ldexp(1.0, -9);
+  const SparseSpec s{.name = "mqa_groups_of_16", .batch = 2, .q_len = 9, .k_len = 150, .q_heads = 32, .kv_heads = 2,
+                     .head_dim = 64, .v_dim = 32, .topk = 90, .causal = Causal::bottom_right, .sinks = true};
+  const auto in = sparse_inputs<bfloat16>(s, 77);
+  const auto exact_in = convert<double>(in);
+  const auto ref = run_sparse(s, exact_in, Backend::reference, 1, true);
+  test::for_each_simd_target([&](int64_t) {
+    const auto fast = run_sparse(s, in, Backend::cpu, 2, true);
+    const double scale = std::max(1.0, max_abs(ref.out));
+    EXPECT_LE(max_error(fast.out, ref.out), u * (max_abs(exact_in.v) + scale) + fp32_tolerance(scale));
+    EXPECT_LE(max_error(fast.lse, ref.lse), fp32_tolerance(max_abs(ref.lse)));
+    for (const auto& [got, want] : {std::pair{&fast.dq, &ref.dq}, std::pair{&fast.dk, &ref.dk},
+                                    std::pair{&fast.dv, &ref.dv}}) {
+      const double grad_scale = std::max(1.0, max_abs(*want));
+      EXPECT_LE(max_error(*got, *want), 4.0 * u * grad_scale + fp32_tolerance(grad_scale));
+    }
+    const auto exact = run_sparse(s, in, Backend::cpu, 2, false, Precision::exact);
+    EXPECT_NE(0, std::memcmp(fast.out.data(), exact.out.data(), fast.out.size() * sizeof(bfloat16)));
+    const auto one = run_sparse(s, in, Backend::cpu, 1, false);
+    const auto three = run_sparse(s, in, Backend::cpu, 3, false);
+    EXPECT_EQ(0, std::memcmp(one.out.data(), three.out.data(), one.out.size() * sizeof(bfloat16)));
+    EXPECT_EQ(0, std::memcmp(one.lse.data(), three.lse.data(), one.lse.size() * sizeof(float)));
+  });
 }
 
 // A row that lists nothing, or whose listed keys causality removes: out 0, lse −inf,

@@ -90,6 +90,12 @@ CASES = [
     dict(name="no_causal_odd_d", b=1, hq=4, hkv=2, nq=17, nk=40, d=59, dv=17, topk=70, shared=True,
          causal=None),
 ]
+# bfloat16 against SDPA: the float step's shapes, and groups of 16 heads (DeepSeek's MQA
+# mode), which on an AVX512-BF16 CPU take the forward's latent step on vdpbf16ps.
+BF16_CASES = CASES[:2] + [
+    dict(name="mqa_16_heads", b=1, hq=32, hkv=2, nq=40, nk=150, d=64, dv=64, topk=90, shared=True,
+         causal="bottom_right"),
+]
 
 
 def make(case, dtype=torch.float32, seed=0, diagonal=True):
@@ -158,7 +164,7 @@ def test_sinks_softcap_gradients_against_pytorch(shared, backend):
         assert max_error(a, e) <= bound, f"{name}: {max_error(a, e):.3e} > {bound:.3e}"
 
 
-@pytest.mark.parametrize("case", CASES[:2], ids=[c["name"] for c in CASES[:2]])
+@pytest.mark.parametrize("case", BF16_CASES, ids=[c["name"] for c in BF16_CASES])
 def test_bfloat16_within_twice_sdpa(case):
     q, k, v, dout, idx = make(case, dtype=torch.bfloat16)
     causal = case["causal"]
