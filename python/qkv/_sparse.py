@@ -26,10 +26,16 @@ _DOC = """
     softcap: c > 0 turns each scaled logit s into ``c·tanh(s/c)``.
     threads: None = every hardware thread; results never depend on it.
     backend: ``"auto"``, ``"reference"`` (fp64, float64 inputs always) or ``"cpu"``.
+    precision: None or ``"fast"`` (the default) or ``"exact"``. With bfloat16 inputs and
+        groups of >= 16 query heads per kv head, ``"fast"`` runs the forward's dot products
+        on AVX512-BF16 where the CPU has it (each weight P rounded to bfloat16 once, as
+        every peer does: within 2x PyTorch's bf16 error); ``"exact"`` keeps float32
+        arithmetic. Every other call, and the backward, is float32 either way.
 
     Cost O(Nq·topk·d); nothing Nq × Nk is built. A row with no key taking part gives
     out 0, lse -inf and zero gradients. float32, float64, float16, bfloat16 (16-bit
-    inputs widened exactly, float32 arithmetic, rounded once; lse float32).
+    inputs widened exactly, float32 arithmetic but as ``precision`` says, rounded once;
+    lse float32).
 """
 
 
@@ -41,7 +47,7 @@ def _checked(fn, layout, **arrays):
 
 
 def sparse_attention(q, k, v, indices, *, scale=None, causal=None, sinks=None, softcap=None,
-                     return_lse=False, layout="bhsd", threads=None, backend="auto"):
+                     return_lse=False, layout="bhsd", threads=None, backend="auto", precision=None):
     fn = "qkv.sparse_attention"
     fw = _checked(fn, layout, q=q, k=k, v=v, indices=indices)
     if fw is Torch:
@@ -49,10 +55,10 @@ def sparse_attention(q, k, v, indices, *, scale=None, causal=None, sinks=None, s
 
         out, lse = _torch_ops_sparse.call(fn, q, k, v, indices, scale=scale, causal=causal,
                                           sinks=sinks, softcap=softcap, layout=layout,
-                                          threads=threads, backend=backend)
+                                          threads=threads, backend=backend, precision=precision)
     else:
         options = make_options(fn, fw, scale=scale, causal=causal, backend=backend,
-                               threads=threads, softcap=softcap, sinks=sinks)
+                               threads=threads, softcap=softcap, sinks=sinks, precision=precision)
         out, lse = forward(fw, q, k, v, indices, layout=layout, options=options,
                            want_lse=return_lse)
     return (out, lse) if return_lse else out
@@ -69,11 +75,11 @@ sparse_attention.__doc__ = """Attention over the keys each query lists:
 
 def sparse_attention_backward(q, k, v, indices, out, lse, dout, *, scale=None, causal=None,
                               sinks=None, softcap=None, layout="bhsd", threads=None,
-                              backend="auto"):
+                              backend="auto", precision=None):
     fn = "qkv.sparse_attention_backward"
     fw = _checked(fn, layout, q=q, k=k, v=v, indices=indices, out=out, dout=dout)
     options = make_options(fn, fw, scale=scale, causal=causal, backend=backend,
-                           threads=threads, softcap=softcap, sinks=sinks)
+                           threads=threads, softcap=softcap, sinks=sinks, precision=precision)
     if options.sinks is None:
         return backward(fw, q, k, v, indices, out, lse, dout, layout=layout, options=options)
     dsinks = fw.empty(tuple(options.sinks.shape), options.sinks)

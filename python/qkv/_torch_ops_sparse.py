@@ -18,14 +18,15 @@ from ._options import Options, per_head_vector
 from ._torch_ops import TORCH_THREADS, _checked_scalars
 
 _SETTINGS = ("float? scale, str causal, str layout, str backend, int threads, "
-             "float softcap=0.0, Tensor? sinks=None")
+             "float softcap=0.0, Tensor? sinks=None, str precision=\"fast\"")
 # Where sinks sits among the forward's inputs (q, k, v, indices, then _SETTINGS).
 _SINKS_AT = 10
 
 
-def _options(scale, causal, backend, threads, softcap, sinks) -> Options:
+def _options(scale, causal, backend, threads, softcap, sinks, precision) -> Options:
     threads = torch.get_num_threads() if threads == TORCH_THREADS else threads
-    options = Options("torch.ops.qkv.sparse_attention", causal, scale, backend, threads, False)
+    options = Options("torch.ops.qkv.sparse_attention", causal, scale, backend, threads, False,
+                      precision=precision)
     if softcap or sinks is not None:
         options = options.replace(softcap=softcap, sinks=sinks)
     return options
@@ -35,14 +36,15 @@ def _options(scale, causal, backend, threads, softcap, sinks) -> Options:
                          schema=f"(Tensor q, Tensor k, Tensor v, Tensor indices, {_SETTINGS}) "
                                 "-> (Tensor, Tensor)")
 def sparse_attention(q, k, v, indices, scale, causal, layout, backend, threads, softcap=0.0,
-                     sinks=None):
-    options = _options(scale, causal, backend, threads, softcap, sinks)
+                     sinks=None, precision="fast"):
+    options = _options(scale, causal, backend, threads, softcap, sinks, precision)
     return sparse_forward(Torch, q, k, v, indices, layout=layout, options=options,
                            want_lse=True)
 
 
 @sparse_attention.register_fake
-def _(q, k, v, indices, scale, causal, layout, backend, threads, softcap=0.0, sinks=None):
+def _(q, k, v, indices, scale, causal, layout, backend, threads, softcap=0.0, sinks=None,
+      precision="fast"):
     batch, q_len, q_heads, _ = dims(q, layout)
     out = q.new_empty((*q.shape[:3], v.shape[3]))
     lse_dtype = torch.float32 if Torch.is_half(q) else q.dtype
@@ -54,9 +56,10 @@ def _(q, k, v, indices, scale, causal, layout, backend, threads, softcap=0.0, si
     schema=f"(Tensor q, Tensor k, Tensor v, Tensor indices, Tensor out, Tensor lse, Tensor dout, "
            f"{_SETTINGS}, bool grad_sinks=False) -> (Tensor, Tensor, Tensor, Tensor)")
 def sparse_attention_backward(q, k, v, indices, out, lse, dout, scale, causal, layout, backend,
-                              threads, softcap=0.0, sinks=None, grad_sinks=False):
-    """(dq, dk, dv, dsinks); dsinks float32 [Hq] when grad_sinks, else empty."""
-    options = _options(scale, causal, backend, threads, softcap, sinks)
+                              threads, softcap=0.0, sinks=None, precision="fast", grad_sinks=False):
+    """(dq, dk, dv, dsinks); dsinks float32 [Hq] when grad_sinks, else empty. (The
+    backward's arithmetic is float32 in either precision; it is checked the same way.)"""
+    options = _options(scale, causal, backend, threads, softcap, sinks, precision)
     dsinks = _dsinks(q, sinks, grad_sinks)
     dq, dk, dv = sparse_backward(Torch, q, k, v, indices, out, lse, dout, layout=layout,
                                   options=options, dsinks=dsinks if grad_sinks else None)
@@ -70,7 +73,7 @@ def _dsinks(q, sinks: Optional[Tensor], wanted: bool) -> Tensor:
 
 @sparse_attention_backward.register_fake
 def _(q, k, v, indices, out, lse, dout, scale, causal, layout, backend, threads, softcap=0.0,
-      sinks=None, grad_sinks=False):
+      sinks=None, precision="fast", grad_sinks=False):
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), _dsinks(q, sinks, grad_sinks)
 
 
@@ -79,6 +82,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     softcap = settings[5] if len(settings) > 5 else 0.0  # trailing defaults may be absent
     sinks = settings[6] if len(settings) > 6 else None
+    ctx.precision = settings[7] if len(settings) > 7 else "fast"
     ctx.save_for_backward(q, k, v, indices, out, lse, sinks)
     ctx.settings = (*settings[:5], softcap)
     ctx.mark_non_differentiable(lse)
@@ -91,20 +95,25 @@ def _backward(ctx, dout, _dlse):
     # Autograd may hand over an expanded gradient (stride 0 everywhere, from out.sum()).
     dout = Torch.inner_contiguous(dout)
     dq, dk, dv, dsinks = sparse_attention_backward(q, k, v, indices, out, lse, dout,
-                                                   *ctx.settings, sinks, grad_sinks)
-    grads = [dq, dk, dv] + [None] * (_SINKS_AT - 3) + [dsinks if grad_sinks else None]
+                                                   *ctx.settings, sinks, ctx.precision, grad_sinks)
+    grads = [dq, dk, dv] + [None] * (_SINKS_AT - 3) + [dsinks if grad_sinks else None, None]
     return tuple(grads[:len(needs)])
 
 
 sparse_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def call(fn, q, k, v, indices, *, scale, causal, sinks, softcap, layout, threads, backend):
+def call(fn, q, k, v, indices, *, scale, causal, sinks, softcap, layout, threads, backend,
+         precision=None):
     """(out, lse) of qkv.sparse_attention on torch tensors: the operator, the scalars
     checked first by the same C++ setter as every call (so a bad value gets the same
     error, eagerly or while tracing)."""
     (scale, causal, backend, threads, _, _, _, softcap, _) = _checked_scalars(
         fn, scale, causal, backend, threads, False, None, softcap, 0.0)
     sinks = per_head_vector(fn, Torch, "sinks", sinks)
+    if precision is None:
+        return sparse_attention(q, k, v, indices, scale, causal, layout, backend, threads, softcap,
+                                sinks)
+    Options(fn, None, None, "auto", 1, False, precision=precision)  # the C++ setter's check and error
     return sparse_attention(q, k, v, indices, scale, causal, layout, backend, threads, softcap,
-                            sinks)
+                            sinks, precision)

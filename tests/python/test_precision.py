@@ -38,7 +38,14 @@ def entry_points(precision):
     cache = qkv.KVCache(1, 200, 2, 40, dtype="bfloat16")
     cache.append(k.float(), v.float())
     out, lse = qkv.attention(q, k, v, return_lse=True)
+    lists = torch.randint(-1, 130, (1, 130, 16), generator=torch.Generator().manual_seed(3))
+    s_out, s_lse = qkv.sparse_attention(q, k, v, lists, return_lse=True)
     return {
+        "sparse_attention": lambda: qkv.sparse_attention(q, k, v, lists, precision=precision),
+        "sparse_attention (NumPy)": lambda: qkv.sparse_attention(
+            *(x.float().numpy() for x in (q, k, v)), lists.numpy(), precision=precision),
+        "sparse_attention_backward": lambda: qkv.sparse_attention_backward(
+            q, k, v, lists, s_out, s_lse, torch.ones_like(s_out), precision=precision),
         "attention": lambda: qkv.attention(q, k, v, precision=precision),
         "attention_backward": lambda: qkv.attention_backward(q, k, v, out, lse, torch.ones_like(out),
                                                              precision=precision),
@@ -75,6 +82,17 @@ def test_exact_is_the_float32_kernels_rounded_once():
     out = qkv.attention(q, k, v, causal="top_left", precision="exact")
     out32 = qkv.attention(q.float(), k.float(), v.float(), causal="top_left")
     assert torch.equal(out, out32.to(torch.bfloat16))
+
+
+def test_sparse_exact_is_the_float32_kernel_rounded_once():
+    """Groups of 16 heads in bfloat16 take the dot products in "fast" where the CPU has
+    them (sparse_forward.cpp's latent step); "exact" is the float32 step, bit for bit."""
+    q, k, v = bf16_case(2, shape=(1, 32, 70, 64), kv_heads=2)
+    lists = torch.randint(-1, 70, (1, 70, 40), generator=torch.Generator().manual_seed(4))
+    out, lse = qkv.sparse_attention(q, k, v, lists, causal="bottom_right", precision="exact", return_lse=True)
+    out32, lse32 = qkv.sparse_attention(q.float(), k.float(), v.float(), lists, causal="bottom_right",
+                                        return_lse=True)
+    assert torch.equal(out, out32.to(torch.bfloat16)) and torch.equal(lse, lse32)
 
 
 FORCED = """
