@@ -242,3 +242,31 @@ def test_one_kv_head_bf16_on_the_dot_path_everywhere():
     apart = qkv.decode(q_bhsd, dense.transpose(1, 2), dense.transpose(1, 2)[..., :dc].contiguous(),
                        torch.tensor(lengths), scale=SCALE)
     assert torch.equal(together, apart)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_latent_pool_through_batch_plan_and_decode(fmt):
+    """An FP8 latent cache as vLLM keeps it: one [c_kv | k_pe] row per token in float8 with
+    one per-tensor scale, read in place as a combined pool (v_cache=None: the values are the
+    keys' first dc channels, lent the keys' scale), paged through BatchPlan.run and
+    contiguous through qkv.decode, 16 heads. Against the formula over the stored values
+    (the float8 bytes times the scale): the float32 bound of the other storages."""
+    rng = np.random.default_rng(23)
+    dc, dr, heads, lengths, block = 64, 16, 16, [300, 77], 16
+    dtype = getattr(torch, fmt)
+    scale8 = 0.02
+    pool = (torch.randn(40, block, 1, dc + dr) / scale8).to(dtype)
+    stored = pool.double().reshape(40 * block, dc + dr) * scale8
+    table = torch.from_numpy(rng.permutation(40).reshape(2, 20).astype(np.int32))
+    rows = [np.array([int(table[b, j // block]) * block + j % block for j in range(20 * block)]) for b in range(2)]
+    q = torch.randn(2, heads, dc + dr)
+    want, _ = oracle(q[:, None, :, :dc].numpy(), q[:, None, :, dc:].numpy(),
+                     [stored[r, :dc].numpy() for r in rows], [stored[r, dc:].numpy() for r in rows], lengths)
+    plan = qkv.BatchPlan([0, 1, 2], lengths, num_heads=heads, num_kv_heads=1, head_dim=dc + dr, v_dim=dc,
+                         block_table=table, block_size=block, scale=SCALE, dtype=dtype)
+    planned = plan.run(q, pool, None, k_scale=scale8)
+    np.testing.assert_allclose(planned.numpy(), want[:, 0], atol=TOL, rtol=0)
+    dense = pool[table.long()].reshape(2, 20 * block, 1, dc + dr)
+    out = qkv.decode(q[:, None], dense, None, torch.tensor(lengths), v_dim=dc, scale=SCALE, layout="bshd",
+                     k_scale=scale8)
+    np.testing.assert_allclose(out[:, 0].numpy(), want[:, 0], atol=TOL, rtol=0)
