@@ -346,7 +346,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
       std::fill(row + d, row + d_pad, 0.0f);
     }
   if (s.vnni) int8dot::QuantizeQueries(s.queries.get(), all_rows, d_pad, d, s.quantized_queries());
-  if constexpr (std::is_same_v<T, bfloat16>) {
+  if constexpr (kLatentStorage<T>) {
     if (s.latent) PackLatentQueries(rows, task.batch, task.first_query, tile, static_cast<size_t>(e.q_heads), d, s.lat);
   }
   std::fill(chunk.m, chunk.m + all_rows, kMinusInf);
@@ -422,12 +422,13 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
       const size_t keys = slot_keys[slot];  // the block's stored keys
       // Latent attention on vdpbf16ps: blocks every row of the tile sees whole.
       bool latent_block = false;
-      if constexpr (std::is_same_v<T, bfloat16>) {
+      if constexpr (kLatentStorage<T>) {
         latent_block = s.latent && keys > 0 && first >= gr.max_begin && first + static_cast<int64_t>(keys) <= gr.min_end;
         if (latent_block)
-          LatentBlock(group_rows, gr.m, gr.l, gr.acc, s.alpha.get(), s.lat, keys, d, kv.split_keys() ? static_cast<size_t>(kv.rope_from) : d,
+          LatentBlock<T>(group_rows, gr.m, gr.l, gr.acc, s.alpha.get(), s.lat, keys, d, kv.split_keys() ? static_cast<size_t>(kv.rope_from) : d,
                       dv, dv_pad, scale, s.k_ring.data() + slot * slot_rows,
                       kv.split_keys() ? s.rope_ring.data() + slot * slot_rows : nullptr, s.v_ring.data() + slot * slot_rows,
+                      scales_of(s.k_scales, slot), scales_of(s.v_scales, slot),
                       Ahead<T>{s.k_ring.data() + far_slot * slot_rows, far_keys, RowBytes<T>(d), s.scale_lines.data(), k_lines},
                       kv.split_keys() ? Ahead<T>{s.rope_ring.data() + far_slot * slot_rows, far_keys,
                                                  RowBytes<T>(d - static_cast<size_t>(kv.rope_from))}
@@ -516,7 +517,7 @@ void RunDecode(const Problem& p, const KvSource& kv, const DecodePlan& plan) {
   // Its blocks of keys must be whole groups of 4.
   const size_t d = static_cast<size_t>(p.extents.head_dim), dv = static_cast<size_t>(p.extents.v_dim);
   const bool int8_dots = std::is_same_v<T, std::int8_t> && int8_dot_products(p.precision) && VectorLanes() % 4 == 0;
-  const bool latent_dots = std::is_same_v<T, bfloat16> && p.extents.kv_heads == 1 &&
+  const bool latent_dots = kLatentStorage<T> && p.extents.kv_heads == 1 &&
                            LatentDots(p, kv, plan, true, bf16_unit(p.precision) == Bf16Unit::avx512_bf16);
   if (threads <= 1) {  // no parallel region for work one thread does best
     DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots);

@@ -42,9 +42,15 @@ namespace qkv::cpu::HWY_NAMESPACE {
 // skip the score pipeline), and vdpbf16ps the unit the call's precision picks (AMX
 // machines keep the float kernel here). Decided per call, so every row rounds its query
 // alike.
+// The storage types the step reads: bfloat16, and float8 (e4m3fn, e5m2), every value of
+// which is a bfloat16 value (widened exactly, then its top 16 bits), its row scale applied
+// to the block's scores and weights instead (FP8 latent caches, vLLM's layout).
+template <class T>
+inline constexpr bool kLatentStorage = std::is_same_v<T, bfloat16> || kIsFloat8<T>;
+
 inline bool LatentDots(const detail::ForwardProblem<float>& p, const KvSource& kv, const DecodePlan& plan,
-                       bool bf16_storage, bool vdpbf16ps) {
-  return bf16_storage && vdpbf16ps && !kv.windowed() && p.extents.kv_heads == 1 && p.modifiers.softcap == 0.0f &&
+                       bool latent_storage, bool vdpbf16ps) {
+  return latent_storage && vdpbf16ps && !kv.windowed() && p.extents.kv_heads == 1 && p.modifiers.softcap == 0.0f &&
          !p.modifiers.has_score_mod() && plan.group_rows() % 16 == 0 && p.extents.q_heads % 16 == 0;
 }
 
@@ -89,38 +95,70 @@ HWY_INLINE void SoftmaxColumns(size_t rows, size_t keys, float* HWY_RESTRICT st,
   }
 }
 
+// dst[0, n) = src[0, n) as bfloat16 rows: copied, or float8 widened into `widened` (n
+// floats) and truncated to their top 16 bits, exact for every float8 value.
+template <class S>
+HWY_INLINE void LatentRow(const S* HWY_RESTRICT src, size_t n, float* HWY_RESTRICT widened, bfloat16* HWY_RESTRICT dst) {
+  if constexpr (std::is_same_v<S, bfloat16>) {
+    std::memcpy(dst, src, n * sizeof(bfloat16));
+  } else {
+    WidenRows(src, 0, 1, n, widened, n);
+    for (size_t c = 0; c < n; ++c) {
+      std::uint32_t bits;
+      std::memcpy(&bits, widened + c, sizeof(bits));
+      dst[c] = bfloat16::from_bits(static_cast<std::uint16_t>(bits >> 16));
+    }
+  }
+}
+
+// Row j of a keys × rows tile (ld apart) times factor[j].
+HWY_INLINE void ScaleTileRows(float* HWY_RESTRICT tile, size_t ld, size_t keys, size_t rows,
+                              const float* HWY_RESTRICT factor) {
+  const FloatTag df;
+  for (size_t j = 0; j < keys; ++j) {
+    const FloatVec f = hn::Set(df, factor[j]);
+    for (size_t r = 0; r < rows; r += hn::Lanes(df)) hn::StoreU(hn::Mul(hn::LoadU(df, tile + j * ld + r), f), df, tile + j * ld + r);
+  }
+}
+
 // One block of keys visible to every row of the tile: K rows (the first d_first channels
 // from k_rows, the rest from rope_rows; rope_rows null: d_first = d) and V rows (v_rows; the keys' own first channels
 // in latent attention) read from the cache, then the products on vdpbf16ps.
 // rows: the tile's (one kv head), their softmax state m, l and acc (dv_pad apart), and
 // alpha, scratch of one float per row. The next unit's rows are prefetched key by key,
 // as the float step does.
-inline void LatentBlock(size_t rows, float* m, float* l, float* acc, float* alpha, LatentScratch& s, size_t keys, size_t d,
-                        size_t d_first, size_t dv, size_t dv_pad, float scale, const bfloat16* const* k_rows,
-                        const bfloat16* const* rope_rows, const bfloat16* const* v_rows, Ahead<bfloat16> k_ahead,
-                        Ahead<bfloat16> rope_ahead) {
+// Float8 storage: k_scales / v_scales, the keys' and values' row scales (null for bfloat16),
+// multiply each key's scores before the softmax and its weights after it (P·s_v, rounded
+// to bfloat16 once, as P alone is otherwise).
+template <class S>
+void LatentBlock(size_t rows, float* m, float* l, float* acc, float* alpha, LatentScratch& s, size_t keys, size_t d,
+                 size_t d_first, size_t dv, size_t dv_pad, float scale, const S* const* k_rows, const S* const* rope_rows,
+                 const S* const* v_rows, const float* k_scales, const float* v_scales, Ahead<S> k_ahead,
+                 Ahead<S> rope_ahead) {
   bfloat16* key = s.keys.data();
   bool values_in_keys = true;
   for (size_t j = 0; j < keys; ++j) {
     k_ahead(j);
-    std::memcpy(key + j * d, k_rows[j], d_first * sizeof(bfloat16));
+    LatentRow(k_rows[j], d_first, s.widened.get(), key + j * d);
     if (rope_rows != nullptr) {  // keys in two parts (mla_decode): the rotary part after
       rope_ahead(j);
-      std::memcpy(key + j * d + d_first, rope_rows[j], (d - d_first) * sizeof(bfloat16));
+      LatentRow(rope_rows[j], d - d_first, s.widened.get(), key + j * d + d_first);
     }
     values_in_keys = values_in_keys && v_rows[j] == k_rows[j] && dv <= d_first;
   }
   // One kv head: the group's rows are the whole tile's, the query pairs' every column.
   bf16dot::ScoresTransposed(key, static_cast<std::int64_t>(d), keys, d, s.q_pairs.data(), s.q_ld, rows, scale,
                             s.st.get(), s.st_ld);
+  if (k_scales != nullptr) ScaleTileRows(s.st.get(), s.st_ld, keys, rows, k_scales);
   const size_t v_ld = bf16dot::pair_ld(dv);
   if (values_in_keys) {
     bf16dot::PackRowPairs(key, static_cast<std::int64_t>(d), keys, dv, s.v_pairs.data(), v_ld);
   } else {
-    for (size_t j = 0; j < keys; ++j) std::memcpy(s.values.data() + j * dv, v_rows[j], dv * sizeof(bfloat16));
+    for (size_t j = 0; j < keys; ++j) LatentRow(v_rows[j], dv, s.widened.get(), s.values.data() + j * dv);
     bf16dot::PackRowPairs(s.values.data(), static_cast<std::int64_t>(dv), keys, dv, s.v_pairs.data(), v_ld);
   }
   SoftmaxColumns(rows, keys, s.st.get(), s.st_ld, m, l, alpha);
+  if (v_scales != nullptr) ScaleTileRows(s.st.get(), s.st_ld, keys, rows, v_scales);
   bf16dot::AddWeightedPairs(s.st.get(), s.st_ld, rows, keys, s.v_pairs.data(), v_ld, dv, s.p_pairs.data(), acc, dv_pad,
                             alpha);
 }

@@ -81,7 +81,7 @@ constexpr bool PackValuesFor(size_t rows) {
 // apart) and values (dv apart, when not the keys' own first channels), its transposed
 // scores then weights ([block][st_ld]), and the pairs of its values and weights.
 struct LatentScratch {
-  LatentScratch() : st(AllocateFloats(0)) {}
+  LatentScratch() : st(AllocateFloats(0)), widened(AllocateFloats(0)) {}
   LatentScratch(size_t tile_rows, size_t group_rows, size_t block_keys, size_t head_dim, size_t v_dim)
       : q_ld(bf16dot::pair_ld(tile_rows)),
         st_ld(bf16dot::pair_ld(group_rows)),
@@ -91,12 +91,14 @@ struct LatentScratch {
         q_pairs((head_dim + 1) / 2 * q_ld),
         v_pairs((block_keys + 1) / 2 * bf16dot::pair_ld(v_dim)),
         p_pairs((block_keys + 1) / 2 * st_ld),
-        st(AllocateFloats(block_keys * st_ld)) {}
+        st(AllocateFloats(block_keys * st_ld)),
+        widened(AllocateFloats(std::max(head_dim, v_dim))) {}
 
   size_t q_ld = 0, st_ld = 0;
   std::vector<bfloat16> q_rows, keys, values;
   std::vector<std::uint32_t> q_pairs, v_pairs, p_pairs;
   hwy::AlignedFreeUniquePtr<float[]> st;
+  hwy::AlignedFreeUniquePtr<float[]> widened;  // one float8 row widened (LatentRow)
 };
 
 template <class T>

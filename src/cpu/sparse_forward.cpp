@@ -125,8 +125,9 @@ inline void LatentUnit(const detail::SparseForwardProblem<bfloat16>& problem, in
     }
     const size_t ahead = std::min(kGatherKeys, count - start - n);
     for (size_t j = 0; j < ahead; ++j) s.k_next[j] = rows.k(b, keys[n + j], g);
-    LatentBlock(group, s.m.data(), s.l.data(), s.acc.get(), s.alpha.data(), s.lat, n, d, d, dv, dv_pad, scale,
-                s.k_rows.data(), nullptr, s.v_rows.data(), Ahead<bfloat16>{s.k_next.data(), ahead, RowBytes<bfloat16>(d)},
+    LatentBlock<bfloat16>(group, s.m.data(), s.l.data(), s.acc.get(), s.alpha.data(), s.lat, n, d, d, dv, dv_pad, scale,
+                s.k_rows.data(), nullptr, s.v_rows.data(), nullptr, nullptr,
+                Ahead<bfloat16>{s.k_next.data(), ahead, RowBytes<bfloat16>(d)},
                 Ahead<bfloat16>{});
   }
 }

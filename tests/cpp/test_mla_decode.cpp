@@ -18,6 +18,8 @@
 #include <gtest/gtest.h>
 
 #include <qkv/error.hpp>
+#include <qkv/decode.hpp>
+#include <qkv/float8.hpp>
 #include <qkv/mla.hpp>
 
 #include <algorithm>
@@ -290,6 +292,79 @@ TEST(MlaDecode, Bfloat16OnTheDotUnitWithinTheBf16Contract) {
         }
       }
   });
+}
+
+// A float8 latent pool (vLLM's FP8 MLA cache: [c_kv | k_pe] rows in float8, one scale for
+// the tensor) through qkv::decode, the values the keys' first dc channels, Precision::fast
+// with vdpbf16ps forced on: the latent step widens the float8 rows to bfloat16 exactly and
+// applies the scale to each block's scores and weights. Against the formula over the
+// stored values (float8 × scale) with the bf16-rounded queries, within what the weight
+// P·s rounded once to bfloat16 adds, u·Σ_j P_j·|v_j| (u = 2⁻⁸ as above), plus float32 sums
+// over ≤ 300 keys of 80 channels ((d + keys)·ε of the largest value). Nq 3: the newest
+// keys' partly visible block takes the float step in the same rows. The bits differ
+// from Precision::exact's (the dot products ran).
+template <class F>
+void expect_float8_latent_pool_on_the_dot_unit() {
+  const int64_t batch = 2, q_len = 3, heads = 16, dc = 64, dr = 16, d = dc + dr, capacity = 304;
+  const std::vector<int64_t> lengths{77, 300};
+  const float s8 = 0.02f;
+  const Tensor<float, 4> wide = random_tensor<float, 4>({batch, capacity, 1, d}, 5, 1.0 / s8);
+  Tensor<F, 4> pool({batch, capacity, 1, d});
+  for (std::size_t n = 0; n < pool.size(); ++n) pool[n] = F(wide[n]);
+  const Tensor<float, 4> q = random_tensor<float, 4>({batch, q_len, heads, d}, 6);
+  const auto kv = pool.cview();
+  const View4<const F> values(kv.data, {batch, capacity, 1, dc}, kv.strides);
+  const View3<const float> scale8(&s8, {batch, capacity, 1}, {0, 0, 0});
+  const double scale = 0.1;
+  auto run = [&](Precision precision, Tensor<float, 4>& out, Tensor<float, 3>& lse) {
+    decode(DecodeArgs<F>{.q = q.cview(), .k_cache = kv, .v_cache = values, .cache_lengths = lengths,
+                         .out = out.view(), .lse = lse.view(), .k_scale = scale8, .v_scale = scale8},
+           step_options(scale, 2, Backend::automatic, precision));
+  };
+  test::for_each_simd_target([&](int64_t) {
+    Tensor<float, 4> out({batch, q_len, heads, dc}), exact({batch, q_len, heads, dc});
+    Tensor<float, 3> lse({batch, heads, q_len}), exact_lse({batch, heads, q_len});
+    run(Precision::fast, out, lse);
+    run(Precision::exact, exact, exact_lse);
+    EXPECT_NE(0, std::memcmp(out.data(), exact.data(), out.size() * sizeof(float)));
+    double largest = 1.0;
+    for (std::size_t n = 0; n < pool.size(); ++n) largest = std::max(largest, std::abs(static_cast<double>(float(pool[n])) * s8));
+    const double floor = static_cast<double>(d + 300) * std::numeric_limits<float>::epsilon() * largest;
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t i = 0; i < q_len; ++i)
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t visible = lengths[b] - q_len + i + 1;
+          std::vector<double> logit(static_cast<std::size_t>(visible));
+          double top = -std::numeric_limits<double>::infinity();
+          for (int64_t j = 0; j < visible; ++j) {
+            double dot = 0.0;
+            for (int64_t c = 0; c < d; ++c)
+              dot += static_cast<double>(float(bfloat16(q(b, i, h, c)))) * float(pool(b, j, 0, c)) * s8;
+            logit[static_cast<std::size_t>(j)] = scale * dot;
+            top = std::max(top, scale * dot);
+          }
+          double sum = 0.0;
+          for (double& x : logit) sum += (x = std::exp(x - top));
+          SCOPED_TRACE(testing::Message() << "b " << b << " i " << i << " h " << h);
+          EXPECT_NEAR(lse(b, h, i), top + std::log(sum), 1e-5 * std::max(1.0, std::abs(top + std::log(sum))));
+          for (int64_t c = 0; c < dc; ++c) {
+            double want = 0.0, weighted_abs = 0.0;
+            for (int64_t j = 0; j < visible; ++j) {
+              const double v = static_cast<double>(float(pool(b, j, 0, c))) * s8, p = logit[static_cast<std::size_t>(j)] / sum;
+              want += p * v;
+              weighted_abs += p * std::abs(v);
+            }
+            EXPECT_LE(std::abs(out(b, i, h, c) - want), weighted_abs / 256.0 + floor) << "c " << c;
+          }
+        }
+  });
+}
+
+TEST(MlaDecode, Float8LatentPoolOnTheDotUnitWithinTheBf16Contract) {
+  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  const test::ForcedVdpbf16ps forced;
+  expect_float8_latent_pool_on_the_dot_unit<float8_e4m3fn>();
+  expect_float8_latent_pool_on_the_dot_unit<float8_e5m2>();
 }
 
 TEST(MlaDecode, Float32MatchesTheFormulaOnEveryTarget) { every_shape<float>("float32"); }
