@@ -1,0 +1,53 @@
+"""MLA decode over a combined [c_kv | k_pe] latent pool in each storage qkv reads: float32,
+bfloat16 and both float8 formats (vLLM's FP8 MLA cache, one per-tensor scale), through
+qkv.decode(q, pool, None, lengths, v_dim=dc, k_scale=...) — one process, same threads,
+best of --repeats per storage; ratios against the float32 pool.
+
+    python bench/bench_mla_fp8_pool.py [--heads 128] [--keys 4096] [--threads 1 2] [--repeats 15]
+
+With precision "fast" on an AVX512-BF16 CPU the bf16 and float8 pools take the latent step
+on vdpbf16ps (docs/latent-attention.md); elsewhere every storage is widened to float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+import qkv
+from bench_timing import best_of, cpu_model
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--heads", type=int, default=128)
+    parser.add_argument("--keys", type=int, default=4096)
+    parser.add_argument("--dc", type=int, default=512)
+    parser.add_argument("--dr", type=int, default=64)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dc, d, n = args.dc, args.dc + args.dr, args.keys
+    q = torch.randn(1, 1, args.heads, d)
+    base = torch.randn(1, n, 1, d)
+    scale8 = 0.02
+    pools = {"float32": (base, None), "bfloat16": (base.bfloat16(), None),
+             "float8_e4m3fn": ((base / scale8).to(torch.float8_e4m3fn), scale8),
+             "float8_e5m2": ((base / scale8).to(torch.float8_e5m2), scale8)}
+    print(f"cpu: {cpu_model()}; heads {args.heads}, dc {dc}, dr {args.dr}, {n} cached tokens, one query; "
+          f"load {os.getloadavg()[0]:.2f}")
+    for threads in args.threads:
+        times = {}
+        for name, (pool, s) in pools.items():
+            extra = {} if s is None else {"k_scale": s}
+            times[name] = best_of(args.repeats, lambda: qkv.decode(q, pool, None, [n], v_dim=dc, scale=0.1,
+                                                                   layout="bshd", threads=threads, **extra))
+        cells = "  ".join(f"{k} {t * 1e3:.2f} ms ({times['float32'] / t:.2f}x)" for k, t in times.items())
+        print(f"threads {threads}: {cells}")
+
+
+if __name__ == "__main__":
+    main()
