@@ -61,6 +61,9 @@ class BatchPlan:
     on that row and the keys it sees (a token decoded alone reproduces its prefill row).
     dtype: the caches' dtype the plan's cost model assumes (default float32); runs over
     caches of another dtype are planned again once for that dtype.
+    precision: None or "fast" (the default) or "exact", as qkv.decode's: with "fast", pools
+    of bfloat16 (or float8 with values in the keys) with one kv head and >= 16 query heads
+    run on AVX512-BF16 where the CPU has it (docs/numerics.md); "exact" keeps float32.
 
     Draft trees (verifying an EAGLE/Medusa/MTP tree in one step): ``tree_mask``, bool or
     uint8 (NumPy or torch; any shape, read flattened in row-major order), holds for each
@@ -86,12 +89,12 @@ class BatchPlan:
     def __init__(self, cu_seqlens_q, cache_lengths, *, num_heads, num_kv_heads, head_dim, v_dim=None,
                  block_table=None, block_size=None, causal="bottom_right", window=None, softcap=None,
                  alibi_slopes=None, sinks=None, scale=None, threads=None, fixed_key_split=False, dtype=None,
-                 tree_mask=None, tree_mask_offsets=None, shared_prefixes=False):
+                 tree_mask=None, tree_mask_offsets=None, shared_prefixes=False, precision=None):
         fn = "qkv.BatchPlan"
         framework = Torch if any(_is_torch(x) for x in (cu_seqlens_q, alibi_slopes, sinks)) else NumPy
         self._options = make_options(fn, framework, scale=scale, causal=causal, threads=threads, window=window,
                                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                                     fixed_key_split=fixed_key_split)
+                                     fixed_key_split=fixed_key_split, precision=precision)
         self._layout = dict(
             cu_seqlens_q=_int_array(cu_seqlens_q, None, "cu_seqlens_q", fn),
             cache_lengths=_int_array(cache_lengths, None, "cache_lengths", fn),

@@ -7,6 +7,8 @@ of size ~1. Also: the same result as qkv.decode over the concatenated cache (the
 path), errors naming the argument with nothing written, torch.compile and opcheck of
 torch.ops.qkv.mla_decode."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -275,3 +277,33 @@ def test_float8_latent_pool_through_batch_plan_and_decode(fmt):
         out = qkv.decode(q[:, None], dense, None, torch.tensor(lengths), v_dim=dc, scale=SCALE, layout="bshd",
                          k_scale=scale8, precision=precision)
         np.testing.assert_allclose(out[:, 0].numpy(), want[:, 0], atol=bound, rtol=0)
+
+
+def test_batch_plan_takes_precision_exact_as_decode_does():
+    """BatchPlan(precision="exact") over a bf16 latent pool with 16 heads: the float32 step,
+    equal to qkv.decode(precision="exact") over the same rows within float32 rounding (the
+    two split the keys differently). "fast" (the default) differs from it where the CPU has
+    AVX512-BF16 (the latent step ran), within what one bf16 rounding of P adds."""
+    rng = np.random.default_rng(29)
+    dc, dr, heads, lengths = 64, 16, 16, [300, 77]
+    pool = torch.randn(40, 16, 1, dc + dr).bfloat16()
+    table = torch.from_numpy(rng.permutation(40).reshape(2, 20).astype(np.int32))
+    q = torch.randn(2, heads, dc + dr)
+    dense = pool[table.long()].reshape(2, 20 * 16, 1, dc + dr)
+    runs = {}
+    for precision in ("exact", "fast"):
+        plan = qkv.BatchPlan([0, 1, 2], lengths, num_heads=heads, num_kv_heads=1, head_dim=dc + dr, v_dim=dc,
+                             block_table=table, block_size=16, scale=SCALE, dtype=torch.bfloat16,
+                             precision=precision)
+        runs[precision] = plan.run(q, pool, None)
+    decoded = qkv.decode(q[:, None], dense, None, torch.tensor(lengths), v_dim=dc, scale=SCALE, layout="bshd",
+                         precision="exact")
+    np.testing.assert_allclose(runs["exact"].numpy(), decoded[:, 0].numpy(), atol=TOL, rtol=0)
+    bound = TOL + 2.0 ** -8 * float(pool[..., :dc].float().abs().max())
+    np.testing.assert_allclose(runs["fast"].numpy(), runs["exact"].numpy(), atol=bound, rtol=0)
+    with open("/proc/cpuinfo") as cpuinfo:
+        info = cpuinfo.read()
+    # vdpbf16ps is taken where it pays: AMD's (cpu/dot_products.hpp); AMX Xeons keep float32 here.
+    unit = "avx512_bf16" in info and "AuthenticAMD" in info
+    if unit and os.environ.get("QKV_DOT_PRODUCTS", "auto").lower() != "off":
+        assert not torch.equal(runs["fast"], runs["exact"]), "the fast plan never took the dot products"

@@ -42,6 +42,10 @@ def entry_points(precision):
     s_out, s_lse = qkv.sparse_attention(q, k, v, lists, return_lse=True)
     return {
         "sparse_attention": lambda: qkv.sparse_attention(q, k, v, lists, precision=precision),
+        "BatchPlan": lambda: qkv.BatchPlan([0, 1], [130], num_heads=4, num_kv_heads=2, head_dim=40,
+                                           precision=precision).run(q[0, :, -1:].transpose(0, 1).float(),
+                                                                    k.transpose(1, 2).float(),
+                                                                    v.transpose(1, 2).float()),
         "sparse_attention (NumPy)": lambda: qkv.sparse_attention(
             *(x.float().numpy() for x in (q, k, v)), lists.numpy(), precision=precision),
         "sparse_attention_backward": lambda: qkv.sparse_attention_backward(
