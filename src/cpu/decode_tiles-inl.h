@@ -83,9 +83,19 @@ HWY_INLINE FloatVec Combine(FloatVec lo, FloatVec hi) {
 
 constexpr size_t kLanes = HWY_LANES(float);  // upper bound; equal on fixed-width targets (not SVE)
 
-// Keys per leaf for R rows: 8 accumulator chains, no more keys than lanes.
+// Keys per leaf for R rows: 8 accumulator chains on 16-register targets; 16 where there
+// are 32 registers (AVX-512, NEON, SVE), so that each loaded query vector feeds 4 keys' FMAs and
+// the loads stay below the FMAs (4 rows × 2 keys took 6 loads per 8 FMAs, Zen 4's one
+// 512-bit load a cycle then holding the FMAs below 60%: 32/8 d 128 decode from L3). The
+// leaf only groups the same per-key sums (each key's chain over d, then the same tree of
+// lane sums): any leaf gives the same bits.
+#if (HWY_ARCH_X86 && HWY_TARGET >= HWY_AVX2) || HWY_TARGET == HWY_EMU128 || HWY_TARGET == HWY_SCALAR
+inline constexpr size_t kScoreChains = 8;
+#else
+inline constexpr size_t kScoreChains = 16;
+#endif
 template <size_t R>
-constexpr size_t kLeafKeys = std::min<size_t>(kLanes, R >= 4 ? 2 : R >= 2 ? 4 : 8);
+constexpr size_t kLeafKeys = std::min<size_t>(kLanes, R >= 4 ? kScoreChains / 4 : R >= 2 ? 4 : 8);
 
 template <size_t N, class Vectors>  // const FloatVec* (a VecSpan on SVE: vec_array-inl.h)
 HWY_INLINE FloatVec CombineKeys(Vectors v) {
@@ -123,15 +133,16 @@ HWY_INLINE FloatVec AffineKey(FloatVec level, FloatVec scale, FloatVec zero) {
 #endif
 }
 
-// Keeps a loaded vector in a register. On AVX2 GCC folds a query vector's load into each
+// Keeps a loaded vector in a register. On x86 GCC folds a query vector's load into each
 // of the N FMAs that use it (a memory operand each): a 6 × 2 score leaf then issues 14
-// loads per 12 FMAs, more than Zen's two load ports serve in the FMAs' 6 cycles. An
+// loads per 12 FMAs, more than Zen's two load ports serve in the FMAs' 6 cycles; on
+// AVX-512 a 4 × 2 leaf issued 10 per 8, where Zen 4 loads one 512-bit vector a cycle. An
 // empty asm that claims to change the register makes the load happen once (MLA's latent
 // decode, 128 heads, 4096 keys, 1 thread on a Zen 2 EPYC: 19.6 ms against 20.2–20.3).
-// The same arithmetic, the same bits.
+// The same arithmetic, the same bits. ("v": any of AVX-512's 32 vector registers.)
 HWY_INLINE void KeepInRegister(FloatVec& v) {
-#if HWY_TARGET == HWY_AVX2
-  asm("" : "+x"(v.raw));
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+  asm("" : "+v"(v.raw));
 #else
   (void)v;
 #endif
