@@ -1,7 +1,8 @@
 """MLA decode over a combined [c_kv | k_pe] latent pool in each storage qkv reads: float32,
 bfloat16 and both float8 formats (vLLM's FP8 MLA cache, one per-tensor scale), through
-qkv.decode(q, pool, None, lengths, v_dim=dc, k_scale=...) — one process, same threads,
-best of --repeats per storage; ratios against the float32 pool.
+qkv.decode(q, pool, None, lengths, v_dim=dc, k_scale=...), and the float8 caches also
+kept as two arrays through qkv.mla_decode(..., ckv_scale=, kpe_scale=) ("apart") — one
+process, same threads, best of --repeats per storage; ratios against the float32 pool.
 
     python bench/bench_mla_fp8_pool.py [--heads 128] [--keys 4096] [--threads 1 2] [--repeats 15]
 
@@ -45,6 +46,12 @@ def main():
             extra = {} if s is None else {"k_scale": s}
             times[name] = best_of(args.repeats, lambda: qkv.decode(q, pool, None, [n], v_dim=dc, scale=0.1,
                                                                    layout="bshd", threads=threads, **extra))
+        for name in ("float8_e4m3fn", "float8_e5m2"):
+            pool, s = pools[name]
+            ckv, kpe = pool[:, :, 0, :dc].contiguous(), pool[:, :, 0, dc:].contiguous()
+            q_nope, q_pe = q[..., :dc], q[..., dc:]
+            times[name + " apart"] = best_of(args.repeats, lambda: qkv.mla_decode(
+                q_nope, q_pe, ckv, kpe, [n], scale=0.1, threads=threads, ckv_scale=s, kpe_scale=s))
         cells = "  ".join(f"{k} {t * 1e3:.2f} ms ({times['float32'] / t:.2f}x)" for k, t in times.items())
         print(f"threads {threads}: {cells}")
 

@@ -12,7 +12,8 @@
 //   q_nope [B, Nq, H, dc]    q_pe [B, Nq, H, dr]        float32, any strides (last axis contiguous)
 //   ckv_cache  contiguous [B, capacity, dc]  or paged [num_blocks, block_size, dc]
 //   kpe_cache  contiguous [B, capacity, dr]  or paged [num_blocks, block_size, dr]
-//              (same storage type: float32, bfloat16 or float16, widened exactly)
+//              (same storage type: float32, bfloat16 or float16, widened exactly; or
+//              float8_e4m3fn / float8_e5m2 with a scale per tensor, ckv_scale and kpe_scale)
 //   block_table [B, max_blocks] int32 (paged): key j of sequence b is row j % block_size
 //              of pool block block_table[b, j / block_size], in both pools
 //   cache_lengths [B]   keys held per sequence, the new tokens' own included
@@ -30,10 +31,19 @@
 // name. A query that sees no key gets out 0 and lse −inf. Every argument is validated
 // before anything is written; results are bitwise identical for every thread count.
 //
-// Arithmetic: float32 (caches widened exactly), except a bfloat16 cache with
-// options.precision fast, at least 16 heads and no softcap, on a CPU with AVX512-BF16
-// (not AMX): the products on vdpbf16ps, q rounded to bfloat16 once and each weight P
-// once, float32 sums — the bf16 contract (docs/numerics.md); Precision::exact keeps
+// Float8 caches (vLLM's and SGLang's FP8 latent caches kept as two arrays): c_kv's values
+// are ckv_cache · ckv_scale and k_pe's kpe_cache · kpe_scale, one positive finite float32
+// scale per tensor each (required for float8, refused for the other types); the result is
+// attention over those stored values. c_kv's scale multiplies each score and each weight
+// (as qkv::decode's per-tensor k_scale / v_scale do); k_pe's enters as the factor
+// kpe_scale / ckv_scale on q_pe (one float32 rounding), so equal scales give the bits of
+// qkv::decode over the combined [c_kv | k_pe] pool with that scale. FlashMLA's FP8 layout
+// (a scale per 128 latent values, k_pe in bf16) is not this: refused by its dtype mix.
+//
+// Arithmetic: float32 (caches widened exactly), except a bfloat16 or float8 cache (every
+// float8 value is a bfloat16 value) with options.precision fast, at least 16 heads and no
+// softcap, on a CPU with AVX512-BF16 (not AMX): the products on vdpbf16ps, q rounded to
+// bfloat16 once and each weight P once, float32 sums — the bf16 contract (docs/numerics.md); Precision::exact keeps
 // float32 bit for bit. (qkv::decode and qkv::BatchPlan do the same for any one-kv-head
 // bfloat16 cache: a combined latent pool gives these bits.)
 //
@@ -43,8 +53,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 
+#include "qkv/float8.hpp"
 #include "qkv/half.hpp"
 #include "qkv/options.hpp"
 #include "qkv/sparse.hpp"
@@ -52,7 +64,7 @@
 
 namespace qkv {
 
-template <class T>  // the caches' storage type: float, bfloat16 or float16
+template <class T>  // the caches' storage type: float, bfloat16, float16, float8_e4m3fn or float8_e5m2
 struct MlaDecodeArgs {
   View4<const float> q_nope, q_pe;
   View3<const T> ckv_cache, kpe_cache;
@@ -61,10 +73,14 @@ struct MlaDecodeArgs {
   View4<float> out;
   View3<float> lse;  // optional
   KeyIndices indices;  // optional, [B, Nq, topk]
+  // float8 caches only (required for them): the stored values' per-tensor scales.
+  std::optional<float> ckv_scale, kpe_scale;
 };
 
 void mla_decode(const MlaDecodeArgs<float>& args, const AttentionOptions& options);
 void mla_decode(const MlaDecodeArgs<bfloat16>& args, const AttentionOptions& options);
 void mla_decode(const MlaDecodeArgs<float16>& args, const AttentionOptions& options);
+void mla_decode(const MlaDecodeArgs<float8_e4m3fn>& args, const AttentionOptions& options);
+void mla_decode(const MlaDecodeArgs<float8_e5m2>& args, const AttentionOptions& options);
 
 }  // namespace qkv

@@ -102,7 +102,7 @@ def _values_in_keys(fn, k_cache, v_dim, k_scale, v_scale):
 
 def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, block_table=None, scale,
                causal="bottom_right", indices=None, return_lse=False, threads=None, softcap=None, sinks=None,
-               precision=None):
+               precision=None, ckv_scale=None, kpe_scale=None):
     """Multi-head latent attention (DeepSeek V2/V3/V3.2, Kimi K2, GLM-5) in its absorbed form,
     over latent caches read in place: every query head attends the one latent head,
 
@@ -113,8 +113,10 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, block_table
     q_nope ``[B, Nq, H, dc]``, q_pe ``[B, Nq, H, dr]``: any float dtype (computed in float32,
     returned in q_nope's dtype). ckv_cache ``[B, capacity, dc]`` and kpe_cache
     ``[B, capacity, dr]``, or with ``block_table [B, max_blocks]`` the paged pools
-    ``[num_blocks, block_size, dc | dr]``: float32, bfloat16 or float16 (both the same),
-    never copied. cache_lengths ``[B]``: keys held, the new tokens' own included.
+    ``[num_blocks, block_size, dc | dr]``: float32, bfloat16, float16, float8_e4m3fn or
+    float8_e5m2 (both the same; float8 as torch tensors or ml_dtypes arrays), never copied.
+    ckv_scale, kpe_scale: float8 caches only, and required for them — each cache's scale
+    per tensor (a float or a one-element tensor), the stored values being cache · scale. cache_lengths ``[B]``: keys held, the new tokens' own included.
     scale: required — the model's own (DeepSeek: ``1/sqrt(qk_nope_head_dim +
     qk_rope_head_dim)`` times its YaRN factor; ``1/sqrt(dc + dr)`` would be wrong).
     causal: ``"bottom_right"`` (default: query i of Nq sees keys ``j <= i + length - Nq``,
@@ -137,10 +139,11 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, block_table
             return _torch_ops_cache.traced_mla_decode(
                 fn, q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, block_table=block_table, scale=scale,
                 causal=causal, indices=indices, return_lse=return_lse, threads=threads, softcap=softcap,
-                sinks=sinks)
+                sinks=sinks, ckv_scale=ckv_scale, kpe_scale=kpe_scale)
     return _decode_eager.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, block_table=block_table,
                                     scale=scale, causal=causal, indices=indices, return_lse=return_lse,
-                                    threads=threads, softcap=softcap, sinks=sinks, precision=precision)
+                                    threads=threads, softcap=softcap, sinks=sinks, precision=precision,
+                                    ckv_scale=ckv_scale, kpe_scale=kpe_scale)
 
 
 def _scale_dtype_name(scale_dtype) -> str:

@@ -292,7 +292,7 @@ def decode(q, k_cache, v_cache, cache_lengths, *, block_table=None, scale=None, 
 
 def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, block_table=None, scale=None,
                causal="bottom_right", indices=None, return_lse=False, threads=None, softcap=None, sinks=None,
-               precision=None):
+               precision=None, ckv_scale=None, kpe_scale=None):
     """qkv.mla_decode (qkv/_decode.py documents it) on plain arrays: the library call."""
     fn = "qkv.mla_decode"
     if scale is None:  # the C++ check names it too; here before any conversion
@@ -311,8 +311,12 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, block_table
     dc = ckv.shape[-1] if ckv.ndim == 3 else 0
     out, work, out_lib = _empty_out(q_nope, batch, q_len, heads, dc, "bshd")
     lse = np.empty((batch, heads, q_len), dtype=np.float32) if return_lse else None
+    # Per-tensor scales as 1-D float32 arrays; their count, their values and whether this
+    # cache takes them at all are checked in C++ (the words of every entry point).
+    scales = {name: _float8.scale_vector(fn, name, value)
+              for name, value in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale))}
     _qkv.mla_decode(nope, pe, ckv, kpe, lengths, out_lib, lse=lse, block_table=table, bits_as=bits_as,
-                    indices=key_lists(indices), options=options)
+                    indices=key_lists(indices), options=options, **scales)
     return result(q_nope, out, work, lse)
 
 

@@ -125,14 +125,16 @@ def _(q, k_cache, v_cache, cache_lengths, block_table, k_scale, v_scale, scale, 
 def mla_decode(
     q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, cache_lengths: Tensor,
     block_table: Optional[Tensor], scale: float, causal: str, threads: int, softcap: float = 0.0,
-    sinks: Optional[Tensor] = None, indices: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, indices: Optional[Tensor] = None, ckv_scale: Optional[Tensor] = None,
+    kpe_scale: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     from . import _decode_eager
 
     threads = torch.get_num_threads() if threads == TORCH_THREADS else threads
     return _decode_eager.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, block_table=block_table,
                                     scale=scale, causal=_causal(causal), indices=indices, return_lse=True,
-                                    threads=threads, softcap=softcap or None, sinks=sinks)
+                                    threads=threads, softcap=softcap or None, sinks=sinks, ckv_scale=ckv_scale,
+                                    kpe_scale=kpe_scale)
 
 
 @mla_decode.register_fake
@@ -228,13 +230,14 @@ def traced_decode(fn, q, k_cache, v_cache, cache_lengths, *, block_table, scale,
 
 
 def traced_mla_decode(fn, q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, block_table, scale, causal,
-                      indices, return_lse, threads, softcap, sinks):
+                      indices, return_lse, threads, softcap, sinks, ckv_scale=None, kpe_scale=None):
     if scale is None:
         raise Error(f"{fn}: scale: required (the model's softmax scale)")
     scale, causal, threads, _, _, _, softcap, sinks = _scalars(
         fn, q_nope, scale, causal, threads, None, softcap, None, sinks)
     out, lse = mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, _tensor(cache_lengths), _tensor(block_table),
-                          scale, causal, threads, softcap, sinks, _tensor(indices))
+                          scale, causal, threads, softcap, sinks, _tensor(indices),
+                          _tensor(ckv_scale, torch.float32), _tensor(kpe_scale, torch.float32))
     return (out, lse) if return_lse else out
 
 

@@ -22,8 +22,11 @@ namespace {
 template <class T>
 void mla_typed(const ArrayRef& q_nope, const ArrayRef& q_pe, const ArrayRef& ckv, const ArrayRef& kpe,
                std::span<const int64_t> lengths, const std::optional<ArrayRef>& block_table, const ArrayRef& out,
-               const std::optional<ArrayRef>& lse, const KeyIndices& indices, const AttentionOptions& options) {
+               const std::optional<ArrayRef>& lse, const KeyIndices& indices, const AttentionOptions& options,
+               std::optional<float> ckv_scale, std::optional<float> kpe_scale) {
   MlaDecodeArgs<T> args;
+  args.ckv_scale = ckv_scale;  // checked (float8 only, positive, finite) by the library
+  args.kpe_scale = kpe_scale;
   args.q_nope = view_of<const float, 4>("q_nope", q_nope, "queries are float32");
   args.q_pe = view_of<const float, 4>("q_pe", q_pe, "queries are float32");
   args.ckv_cache = raw_view<const T, 3>("ckv_cache", ckv);
@@ -38,10 +41,23 @@ void mla_typed(const ArrayRef& q_nope, const ArrayRef& q_pe, const ArrayRef& ckv
   mla_decode(args, options);
 }
 
+// A per-tensor scale as the Python layer hands it over (qkv/_float8.py's scale_vector: a
+// 1-D float32 array): exactly one value, which the library then checks.
+std::optional<float> tensor_scale(const char* name, nb::handle scale) {
+  const std::optional<ArrayRef> array = optional_in(name, scale);
+  if (!array) return std::nullopt;
+  const auto vector = view_of<const float, 1>(name, *array, "scales are float32");
+  if (vector.shape[0] != 1)
+    throw Error(Caller::named(name) + ": expected one scale (per tensor) for a float8 latent cache, got " +
+                std::to_string(vector.shape[0]));
+  return vector.data[0];
+}
+
 void mla_any(nb::handle q_nope, nb::handle q_pe, nb::handle ckv_cache, nb::handle kpe_cache, nb::handle cache_lengths,
              nb::handle out, nb::handle lse, nb::handle block_table, const std::string& bits_as, nb::handle indices,
-             const BoundOptions& bound) {
+             nb::handle ckv_scale, nb::handle kpe_scale, const BoundOptions& bound) {
   const Caller caller(bound.function.c_str());
+  const std::optional<float> ckv_s = tensor_scale("ckv_scale", ckv_scale), kpe_s = tensor_scale("kpe_scale", kpe_scale);
   const std::optional<ArrayRef> index_array = optional_in("indices", indices);
   const KeyIndices lists = index_array ? indices_of(*index_array) : KeyIndices{};
   const ArrayRef qn = ArrayRef::from(q_nope, false, "q_nope"), qp = ArrayRef::from(q_pe, false, "q_pe"),
@@ -57,15 +73,20 @@ void mla_any(nb::handle q_nope, nb::handle q_pe, nb::handle ckv_cache, nb::handl
     throw Error("qkv::mla_decode: cache_lengths: expected a contiguous array");
   const std::span<const int64_t> length_span(lengths.data, static_cast<std::size_t>(lengths.shape[0]));
   switch (type) {
-    case StorageType::float32: return mla_typed<float>(qn, qp, ca, pa, length_span, table, oa, lse_a, lists, options);
+    case StorageType::float32:
+      return mla_typed<float>(qn, qp, ca, pa, length_span, table, oa, lse_a, lists, options, ckv_s, kpe_s);
     case StorageType::bfloat16:
-      return mla_typed<bfloat16>(qn, qp, ca, pa, length_span, table, oa, lse_a, lists, options);
+      return mla_typed<bfloat16>(qn, qp, ca, pa, length_span, table, oa, lse_a, lists, options, ckv_s, kpe_s);
     case StorageType::float16:
-      return mla_typed<float16>(qn, qp, ca, pa, length_span, table, oa, lse_a, lists, options);
+      return mla_typed<float16>(qn, qp, ca, pa, length_span, table, oa, lse_a, lists, options, ckv_s, kpe_s);
+    case StorageType::float8_e4m3fn:
+      return mla_typed<float8_e4m3fn>(qn, qp, ca, pa, length_span, table, oa, lse_a, lists, options, ckv_s, kpe_s);
+    case StorageType::float8_e5m2:
+      return mla_typed<float8_e5m2>(qn, qp, ca, pa, length_span, table, oa, lse_a, lists, options, ckv_s, kpe_s);
     default: break;
   }
-  argument_type_error("ckv_cache", std::string("expected dtype float32, bfloat16 or float16, got ") +
-                                       storage_name(type));
+  argument_type_error("ckv_cache", std::string("expected dtype float32, bfloat16, float16, float8_e4m3fn or "
+                                               "float8_e5m2, got ") + storage_name(type));
 }
 
 }  // namespace
@@ -74,7 +95,8 @@ void bind_mla(nb::module_& m) {
   m.def("mla_decode", &mla_any, nb::arg("q_nope"), nb::arg("q_pe"), nb::arg("ckv_cache"), nb::arg("kpe_cache"),
         nb::arg("cache_lengths"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
         nb::arg("block_table").none() = nb::none(), nb::arg("bits_as") = "",
-        nb::arg("indices").none() = nb::none(), nb::arg("options"),
+        nb::arg("indices").none() = nb::none(), nb::arg("ckv_scale").none() = nb::none(),
+        nb::arg("kpe_scale").none() = nb::none(), nb::arg("options"),
         "qkv::mla_decode on [B, Nq, H, dc|dr] queries and [B | blocks, capacity | block_size, dc|dr] "
         "caches read in place. Writes out (and lse) in place; the GIL is released.");
 }

@@ -5,6 +5,8 @@
 #include "qkv/mla.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -52,6 +54,32 @@ void run(const MlaDecodeArgs<T>& a, const AttentionOptions& options) {
   detail::check_decode_outputs(check, out, a.lse, batch, q_len, heads, dc, "as ckv_cache.shape[2]", outputs);
   check.expect_outputs_apart(outputs, inputs);
 
+  // Float8 caches: one scale per tensor for each part. c_kv's is the rows' scale (keys and
+  // values); k_pe's enters as kpe_scale / ckv_scale on q_pe, so that one row scale serves
+  // both parts of every key. Checked here (two numbers), so every entry point words a bad
+  // one alike.
+  float rope_factor = 1.0f;
+  const float* row_scale = nullptr;
+  if constexpr (is_float8(storage_type_of<T>)) {
+    for (const auto& [name, value] : {std::pair{"ckv_scale", a.ckv_scale}, std::pair{"kpe_scale", a.kpe_scale}}) {
+      if (!value)
+        check.fail(std::string(name) + ": a float8 cache needs its scale (one per tensor), got none (vLLM's default "
+                   "when a checkpoint has no scales is 1.0)");
+      if (!(*value > 0.0f) || !std::isfinite(*value))
+        check.fail(std::string(name) + ": expected a positive finite scale, got " + std::to_string(*value));
+    }
+    rope_factor = *a.kpe_scale / *a.ckv_scale;
+    if (!std::isfinite(rope_factor) || !std::isnormal(rope_factor))
+      check.fail("kpe_scale: kpe_scale / ckv_scale = " + std::to_string(*a.kpe_scale) + " / " +
+                 std::to_string(*a.ckv_scale) + " leaves float32's normal range");
+    row_scale = &*a.ckv_scale;
+  } else {
+    for (const auto& [name, value] : {std::pair{"ckv_scale", a.ckv_scale}, std::pair{"kpe_scale", a.kpe_scale}})
+      if (value)
+        check.fail(std::string(name) + ": only float8 caches take scales (these caches are " +
+                   storage_name(storage_type_of<T>) + ")");
+  }
+
   // The queries as one row [q_nope, q_pe] per (sequence, query, head): the kernel scales
   // each row into its own scratch anyway, so this copy (H·Nq·(dc + dr) floats a sequence,
   // next to the cache's capacity·(dc + dr)) costs nothing it would not.
@@ -64,7 +92,11 @@ void run(const MlaDecodeArgs<T>& a, const AttentionOptions& options) {
         const float* nope = &a.q_nope(b, i, h, 0);
         const float* pe = &a.q_pe(b, i, h, 0);
         std::copy(nope, nope + dc, row);
-        std::copy(pe, pe + dr, row + dc);
+        if (rope_factor == 1.0f) {
+          std::copy(pe, pe + dr, row + dc);
+        } else {
+          std::transform(pe, pe + dr, row + dc, [rope_factor](float x) { return x * rope_factor; });
+        }
       }
   const auto q_view = View4<const float>::contiguous(q.data(), {batch, q_len, heads, d});
   detail::ForwardProblem<float> p =
@@ -77,6 +109,10 @@ void run(const MlaDecodeArgs<T>& a, const AttentionOptions& options) {
   kv.k_rope = a.kpe_cache.data;
   kv.k_rope_strides = {a.kpe_cache.strides[0], a.kpe_cache.strides[1], 0};
   kv.rope_from = dc;
+  if (row_scale != nullptr) {  // the per-tensor scale repeated along the rows (strides 0)
+    kv.k_scale = kv.v_scale = row_scale;
+    kv.k_scale_strides = kv.v_scale_strides = {0, 0, 0};
+  }
   if (paged) {
     kv.block_table = a.block_table.data;
     kv.table_stride = a.block_table.strides[0];
@@ -93,5 +129,7 @@ void run(const MlaDecodeArgs<T>& a, const AttentionOptions& options) {
 void mla_decode(const MlaDecodeArgs<float>& args, const AttentionOptions& options) { run(args, options); }
 void mla_decode(const MlaDecodeArgs<bfloat16>& args, const AttentionOptions& options) { run(args, options); }
 void mla_decode(const MlaDecodeArgs<float16>& args, const AttentionOptions& options) { run(args, options); }
+void mla_decode(const MlaDecodeArgs<float8_e4m3fn>& args, const AttentionOptions& options) { run(args, options); }
+void mla_decode(const MlaDecodeArgs<float8_e5m2>& args, const AttentionOptions& options) { run(args, options); }
 
 }  // namespace qkv
