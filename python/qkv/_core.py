@@ -158,7 +158,7 @@ def _weights_for(fw, weights, q):
     return weights if weights.dtype == wanted else weights.astype(wanted)
 
 
-def eager_index_topk(q, k, weights, topk, *, scale, causal, key_lengths, threads, fw=None):
+def eager_index_topk(q, k, weights, topk, *, scale, causal, key_lengths, threads, fw=None, precision=None):
     """qkv.index_topk's library call on arrays of one framework (also the operator's
     implementation, torch.ops.qkv.index_topk)."""
     fn = "qkv.index_topk"
@@ -169,7 +169,7 @@ def eager_index_topk(q, k, weights, topk, *, scale, causal, key_lengths, threads
         if x.ndim != rank:
             raise Error(f"{fn}: {name}: expected {rank} dimensions {axes}, got shape {tuple(x.shape)}")
     options = make_options(fn, fw, key_lengths=key_lengths, scale=scale, causal=causal,
-                           threads=threads)
+                           threads=threads, precision=precision)
     weights = _weights_for(fw, weights, q)
     shape = (q.shape[0], q.shape[1], count)
     if fw is Torch:

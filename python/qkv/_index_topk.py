@@ -7,7 +7,7 @@ from ._core import eager_index_topk, topk_count as _topk_count
 
 
 def index_topk(q, k, weights, topk, *, scale=None, causal="bottom_right", key_lengths=None,
-               threads=None):
+               threads=None, precision=None):
     fn = "qkv.index_topk"
     fw = framework_of(fn, q=q, k=k, weights=weights)
     if fw is Torch:
@@ -15,6 +15,9 @@ def index_topk(q, k, weights, topk, *, scale=None, causal="bottom_right", key_le
 
         if _torch_ops.traced(q, k, weights):  # torch.compile, fake tensors: the operator
             from . import _torch_ops_index  # noqa: F401  (registers torch.ops.qkv.index_topk)
+            from ._torch_ops import refuse_precision_when_traced
+
+            refuse_precision_when_traced(precision)
             from ._options import key_lengths_array
 
             lengths = None if key_lengths is None else key_lengths_array(fn, Torch, key_lengths)
@@ -24,7 +27,7 @@ def index_topk(q, k, weights, topk, *, scale=None, causal="bottom_right", key_le
                                             None if scale is None else float(scale), causal, lengths,
                                             threads)
     return eager_index_topk(q, k, weights, topk, scale=scale, causal=causal,
-                            key_lengths=key_lengths, threads=threads, fw=fw)
+                            key_lengths=key_lengths, threads=threads, fw=fw, precision=precision)
 
 
 index_topk.__doc__ = """The top-k keys of every query by DeepSeek-V3.2's indexer score,
@@ -43,7 +46,11 @@ index_topk.__doc__ = """The top-k keys of every query by DeepSeek-V3.2's indexer
     (the default: query i sees keys j <= i + Nk - Nq, Nk being key_lengths[b] when given),
     ``"top_left"`` (j <= i) or None. key_lengths: one int per batch entry; only keys
     [0, key_lengths[b]) may be picked. threads: None = every hardware thread; the result
-    is the same for any count.
+    is the same for any count. precision: ``"fast"`` (the default) or ``"exact"``, as in
+    ``qkv.attention``: with bfloat16 q and k, "fast" on a CPU whose bf16 unit is
+    AVX512-BF16's vdpbf16ps (AMD Zen 4/5) sums each head's exact products there, keys read
+    in place (the same scores up to float32 summation order); "exact" keeps the float32
+    FMAs, bit for bit on every machine. Under torch.compile only the default.
 
     Computed in float32 (float64 for float64 inputs) over blocks of keys with a running
     top-k per row: memory O(threads·topk) beside the output, never the Nq×Nk scores. A NaN

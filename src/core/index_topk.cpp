@@ -3,6 +3,7 @@
 #include <type_traits>
 
 #include "core/index_topk_problem.hpp"
+#include "cpu/dot_products.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
 
@@ -11,8 +12,12 @@ namespace {
 
 template <class T>
 void run_index_topk(const IndexTopkArgs<T>& args, const AttentionOptions& options) {
-  const detail::IndexTopkProblem<T> problem = detail::validate_index_topk(args, options);
+  detail::IndexTopkProblem<T> problem = detail::validate_index_topk(args, options);
   const Backend backend = resolve_backend(options, std::is_same_v<T, double>, /*wants_weights=*/false);
+  // vdpbf16ps where it is the unit a bfloat16 call with this precision takes (AMD's
+  // AVX512-BF16; AMX Xeons keep the float32 FMAs here: the indexer has no tile kernel).
+  if constexpr (std::is_same_v<T, bfloat16>)
+    problem.bf16_dots = backend == Backend::cpu && cpu::bf16_unit(options.precision) == cpu::Bf16Unit::avx512_bf16;
   try {
     if constexpr (!std::is_same_v<T, double>) {
       if (backend == Backend::cpu) return cpu::index_topk(problem);

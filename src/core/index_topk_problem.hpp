@@ -27,6 +27,10 @@ struct IndexTopkProblem {
   // empty, k_len the capacity, mask.key_lengths the cache lengths), each row read as
   // cache_key_row gives it.
   const KvSource* cache = nullptr;
+  // bfloat16 q and k with Precision::fast where vdpbf16ps is the call's unit: the head
+  // logits as pairs of exact products summed on the unit (cpu/bf16_dot.hpp), not float32
+  // FMAs — a different summation order (and subnormals flushed), so other bits.
+  bool bf16_dots = false;
 };
 
 // Key row j of sequence b of a cache source's kv head 0, as float: exactly the values
@@ -71,55 +75,57 @@ inline int32_t candidate_index(uint64_t key) {
   return static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(key & 0xFFFFFFFFu));
 }
 
-// A running top-k over candidate keys in caller-owned storage of `capacity` slots: a
-// min-heap, so the weakest kept candidate is at the root and a new one costs one compare
-// unless it beats it (then one sift-down, log k).
+// A running top-k over distinct candidate keys in caller-owned storage of slots(capacity)
+// words: candidates above the threshold are appended; when the buffer is full, a
+// selection (std::nth_element, linear) keeps the best `capacity` and raises the threshold
+// to the weakest of them. A key that fails the threshold costs one compare; one that
+// passes, a store (a heap's sift was ~40% of the decode indexer's non-product time: every
+// level a mispredicted branch). The kept set is the top-k of every key offered, which is
+// one set whatever the order of offers or compactions, so results do not depend on it.
 class RunningTopK {
  public:
+  static constexpr int64_t slots(int64_t capacity) { return 2 * capacity; }
+
   RunningTopK() = default;
-  RunningTopK(uint64_t* slots, int64_t capacity) : heap_(slots), capacity_(capacity) {}
+  RunningTopK(uint64_t* storage, int64_t capacity)
+      : keys_(storage), capacity_(capacity), threshold_(capacity > 0 ? 0 : UINT64_MAX) {}
+
+  // Whether `key` can still enter (every candidate key is > 0: see candidate_key).
+  bool admits(uint64_t key) const { return key > threshold_; }
 
   void offer(uint64_t key) {
-    if (count_ < capacity_) {
-      int64_t child = count_++;  // sift up
-      while (child > 0) {
-        const int64_t parent = (child - 1) / 2;
-        if (heap_[parent] <= key) break;
-        heap_[child] = heap_[parent];
-        child = parent;
-      }
-      heap_[child] = key;
-    } else if (capacity_ > 0 && key > heap_[0]) {
-      int64_t parent = 0;  // replace the root, sift down
-      while (true) {
-        int64_t child = 2 * parent + 1;
-        if (child >= count_) break;
-        if (child + 1 < count_ && heap_[child + 1] < heap_[child]) ++child;
-        if (key <= heap_[child]) break;
-        heap_[parent] = heap_[child];
-        parent = child;
-      }
-      heap_[parent] = key;
-    }
+    if (!admits(key)) return;
+    keys_[count_++] = key;
+    if (count_ == slots(capacity_)) keep_best();
   }
 
-  // Candidates that can no longer enter: every key ≤ this (the full heap's root).
-  bool full() const { return count_ == capacity_; }
-  uint64_t weakest() const { return heap_[0]; }
+  // At most `capacity` candidates left, the best ones (data()[0, size())), in no order.
+  void finish() {
+    if (count_ > capacity_) keep_best();
+  }
   int64_t size() const { return count_; }
-  const uint64_t* data() const { return heap_; }
+  const uint64_t* data() const { return keys_; }
 
-  // The kept indices by descending key into out[0, width), −1 past them; the heap is
+  // The kept indices by descending key into out[0, width), −1 past them; the buffer is
   // consumed (sorted in place).
   void write_sorted(int32_t* out, int64_t stride, int64_t width) {
-    std::sort(heap_, heap_ + count_, [](uint64_t a, uint64_t b) { return a > b; });
-    for (int64_t t = 0; t < width; ++t) out[t * stride] = t < count_ ? candidate_index(heap_[t]) : -1;
+    finish();
+    std::sort(keys_, keys_ + count_, [](uint64_t a, uint64_t b) { return a > b; });
+    for (int64_t t = 0; t < width; ++t) out[t * stride] = t < count_ ? candidate_index(keys_[t]) : -1;
     count_ = 0;
+    threshold_ = capacity_ > 0 ? 0 : UINT64_MAX;
   }
 
  private:
-  uint64_t* heap_ = nullptr;
+  void keep_best() {
+    std::nth_element(keys_, keys_ + (capacity_ - 1), keys_ + count_, [](uint64_t a, uint64_t b) { return a > b; });
+    count_ = capacity_;
+    threshold_ = keys_[capacity_ - 1];  // the weakest kept: the nth element, all before it larger
+  }
+
+  uint64_t* keys_ = nullptr;
   int64_t capacity_ = 0;
+  uint64_t threshold_ = UINT64_MAX;
   int64_t count_ = 0;
 };
 

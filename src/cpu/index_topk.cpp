@@ -12,9 +12,9 @@
 //
 // The head sum runs across vector lanes (heads padded to whole vectors with zero weights),
 // then once across the lanes (SumOfLanes). Each score is offered to the row's RunningTopK, a
-// min-heap of at most topk candidates that rejects most keys with one integer compare.
+// buffer of candidates above a threshold that rejects most keys with one integer compare.
 //
-// Memory: the packed Qᵀ of a block (kQueryBlock·di·Hi floats), one key block as float, S for one key block (kKeyBlock·Hi floats) and kQueryBlock·topk candidates,
+// Memory: the packed Qᵀ of a block (kQueryBlock·di·Hi floats), one key block as float, S for one key block (kKeyBlock·Hi floats) and kQueryBlock·2·topk candidate slots,
 // per thread; plus, when keys are split for parallelism (a few rows against many keys,
 // decode), each split's candidates until they are merged: O(threads·topk).
 //
@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "core/index_topk_problem.hpp"
+#include "cpu/bf16_dot.hpp"
 #include "cpu/simd_target.hpp"
 
 namespace qkv::cpu::index_topk_plan {
@@ -115,14 +116,20 @@ struct IndexScratch {
   hwy::AlignedFreeUniquePtr<float[]> weights;    // [kQueryBlock][heads_pad], zero past Hi
   hwy::AlignedFreeUniquePtr<float[]> keys;       // [kKeyBlock][di]: the key block as float
   hwy::AlignedFreeUniquePtr<float[]> logits;     // S: [kKeyBlock][heads_pad]
-  std::vector<uint64_t> candidates;              // [kQueryBlock][capacity] when keys are not split
+  std::vector<uint64_t> candidates;              // [kQueryBlock][slots(capacity)] when keys are not split
+  // bf16_dots: each row's heads as bf16 pairs, [kQueryBlock][⌈di/2⌉][q_ld] (instead of Qᵀ and keys)
+  std::vector<uint32_t> query_pairs;
+  size_t q_ld = 0;
 
-  IndexScratch(size_t head_dim, size_t heads_pad, int64_t capacity, bool own_candidates)
-      : queries_t(AllocateFloats(kQueryBlock * head_dim * heads_pad)),
+  IndexScratch(size_t head_dim, size_t heads_pad, int64_t capacity, bool own_candidates, bool bf16_dots)
+      : queries_t(AllocateFloats(bf16_dots ? 0 : kQueryBlock * head_dim * heads_pad)),
         weights(AllocateFloats(kQueryBlock * heads_pad)),
-        keys(AllocateFloats(kKeyBlock * head_dim)),
+        keys(AllocateFloats(bf16_dots ? 0 : kKeyBlock * head_dim)),
         logits(AllocateFloats(kKeyBlock * heads_pad)),
-        candidates(own_candidates ? static_cast<size_t>(kQueryBlock * capacity) : 0) {}
+        candidates(own_candidates ? static_cast<size_t>(kQueryBlock * detail::RunningTopK::slots(capacity)) : 0),
+        q_ld(bf16dot::pair_ld(heads_pad)) {
+    if (bf16_dots) query_pairs.assign(kQueryBlock * (head_dim + 1) / 2 * q_ld, 0u);
+  }
 };
 
 // score(i, j0 + m) for m < count from S (row m: the heads of key j0 + m), offered to `row`.
@@ -141,7 +148,7 @@ HWY_INLINE void OfferScores(const float* HWY_RESTRICT logits, size_t heads_pad, 
       sum = hn::MulAdd(hn::Load(d, weights + h), relu, sum);
     }
     const uint64_t key = detail::candidate_key(hn::GetLane(hn::SumOfLanes(d, sum)), first_key + m);
-    if (!row.full() || key > row.weakest()) row.offer(key);
+    if (row.admits(key)) row.offer(key);
   }
 }
 
@@ -210,22 +217,46 @@ void RunItem(const detail::IndexTopkProblem<T>& p, const index_topk_plan::Item& 
     const int64_t i = item.first_row + r;
     row_end_key[r] = std::min(item.key_end, p.mask.key_end(item.batch, i));
     last_key = std::max(last_key, row_end_key[r]);
-    // Qᵀ of row i: column h is head h's query (zero columns past Hi), and its weights.
-    float* q_t = scratch.queries_t.get() + static_cast<size_t>(r) * d * heads_pad;
     float* w = scratch.weights.get() + static_cast<size_t>(r) * heads_pad;
+    for (size_t h = 0; h < heads_pad; ++h) w[h] = h < heads ? a.weights(item.batch, i, h) : 0.0f;
+    if (p.bf16_dots) {
+      if constexpr (std::is_same_v<T, bfloat16>)  // the heads' pairs (zero columns past Hi)
+        bf16dot::PackQueryPairs(&a.q(item.batch, i, 0, 0), a.q.strides[2], heads, d,
+                                scratch.query_pairs.data() + static_cast<size_t>(r) * (d + 1) / 2 * scratch.q_ld,
+                                scratch.q_ld);
+      continue;
+    }
+    // Qᵀ of row i: column h is head h's query (zero columns past Hi).
+    float* q_t = scratch.queries_t.get() + static_cast<size_t>(r) * d * heads_pad;
     for (size_t h = 0; h < heads_pad; ++h) {
-      w[h] = h < heads ? a.weights(item.batch, i, h) : 0.0f;
       const T* q_row = h < heads ? &a.q(item.batch, i, h, 0) : nullptr;
       for (size_t c = 0; c < d; ++c) q_t[c * heads_pad + h] = h < heads ? Widen(q_row[c]) : 0.0f;
     }
   }
-  detail::RunningTopK heaps[kQueryBlock];
-  for (int64_t r = 0; r < rows; ++r) heaps[r] = detail::RunningTopK(candidates + r * capacity, capacity);
+  detail::RunningTopK best[kQueryBlock];
+  const int64_t slots = detail::RunningTopK::slots(capacity);
+  for (int64_t r = 0; r < rows; ++r) best[r] = detail::RunningTopK(candidates + r * slots, capacity);
 
   const float scale = static_cast<float>(p.scale);
   const int64_t key_stride = a.k.strides[1];
   for (int64_t j0 = item.first_key; j0 < last_key; j0 += kKeyBlock) {
     const int64_t block_keys = std::min(kKeyBlock, last_key - j0);
+    if (p.bf16_dots) {  // bfloat16 keys read in place, the head logits on vdpbf16ps
+      if constexpr (std::is_same_v<T, bfloat16>) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t count = std::min(block_keys, row_end_key[r] - j0);
+          if (count <= 0) continue;
+          // Every column up to heads_pad: the zero query columns give 0 there, which the
+          // zero weights then keep out of the sum (garbage there could be NaN).
+          bf16dot::ScoresTransposed(&a.k(item.batch, j0, 0), key_stride, static_cast<size_t>(count), d,
+                                    scratch.query_pairs.data() + static_cast<size_t>(r) * (d + 1) / 2 * scratch.q_ld,
+                                    scratch.q_ld, heads_pad, 1.0f, scratch.logits.get(), heads_pad);
+          OfferScores(scratch.logits.get(), heads_pad, scratch.weights.get() + static_cast<size_t>(r) * heads_pad,
+                      scale, j0, count, best[r]);
+        }
+      }
+      continue;
+    }
     // The block is copied (widened) into scratch even for float keys: the product then
     // broadcasts from a block the copy just streamed into cache, which measured ~10–15%
     // faster for one decode row than broadcasting from the keys in place (the first of
@@ -243,14 +274,15 @@ void RunItem(const detail::IndexTopkProblem<T>& p, const index_topk_plan::Item& 
            scratch.queries_t.get() + static_cast<size_t>(r) * d * heads_pad, heads_pad, scratch.logits.get(),
            heads_pad, /*accumulate=*/false);
       OfferScores(scratch.logits.get(), heads_pad, scratch.weights.get() + static_cast<size_t>(r) * heads_pad,
-                  scale, j0, count, heaps[r]);
+                  scale, j0, count, best[r]);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     if (write_out) {
-      heaps[r].write_sorted(&a.indices(item.batch, item.first_row + r, 0), a.indices.strides[2], p.topk);
+      best[r].write_sorted(&a.indices(item.batch, item.first_row + r, 0), a.indices.strides[2], p.topk);
     } else {
-      counts[r] = heaps[r].size();
+      best[r].finish();  // the best `capacity` first: what the merge reads
+      counts[r] = best[r].size();
     }
   }
 }
@@ -265,7 +297,7 @@ void MergeRow(const detail::IndexTopkProblem<T>& p, const index_topk_plan::Plan&
   for (int64_t split = 0; split < plan.splits; ++split) {
     const int64_t item = (b * row_blocks + block) * plan.splits + split;
     const int64_t slot = item * kQueryBlock + r;
-    const uint64_t* keys = split_candidates + slot * capacity;
+    const uint64_t* keys = split_candidates + slot * detail::RunningTopK::slots(capacity);
     for (int64_t t = 0; t < split_counts[slot]; ++t) row.offer(keys[t]);
   }
   row.write_sorted(&p.args.indices(b, i, 0), p.args.indices.strides[2], p.topk);
@@ -290,17 +322,18 @@ void IndexTopkImpl(const detail::IndexTopkProblem<T>& p) {
   std::vector<IndexScratch> scratch;
   scratch.reserve(static_cast<size_t>(threads));
   for (int t = 0; t < threads; ++t)
-    scratch.emplace_back(static_cast<size_t>(p.head_dim), heads_pad, capacity, !split);
+    scratch.emplace_back(static_cast<size_t>(p.head_dim), heads_pad, capacity, !split, p.bf16_dots);
   // Split keys: each item's candidates live until the merge.
-  std::vector<uint64_t> split_candidates(split ? plan.items.size() * kQueryBlock * static_cast<size_t>(capacity) : 0);
+  const int64_t slots = detail::RunningTopK::slots(capacity);
+  std::vector<uint64_t> split_candidates(split ? plan.items.size() * kQueryBlock * static_cast<size_t>(slots) : 0);
   std::vector<int64_t> split_counts(split ? plan.items.size() * kQueryBlock : 0);
   std::vector<std::vector<uint64_t>> merged(split ? static_cast<size_t>(threads) : 0);
-  for (auto& m : merged) m.resize(static_cast<size_t>(capacity));
+  for (auto& m : merged) m.resize(static_cast<size_t>(slots));
 
   auto run_item = [&](int64_t t, int thread) {
     const auto& item = plan.items[static_cast<size_t>(t)];
     if (split) {
-      RunItem(p, item, heads_pad, scratch[thread], split_candidates.data() + t * kQueryBlock * capacity,
+      RunItem(p, item, heads_pad, scratch[thread], split_candidates.data() + t * kQueryBlock * slots,
               split_counts.data() + t * kQueryBlock, capacity, false);
     } else {
       RunItem(p, item, heads_pad, scratch[thread], scratch[thread].candidates.data(), nullptr, capacity, true);

@@ -15,9 +15,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <set>
 #include <vector>
 
+#include "cpu/dot_products.hpp"
+#include "forced_vdpbf16ps.hpp"
 #include "simd_targets.hpp"
 #include "test_support.hpp"
 #include "qkv/index_topk.hpp"
@@ -170,6 +173,63 @@ TEST(IndexTopk, HalfStorage) {
   Case c{.batch = 1, .q_len = 11, .k_len = 400, .heads = 8, .head_dim = 32, .topk = 64, .causal = Causal::bottom_right};
   expect_matches_reference<bfloat16>(c);
   expect_matches_reference<float16>(c);
+}
+
+// bfloat16 q and k with Precision::fast: on vdpbf16ps where the CPU has it (forced on
+// here, on every SIMD target: the unit's kernels are the same, the score pass around them
+// the target's), and on the float32 FMAs forced off and with Precision::exact. Pairs of
+// exact products summed in float32 lanes: the comparison rule above holds as it is (di
+// float32 roundings per dot product). Shapes: heads not a multiple of 16 (zero query
+// columns past Hi), an odd di (a zero partner pads the last pair), key lengths, every
+// causal mode, and a decode row whose keys are split across items.
+std::vector<Case> bf16_dot_cases() {
+  return {Case{.batch = 1, .q_len = 11, .k_len = 400, .heads = 64, .head_dim = 128, .topk = 64,
+               .causal = Causal::bottom_right},
+          Case{.batch = 3, .q_len = 13, .k_len = 261, .heads = 17, .head_dim = 37, .topk = 40,
+               .causal = Causal::top_left, .key_lengths = {261, 0, 100}, .seed = 5},
+          Case{.batch = 2, .q_len = 9, .k_len = 300, .heads = 5, .head_dim = 19, .topk = 17, .seed = 7},
+          Case{.batch = 1, .q_len = 1, .k_len = 5000, .heads = 16, .head_dim = 64, .topk = 300,
+               .causal = Causal::bottom_right, .seed = 11}};
+}
+
+TEST(IndexTopk, Bfloat16OnTheDotUnitAndOff) {
+  const auto check_all = [](Precision precision) {
+    for (const Case& c : bf16_dot_cases()) {
+      SCOPED_TRACE(testing::Message() << "heads " << c.heads << " di " << c.head_dim << " Nq " << c.q_len);
+      const Inputs<bfloat16> in(c);
+      for_each_simd_target([&](int64_t) {
+        Tensor<int32_t, 3> out({c.batch, c.q_len, c.topk});
+        AttentionOptions o = options_of(c, Backend::cpu, 2);
+        o.precision = precision;
+        index_topk(in.args(out), o);
+        expect_valid_topk(c, in, out);
+      });
+    }
+  };
+  if (cpu::cpu_has_bf16_dot()) {
+    const ForcedVdpbf16ps forced;
+    check_all(Precision::fast);
+  }
+  cpu::set_dot_products_for_test(false);
+  check_all(Precision::fast);
+  cpu::set_dot_products_for_test(std::nullopt);
+  check_all(Precision::exact);
+}
+
+TEST(IndexTopk, Bfloat16OnTheDotUnitSameBitsForAnyThreadCount) {
+  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  const ForcedVdpbf16ps forced;
+  for (int64_t q_len : {1, 40}) {
+    Case c{.batch = 2, .q_len = q_len, .k_len = 3000, .heads = 33, .head_dim = 24, .topk = 100,
+           .causal = Causal::bottom_right, .seed = 13};
+    const Inputs<bfloat16> in(c);
+    const Tensor<int32_t, 3> one = run(c, in, Backend::cpu, 1);
+    expect_valid_topk(c, in, one);
+    for (int threads : {2, 3, 8}) {
+      const Tensor<int32_t, 3> many = run(c, in, Backend::cpu, threads);
+      for (std::size_t x = 0; x < one.size(); ++x) ASSERT_EQ(one[x], many[x]) << "threads " << threads;
+    }
+  }
 }
 
 TEST(IndexTopk, TopkAtLeastAllowedKeysPadsWithMinusOne) {

@@ -168,3 +168,27 @@ def test_torch_operator_compiles_and_passes_opcheck():
     torch.library.opcheck(torch.ops.qkv.index_topk.default, (q, k, w, 5, None, "bottom_right", None, None))
     compiled = torch.compile(lambda q, k, w: qkv.index_topk(q, k, w, 5), fullgraph=True)
     assert torch.equal(compiled(q, k, w), eager)
+
+
+@pytest.mark.parametrize("nq, nk", [(1, 9000), (21, 333)])
+def test_bf16_precision_fast_and_exact(nq, nk):
+    """bfloat16 q and k: "fast" (the default; on an AVX512-BF16 AMD CPU each head's logit is
+    summed on vdpbf16ps from exact products) and "exact" (the float32 FMAs) both meet the
+    float32 rule above: the same scores up to float32 summation order. Either is the same
+    for any thread count; a bad precision is refused by name; under torch.compile only the
+    default is taken (the operator does not carry it)."""
+    q, k, w = inputs(1, nq, nk, 64, 128, torch.bfloat16, seed=3)
+    for precision in (None, "fast", "exact"):
+        got = qkv.index_topk(q, k, w, 256, precision=precision, threads=2)
+        check_against_torch(q, k, w, got, 256)
+        assert torch.equal(got, qkv.index_topk(q, k, w, 256, precision=precision, threads=1))
+    with pytest.raises(qkv.Error, match="precision"):
+        qkv.index_topk(q, k, w, 4, precision="fastest")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode, pytest.raises(NotImplementedError, match="precision= is not traced"):
+        qkv.index_topk(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(w), 4, precision="exact")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="precision= is not traced"):
+        torch.compile(lambda q: qkv.index_topk(q, k, w, 4, precision="exact"), fullgraph=True,
+                      backend="eager")(q)
