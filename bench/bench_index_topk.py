@@ -8,7 +8,7 @@ cases: "prefill" (Nq = Nk = 4096, causal), "decode" (Nq = 1 against 32k and 128k
 qkv's default precision takes vdpbf16ps where that is the CPU's bf16 unit; PyTorch's formula
 upcasts them to float32 as transformers does) and "cache" (the same decode step through
 qkv.KVCache.index_topk over a bfloat16 cache of index keys, paged in blocks of 64, against
-the formula on its stored keys).
+the formula on its stored keys; "cache-bf16" with bfloat16 q, vdpbf16ps as above).
 
 FLOPs: 2·B·Hi·di·(allowed pairs) for the scores (the causal prefill counts only allowed
 pairs for qkv; PyTorch's formula computes all Nq·Nk). Peak memory of the PyTorch formula:
@@ -43,7 +43,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cases", default="prefill,decode,decode-bf16,cache")
+    parser.add_argument("--cases", default="prefill,decode,decode-bf16,cache,cache-bf16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"cpu: {cpu_model()}; threads {args.threads}; load {os.getloadavg()}")
@@ -54,7 +54,9 @@ def main():
              ("decode, bf16 q and k", "decode-bf16", 1, 1, 32768, 64, 128, 2048, True),
              ("decode, bf16 q and k", "decode-bf16", 1, 1, 131072, 64, 128, 2048, True),
              ("decode, bf16 paged cache", "cache", 1, 1, 32768, 64, 128, 2048, True),
-             ("decode, bf16 paged cache", "cache", 1, 1, 131072, 64, 128, 2048, True)]
+             ("decode, bf16 paged cache", "cache", 1, 1, 131072, 64, 128, 2048, True),
+             ("decode, bf16 paged cache, bf16 q", "cache-bf16", 1, 1, 32768, 64, 128, 2048, True),
+             ("decode, bf16 paged cache, bf16 q", "cache-bf16", 1, 1, 131072, 64, 128, 2048, True)]
     for name, kind, batch, nq, nk, heads, di, topk, causal in cases:
         if kind not in wanted:
             continue
@@ -64,7 +66,9 @@ def main():
         w = torch.randn(batch, nq, heads, generator=g) * heads ** -0.5
         if kind == "decode-bf16":
             q, k = q.bfloat16(), k.bfloat16()
-        if kind == "cache":  # the keys as the cache stores them (bfloat16), for both sides
+        if kind == "cache-bf16":
+            q = q.bfloat16()
+        if kind in ("cache", "cache-bf16"):  # the keys as the cache stores them (bfloat16), for both sides
             cache = qkv.KVCache(batch, nk, 1, di, v_dim=1, dtype="bfloat16", paged=True, block_size=64)
             cache.append(k[:, None], torch.zeros(batch, 1, nk, 1))
             k = torch.stack([torch.from_numpy(cache.stored(b)[0][0]) for b in range(batch)])

@@ -186,7 +186,7 @@ def eager_index_topk(q, k, weights, topk, *, scale, causal, key_lengths, threads
     return indices
 
 
-def eager_cache_index_topk(cache, q, weights, topk, *, scale, causal, threads):
+def eager_cache_index_topk(cache, q, weights, topk, *, scale, causal, threads, precision=None):
     """qkv.KVCache.index_topk's library call: the indexer against the keys of `cache` (the
     extension's KVCache), q ``[B, Nq, Hi, di]`` and weights ``[B, Nq, Hi]`` of one framework."""
     fn = "qkv.KVCache.index_topk"
@@ -195,7 +195,7 @@ def eager_cache_index_topk(cache, q, weights, topk, *, scale, causal, threads):
     for name, x, rank, axes in (("q", q, 4, "[batch, seq, heads, dim]"), ("weights", weights, 3, "[batch, seq, heads]")):
         if x.ndim != rank:
             raise Error(f"{fn}: {name}: expected {rank} dimensions {axes}, got shape {tuple(x.shape)}")
-    options = make_options(fn, fw, scale=scale, causal=causal, threads=threads)
+    options = make_options(fn, fw, scale=scale, causal=causal, threads=threads, precision=precision)
     if fw is Torch:
         import torch
 
@@ -205,5 +205,8 @@ def eager_cache_index_topk(cache, q, weights, topk, *, scale, causal, threads):
     else:
         weights = weights if weights.dtype == np.float32 else weights.astype(np.float32)
         indices = np.empty((q.shape[0], q.shape[1], count), dtype=np.int32)
-    _qkv.cache_index_topk(cache, q, weights, indices, options)
+    bits = fw.bfloat16_bits(q)
+    if bits:  # NumPy cannot describe bfloat16: the library reads an int16 view of the bits
+        (q,) = NumPy.bits_views(q)
+    _qkv.cache_index_topk(cache, q, weights, indices, options, bits)
     return indices

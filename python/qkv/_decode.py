@@ -361,12 +361,14 @@ class KVCache:
         self._cache.attend(q_lib, out_lib, lse=lse, indices=_decode_eager.key_lists(indices), options=options)
         return _decode_eager.result(q, out, work, lse)
 
-    def index_topk(self, q, weights, topk, *, scale=None, causal="bottom_right", threads=None):
+    def index_topk(self, q, weights, topk, *, scale=None, causal="bottom_right", threads=None, precision=None):
         """DeepSeek's lightning indexer (``qkv.index_topk``) with this cache's keys as the
         indexer's keys: a cache of index keys (``kv_heads=1``, ``head_dim=di``; its values are
         never read, so make it with ``v_dim=1``). q ``[B, Nq, Hi, di]`` and weights
-        ``[B, Nq, Hi]`` in the indexer's shapes whatever the cache's layout (q float32;
-        weights any float, used as float32), NumPy or CPU torch. Returns int32
+        ``[B, Nq, Hi]`` in the indexer's shapes whatever the cache's layout (q float32 or
+        bfloat16; weights any float, used as float32), NumPy or CPU torch. precision as in
+        ``qkv.index_topk``: bfloat16 q over a bfloat16 cache takes vdpbf16ps with "fast"
+        (the default) where that is the CPU's bf16 unit. Returns int32
         ``[B, Nq, topk]``: sequence b's top keys among its cached ones by descending
         ``Σ_h weights·relu(scale·q·k)``, ties to the lower index, -1 past the keys a row may
         see. causal ``"bottom_right"`` (the default: row i sees keys
@@ -375,7 +377,8 @@ class KVCache:
         Eager only (no torch.compile operator)."""
         from ._core import eager_cache_index_topk
 
-        return eager_cache_index_topk(self._cache, q, weights, topk, scale=scale, causal=causal, threads=threads)
+        return eager_cache_index_topk(self._cache, q, weights, topk, scale=scale, causal=causal, threads=threads,
+                                      precision=precision)
 
     def reset(self, seq=None):
         """Empties one sequence (or all); a paged cache gets their blocks back."""

@@ -38,14 +38,23 @@ void index_topk_binding(nb::handle q, nb::handle k, nb::handle weights, nb::hand
   with_storage(call, [&]<class T>() { index_topk_typed<T>(qa, ka, wa, ia, options, call.bits); });
 }
 
-// KVCache.index_topk: the indexer over a cache of index keys; q and weights float32.
+// KVCache.index_topk: the indexer over a cache of index keys; q float32 or bfloat16
+// (bfloat16_bits: ml_dtypes arrays as int16 views), weights float32.
 void cache_index_topk_binding(const CacheObject& cache, nb::handle q, nb::handle weights, nb::handle indices,
-                              const BoundOptions& bound) {
+                              const BoundOptions& bound, bool bfloat16_bits) {
   const Caller caller(bound.function.c_str());
   const AttentionOptions options = bound.for_call();
-  const auto qv = view_of<const float, 4>("q", ArrayRef::from(q, false, "q"), "queries are float32");
+  const ArrayRef qa = ArrayRef::from(q, false, "q");
+  const bool bf16 = bfloat16_bits || qa.dtype() == dlpack_dtype<bfloat16>();
   const auto wv = view_of<const float, 3>("weights", ArrayRef::from(weights, false, "weights"), "float32 for this q");
   const auto iv = view_of<int32_t, 3>("indices", ArrayRef::from(indices, true, "indices"), "the indices are int32");
+  if (bf16) {
+    const auto qv = view_of<const bfloat16, 4>("q", qa, "queries are float32 or bfloat16", bfloat16_bits);
+    nanobind::gil_scoped_release release;
+    cache.cache->index_topk(qv, wv, iv, options);
+    return;
+  }
+  const auto qv = view_of<const float, 4>("q", qa, "queries are float32 or bfloat16");
   nanobind::gil_scoped_release release;
   cache.cache->index_topk(qv, wv, iv, options);
 }
@@ -60,8 +69,9 @@ void bind_index_topk(nanobind::module_& m) {
         "(float64 for float64 q), read in place); writes the int32 indices [B, Nq, topk] in place. The GIL is "
         "released while computing.");
   m.def("cache_index_topk", &cache_index_topk_binding, nb::arg("cache"), nb::arg("q"), nb::arg("weights"),
-        nb::arg("indices"), nb::arg("options"),
-        "qkv::KVCache::index_topk: q [B, Nq, Hi, di] and weights [B, Nq, Hi] float32 against the cache's keys "
+        nb::arg("indices"), nb::arg("options"), nb::arg("bfloat16_bits") = false,
+        "qkv::KVCache::index_topk: q [B, Nq, Hi, di] (float32 or bfloat16) and weights [B, Nq, Hi] float32 "
+        "against the cache's keys "
         "(kv_heads 1, head_dim di); writes the int32 indices [B, Nq, topk] in place. The GIL is released while "
         "computing.");
 }

@@ -4,9 +4,11 @@
 #include <mutex>
 #include <new>
 #include <shared_mutex>
+#include <type_traits>
 
 #include "core/attention_rules.hpp"
 #include "core/index_topk_problem.hpp"
+#include "cpu/dot_products.hpp"
 #include "qkv/error.hpp"
 #include "qkv/kv_cache.hpp"
 #include "reference/key_values.hpp"
@@ -25,21 +27,42 @@ void cache_key_row(const KvSource& kv, int64_t b, int64_t j, float* out) {
 
 }  // namespace detail
 
-void KVCache::index_topk(View4<const float> q, View3<const float> weights, View3<int32_t> indices,
-                         const AttentionOptions& options) const {
-  // Shared, as attend: never beside an append or reset, whose lengths and rows it reads.
-  const std::shared_lock lock(*mutex_);
-  const detail::KvSource kv = source();
-  const detail::IndexCacheShape shape{config_.batch, config_.kv_heads, config_.head_dim, lengths_};
-  const detail::IndexTopkProblem<float> problem =
-      detail::validate_index_topk_cache(kv, shape, IndexTopkArgs<float>{q, {}, weights, indices}, options);
+namespace {
+
+template <class T>
+void cache_index_topk(const detail::KvSource& kv, const detail::IndexCacheShape& shape, View4<const T> q,
+                      View3<const float> weights, View3<int32_t> indices, const AttentionOptions& options) {
+  detail::IndexTopkProblem<T> problem =
+      detail::validate_index_topk_cache(kv, shape, IndexTopkArgs<T>{q, {}, weights, indices}, options);
   const Backend backend = resolve_backend(options, /*is_double=*/false, /*wants_weights=*/false);
+  // bf16 queries over plain bf16 rows (no float window: its rows are float32) take
+  // vdpbf16ps where it is the call's unit, as qkv::index_topk's bf16 calls do.
+  if constexpr (std::is_same_v<T, bfloat16>)
+    problem.bf16_dots = backend == Backend::cpu && kv.type == StorageType::bfloat16 && !kv.windowed() &&
+                        cpu::bf16_unit(options.precision) == cpu::Bf16Unit::avx512_bf16;
   try {
     if (backend == Backend::cpu) return cpu::index_topk(problem);
     reference::index_topk(problem);
   } catch (const std::bad_alloc&) {
     throw Error("qkv::KVCache::index_topk: out of memory for the running top-k's workspace");
   }
+}
+
+}  // namespace
+
+void KVCache::index_topk(View4<const float> q, View3<const float> weights, View3<int32_t> indices,
+                         const AttentionOptions& options) const {
+  // Shared, as attend: never beside an append or reset, whose lengths and rows it reads.
+  const std::shared_lock lock(*mutex_);
+  cache_index_topk(source(), detail::IndexCacheShape{config_.batch, config_.kv_heads, config_.head_dim, lengths_}, q,
+                   weights, indices, options);
+}
+
+void KVCache::index_topk(View4<const bfloat16> q, View3<const float> weights, View3<int32_t> indices,
+                         const AttentionOptions& options) const {
+  const std::shared_lock lock(*mutex_);
+  cache_index_topk(source(), detail::IndexCacheShape{config_.batch, config_.kv_heads, config_.head_dim, lengths_}, q,
+                   weights, indices, options);
 }
 
 }  // namespace qkv

@@ -50,8 +50,10 @@ struct IndexCacheShape {
 // The cache form (KVCache::index_topk): q float, the keys from `cache` (kept alive by the
 // caller for the problem's life), the cache lengths as key lengths; messages name
 // qkv::KVCache::index_topk.
-IndexTopkProblem<float> validate_index_topk_cache(const KvSource& cache, const IndexCacheShape& shape,
-                                                  const IndexTopkArgs<float>& args, const AttentionOptions& options);
+// T: the queries' type, float or bfloat16 (the weights are float either way).
+template <class T>
+IndexTopkProblem<T> validate_index_topk_cache(const KvSource& cache, const IndexCacheShape& shape,
+                                              const IndexTopkArgs<T>& args, const AttentionOptions& options);
 
 // The rank of a float score as an unsigned integer, so that integer order is the
 // indexer's order: numbers ascending (−0 taken as +0), every NaN above +inf (torch.topk's

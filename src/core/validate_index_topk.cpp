@@ -78,8 +78,9 @@ IndexTopkProblem<T> validate_index_topk(const IndexTopkArgs<T>& args, const Atte
   return problem;
 }
 
-IndexTopkProblem<float> validate_index_topk_cache(const KvSource& cache, const IndexCacheShape& shape,
-                                                  const IndexTopkArgs<float>& args, const AttentionOptions& options) {
+template <class T>
+IndexTopkProblem<T> validate_index_topk_cache(const KvSource& cache, const IndexCacheShape& shape,
+                                              const IndexTopkArgs<T>& args, const AttentionOptions& options) {
   const Checker check("qkv::KVCache::index_topk");
   if (shape.kv_heads != 1) {
     check.fail("the cache has config.kv_heads = " + std::to_string(shape.kv_heads) +
@@ -106,7 +107,7 @@ IndexTopkProblem<float> validate_index_topk_cache(const KvSource& cache, const I
   }
   refuse_unused_options(check, options);
 
-  IndexTopkProblem<float> problem;
+  IndexTopkProblem<T> problem;
   problem.args = args;
   problem.args.k = {};
   problem.cache = &cache;
@@ -127,7 +128,7 @@ IndexTopkProblem<float> validate_index_topk_cache(const KvSource& cache, const I
   problem.mask.sequences.dense_k_len = problem.k_len;
   problem.mask.key_lengths = shape.lengths;
   if (options.execution.check_finite) {
-    check.expect_finite<float>(q);
+    check.expect_finite<T>(q);
     check.expect_finite<float>(weights);
   }
   check_backend(check, options, /*is_double=*/false, /*wants_weights=*/false);
@@ -140,5 +141,11 @@ template IndexTopkProblem<float> validate_index_topk(const IndexTopkArgs<float>&
 template IndexTopkProblem<double> validate_index_topk(const IndexTopkArgs<double>&, const AttentionOptions&);
 template IndexTopkProblem<bfloat16> validate_index_topk(const IndexTopkArgs<bfloat16>&, const AttentionOptions&);
 template IndexTopkProblem<float16> validate_index_topk(const IndexTopkArgs<float16>&, const AttentionOptions&);
+
+template IndexTopkProblem<float> validate_index_topk_cache(const KvSource&, const IndexCacheShape&,
+                                                           const IndexTopkArgs<float>&, const AttentionOptions&);
+template IndexTopkProblem<bfloat16> validate_index_topk_cache(const KvSource&, const IndexCacheShape&,
+                                                              const IndexTopkArgs<bfloat16>&,
+                                                              const AttentionOptions&);
 
 }  // namespace qkv::detail

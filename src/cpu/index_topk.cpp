@@ -246,11 +246,26 @@ void RunItem(const detail::IndexTopkProblem<T>& p, const index_topk_plan::Item& 
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t count = std::min(block_keys, row_end_key[r] - j0);
           if (count <= 0) continue;
+          const uint32_t* pairs = scratch.query_pairs.data() + static_cast<size_t>(r) * (d + 1) / 2 * scratch.q_ld;
           // Every column up to heads_pad: the zero query columns give 0 there, which the
-          // zero weights then keep out of the sum (garbage there could be NaN).
-          bf16dot::ScoresTransposed(&a.k(item.batch, j0, 0), key_stride, static_cast<size_t>(count), d,
-                                    scratch.query_pairs.data() + static_cast<size_t>(r) * (d + 1) / 2 * scratch.q_ld,
-                                    scratch.q_ld, heads_pad, 1.0f, scratch.logits.get(), heads_pad);
+          // zero weights then keep out of the sum (garbage there could be NaN). A cache's
+          // rows one run of evenly strided rows (a page) at a time.
+          for (int64_t m = 0; m < count;) {
+            const int64_t j = j0 + m;
+            int64_t run = count - m;
+            const bfloat16* rows_at = nullptr;
+            int64_t row_stride = key_stride;
+            if (p.cache != nullptr) {
+              run = std::min(run, p.cache->run_end(j) - j);
+              rows_at = static_cast<const bfloat16*>(p.cache->k) + p.cache->offset(p.cache->k_strides, item.batch, j, 0);
+              row_stride = p.cache->k_strides.row;
+            } else {
+              rows_at = &a.k(item.batch, j, 0);
+            }
+            bf16dot::ScoresTransposed(rows_at, row_stride, static_cast<size_t>(run), d, pairs, scratch.q_ld, heads_pad,
+                                      1.0f, scratch.logits.get() + static_cast<size_t>(m) * heads_pad, heads_pad);
+            m += run;
+          }
           OfferScores(scratch.logits.get(), heads_pad, scratch.weights.get() + static_cast<size_t>(r) * heads_pad,
                       scale, j0, count, best[r]);
         }

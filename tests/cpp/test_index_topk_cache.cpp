@@ -9,10 +9,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "cache_test_support.hpp"
+#include "cpu/dot_products.hpp"
+#include "forced_vdpbf16ps.hpp"
 #include "simd_targets.hpp"
 #include "test_support.hpp"
 #include "qkv/index_topk.hpp"
@@ -136,6 +139,54 @@ TEST(IndexTopkCache, EqualsIndexTopkOverTheStoredKeysEveryStorageAndLayout) {
         for (int64_t b = 0; b < 2; ++b)
           for (int64_t i = 0; i < q_len; ++i) EXPECT_EQ(cpu(b, i, 0), ref_stored(b, i, 0));
       }
+}
+
+// bfloat16 queries (a bf16 model's) over every storage: the same bits as qkv::index_topk
+// over the stored keys — with the float32 FMAs (the queries widened exactly; the unit
+// forced off, or Precision::exact), and for a bfloat16 cache with the unit forced on,
+// the dense bfloat16 call on vdpbf16ps over the same bf16 rows (each key's logit summed
+// in the same order whether its rows come a page or a block at a time).
+TEST(IndexTopkCache, Bfloat16QueriesEqualTheDenseCallEveryStorage) {
+  const int64_t di = 32, heads = 8, topk = 96;
+  const auto check = [&](bool dots, Precision precision) {
+    for (const Storage& s : storages())
+      for (bool paged : {false, true}) {
+        SCOPED_TRACE(testing::Message() << s.name << (paged ? " paged" : " contiguous") << (dots ? " dots" : "")
+                                        << (precision == Precision::exact ? " exact" : ""));
+        const KVCache cache = index_cache(s, paged, di, {700, 333}, 13);
+        const Query in(2, 3, heads, di, 23);
+        Tensor<bfloat16, 4> q16(in.q.shape());
+        Tensor<float, 4> q_wide(in.q.shape());
+        for (std::size_t x = 0; x < q16.size(); ++x) q_wide[x] = static_cast<float>(q16[x] = bfloat16(in.q[x]));
+        AttentionOptions o = options(Backend::cpu, 2);
+        o.precision = precision;
+        const Tensor<float, 3> k = stored_keys(cache);
+        const std::vector<int64_t> lengths(cache.lengths().begin(), cache.lengths().end());
+        AttentionOptions dense = o;
+        dense.key_lengths = lengths;
+        Tensor<int32_t, 3> want({2, 3, topk});
+        if (dots && s.dtype == StorageType::bfloat16 && precision == Precision::fast) {
+          Tensor<bfloat16, 3> k16(k.shape());
+          for (std::size_t x = 0; x < k.size(); ++x) k16[x] = bfloat16(k[x]);  // exact: stored bf16 values
+          index_topk(IndexTopkArgs<bfloat16>{q16.cview(), k16.cview(), in.weights.cview(), want.view()}, dense);
+        } else {
+          index_topk(IndexTopkArgs<float>{q_wide.cview(), k.cview(), in.weights.cview(), want.view()}, dense);
+        }
+        for_each_simd_target([&](int64_t) {
+          Tensor<int32_t, 3> got({2, 3, topk});
+          cache.index_topk(q16.cview(), in.weights.cview(), got.view(), o);
+          expect_same(got, want, "bf16 q");
+        });
+      }
+  };
+  cpu::set_dot_products_for_test(false);
+  check(false, Precision::fast);
+  cpu::set_dot_products_for_test(std::nullopt);
+  check(false, Precision::exact);
+  if (cpu::cpu_has_bf16_dot()) {
+    const ForcedVdpbf16ps forced;
+    check(true, Precision::fast);
+  }
 }
 
 TEST(IndexTopkCache, SameBitsForAnyThreadCountWithSplitKeys) {

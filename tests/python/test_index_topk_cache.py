@@ -78,3 +78,30 @@ def test_errors_name_the_function_and_argument():
     attention_cache = qkv.KVCache(2, 8, 2, 8)
     with pytest.raises(qkv.Error, match=r"config.kv_heads = 2"):
         attention_cache.index_topk(q, w, 4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_bf16_queries_both_precisions(dtype, paged):
+    """bfloat16 q (a bf16 model's): over a bf16 cache "fast" (the default) takes vdpbf16ps
+    where that is the CPU's bf16 unit and equals qkv.index_topk with the same bf16 q over the
+    stored keys as bf16 (the same call, the same bits); "exact", and other storages, equal
+    the float32 call with q widened. All meet test_index_topk.py's float32 rule; ml_dtypes
+    bfloat16 arrays give the torch tensors' bits."""
+    import ml_dtypes
+
+    lengths, di, heads, topk = [3000, 90], 64, 64, 128
+    cache = index_cache(lengths, di, paged=paged, dtype=dtype)
+    q, _, w = inputs(2, 3, 1, heads, di, torch.bfloat16, seed=5)
+    k = stored_keys(cache, lengths, di)
+    for precision in ("fast", "exact"):
+        got = cache.index_topk(q, w, topk, threads=2, precision=precision)
+        check_against_torch(q, k, w, got, topk, key_lengths=lengths)
+        if dtype == "bfloat16" and precision == "fast":
+            want = qkv.index_topk(q, k.bfloat16(), w, topk, key_lengths=lengths, threads=2)
+        else:
+            want = qkv.index_topk(q.float(), k, w, topk, key_lengths=lengths, threads=2)
+        assert torch.equal(got, want), precision
+        as_numpy = q.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        assert np.array_equal(cache.index_topk(as_numpy, w.numpy(), topk, threads=1, precision=precision),
+                              got.numpy())
