@@ -26,9 +26,14 @@ bool split_k_shape(const detail::Extents& extents, const detail::MaskRule& mask,
 // describes (the tiled schedule reads args.k / args.v), and split_k_shape calls that ask
 // for no statistics. The one place the forward's schedule is chosen.
 bool runs_split_k(const detail::ForwardProblem<float>& problem);
+// The 16-bit storage types: split_k_shape calls with Precision::fast asking for no
+// statistics or weights, run by split_k_half (the queries widened, the output rounded once).
+template <class T>
+bool runs_split_k(const detail::ForwardProblem<T>& problem);
+template <class T>
+void split_k_half(const detail::ForwardProblem<T>& problem);
 
-// The tiled forward schedule itself (forward.cpp), whatever runs_split_k says: the
-// backward of a split_k_shape call recomputes its LSE with it (backward.cpp).
+// The tiled forward schedule itself (forward.cpp), whatever runs_split_k says.
 void tiled_forward(const detail::ForwardProblem<float>& problem);
 
 struct DecodePlan;  // cpu/decode_plan.hpp

@@ -476,10 +476,12 @@ void tiled_forward(const detail::ForwardProblem<float>& problem) {
   HWY_DYNAMIC_DISPATCH(ForwardFloat32)(problem);
 }
 void forward(const detail::ForwardProblem<bfloat16>& problem) {
+  if (runs_split_k(problem)) return split_k_half(problem);  // forward_schedule.cpp
   apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(ForwardBfloat16)(problem);
 }
 void forward(const detail::ForwardProblem<float16>& problem) {
+  if (runs_split_k(problem)) return split_k_half(problem);
   apply_simd_target_override();
   HWY_DYNAMIC_DISPATCH(ForwardFloat16)(problem);
 }

@@ -4,6 +4,13 @@
 //   split-K  (decode.cpp)   — few queries against many keys: each K/V head read once for the
 //                             query heads of its GQA group, the keys split in fixed chunks
 //                             merged by LSE; any key/value source (paged, int8, 16-bit).
+// bfloat16 / float16 calls of that shape with Precision::fast take the split-K schedule too
+// (its float queries and output around it); Precision::exact keeps the tiled one, bit for
+// bit as before.
+#include <cstddef>
+#include <vector>
+
+#include "cpu/cpu_backend.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/decode_plan.hpp"
 
@@ -32,5 +39,58 @@ bool runs_split_k(const detail::ForwardProblem<float>& p) {
   if (p.collect_stats || !p.args.weights.empty()) return false;
   return split_k_shape(p.extents, p.mask, p.modifiers);
 }
+
+template <class T>
+bool runs_split_k(const detail::ForwardProblem<T>& p) {
+  return p.precision == Precision::fast && p.kv_in_args() && !p.collect_stats && p.args.weights.empty() &&
+         split_k_shape(p.extents, p.mask, p.modifiers);
+}
+template bool runs_split_k(const detail::ForwardProblem<bfloat16>&);
+template bool runs_split_k(const detail::ForwardProblem<float16>&);
+
+template <class T>
+void split_k_half(const detail::ForwardProblem<T>& p) {
+  // A decode-shaped 16-bit call (transformers' decode step of a bf16 model: one query
+  // against the cache) on the tiled schedule packed K and V into bf16 pairs and ran
+  // vector-wide tiles for a handful of rows: ~3× the split-K schedule's time here, which
+  // reads each stored row once, in place. The queries are few: widened into float (exact),
+  // the output computed in float and rounded to T once, as the tiled schedule rounds it.
+  const detail::Extents& e = p.extents;
+  const auto q_len = static_cast<std::size_t>(e.q_len), heads = static_cast<std::size_t>(e.q_heads);
+  const auto d = static_cast<std::size_t>(e.head_dim), dv = static_cast<std::size_t>(e.v_dim);
+  const std::size_t rows = static_cast<std::size_t>(e.batch) * q_len * heads;
+  std::vector<float> q(rows * d), out(rows * dv);
+  for (int64_t b = 0; b < e.batch; ++b)
+    for (int64_t i = 0; i < e.q_len; ++i)
+      for (int64_t h = 0; h < e.q_heads; ++h) {
+        const T* from = &p.args.q(b, i, h, 0);
+        float* to = q.data() + ((static_cast<std::size_t>(b) * q_len + static_cast<std::size_t>(i)) * heads +
+                                static_cast<std::size_t>(h)) * d;
+        for (std::size_t c = 0; c < d; ++c) to[c] = static_cast<float>(from[c]);
+      }
+  detail::ForwardProblem<float> f;
+  f.extents = e;
+  f.scale = p.scale;
+  f.mask = p.mask;
+  f.modifiers = p.modifiers;
+  f.threads = p.threads;
+  f.fixed_key_split = p.fixed_key_split;
+  f.precision = p.precision;
+  f.args.q = View4<const float>::contiguous(q.data(), {e.batch, e.q_len, e.q_heads, e.head_dim});
+  f.args.out = View4<float>::contiguous(out.data(), {e.batch, e.q_len, e.q_heads, e.v_dim});
+  f.args.lse = p.args.lse;  // float for the 16-bit types: written in place
+  f.kv = detail::KvSource::of_views(storage_type_of<T>, p.args.k, p.args.v);
+  decode(f);
+  for (int64_t b = 0; b < e.batch; ++b)
+    for (int64_t i = 0; i < e.q_len; ++i)
+      for (int64_t h = 0; h < e.q_heads; ++h) {
+        const float* from = out.data() + ((static_cast<std::size_t>(b) * q_len + static_cast<std::size_t>(i)) * heads +
+                                          static_cast<std::size_t>(h)) * dv;
+        T* to = &p.args.out(b, i, h, 0);
+        for (std::size_t c = 0; c < dv; ++c) to[c] = T(from[c]);
+      }
+}
+template void split_k_half(const detail::ForwardProblem<bfloat16>&);
+template void split_k_half(const detail::ForwardProblem<float16>&);
 
 }  // namespace qkv::cpu
