@@ -173,7 +173,7 @@ class KVCache {
   // read in place, each exactly as stored() gives it. Takes the options index_topk takes
   // except key_lengths (the cache lengths). q may be bfloat16 (a bf16 model's): over a
   // bfloat16 cache, with Precision::fast where vdpbf16ps is the CPU's bf16 unit, the head
-  // logits run there as qkv::index_topk's do (docs/indexer.md). See docs/indexer.md.
+  // logits run there as qkv::index_topk's do. See docs/indexer.md.
   void index_topk(View4<const float> q, View3<const float> weights, View3<int32_t> indices,
                   const AttentionOptions& options = {}) const;
   void index_topk(View4<const bfloat16> q, View3<const float> weights, View3<int32_t> indices,
