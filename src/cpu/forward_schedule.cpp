@@ -7,6 +7,7 @@
 // bfloat16 / float16 calls of that shape with Precision::fast take the split-K schedule too
 // (its float queries and output around it); Precision::exact keeps the tiled one, bit for
 // bit as before.
+#include <algorithm>
 #include <cstddef>
 #include <vector>
 
@@ -56,17 +57,16 @@ void split_k_half(const detail::ForwardProblem<T>& p) {
   // reads each stored row once, in place. The queries are few: widened into float (exact),
   // the output computed in float and rounded to T once, as the tiled schedule rounds it.
   const detail::Extents& e = p.extents;
-  const auto q_len = static_cast<std::size_t>(e.q_len), heads = static_cast<std::size_t>(e.q_heads);
   const auto d = static_cast<std::size_t>(e.head_dim), dv = static_cast<std::size_t>(e.v_dim);
-  const std::size_t rows = static_cast<std::size_t>(e.batch) * q_len * heads;
+  const auto rows = static_cast<std::size_t>(e.batch * e.q_len * e.q_heads);
   std::vector<float> q(rows * d), out(rows * dv);
+  // q and out are contiguous [B, Nq, Hq, d | dv]: row r of them is (b, i, h) in that order.
+  float* q_row = q.data();
   for (int64_t b = 0; b < e.batch; ++b)
     for (int64_t i = 0; i < e.q_len; ++i)
-      for (int64_t h = 0; h < e.q_heads; ++h) {
+      for (int64_t h = 0; h < e.q_heads; ++h, q_row += d) {
         const T* from = &p.args.q(b, i, h, 0);
-        float* to = q.data() + ((static_cast<std::size_t>(b) * q_len + static_cast<std::size_t>(i)) * heads +
-                                static_cast<std::size_t>(h)) * d;
-        for (std::size_t c = 0; c < d; ++c) to[c] = static_cast<float>(from[c]);
+        std::transform(from, from + d, q_row, [](T x) { return static_cast<float>(x); });
       }
   detail::ForwardProblem<float> f;
   f.extents = e;
@@ -81,14 +81,11 @@ void split_k_half(const detail::ForwardProblem<T>& p) {
   f.args.lse = p.args.lse;  // float for the 16-bit types: written in place
   f.kv = detail::KvSource::of_views(storage_type_of<T>, p.args.k, p.args.v);
   decode(f);
+  const float* out_row = out.data();
   for (int64_t b = 0; b < e.batch; ++b)
     for (int64_t i = 0; i < e.q_len; ++i)
-      for (int64_t h = 0; h < e.q_heads; ++h) {
-        const float* from = out.data() + ((static_cast<std::size_t>(b) * q_len + static_cast<std::size_t>(i)) * heads +
-                                          static_cast<std::size_t>(h)) * dv;
-        T* to = &p.args.out(b, i, h, 0);
-        for (std::size_t c = 0; c < dv; ++c) to[c] = T(from[c]);
-      }
+      for (int64_t h = 0; h < e.q_heads; ++h, out_row += dv)
+        std::transform(out_row, out_row + dv, &p.args.out(b, i, h, 0), [](float x) { return T(x); });
 }
 template void split_k_half(const detail::ForwardProblem<bfloat16>&);
 template void split_k_half(const detail::ForwardProblem<float16>&);
