@@ -38,7 +38,7 @@
 // (as qkv::decode's per-tensor k_scale / v_scale do); k_pe's enters as the factor
 // kpe_scale / ckv_scale on q_pe (one float32 rounding), so equal scales give the bits of
 // qkv::decode over the combined [c_kv | k_pe] pool with that scale. FlashMLA's FP8 layout
-// (a scale per 128 latent values, k_pe in bf16) is not this: refused by its dtype mix.
+// (a scale per 128 latent values, k_pe in bf16, one record per token) is MlaRecordArgs below.
 //
 // Arithmetic: float32 (caches widened exactly), except a bfloat16 or float8 cache (every
 // float8 value is a bfloat16 value) with options.precision fast, at least 16 heads and no
@@ -77,10 +77,40 @@ struct MlaDecodeArgs {
   std::optional<float> ckv_scale, kpe_scale;
 };
 
+// FlashMLA's FP8 latent cache (vLLM's kv_cache_dtype "fp8_ds_mla", DeepSeek-V3.2 and GLM-5
+// with DeepSeek sparse attention): one record of dc + 4·dc/128 + 2·dr bytes per token —
+//   bytes [0, dc)                  c_kv as float8_e4m3fn
+//   bytes [dc, dc + 4·dc/128)      dc/128 float32 scales, one per 128 latent values
+//   the last 2·dr bytes            k_pe as bfloat16 (not quantized)
+// (656 bytes at DeepSeek's dc 512, dr 64); dc a multiple of 128. Latent value c of token j
+// is e4m3(c) · scale[c / 128] rounded to float32 once (exact when the scales are powers of
+// two, as DeepSeek's UE8M0 scales are); the result is attention over those stored values.
+//   ckv_cache  contiguous [B, capacity, record] or paged [num_blocks, block_size, record]
+//             uint8, rows contiguous (strides in bytes)
+// The rest as MlaDecodeArgs (no per-tensor scales: the records carry theirs). The same
+// options and errors; backend reference computes in double over the stored values.
+// Arithmetic: each block of records is widened into float32 rows in L1 (the stored
+// values) and the float32 kernels run on them; with options.precision fast, ≥ 16 heads,
+// no softcap and vdpbf16ps, a block whose stored values are all bfloat16 values (power-of-
+// two scales) takes the bf16 products instead (q rounded once, P once: the bf16 contract).
+struct MlaRecordArgs {
+  View4<const float> q_nope, q_pe;
+  View3<const std::uint8_t> ckv_cache;
+  std::span<const int64_t> cache_lengths;
+  TensorView<const int32_t, 2> block_table;  // empty: contiguous
+  View4<float> out;
+  View3<float> lse;    // optional
+  KeyIndices indices;  // optional, [B, Nq, topk]
+};
+
+// Bytes of one FlashMLA FP8 record for latent width dc and rotary width dr.
+constexpr int64_t mla_record_bytes(int64_t dc, int64_t dr) { return dc + 4 * (dc / 128) + 2 * dr; }
+
 void mla_decode(const MlaDecodeArgs<float>& args, const AttentionOptions& options);
 void mla_decode(const MlaDecodeArgs<bfloat16>& args, const AttentionOptions& options);
 void mla_decode(const MlaDecodeArgs<float16>& args, const AttentionOptions& options);
 void mla_decode(const MlaDecodeArgs<float8_e4m3fn>& args, const AttentionOptions& options);
 void mla_decode(const MlaDecodeArgs<float8_e5m2>& args, const AttentionOptions& options);
+void mla_decode(const MlaRecordArgs& args, const AttentionOptions& options);
 
 }  // namespace qkv

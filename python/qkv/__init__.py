@@ -22,6 +22,8 @@ Functions (NumPy arrays or torch tensors, float32 or float64, CPU, never copied)
                                        caller-owned caches (contiguous or paged), in place
     mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, scale=...)   absorbed
                                        latent attention (DeepSeek MLA) over latent caches
+                                       (cache_format="fp8_ds_mla": FlashMLA's FP8 records,
+                                       written by pack_mla_records(c_kv, k_pe))
     index_topk(q, k, weights, topk, ...)   DeepSeek sparse attention's indexer: the top-k
                                        keys of every query, never the Nq×Nk scores
 
@@ -54,6 +56,7 @@ from ._varlen import varlen_attention, varlen_attention_backward
 from ._sparse import sparse_attention, sparse_attention_backward
 from ._attention import dropout_mask
 from ._index_topk import index_topk
+from ._mla_records import pack_mla_records
 
 Error.__module__ = "qkv"  # raised as qkv.Error (a ValueError), however deep it came from
 
@@ -71,6 +74,7 @@ __all__ = [
     "decode",
     "log_softmax",
     "mla_decode",
+    "pack_mla_records",
     "softmax",
     "softmax_backward",
     "softmax_jacobian",

@@ -102,7 +102,7 @@ def _values_in_keys(fn, k_cache, v_dim, k_scale, v_scale):
 
 def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, block_table=None, scale,
                causal="bottom_right", indices=None, return_lse=False, threads=None, softcap=None, sinks=None,
-               precision=None, ckv_scale=None, kpe_scale=None):
+               precision=None, ckv_scale=None, kpe_scale=None, cache_format=None):
     """Multi-head latent attention (DeepSeek V2/V3/V3.2, Kimi K2, GLM-5) in its absorbed form,
     over latent caches read in place: every query head attends the one latent head,
 
@@ -126,8 +126,21 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, block_table
     precision: as in ``qkv.attention``. Returns out ``[B, Nq, H, dc]``, or ``(out, lse
     [B, H, Nq])``. With torch tensors under torch.compile or torch.export the call is the
     operator ``torch.ops.qkv.mla_decode``.
+
+    cache_format="fp8_ds_mla": FlashMLA's FP8 latent cache (vLLM's kv_cache_dtype of that
+    name; DeepSeek-V3.2, GLM-5). ckv_cache is then one uint8 array of records
+    ``[B, capacity, R]`` or paged ``[num_blocks, block_size, R]``, R = dc + 4*dc/128 + 2*dr
+    bytes (656 for 512 + 64): c_kv as float8_e4m3fn, one float32 scale per 128 values, k_pe
+    as bfloat16; kpe_cache is None and the records carry the scales (ckv_scale, kpe_scale
+    refused). Window and alibi_slopes are refused. Under torch.compile the operator is
+    ``torch.ops.qkv.mla_decode_records``.
     """
     fn = "qkv.mla_decode"
+    if cache_format is not None:
+        return _mla_decode_records(fn, q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, block_table=block_table,
+                                   scale=scale, causal=causal, indices=indices, return_lse=return_lse,
+                                   threads=threads, softcap=softcap, sinks=sinks, precision=precision,
+                                   ckv_scale=ckv_scale, kpe_scale=kpe_scale, cache_format=cache_format)
     refuse_grad(fn, q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache, sinks=sinks)
     if _is_torch(q_nope):
         from . import _torch_ops_cache
@@ -144,6 +157,29 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, block_table
                                     scale=scale, causal=causal, indices=indices, return_lse=return_lse,
                                     threads=threads, softcap=softcap, sinks=sinks, precision=precision,
                                     ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+
+
+def _mla_decode_records(fn, q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, cache_format, ckv_scale,
+                        kpe_scale, precision, **kwargs):
+    """mla_decode over FlashMLA's FP8 records (cache_format="fp8_ds_mla")."""
+    if cache_format != "fp8_ds_mla":
+        raise Error(f"{fn}: cache_format: expected None or 'fp8_ds_mla' (FlashMLA's FP8 records), got "
+                    f"{cache_format!r}")
+    for name, value, why in (("kpe_cache", kpe_cache, "the records hold k_pe"),
+                             ("ckv_scale", ckv_scale, "the records hold their scales"),
+                             ("kpe_scale", kpe_scale, "the records hold their scales")):
+        if value is not None:
+            raise Error(f"{fn}: {name}: expected None with cache_format='fp8_ds_mla' ({why})")
+    refuse_grad(fn, q_nope=q_nope, q_pe=q_pe, sinks=kwargs["sinks"])
+    if _is_torch(q_nope):
+        from . import _torch_ops_cache
+
+        if _torch_ops_cache.traced(q_nope):
+            from ._torch_ops import refuse_precision_when_traced
+
+            refuse_precision_when_traced(precision)
+            return _torch_ops_cache.traced_mla_decode_records(fn, q_nope, q_pe, ckv_cache, cache_lengths, **kwargs)
+    return _decode_eager.mla_decode_records(q_nope, q_pe, ckv_cache, cache_lengths, precision=precision, **kwargs)
 
 
 def _scale_dtype_name(scale_dtype) -> str:

@@ -320,6 +320,31 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, block_table
     return result(q_nope, out, work, lse)
 
 
+def mla_decode_records(q_nope, q_pe, ckv_cache, cache_lengths, *, block_table=None, scale=None,
+                       causal="bottom_right", indices=None, return_lse=False, threads=None, softcap=None,
+                       sinks=None, precision=None):
+    """qkv.mla_decode with cache_format="fp8_ds_mla" on plain arrays: the library call."""
+    fn = "qkv.mla_decode"
+    if scale is None:
+        raise Error(f"{fn}: scale: required (the model's softmax scale, e.g. DeepSeek's "
+                    "1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times its YaRN factor)")
+    options = _options(fn, q_nope, scale, causal, threads, None, softcap, None, sinks, precision)
+    nope = _float32_logical(q_nope, "bshd", "q_nope", fn)
+    pe = _float32_logical(q_pe, "bshd", "q_pe", fn)
+    if _is_torch(ckv_cache):
+        if ckv_cache.device.type != "cpu":
+            raise TypeError(f"{fn}: ckv_cache: expected a CPU tensor, got device {ckv_cache.device}")
+        ckv_cache = ckv_cache.detach().numpy()
+    table = None if block_table is None else _int_array(block_table, None, "block_table", fn)
+    lengths = _int_array(cache_lengths, np.int64, "cache_lengths", fn)
+    batch, q_len, heads, dc = nope.shape
+    out, work, out_lib = _empty_out(q_nope, batch, q_len, heads, dc, "bshd")
+    lse = np.empty((batch, heads, q_len), dtype=np.float32) if return_lse else None
+    _qkv.mla_decode_records(nope, pe, ckv_cache, lengths, out_lib, lse=lse, block_table=table,
+                            indices=key_lists(indices), options=options)
+    return result(q_nope, out, work, lse)
+
+
 def key_lists(indices):
     """Key lists (qkv.decode's, KVCache.attend's, BatchPlan.run's ``indices``) as the
     binding reads them: NumPy arrays as they are, torch tensors as NumPy views of their

@@ -142,6 +142,25 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, block_table, scale, cau
     return _outputs(q_nope, "bshd", ckv_cache.shape[-1])
 
 
+@torch.library.custom_op("qkv::mla_decode_records", mutates_args=())
+def mla_decode_records(
+    q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, cache_lengths: Tensor, block_table: Optional[Tensor],
+    scale: float, causal: str, threads: int, softcap: float = 0.0, sinks: Optional[Tensor] = None,
+    indices: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    from . import _decode_eager
+
+    threads = torch.get_num_threads() if threads == TORCH_THREADS else threads
+    return _decode_eager.mla_decode_records(q_nope, q_pe, ckv_cache, cache_lengths, block_table=block_table,
+                                            scale=scale, causal=_causal(causal), indices=indices, return_lse=True,
+                                            threads=threads, softcap=softcap or None, sinks=sinks)
+
+
+@mla_decode_records.register_fake
+def _(q_nope, q_pe, ckv_cache, cache_lengths, block_table, scale, causal, *rest):
+    return _outputs(q_nope, "bshd", q_nope.shape[-1])
+
+
 @torch.library.custom_op("qkv::kv_cache_append", mutates_args=("state",))
 def kv_cache_append(state: Tensor, handle: Tensor, k: Tensor, v: Tensor,
                     seqs: Optional[List[int]]) -> None:
@@ -241,6 +260,17 @@ def traced_mla_decode(fn, q_nope, q_pe, ckv_cache, kpe_cache, cache_lengths, *, 
     return (out, lse) if return_lse else out
 
 
+def traced_mla_decode_records(fn, q_nope, q_pe, ckv_cache, cache_lengths, *, block_table, scale, causal, indices,
+                              return_lse, threads, softcap, sinks):
+    if scale is None:
+        raise Error(f"{fn}: scale: required (the model's softmax scale)")
+    scale, causal, threads, _, _, _, softcap, sinks = _scalars(
+        fn, q_nope, scale, causal, threads, None, softcap, None, sinks)
+    out, lse = mla_decode_records(q_nope, q_pe, ckv_cache, _tensor(cache_lengths), _tensor(block_table), scale,
+                                  causal, threads, softcap, sinks, _tensor(indices))
+    return (out, lse) if return_lse else out
+
+
 def traced_append(cache, k, v, seq):
     seqs = None if seq is None else ([int(seq)] if isinstance(seq, int) else [int(s) for s in seq])
     kv_cache_append(cache.torch_state(), cache.handle, k, v, seqs)
@@ -255,5 +285,6 @@ def traced_attend(cache, q, *, scale, causal, return_lse, threads, window, softc
     return (out, lse) if return_lse else out
 
 
-__all__ = ["batch_plan_run", "decode", "kv_cache_append", "kv_cache_attend", "mla_decode", "register_cache",
-           "register_plan", "traced", "traced_append", "traced_attend", "traced_decode", "traced_mla_decode"]
+__all__ = ["batch_plan_run", "decode", "kv_cache_append", "kv_cache_attend", "mla_decode", "mla_decode_records", "register_cache",
+           "register_plan", "traced", "traced_append", "traced_attend", "traced_decode", "traced_mla_decode",
+           "traced_mla_decode_records"]

@@ -89,9 +89,42 @@ void mla_any(nb::handle q_nope, nb::handle q_pe, nb::handle ckv_cache, nb::handl
                                                "float8_e5m2, got ") + storage_name(type));
 }
 
+// FlashMLA's FP8 records (qkv/mla.hpp's MlaRecordArgs): one uint8 array of records.
+void mla_records(nb::handle q_nope, nb::handle q_pe, nb::handle ckv_cache, nb::handle cache_lengths, nb::handle out,
+                 nb::handle lse, nb::handle block_table, nb::handle indices, const BoundOptions& bound) {
+  const Caller caller(bound.function.c_str());
+  const std::optional<ArrayRef> index_array = optional_in("indices", indices);
+  const ArrayRef qn = ArrayRef::from(q_nope, false, "q_nope"), qp = ArrayRef::from(q_pe, false, "q_pe"),
+                 ca = ArrayRef::from(ckv_cache, false, "ckv_cache"), oa = ArrayRef::from(out, true, "out"),
+                 la = ArrayRef::from(cache_lengths, false, "cache_lengths");
+  const std::optional<ArrayRef> lse_a = lse.is_none() ? std::nullopt : std::optional(ArrayRef::from(lse, true, "lse"));
+  const std::optional<ArrayRef> table = optional_in("block_table", block_table);
+  MlaRecordArgs args;
+  args.q_nope = view_of<const float, 4>("q_nope", qn, "queries are float32");
+  args.q_pe = view_of<const float, 4>("q_pe", qp, "queries are float32");
+  args.ckv_cache = view_of<const std::uint8_t, 3>("ckv_cache", ca, "FlashMLA's FP8 records are bytes (uint8)");
+  const auto lengths = view_of<const int64_t, 1>("cache_lengths", la, "sequence lengths are int64");
+  if (lengths.shape[0] > 1 && lengths.strides[0] != 1)
+    throw Error("qkv::mla_decode: cache_lengths: expected a contiguous array");
+  args.cache_lengths = std::span<const int64_t>(lengths.data, static_cast<std::size_t>(lengths.shape[0]));
+  std::vector<int32_t> table_storage;
+  if (table) args.block_table = block_table_view(*table, table_storage, "qkv::mla_decode");
+  args.out = view_of<float, 4>("out", oa, "the output is float32");
+  if (lse_a) args.lse = view_of<float, 3>("lse", *lse_a, "the log-sum-exp is float32");
+  args.indices = index_array ? indices_of(*index_array) : KeyIndices{};
+  const AttentionOptions options = bound.for_call();
+  nb::gil_scoped_release release;
+  mla_decode(args, options);
+}
+
 }  // namespace
 
 void bind_mla(nb::module_& m) {
+  m.def("mla_decode_records", &mla_records, nb::arg("q_nope"), nb::arg("q_pe"), nb::arg("ckv_cache"),
+        nb::arg("cache_lengths"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
+        nb::arg("block_table").none() = nb::none(), nb::arg("indices").none() = nb::none(), nb::arg("options"),
+        "qkv::mla_decode over FlashMLA's FP8 records (uint8 [B | blocks, capacity | block_size, record]) read in "
+        "place. Writes out (and lse) in place; the GIL is released.");
   m.def("mla_decode", &mla_any, nb::arg("q_nope"), nb::arg("q_pe"), nb::arg("ckv_cache"), nb::arg("kpe_cache"),
         nb::arg("cache_lengths"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
         nb::arg("block_table").none() = nb::none(), nb::arg("bits_as") = "",

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cache/decode_source.hpp"
+#include "cache/mla_queries.hpp"
 #include "core/dispatch.hpp"
 #include "core/validate.hpp"
 #include "qkv/error.hpp"
@@ -26,20 +27,12 @@ template <class T>
 void run(const MlaDecodeArgs<T>& a, const AttentionOptions& options) {
   const Checker check("qkv::mla_decode");
   if (!a.indices.empty()) detail::refuse_for_key_lists(check, options);
-  if (!options.scale) {
-    check.fail("options.scale: required (the model's softmax scale, e.g. DeepSeek's 1/sqrt(qk_nope_head_dim + "
-               "qk_rope_head_dim) times its YaRN factor; 1/sqrt(dc + dr) would not be it)");
-  }
+  detail::require_model_scale(check, options);
   const Described q_nope = describe("q_nope", a.q_nope), q_pe = describe("q_pe", a.q_pe),
                   ckv = describe("ckv_cache", a.ckv_cache), kpe = describe("kpe_cache", a.kpe_cache),
                   out = describe("out", a.out);
-  for (const Described* view : {&q_nope, &q_pe, &ckv, &kpe, &out}) check.expect_well_formed(*view);
-  check.expect_at_least_one(q_nope, 2, "heads");
-  check.expect_at_least_one(q_nope, 3, "dc");
-  check.expect_extent(q_pe, 0, "batch", a.q_nope.shape[0], "as q_nope.shape[0]");
-  check.expect_extent(q_pe, 1, "seq", a.q_nope.shape[1], "as q_nope.shape[1]");
-  check.expect_extent(q_pe, 2, "heads", a.q_nope.shape[2], "as q_nope.shape[2]");
-  check.expect_at_least_one(q_pe, 3, "dr");
+  detail::check_latent_queries(check, q_nope, q_pe);
+  for (const Described* view : {&ckv, &kpe, &out}) check.expect_well_formed(*view);
   const int64_t batch = a.q_nope.shape[0], q_len = a.q_nope.shape[1], heads = a.q_nope.shape[2];
   const int64_t dc = a.q_nope.shape[3], dr = a.q_pe.shape[3];
   const bool paged = !a.block_table.empty();
@@ -80,24 +73,8 @@ void run(const MlaDecodeArgs<T>& a, const AttentionOptions& options) {
                    storage_name(storage_type_of<T>) + ")");
   }
 
-  // The queries as one row [q_nope, q_pe] per (sequence, query, head): the kernel scales
-  // each row into its own scratch anyway, so this copy (H·Nq·(dc + dr) floats a sequence,
-  // next to the cache's capacity·(dc + dr)) costs nothing it would not.
   const int64_t d = dc + dr;
-  std::vector<float> q(static_cast<std::size_t>(batch * q_len * heads * d));
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t i = 0; i < q_len; ++i)
-      for (int64_t h = 0; h < heads; ++h) {
-        float* row = q.data() + ((b * q_len + i) * heads + h) * d;
-        const float* nope = &a.q_nope(b, i, h, 0);
-        const float* pe = &a.q_pe(b, i, h, 0);
-        std::copy(nope, nope + dc, row);
-        if (rope_factor == 1.0f) {
-          std::copy(pe, pe + dr, row + dc);
-        } else {
-          std::transform(pe, pe + dr, row + dc, [rope_factor](float x) { return x * rope_factor; });
-        }
-      }
+  const std::vector<float> q = detail::latent_query_rows(a.q_nope, a.q_pe, rope_factor);
   const auto q_view = View4<const float>::contiguous(q.data(), {batch, q_len, heads, d});
   detail::ForwardProblem<float> p =
       detail::cache_problem(check, options, q_view, a.out, a.lse, /*kv_heads=*/1, capacity, dc, a.cache_lengths);

@@ -100,7 +100,7 @@ HWY_INLINE void SoftmaxColumns(size_t rows, size_t keys, float* HWY_RESTRICT st,
 template <class S>
 HWY_INLINE void LatentRow(const S* HWY_RESTRICT src, size_t n, float* HWY_RESTRICT widened, bfloat16* HWY_RESTRICT dst) {
   if constexpr (std::is_same_v<S, bfloat16>) {
-    std::memcpy(dst, src, n * sizeof(bfloat16));
+    if (src != dst) std::memcpy(dst, src, n * sizeof(bfloat16));  // (FP8 records write their rows in place)
   } else {
     WidenRows(src, 0, 1, n, widened, n);
     for (size_t c = 0; c < n; ++c) {

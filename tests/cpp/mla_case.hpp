@@ -203,6 +203,28 @@ Oracle oracle(const Case<T>& c, double scale, bool round_q = false) {
   return o;
 }
 
+// out and lse against the oracle: out within twice a plain float32 evaluation's error
+// plus 8 ulps of its size (and, on the dot unit — `dots`, the oracle of the bf16-rounded
+// queries — what P rounded once to bfloat16 can add to each element, u·Σ_j P_j·|v_j|,
+// u = 2⁻⁸); lse within 1e-5 relative, −inf exactly where the oracle's is.
+inline void expect_near_oracle(const Oracle& o, const float* out, const float* lse, bool dots) {
+  double err = 0.0, plain_err = 0.0, ref_max = 0.0;
+  for (std::size_t n = 0; n < o.out.size(); ++n) {
+    err = std::max(err, std::abs(out[n] - o.out[n]) - (dots ? o.weighted_abs[n] / 256.0 : 0.0));
+    plain_err = std::max(plain_err, std::abs(o.plain_out[n] - o.out[n]));
+    ref_max = std::max(ref_max, std::abs(o.out[n]));
+  }
+  const double floor = 8.0 * std::numeric_limits<float>::epsilon() * std::max(1.0, ref_max);
+  EXPECT_LE(err, 2.0 * plain_err + floor) << "plain float32 error " << plain_err;
+  for (std::size_t n = 0; n < o.lse.size(); ++n) {
+    if (std::isinf(o.lse[n])) {
+      EXPECT_TRUE(std::isinf(lse[n]) && lse[n] < 0) << "lse " << n << " = " << lse[n];
+    } else {
+      EXPECT_NEAR(lse[n], o.lse[n], 1e-5 * std::max(1.0, std::abs(o.lse[n]))) << "lse " << n;
+    }
+  }
+}
+
 inline AttentionOptions step_options(double scale, int threads = 2, Backend backend = Backend::automatic,
                               Precision precision = Precision::fast) {
   AttentionOptions o;
@@ -231,22 +253,7 @@ void expect_matches(const Case<T>& c, Backend backend, const std::string& what, 
     ASSERT_EQ(precision, Precision::exact) << "float8: exact only here";
   }
   const bool dots = std::is_same_v<T, bfloat16> && precision == Precision::fast && cpu::bf16_dot_products(precision);
-  const Oracle o = oracle(c, scale, dots);
-  double err = 0.0, plain_err = 0.0, ref_max = 0.0;
-  for (std::size_t n = 0; n < o.out.size(); ++n) {
-    err = std::max(err, std::abs(out[n] - o.out[n]) - (dots ? o.weighted_abs[n] / 256.0 : 0.0));
-    plain_err = std::max(plain_err, std::abs(o.plain_out[n] - o.out[n]));
-    ref_max = std::max(ref_max, std::abs(o.out[n]));
-  }
-  const double floor = 8.0 * std::numeric_limits<float>::epsilon() * std::max(1.0, ref_max);
-  EXPECT_LE(err, 2.0 * plain_err + floor) << "plain float32 error " << plain_err;
-  for (std::size_t n = 0; n < o.lse.size(); ++n) {
-    if (std::isinf(o.lse[n])) {
-      EXPECT_TRUE(std::isinf(lse[n]) && lse[n] < 0) << "lse " << n << " = " << lse[n];
-    } else {
-      EXPECT_NEAR(lse[n], o.lse[n], 1e-5 * std::max(1.0, std::abs(o.lse[n]))) << "lse " << n;
-    }
-  }
+  expect_near_oracle(oracle(c, scale, dots), out.data(), lse.data(), dots);
 }
 
 // Nq 1..4 against lengths 0, below Nq, one block, many blocks; widened (dc 12, dr 4) and

@@ -35,6 +35,7 @@ PLAN_CACHE = np.zeros((2, 8, 1, 8), f32)
 TQ = torch.zeros(1, 2, 8, 4)
 QN, QP = np.zeros((2, 1, 2, 8), f32), np.zeros((2, 1, 2, 4), f32)  # mla_decode: [B, Nq, H, dc | dr]
 CKV, KPE = np.zeros((2, 8, 8), f32), np.zeros((2, 8, 4), f32)
+RQN, RECORDS = np.zeros((2, 1, 2, 128), f32), np.zeros((2, 8, 128 + 4 + 8), np.uint8)  # FlashMLA's FP8 records
 IDX = np.zeros((1, 4, 2), np.int32)  # sparse_attention's key lists [B, Nq, topk]
 SOUT, SLSE = qkv.sparse_attention(Q, Q, Q, IDX, return_lse=True)
 
@@ -166,6 +167,15 @@ CASES = [
      "q_nope"),
     ("mla_decode", "dtype", lambda: qkv.mla_decode(QN, QP, CKV.astype(np.int32), KPE, [3, 3], scale=0.5), Type,
      "ckv_cache"),
+    ("mla_decode", "rank", lambda: qkv.mla_decode(RQN, QP, RECORDS[0], None, [3, 3], scale=0.5,
+                                                  cache_format="fp8_ds_mla"), Error, "ckv_cache"),
+    ("mla_decode", "dtype", lambda: qkv.mla_decode(RQN, QP, RECORDS.astype(np.int8), None, [3, 3], scale=0.5,
+                                                   cache_format="fp8_ds_mla"), Type, "ckv_cache"),
+    ("mla_decode", "huge int", lambda: qkv.mla_decode(RQN, QP, RECORDS, None, [3, HUGE], scale=0.5,
+                                                      cache_format="fp8_ds_mla"), Error, "cache_lengths"),
+    ("pack_mla_records", "rank", lambda: qkv.pack_mla_records(torch.zeros(()), torch.zeros(4)), Error, "c_kv"),
+    ("pack_mla_records", "dtype", lambda: qkv.pack_mla_records(torch.zeros(2, 128, dtype=torch.int32),
+                                                               torch.zeros(2, 4)), Type, "c_kv"),
     ("mla_decode", "huge int", lambda: qkv.mla_decode(QN, QP, CKV, KPE, [3, 3], scale=0.5, threads=HUGE), Error,
      "threads"),
     ("mla_decode", "huge int", lambda: qkv.mla_decode(QN, QP, CKV, KPE, [3, HUGE], scale=0.5), Error,

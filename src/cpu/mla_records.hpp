@@ -1,0 +1,60 @@
+// Latent attention over FlashMLA's FP8 records (qkv::MlaRecordArgs) on the cpu backend:
+// where each record sits, and the call as the kernel reads it. Built and validated by
+// cache/mla_records.cpp; read by cpu/mla_records.cpp and the double-precision reference.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+
+#include "core/key_selection.hpp"
+#include "core/problem.hpp"
+#include "cpu/simd_target.hpp"  // the entry point applies QKV_SIMD_TARGET itself
+
+namespace qkv::detail {
+
+// Record (b, j): contiguous, data + b·seq_stride + j·row_stride; paged, data +
+// page·seq_stride + (j % page_size)·row_stride with page = block_table[b·table_stride +
+// j / page_size]. Strides in bytes. Its bytes: dc float8_e4m3fn latent values, dc/128
+// float32 scales, dr bfloat16 rotary values.
+struct LatentRecords {
+  const std::uint8_t* data = nullptr;
+  int64_t seq_stride = 0, row_stride = 0;
+  const int32_t* block_table = nullptr;  // null: contiguous
+  int64_t table_stride = 0, page_size = 0;
+  int64_t dc = 0, dr = 0;
+
+  static constexpr int64_t kScaleGroup = 128;  // latent values per scale
+  int64_t groups() const { return dc / kScaleGroup; }
+
+  const std::uint8_t* row(int64_t b, int64_t j) const {
+    if (block_table == nullptr) return data + b * seq_stride + j * row_stride;
+    const int64_t page = block_table[b * table_stride + j / page_size];
+    return data + page * seq_stride + (j % page_size) * row_stride;
+  }
+  // The scale of latent group g of a record (unaligned: read by memcpy).
+  float scale(const std::uint8_t* record, int64_t g) const {
+    float s;
+    std::memcpy(&s, record + dc + 4 * g, sizeof(s));
+    return s;
+  }
+  const std::uint8_t* rope(const std::uint8_t* record) const { return record + dc + 4 * groups(); }
+};
+
+// The call: `dense` is the decode problem (queries [B, Nq, H, dc + dr] as float rows,
+// unscaled; out [B, Nq, H, dc]; lse; mask rule with cache lengths and the causal mode;
+// softcap and sinks; threads; precision); `keys` the validated key lists, or null for
+// every key the rule allows.
+struct RecordsProblem {
+  const ForwardProblem<float>* dense = nullptr;
+  LatentRecords records;
+  const KeySelection* keys = nullptr;
+};
+
+}  // namespace qkv::detail
+
+namespace qkv::cpu {
+
+void mla_records_decode(const detail::RecordsProblem& problem);
+
+}  // namespace qkv::cpu
