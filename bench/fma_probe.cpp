@@ -32,8 +32,12 @@ double FmaRounds(long iterations, float* sink) {
   const hn::ScalableTag<float> d;
   constexpr int kChains = 12;  // ≥ latency (4) × FMA ports (2), with room
   hn::Vec<decltype(d)> acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = hn::Set(d, 1.0f + 1e-3f * static_cast<float>(c));
-  const auto mul = hn::Set(d, 0.9999999f), add = hn::Set(d, 1e-7f);
+  // The starting values and factors come through volatiles: with them known, GCC proves
+  // on the SCALAR target that x·0.9999999f + 1e-7f rounds back to x near 1 and deletes the
+  // loop (qkv_fma_peak printed 3.7 PFLOP/s there).
+  volatile float one = 1.0f, factor = 0.9999999f, term = 1e-7f;
+  for (int c = 0; c < kChains; ++c) acc[c] = hn::Set(d, one + 1e-3f * static_cast<float>(c));
+  const auto mul = hn::Set(d, factor), add = hn::Set(d, term);
   for (long i = 0; i < iterations; ++i)
     for (int c = 0; c < kChains; ++c) acc[c] = hn::MulAdd(acc[c], mul, add);
   auto total = acc[0];
