@@ -106,6 +106,19 @@ struct MlaRecordArgs {
 // Bytes of one FlashMLA FP8 record for latent width dc and rotary width dr.
 constexpr int64_t mla_record_bytes(int64_t dc, int64_t dr) { return dc + 4 * (dc / 128) + 2 * dr; }
 
+// Writes FlashMLA's FP8 records from float rows: records[n] from c_kv[n] (dc values, dc a
+// multiple of 128) and k_pe[n] (dr values), n < N — the rows an engine appends to its
+// cache each step (any row strides; records [N, mla_record_bytes(dc, dr)], rows
+// contiguous). Per 128 latent values the scale max|x| / 448 (≥ 1e-4 / 448), or with
+// RecordScales::power_of_two (DeepSeek's UE8M0; every stored value is then a bfloat16
+// value, which mla_decode's fast path needs) the power of two at or above it; each value
+// x / scale rounded to float8_e4m3fn (nearest even), k_pe to bfloat16 (nearest even): the
+// bytes of the same steps in PyTorch. A non-finite c_kv value is a qkv::Error naming its
+// row (its group's scale could not hold it); nothing is written on an error.
+enum class RecordScales { power_of_two, amax };
+void pack_mla_records(TensorView<const float, 2> c_kv, TensorView<const float, 2> k_pe,
+                      TensorView<std::uint8_t, 2> records, RecordScales scales = RecordScales::power_of_two);
+
 void mla_decode(const MlaDecodeArgs<float>& args, const AttentionOptions& options);
 void mla_decode(const MlaDecodeArgs<bfloat16>& args, const AttentionOptions& options);
 void mla_decode(const MlaDecodeArgs<float16>& args, const AttentionOptions& options);

@@ -117,9 +117,21 @@ void mla_records(nb::handle q_nope, nb::handle q_pe, nb::handle ckv_cache, nb::h
   mla_decode(args, options);
 }
 
+void pack_records(nb::handle c_kv, nb::handle k_pe, nb::handle records, bool power_of_two) {
+  const ArrayRef ca = ArrayRef::from(c_kv, false, "c_kv"), pa = ArrayRef::from(k_pe, false, "k_pe"),
+                 ra = ArrayRef::from(records, true, "records");
+  const auto latent = view_of<const float, 2>("c_kv", ca, "rows are float32");
+  const auto rope = view_of<const float, 2>("k_pe", pa, "rows are float32");
+  const auto out = view_of<std::uint8_t, 2>("records", ra, "records are bytes (uint8)");
+  nb::gil_scoped_release release;
+  pack_mla_records(latent, rope, out, power_of_two ? RecordScales::power_of_two : RecordScales::amax);
+}
+
 }  // namespace
 
 void bind_mla(nb::module_& m) {
+  m.def("pack_mla_records", &pack_records, nb::arg("c_kv"), nb::arg("k_pe"), nb::arg("records"),
+        nb::arg("power_of_two"), "qkv::pack_mla_records on [N, dc] / [N, dr] float32 rows into [N, R] uint8.");
   m.def("mla_decode_records", &mla_records, nb::arg("q_nope"), nb::arg("q_pe"), nb::arg("ckv_cache"),
         nb::arg("cache_lengths"), nb::arg("out"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
         nb::arg("block_table").none() = nb::none(), nb::arg("indices").none() = nb::none(), nb::arg("options"),

@@ -259,5 +259,57 @@ TEST(MlaDecodeRecords, BadCallsAreNamedAndWriteNothing) {
   expect_refused([](MlaRecordArgs& a, AttentionOptions&) { a.lse.shape[2] = 3; }, "lse");
 }
 
+// qkv::pack_mla_records: each stored value within e4m3's rounding of its input (half a
+// step: 2⁻⁴ relative, or half the smallest subnormal step 2⁻¹⁰ times the scale), every
+// input within 448 scales, power-of-two scales when asked, k_pe bfloat16 rounded to
+// nearest even; bad calls named, nothing written.
+TEST(MlaDecodeRecords, PackerWritesTheLayout) {
+  const int64_t rows = 7, dc = 256, dr = 64, bytes = mla_record_bytes(dc, dr);
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> latent(rows * dc), rope(rows * dr);
+  for (int64_t i = 0; i < rows * dc; ++i) latent[i] = normal(rng) * ((i / 128) % 2 == 0 ? 0.01f : 30.0f);
+  for (float& x : rope) x = normal(rng);
+  const auto c_kv = TensorView<const float, 2>::contiguous(latent.data(), {rows, dc});
+  const auto k_pe = TensorView<const float, 2>::contiguous(rope.data(), {rows, dr});
+  for (RecordScales kind : {RecordScales::amax, RecordScales::power_of_two}) {
+    std::vector<std::uint8_t> records(rows * bytes, 0xAB);
+    pack_mla_records(c_kv, k_pe, TensorView<std::uint8_t, 2>::contiguous(records.data(), {rows, bytes}), kind);
+    for (int64_t n = 0; n < rows; ++n) {
+      const std::uint8_t* record = records.data() + n * bytes;
+      for (int64_t g = 0; g < dc / 128; ++g) {
+        float scale;
+        std::memcpy(&scale, record + dc + 4 * g, 4);
+        if (kind == RecordScales::power_of_two) {
+          EXPECT_EQ(scale, std::exp2(std::round(std::log2(scale)))) << n;
+        }
+        for (int64_t c = g * 128; c < (g + 1) * 128; ++c) {
+          const double x = latent[n * dc + c];
+          const double stored = static_cast<double>(float8_e4m3fn::from_bits(record[c])) * scale;
+          EXPECT_LE(std::abs(x), 448.0 * scale * (1 + 1e-6)) << n << ", " << c;
+          EXPECT_LE(std::abs(stored - x), std::max(std::abs(x) / 16.0, scale / 1024.0) * (1 + 1e-6)) << n << ", " << c;
+        }
+      }
+      for (int64_t c = 0; c < dr; ++c) {
+        std::uint16_t bits;
+        std::memcpy(&bits, record + dc + 4 * (dc / 128) + 2 * c, 2);
+        EXPECT_EQ(bits, bfloat16(rope[n * dr + c]).bits) << n << ", " << c;
+      }
+    }
+  }
+  std::vector<std::uint8_t> records(rows * bytes, 0xAB);
+  const auto expect_refused = [&](const std::function<void()>& call, const std::string& needle) {
+    test::expect_error(call, needle);
+    for (std::uint8_t b : records) ASSERT_EQ(b, 0xAB) << "written by a failed call: " << needle;
+  };
+  const auto out = TensorView<std::uint8_t, 2>::contiguous(records.data(), {rows, bytes});
+  expect_refused([&] { pack_mla_records(c_kv, k_pe, TensorView<std::uint8_t, 2>(records.data(), {rows, bytes - 2}, {bytes, 1})); },
+                 "records.shape[1] (record bytes): expected " + std::to_string(bytes));
+  expect_refused([&] { pack_mla_records(TensorView<const float, 2>(latent.data(), {rows, 200}, {dc, 1}), k_pe, out); },
+                 "c_kv.shape[-1] (dc): expected a positive multiple of 128");
+  latent[3 * dc + 5] = std::numeric_limits<float>::infinity();
+  expect_refused([&] { pack_mla_records(c_kv, k_pe, out); }, "c_kv[3, 5]: expected a finite value");
+}
+
 }  // namespace
 }  // namespace qkv

@@ -121,8 +121,29 @@ def test_pack_mla_records_writes_the_layout(powers_of_two):
         qkv.pack_mla_records(c_kv[..., :100], k_pe)
     with pytest.raises(qkv.Error, match="k_pe: expected the leading shape of c_kv"):
         qkv.pack_mla_records(c_kv, k_pe[:2])
-    with pytest.raises(qkv.Error, match="c_kv: expected finite values"):
-        qkv.pack_mla_records(c_kv * float("inf"), k_pe)
+    bad = c_kv.clone()
+    bad[1, 2, 7] = float("nan")
+    with pytest.raises(qkv.Error, match=r"pack_mla_records: c_kv\[7, 7\]: expected a finite value"):
+        qkv.pack_mla_records(bad, k_pe)  # row 1·5 + 2 of the flattened rows, channel 7
+
+
+@pytest.mark.parametrize("powers_of_two", [False, True])
+def test_pack_mla_records_gives_pytorchs_bytes(powers_of_two):
+    """The library's packer (C++) and the same steps in PyTorch's float32 and casts give
+    the same bytes; NumPy arrays in give NumPy arrays out, the same bytes."""
+    c_kv = torch.randn(4, 6, 512) * torch.rand(4, 6, 512).mul(3).exp()
+    k_pe = torch.randn(4, 6, 64)
+    groups = c_kv.reshape(4, 6, 4, 128)
+    scale = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4) / 448.0
+    if powers_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    want = torch.cat([(groups / scale).to(torch.float8_e4m3fn).reshape(4, 6, 512).view(torch.uint8),
+                      scale.reshape(4, 6, 4).contiguous().view(torch.uint8),
+                      k_pe.to(torch.bfloat16).view(torch.uint8)], dim=-1)
+    got = qkv.pack_mla_records(c_kv, k_pe, power_of_two_scales=powers_of_two)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+    from_numpy = qkv.pack_mla_records(c_kv.numpy(), k_pe.numpy(), power_of_two_scales=powers_of_two)
+    assert isinstance(from_numpy, np.ndarray) and np.array_equal(from_numpy, want.numpy())
 
 
 def qkv_record_bytes(dc, dr):
