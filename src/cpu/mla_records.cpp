@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <span>
 #include <vector>
 
 #include "core/lse_merge.hpp"
@@ -326,10 +327,11 @@ void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
   const auto rows = dense.rows();
   const auto& sinks = dense.modifiers.sinks;
   const bool want_lse = !dense.args.lse.empty();
+  std::vector<float> merged_rows(static_cast<std::size_t>(threads * dc));  // one row per thread
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t row = 0; row < row_count; ++row) {
     const int64_t b = row / e.q_len, i = row % e.q_len;
-    std::vector<float> merged(static_cast<std::size_t>(dc));
+    const std::span<float> merged(merged_rows.data() + omp_get_thread_num() * dc, static_cast<std::size_t>(dc));
     for (int64_t h = 0; h < heads; ++h) {
       std::fill(merged.begin(), merged.end(), 0.0f);
       float lse = kMinusInf;
