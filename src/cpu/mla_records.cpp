@@ -172,12 +172,6 @@ HWY_INLINE bool RecordHalves(const detail::LatentRecords& rec, const std::uint8_
   return true;
 }
 
-// The cache lines of one record.
-HWY_INLINE void PrefetchRecord(const std::uint8_t* record, size_t bytes) {
-  const auto* at = reinterpret_cast<const char*>(record);
-  for (size_t offset = 0; offset < bytes; offset += 64) hwy::Prefetch(at + offset);
-}
-
 void RunTask(const detail::RecordsProblem& problem, const records::RowKeys& keys, const records::Task& task,
              Scratch& s, float* part_out, float* part_lse) {
   const auto& dense = *problem.dense;
@@ -208,23 +202,24 @@ void RunTask(const detail::RecordsProblem& problem, const records::RowKeys& keys
   std::fill(s.acc.get(), s.acc.get() + heads * s.dc_pad, 0.0f);
 
   for (int64_t t = 0; t < std::min<int64_t>(kBlockKeys, task.count); ++t)
-    PrefetchRecord(rec.row(b, keys.at(task.row, task.first + t)), record_bytes);
+    PrefetchRow(rec.row(b, keys.at(task.row, task.first + t)), record_bytes);
   for (int64_t start = 0; start < task.count; start += static_cast<int64_t>(kBlockKeys)) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(kBlockKeys, task.count - start));
     const size_t padded = round_up(n, lanes);
     const auto record_of = [&](size_t j) {
       return rec.row(b, keys.at(task.row, task.first + start + static_cast<int64_t>(j)));
     };
-    // The latent step's bfloat16 rows straight from the records, written where
-    // LatentBlock gathers its keys; the first record that is not bf16-exact sends the
-    // block to the float step.
-    // Record j of the next block is prefetched after record j of this one: spread over
-    // the block, a few lines in flight at a time.
+    // Record j of the next block is prefetched (decode_tiles-inl.h's PrefetchRow, the
+    // split-K schedule's hint and partial last line) after record j of this one: spread
+    // over the block, a few lines in flight at a time.
     const int64_t next = task.first + start + static_cast<int64_t>(n);
     const size_t ahead = static_cast<size_t>(std::min<int64_t>(kBlockKeys, task.first + task.count - next));
     const auto prefetch = [&](size_t j) {
-      if (j < ahead) PrefetchRecord(rec.row(b, keys.at(task.row, next + static_cast<int64_t>(j))), record_bytes);
+      if (j < ahead) PrefetchRow(rec.row(b, keys.at(task.row, next + static_cast<int64_t>(j))), record_bytes);
     };
+    // The latent step's bfloat16 rows straight from the records, written where
+    // LatentBlock gathers its keys; the first record that is not bf16-exact sends the
+    // block to the float step.
     bool halves = s.latent;
     size_t converted = 0;
     for (; halves && converted < n; ++converted) {
