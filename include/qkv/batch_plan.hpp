@@ -118,6 +118,19 @@
 //     refused, rotary.cos named), caches that share memory with each other or with q,
 //     k_new, v_new, out or the tables, and key lists (indices) with a tree_mask.
 //
+// Keys in two parts (latent attention over FlashInfer's two pools: c_kv [.., dc] and k_pe
+// [.., dr]): with BatchArgs::k_rope_cache [B, capacity, Hkv, dr] (or the pool [num_blocks,
+// block_size, Hkv, dr], the same table), channels [head_dim − dr, head_dim) of every key
+// are its k_rope_cache row and the first head_dim − dr its k_cache row (k_cache's last axis
+// head_dim − dr); q's rows hold both parts, [q_nope | q_pe]. The values are usually the
+// latent rows themselves: v_cache the same view as k_cache, layout.v_dim = head_dim − dr.
+// Each row is read in place, never copied into a combined pool, and the result is bitwise
+// that of the same keys in one combined pool [.., head_dim] (the same schedules, including
+// the AVX512-BF16 latent step with options.precision fast and one kv head). float32,
+// bfloat16 and float16 only: int8 and float8 caches are refused by name (their row scale
+// would have to serve both pools; a combined float8 pool works), and so is run_appending
+// (BatchAppendArgs has no second pool; write the rows, then run).
+//
 // Schedules (cpu backend): sequences of ≤ 32 queries run on the split-K schedule
 // (cpu/decode.cpp), planned together, their tasks handed to threads costliest first; a
 // prefill chunk of more queries runs on the tiled schedule over its keys gathered into
@@ -202,6 +215,9 @@ struct BatchArgs {
   // qkv::Error naming its sequence and row, nothing written; refused if the plan has a
   // window or ALiBi. Every sequence then runs on the split-K schedule.
   KeyIndices indices;
+  // Keys in two parts (optional; float32, bfloat16 and float16 caches): MLA's latent cache
+  // kept as two pools, FlashInfer's ckv/kpe layout — see "Keys in two parts" above.
+  View4<const T> k_rope_cache;
 };
 
 // run_appending: the step's new tokens written into caches the caller owns, then attended

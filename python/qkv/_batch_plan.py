@@ -143,7 +143,8 @@ class BatchPlan:
     v_dim = property(lambda self: self._v_dim)
 
     def run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None, k_new=None,
-            v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False, rotary_dim=None, positions=None):
+            v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False, rotary_dim=None, positions=None,
+            k_rope_cache=None):
         """One layer: q ``[total_q, Hq, d]`` against ``k_cache``/``v_cache`` — contiguous
         ``[B, capacity, Hkv, d]`` or the pool ``[num_blocks, block_size, Hkv, d]``, float32,
         bfloat16, float16, int8 (with ``k_scale``/``v_scale``, one float32 per row) or float8
@@ -169,10 +170,23 @@ class BatchPlan:
         rotated first (NeoX half-split order; pairs with ``rotary_interleaved=True``; the
         first ``rotary_dim`` channels when that is below head_dim). q itself is never
         modified (rotated into scratch). qkv/_rotary.py and docs/decode-and-caches.md say more.
-        Traced: torch.ops.qkv.batch_plan_run_appending, which declares the caches mutated."""
+        Traced: torch.ops.qkv.batch_plan_run_appending, which declares the caches mutated.
+        k_rope_cache: MLA's latent cache as two pools (FlashInfer's ckv / kpe): k_cache
+        ``[.., Hkv, dc]`` holds each key's first dc channels and k_rope_cache ``[.., Hkv, dr]``
+        (same dtype, layout and block table) its last dr, head_dim = dc + dr; q's rows are
+        ``[q_nope | q_pe]``; with v_cache=None and v_dim=dc the values are k_cache's rows.
+        Read in place, bitwise the step over one combined pool of the same values. float32,
+        bfloat16 and float16 only (int8 and float8 refused: a combined pool takes them); not
+        with k_new or a qkv.KVCache."""
         refuse_grad("qkv.BatchPlan.run", q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale,
-                    k_new=k_new, v_new=v_new)
+                    k_new=k_new, v_new=v_new, k_rope_cache=k_rope_cache)
+        if k_rope_cache is not None and isinstance(k_cache, KVCache):
+            raise Error("qkv.BatchPlan.run: k_rope_cache: not with a qkv.KVCache as k_cache (a cache keeps each "
+                        "key whole); pass the two pools as arrays")
         if any(x is not None for x in (k_new, v_new, rotary_cos, rotary_sin, rotary_dim, positions)) or rotary_interleaved:
+            if k_rope_cache is not None:
+                raise Error("qkv.BatchPlan.run: k_rope_cache: not with k_new or rotary arguments (the new rows are "
+                            "not written into two pools); write them, then run")
             from . import _rotary
 
             from ._float8 import cache_bytes
@@ -207,12 +221,13 @@ class BatchPlan:
                 # A float8 cache's float scales become tensors: the operator's schema takes tensors.
                 k_scale, v_scale = (_torch_ops_cache._tensor(x, torch.float32) for x in (k_scale, v_scale))
                 out, lse = _torch_ops_cache.batch_plan_run(self._handle, q, k_cache, v_cache, k_scale, v_scale,
-                                                           indices)
+                                                           indices, k_rope_cache)
                 return (out, lse) if return_lse else out
         return self.eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
-                              indices=indices)
+                              indices=indices, k_rope_cache=k_rope_cache)
 
-    def eager_run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None):
+    def eager_run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None,
+                  k_rope_cache=None):
         """run() itself, outside any tracing (what the operator calls)."""
         fn = "qkv.BatchPlan.run"
         from ._decode_eager import key_lists
@@ -229,13 +244,18 @@ class BatchPlan:
         v_lib, v_bits = _cache_array(v_cache, "v_cache", fn)
         if bits_as != v_bits:
             raise TypeError(f"{fn}: v_cache: expected the dtype of k_cache")
+        rope_lib = None
+        if k_rope_cache is not None:
+            rope_lib, rope_bits = _cache_array(k_rope_cache, "k_rope_cache", fn)
+            if rope_bits != bits_as or rope_lib.dtype != k_lib.dtype:
+                raise TypeError(f"{fn}: k_rope_cache: expected the dtype of k_cache")
         storage = bits_as or ("int8" if k_lib.dtype == np.int8 else "float16" if k_lib.dtype == np.float16
                               else "float32")
         return self._run(q, q_lib, storage, return_lse,
                          lambda plan, out, lse: plan.run(q_lib, k_lib, v_lib, out, lse=lse, bits_as=bits_as,
                                                          k_scale=_scales("k_scale", k_scale, bits_as),
                                                          v_scale=_scales("v_scale", v_scale, bits_as),
-                                                         indices=indices))
+                                                         indices=indices, k_rope_cache=rope_lib))
 
     def _run(self, q, q_lib, storage, return_lse, call):
         """The plan for `storage` (made on first use) run by `call(plan, out, lse)`; out in q's kind."""

@@ -4,7 +4,8 @@ qkv.decode, qkv.KVCache and qkv.BatchPlan.run:
     torch.ops.qkv.decode(q, k_cache, v_cache, cache_lengths, ..., indices)   -> (out, lse)
     torch.ops.qkv.kv_cache_append(state!, handle, k, v, seqs)       mutates `state`
     torch.ops.qkv.kv_cache_attend(state, handle, q, layout, v_dim, ...)   -> (out, lse)
-    torch.ops.qkv.batch_plan_run(handle, q, k_cache, v_cache, k_scale, v_scale, indices) -> (out, lse)
+    torch.ops.qkv.batch_plan_run(handle, q, k_cache, v_cache, k_scale, v_scale, indices, k_rope_cache)
+                                                                     -> (out, lse)
 
 Each runs the eager function (qkv/_decode.py, qkv/_batch_plan.py) when it executes, so a
 traced call is the eager call. None is differentiable (decoding and serving have no
@@ -200,13 +201,14 @@ def _(state, handle, q, layout, v_dim, *rest):
 # is v_cache's last (the plan checks that it is its v_dim).
 @torch.library.custom_op("qkv::batch_plan_run", mutates_args=())
 def batch_plan_run(handle: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Optional[Tensor],
-                   v_scale: Optional[Tensor], indices: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                   v_scale: Optional[Tensor], indices: Optional[Tensor] = None,
+                   k_rope_cache: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     return _plan(handle).eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True,
-                                   indices=indices)
+                                   indices=indices, k_rope_cache=k_rope_cache)
 
 
 @batch_plan_run.register_fake
-def _(handle, q, k_cache, v_cache, k_scale, v_scale, indices=None):
+def _(handle, q, k_cache, v_cache, k_scale, v_scale, indices=None, k_rope_cache=None):
     total, heads = q.shape[0], q.shape[1]
     dtype = q.dtype if q.is_floating_point() else torch.float32
     return (q.new_empty((total, heads, v_cache.shape[-1]), dtype=dtype),

@@ -54,12 +54,14 @@ std::span<const std::uint8_t> tree_mask_of(const ArrayRef& array) {
 template <class T>
 void run_typed(const BatchPlan& plan, const ArrayRef& q, const ArrayRef& k_cache, const ArrayRef& v_cache,
                const ArrayRef& out, const std::optional<ArrayRef>& lse, const std::optional<ArrayRef>& k_scale,
-               const std::optional<ArrayRef>& v_scale, const KeyIndices& indices) {
+               const std::optional<ArrayRef>& v_scale, const KeyIndices& indices,
+               const std::optional<ArrayRef>& k_rope_cache) {
   BatchArgs<T> args;
   args.indices = indices;
   args.q = view_of<const float, 3>("q", q, "queries are float32");
   args.k_cache = raw_view<const T, 4>("k_cache", k_cache);
   args.v_cache = raw_view<const T, 4>("v_cache", v_cache);
+  if (k_rope_cache) args.k_rope_cache = raw_view<const T, 4>("k_rope_cache", *k_rope_cache);
   args.out = view_of<float, 3>("out", out, "the output is float32");
   if (lse) args.lse = view_of<float, 2>("lse", *lse, "the log-sum-exp is float32");
   constexpr StorageType storage = storage_type_of<T>;
@@ -73,6 +75,7 @@ void run_typed(const BatchPlan& plan, const ArrayRef& q, const ArrayRef& k_cache
     debug_record("v_cache", args.v_cache);
     debug_record("k_scale", args.k_scale);
     debug_record("v_scale", args.v_scale);
+    if (k_rope_cache) debug_record("k_rope_cache", args.k_rope_cache);
   }
   nb::gil_scoped_release release;
   plan.run(args);
@@ -80,7 +83,7 @@ void run_typed(const BatchPlan& plan, const ArrayRef& q, const ArrayRef& k_cache
 
 void run_any(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle out,
              nb::handle lse, const std::string& bits_as, nb::handle k_scale, nb::handle v_scale,
-             nb::handle indices) {
+             nb::handle indices, nb::handle k_rope_cache) {
   const Caller caller("qkv.BatchPlan.run");
   const std::optional<ArrayRef> index_array = optional_in("indices", indices);
   const KeyIndices lists = index_array ? packed_indices_of(*index_array) : KeyIndices{};
@@ -90,13 +93,16 @@ void run_any(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::handle
   const std::optional<ArrayRef> ks = optional_in("k_scale", k_scale), vs = optional_in("v_scale", v_scale);
   const StorageType type = cache_storage("k_cache", ka, bits_as);
   if (cache_storage("v_cache", va, bits_as) != type) argument_type_error("v_cache", "expected the dtype of k_cache");
+  const std::optional<ArrayRef> ra = optional_in("k_rope_cache", k_rope_cache);
+  if (ra && cache_storage("k_rope_cache", *ra, bits_as) != type)
+    argument_type_error("k_rope_cache", "expected the dtype of k_cache");
   switch (type) {
-    case StorageType::float32: return run_typed<float>(plan, qa, ka, va, oa, la, ks, vs, lists);
-    case StorageType::bfloat16: return run_typed<bfloat16>(plan, qa, ka, va, oa, la, ks, vs, lists);
-    case StorageType::float16: return run_typed<float16>(plan, qa, ka, va, oa, la, ks, vs, lists);
-    case StorageType::int8: return run_typed<std::int8_t>(plan, qa, ka, va, oa, la, ks, vs, lists);
-    case StorageType::float8_e4m3fn: return run_typed<float8_e4m3fn>(plan, qa, ka, va, oa, la, ks, vs, lists);
-    case StorageType::float8_e5m2: return run_typed<float8_e5m2>(plan, qa, ka, va, oa, la, ks, vs, lists);
+    case StorageType::float32: return run_typed<float>(plan, qa, ka, va, oa, la, ks, vs, lists, ra);
+    case StorageType::bfloat16: return run_typed<bfloat16>(plan, qa, ka, va, oa, la, ks, vs, lists, ra);
+    case StorageType::float16: return run_typed<float16>(plan, qa, ka, va, oa, la, ks, vs, lists, ra);
+    case StorageType::int8: return run_typed<std::int8_t>(plan, qa, ka, va, oa, la, ks, vs, lists, ra);
+    case StorageType::float8_e4m3fn: return run_typed<float8_e4m3fn>(plan, qa, ka, va, oa, la, ks, vs, lists, ra);
+    case StorageType::float8_e5m2: return run_typed<float8_e5m2>(plan, qa, ka, va, oa, la, ks, vs, lists, ra);
     case StorageType::int4: break;  // no array dtype is int4 (cache_storage)
   }
   throw Error("qkv::BatchPlan::run: int4 caches attend through qkv.KVCache.attend");
@@ -143,6 +149,7 @@ void bind_batch_plan(nb::module_& m) {
       .def("run", &run_any, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::kw_only(),
            nb::arg("lse").none() = nb::none(), nb::arg("bits_as") = "", nb::arg("k_scale").none() = nb::none(),
            nb::arg("v_scale").none() = nb::none(), nb::arg("indices").none() = nb::none(),
+           nb::arg("k_rope_cache").none() = nb::none(),
            "One layer of the planned step: q [total_q, Hq, d] float32, caches read in place, writes out "
            "[total_q, Hq, dv] (and lse [Hq, total_q]); the GIL is released.")
       .def(

@@ -233,10 +233,8 @@ std::vector<double> BatchPlan::task_costs() const {
 }
 std::vector<PrefixGroup> BatchPlan::prefix_groups() const { return state_->shared.groups; }
 
-namespace {
-
 // out [total_q, Hq, dv] and lse [Hq, total_q] (optional) against the plan, appended to `outputs`.
-void check_outputs(const Checker& check, const BatchPlan::State& s, const Described& out, TensorView<float, 2> lse_view,
+void detail::check_outputs(const Checker& check, const BatchPlan::State& s, const Described& out, TensorView<float, 2> lse_view,
                    std::vector<Described>& outputs) {
   const detail::Extents& e = s.problem.extents;
   check.expect_extent(out, 0, "total_q", s.total_q, "as cu_seqlens_q[-1]");
@@ -254,8 +252,8 @@ void check_outputs(const Checker& check, const BatchPlan::State& s, const Descri
 
 // The planned problem with this run's queries and outputs (its key/value source is the
 // caller's to set), over caches of `capacity` keys a sequence.
-detail::ForwardProblem<float> step_problem(const BatchPlan::State& s, View3<const float> q, View3<float> out,
-                                           TensorView<float, 2> lse, int64_t capacity) {
+detail::ForwardProblem<float> detail::step_problem(const BatchPlan::State& s, View3<const float> q, View3<float> out,
+                                                   TensorView<float, 2> lse, int64_t capacity) {
   const detail::Extents& e = s.problem.extents;
   detail::ForwardProblem<float> p = s.problem;
   p.extents.k_len = capacity;
@@ -264,8 +262,6 @@ detail::ForwardProblem<float> step_problem(const BatchPlan::State& s, View3<cons
   if (!lse.empty()) p.args.lse = detail::lse_as_batched(lse, e.batch);
   return p;
 }
-
-}  // namespace
 
 // The run's views against the plan: O(1) checks (the layout was checked when planned).
 template <class T>
@@ -300,22 +296,50 @@ detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State& s,
     }
   }
   check.expect_extent(k, 2, "kv heads", e.kv_heads, "as layout.num_kv_heads");
-  check.expect_extent(k, 3, "head_dim", e.head_dim, "as layout.head_dim");
+  const bool split_keys = !a.k_rope_cache.empty();
+  const Described k_rope = describe("k_rope_cache", a.k_rope_cache);
+  int64_t rope_dim = 0;
+  if (split_keys) {  // keys in two parts: k_cache the first head_dim − dr channels
+    if (s.storage == StorageType::int8 || is_float8(s.storage)) {
+      check.fail(std::string("k_rope_cache: not with ") + storage_name(s.storage) +
+                 " caches (one row scale would have to serve both pools): keep the keys in one combined pool, "
+                 "or the two pools in float32, bfloat16 or float16");
+    }
+    check.expect_well_formed(k_rope);
+    rope_dim = a.k_rope_cache.shape[3];
+    if (rope_dim < 1 || rope_dim >= e.head_dim) {
+      check.fail("k_rope_cache.shape[3] (dr): expected 1.." + std::to_string(e.head_dim - 1) +
+                 " (below layout.head_dim, the two parts' sum), got " + std::to_string(rope_dim));
+    }
+    check.expect_extent(k, 3, "head_dim - dr", e.head_dim - rope_dim,
+                        "as layout.head_dim - k_rope_cache.shape[3] (keys in two parts)");
+    check.expect_extent(k_rope, 0, first_axis, a.k_cache.shape[0], "as k_cache.shape[0]");
+    check.expect_extent(k_rope, 1, s.paged() ? "block_size" : "capacity", a.k_cache.shape[1], "as k_cache.shape[1]");
+    check.expect_extent(k_rope, 2, "kv heads", e.kv_heads, "as layout.num_kv_heads");
+  } else {
+    check.expect_extent(k, 3, "head_dim", e.head_dim, "as layout.head_dim");
+  }
   check.expect_extent(v, 0, first_axis, a.k_cache.shape[0], "as k_cache.shape[0]");
   check.expect_extent(v, 1, s.paged() ? "block_size" : "capacity", a.k_cache.shape[1], "as k_cache.shape[1]");
   check.expect_extent(v, 2, "kv heads", e.kv_heads, "as layout.num_kv_heads");
   check.expect_extent(v, 3, "head_dim", e.v_dim, "as layout.v_dim");
   std::vector<Described> inputs{q, k, v};
+  if (split_keys) inputs.push_back(k_rope);
   std::vector<Described> outputs;
-  check_outputs(check, s, out, a.lse, outputs);
+  detail::check_outputs(check, s, out, a.lse, outputs);
   const detail::CacheScales scales{a.k_scale, a.v_scale, a.k_channel_scale, a.k_channel_zero, a.key_group};
   detail::check_cache_scales(check, s.storage, scales, a.k_cache.shape, a.v_cache.shape, s.paged(), first_axis, inputs);
   check.expect_outputs_apart(outputs, inputs);
 
-  detail::ForwardProblem<float> p = step_problem(s, a.q, a.out, a.lse, s.paged() ? s.max_blocks * s.block_size : a.k_cache.shape[1]);
+  detail::ForwardProblem<float> p = detail::step_problem(s, a.q, a.out, a.lse, s.paged() ? s.max_blocks * s.block_size : a.k_cache.shape[1]);
   detail::KvSource& kv = p.kv;
   kv = detail::KvSource::of_cache(s.storage, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.k_channel_scale,
                                   a.k_channel_zero, a.key_group);
+  if (split_keys) {  // read through the same sequence, table and head as k_cache's rows
+    kv.k_rope = a.k_rope_cache.data;
+    kv.k_rope_strides = detail::RowStrides::of(a.k_rope_cache);
+    kv.rope_from = e.head_dim - rope_dim;
+  }
   if (s.paged()) {
     kv.block_table = s.read_table();
     kv.table_stride = s.max_blocks;
@@ -324,125 +348,6 @@ detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State& s,
   return p;
 }
 
-namespace {
-
-// Row (b, j, h) of a key/value source's keys (or values), widened to float into `to`
-// (exactly; int8 and float8: value · the row's scale, one rounding, as the kernel's).
-template <class T>
-void widen_row(const T* row, int64_t dim, float scale, float* to) {
-  for (int64_t c = 0; c < dim; ++c) {
-    if constexpr (std::is_same_v<T, std::int8_t> || is_float8(storage_type_of<T>)) to[c] = static_cast<float>(row[c]) * scale;
-    else to[c] = static_cast<float>(row[c]);
-  }
-}
-
-void widen_row(const detail::KvSource& kv, bool keys, int64_t b, int64_t j, int64_t h, int64_t dim, float* to) {
-  if (j >= kv.quantized_length(b)) {  // a cache's float window
-    const float* row = keys ? kv.window_key(b, j, h) : kv.window_value(b, j, h);
-    std::copy(row, row + dim, to);
-    return;
-  }
-  const int64_t at = kv.offset(keys ? kv.k_strides : kv.v_strides, b, j, h);
-  const void* base = keys ? kv.k : kv.v;
-  switch (kv.type) {
-    case StorageType::float32: return widen_row(static_cast<const float*>(base) + at, dim, 1.0f, to);
-    case StorageType::bfloat16: return widen_row(static_cast<const bfloat16*>(base) + at, dim, 1.0f, to);
-    case StorageType::float16: return widen_row(static_cast<const float16*>(base) + at, dim, 1.0f, to);
-    case StorageType::int8: {
-      const detail::ScalePtr scales = keys ? kv.k_scale : kv.v_scale;
-      const float scale = scales[kv.offset(keys ? kv.k_scale_strides : kv.v_scale_strides, b, j, h)];
-      const auto* row = static_cast<const std::int8_t*>(base) + at;
-      if (keys && kv.channel_scaled()) {  // row scale · (int8 · channel scale + zero point), one rounding inside
-        const detail::ScalePtr channel = kv.channel_scales(b, j, h);
-        const detail::ScalePtr zero = kv.channel_zeros(b, j, h);
-        for (int64_t c = 0; c < dim; ++c)
-          to[c] = std::fma(static_cast<float>(row[c]), channel[c], zero != nullptr ? zero[c] : 0.0f) * scale;
-        return;
-      }
-      return widen_row(row, dim, scale, to);
-    }
-    case StorageType::float8_e4m3fn:
-    case StorageType::float8_e5m2: {
-      const detail::ScalePtr scales = keys ? kv.k_scale : kv.v_scale;
-      const float scale = scales[kv.offset(keys ? kv.k_scale_strides : kv.v_scale_strides, b, j, h)];
-      if (kv.type == StorageType::float8_e5m2) return widen_row(static_cast<const float8_e5m2*>(base) + at, dim, scale, to);
-      return widen_row(static_cast<const float8_e4m3fn*>(base) + at, dim, scale, to);
-    }
-    case StorageType::int4: {  // (a KVCache's) read as the reference reads it
-      const reference::SourceKeyValues read{kv};
-      for (int64_t c = 0; c < dim; ++c) to[c] = static_cast<float>(keys ? read.key(b, j, h, c) : read.value(b, j, h, c));
-      return;
-    }
-  }
-}
-
-// A prefill chunk (sequence b of the step) as a dense problem of its own: its queries
-// and output rows in place, its keys and values gathered (widened exactly; int8 as
-// value · scale) into float32 [1, L, Hkv, d] rows — a copy of L·Hkv·(d + dv) elements
-// against the chunk's n·L·Hq·(d + dv) multiply-adds — so the tiled schedule reads them.
-// Allocated by prepare_step, filled by finish_step (after run_appending's writes).
-detail::GatheredChunk allocate_chunk(const detail::ForwardProblem<float>& step, int64_t b) {
-  const detail::Extents& e = step.extents;
-  const int64_t length = step.mask.sequences.k_len(b);
-  const auto floats = [&](int64_t dim) {
-    return static_cast<std::size_t>(detail::checked_product("qkv::BatchPlan::run", "a prefill chunk's gathered keys",
-                                                            {{"cache length", length}, {"kv heads", e.kv_heads}, {"dim", dim}}));
-  };
-  detail::GatheredChunk gathered{.sequence = b, .keys = {}, .values = {}};
-  detail::allocate_or_throw("qkv::BatchPlan::run", "a prefill chunk's gathered keys",
-                            (floats(e.head_dim) + floats(e.v_dim)) * sizeof(float), [&] {
-                              gathered.keys.resize(floats(e.head_dim));
-                              gathered.values.resize(floats(e.v_dim));
-                            });
-  return gathered;
-}
-
-void fill_chunk(const detail::ForwardProblem<float>& step, detail::GatheredChunk& gathered) {
-  const detail::Extents& e = step.extents;
-  const int64_t b = gathered.sequence, length = step.mask.sequences.k_len(b);
-  for (int64_t j = 0; j < length; ++j)
-    for (int64_t h = 0; h < e.kv_heads; ++h) {
-      widen_row(step.kv, true, b, j, h, e.head_dim, gathered.keys.data() + (j * e.kv_heads + h) * e.head_dim);
-      widen_row(step.kv, false, b, j, h, e.v_dim, gathered.values.data() + (j * e.kv_heads + h) * e.v_dim);
-    }
-}
-
-void run_chunk(const detail::ForwardProblem<float>& step, const detail::GatheredChunk& gathered) {
-  const detail::Extents& e = step.extents;
-  const int64_t b = gathered.sequence;
-  const int64_t n = step.mask.q_len(b), length = step.mask.sequences.k_len(b), first = step.mask.sequences.q_begin(b);
-  const std::vector<float>& keys = gathered.keys;
-  const std::vector<float>& values = gathered.values;
-  detail::ForwardProblem<float> chunk;
-  chunk.extents = e;
-  chunk.extents.batch = 1;
-  chunk.extents.q_len = n;
-  chunk.extents.k_len = length;
-  chunk.scale = step.scale;
-  chunk.mask.causal = step.mask.causal;
-  chunk.mask.window = step.mask.window;
-  chunk.mask.has_sinks = step.mask.has_sinks;
-  chunk.mask.sequences = {.count = 1, .dense_q_len = n, .dense_k_len = length, .cu_q = {}, .cu_k = {}};
-  chunk.modifiers = step.modifiers;
-  chunk.threads = step.threads;
-  const auto& q = step.args.q;
-  const auto& out = step.args.out;
-  chunk.args.q = View4<const float>(&q(0, first, 0, 0), {1, n, e.q_heads, e.head_dim},
-                                    {n * q.strides[1], q.strides[1], q.strides[2], q.strides[3]});
-  chunk.args.k = View4<const float>(keys.data(), {1, length, e.kv_heads, e.head_dim},
-                                    {length * e.kv_heads * e.head_dim, e.kv_heads * e.head_dim, e.head_dim, 1});
-  chunk.args.v = View4<const float>(values.data(), {1, length, e.kv_heads, e.v_dim},
-                                    {length * e.kv_heads * e.v_dim, e.kv_heads * e.v_dim, e.v_dim, 1});
-  chunk.args.out = View4<float>(&out(0, first, 0, 0), {1, n, e.q_heads, e.v_dim},
-                                {n * out.strides[1], out.strides[1], out.strides[2], out.strides[3]});
-  if (!step.args.lse.empty()) {
-    const auto& lse = step.args.lse;
-    chunk.args.lse = View3<float>(&lse(0, 0, first), {1, e.q_heads, n}, {0, lse.strides[1], lse.strides[2]});
-  }
-  detail::run_forward(chunk, Backend::cpu);  // > 16 queries: the tiled schedule
-}
-
-}  // namespace
 
 // The step's workspace, before anything is written (a workspace that cannot be had is a
 // qkv::Error with the outputs, and run_appending's caches, untouched).
@@ -455,7 +360,7 @@ detail::StepWork detail::prepare_step(const BatchPlan::State& s, const detail::F
   detail::StepWork work{.step = problem, .prefixes = {}, .chunks = {}};
   if (!indices.empty() || s.total_q == 0) return work;
   if (s.shared.active()) work.prefixes = detail::prepare_prefix_run(s.shared, work.step);  // step.args.lse set
-  for (const int64_t b : s.chunks) work.chunks.push_back(allocate_chunk(work.step, b));
+  for (const int64_t b : s.chunks) work.chunks.push_back(detail::allocate_chunk(work.step, b));
   return work;
 }
 
@@ -465,10 +370,10 @@ void detail::finish_step(const BatchPlan::State& s, detail::StepWork& work, cons
   if (!indices.empty())  // every row over its own list (cache/decode_sparse.cpp)
     return detail::decode_key_lists(Checker("qkv::BatchPlan::run"), step, indices, s.backend);
   if (s.total_q == 0) return;
-  for (detail::GatheredChunk& chunk : work.chunks) fill_chunk(step, chunk);
+  for (detail::GatheredChunk& chunk : work.chunks) detail::fill_chunk(step, chunk);
   if (work.prefixes) detail::run_prefix_passes(s.shared, step, *work.prefixes);
   detail::run_planned_forward(step, s.backend, s.schedule ? &*s.schedule : nullptr);
-  for (const detail::GatheredChunk& chunk : work.chunks) run_chunk(step, chunk);
+  for (const detail::GatheredChunk& chunk : work.chunks) detail::run_chunk(step, chunk);
   if (work.prefixes) detail::merge_prefix_passes(s.shared, step, *work.prefixes);
 }
 
@@ -556,13 +461,13 @@ void BatchPlan::run(View3<const float> q_view, const KVCache& cache, View3<float
   check.expect_extent(q, 1, "heads", e.q_heads, "as layout.num_heads");
   check.expect_extent(q, 2, "head_dim", e.head_dim, "as layout.head_dim");
   std::vector<Described> outputs;
-  check_outputs(check, s, out, lse, outputs);
+  detail::check_outputs(check, s, out, lse, outputs);
   const std::vector<Described> inputs{q};
   check.expect_outputs_apart(outputs, inputs);  // the cache's storage is its own memory
   const auto held = detail::CacheReader::lock(cache);  // lengths and rows stay as checked
   check_cache(check, s, cache);
   detail::ForwardProblem<float> problem =
-      step_problem(s, q_view, out_view, lse, s.paged() ? s.max_blocks * s.block_size : cache.config().capacity);
+      detail::step_problem(s, q_view, out_view, lse, s.paged() ? s.max_blocks * s.block_size : cache.config().capacity);
   problem.kv = detail::CacheReader::source(cache);
   if (s.paged()) {  // the plan's copy of the table (equal to the cache's where it is read)
     problem.kv.block_table = s.read_table();

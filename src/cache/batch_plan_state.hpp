@@ -9,6 +9,7 @@
 
 #include "cache/shared_prefix.hpp"
 #include "cache/tree_mask.hpp"
+#include "check/checker.hpp"
 #include "core/validate.hpp"
 #include "cpu/decode_plan.hpp"
 #include "qkv/batch_plan.hpp"
@@ -48,6 +49,15 @@ struct BatchPlan::State {
 
 namespace detail {
 
+// out [total_q, Hq, dv] and lse [Hq, total_q] (optional) against the plan, appended to
+// `outputs`.
+void check_outputs(const Checker& check, const BatchPlan::State& s, const Described& out, TensorView<float, 2> lse,
+                   std::vector<Described>& outputs);
+// The planned problem with this run's queries and outputs (its key/value source is the
+// caller's to set), over caches of `capacity` keys a sequence.
+ForwardProblem<float> step_problem(const BatchPlan::State& s, View3<const float> q, View3<float> out,
+                                   TensorView<float, 2> lse, int64_t capacity);
+
 // The run's views against the plan (O(1) checks; a qkv::Error naming the argument) and
 // the planned problem over them.
 template <class T>
@@ -58,6 +68,13 @@ struct GatheredChunk {
   int64_t sequence = 0;
   std::vector<float> keys, values;
 };
+
+// Its buffer (allocated before anything is written), its rows gathered (after
+// run_appending's writes), and the chunk run on the tiled schedule over them
+// (cache/batch_plan_chunks.cpp).
+GatheredChunk allocate_chunk(const ForwardProblem<float>& step, int64_t b);
+void fill_chunk(const ForwardProblem<float>& step, GatheredChunk& gathered);
+void run_chunk(const ForwardProblem<float>& step, const GatheredChunk& gathered);
 
 // What a step needs besides the caller's views, had before anything is written: the
 // problem (with a scratch lse when shared prefixes need one), the shared prefixes'
