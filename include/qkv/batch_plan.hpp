@@ -131,6 +131,17 @@
 // would have to serve both pools; a combined float8 pool works), and so is run_appending
 // (BatchAppendArgs has no second pool; write the rows, then run).
 //
+// FlashMLA's FP8 records (vLLM's fp8_ds_mla latent cache, DeepSeek-V3.2 and GLM-5; the
+// layout qkv/mla.hpp's MlaRecordArgs states): run(BatchRecordArgs) reads them in place —
+// one latent head, so the plan has num_kv_heads 1, head_dim dc + dr, v_dim dc (a multiple
+// of 128) and storage float8_e4m3fn (the records' latent values); q [total_q, Hq, dc + dr]
+// holds [q_nope | q_pe], out [total_q, Hq, dc]. Each query row runs on mla_decode's
+// records kernel (cpu/mla_records.cpp): its keys in chunks cut by their count alone,
+// merged in order, so a row's bits are those of mla_decode over the same records, for
+// any batch and thread count. Options and key lists as for run(BatchArgs); refused by
+// name: window and ALiBi (as mla_decode refuses them), and plans with a tree_mask or
+// share_prefixes (the records kernel has neither).
+//
 // Schedules (cpu backend): sequences of ≤ 32 queries run on the split-K schedule
 // (cpu/decode.cpp), planned together, their tasks handed to threads costliest first; a
 // prefill chunk of more queries runs on the tiled schedule over its keys gathered into
@@ -234,6 +245,15 @@ struct BatchAppendArgs {
   KeyIndices indices;               // as BatchArgs'
 };
 
+// run over FlashMLA's FP8 records (see above).
+struct BatchRecordArgs {
+  View3<const float> q;                 // [total_q, Hq, dc + dr]
+  View3<const std::uint8_t> records;    // [B, capacity, R] or the pool [num_blocks, block_size, R]
+  View3<float> out;                     // [total_q, Hq, dc]
+  TensorView<float, 2> lse;             // optional, [Hq, total_q]
+  KeyIndices indices;                   // optional, packed [total_q, topk] (as BatchArgs')
+};
+
 class BatchPlan {
  public:
   BatchPlan(const BatchLayout& layout, const AttentionOptions& options);
@@ -257,6 +277,8 @@ class BatchPlan {
   void run_appending(const BatchAppendArgs<std::int8_t>& args) const;
   void run_appending(const BatchAppendArgs<float8_e4m3fn>& args) const;
   void run_appending(const BatchAppendArgs<float8_e5m2>& args) const;
+  // The step over FlashMLA's FP8 records: see above.
+  void run(const BatchRecordArgs& args) const;
   // The step over a qkv::KVCache: q [total_q, Hq, d], out [total_q, Hq, dv], lse
   // [Hq, total_q] (optional).
   void run(View3<const float> q, const KVCache& cache, View3<float> out, TensorView<float, 2> lse = {}) const;

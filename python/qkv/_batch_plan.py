@@ -144,7 +144,7 @@ class BatchPlan:
 
     def run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None, k_new=None,
             v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False, rotary_dim=None, positions=None,
-            k_rope_cache=None):
+            k_rope_cache=None, cache_format=None):
         """One layer: q ``[total_q, Hq, d]`` against ``k_cache``/``v_cache`` — contiguous
         ``[B, capacity, Hkv, d]`` or the pool ``[num_blocks, block_size, Hkv, d]``, float32,
         bfloat16, float16, int8 (with ``k_scale``/``v_scale``, one float32 per row) or float8
@@ -177,9 +177,21 @@ class BatchPlan:
         ``[q_nope | q_pe]``; with v_cache=None and v_dim=dc the values are k_cache's rows.
         Read in place, bitwise the step over one combined pool of the same values. float32,
         bfloat16 and float16 only (int8 and float8 refused: a combined pool takes them); not
-        with k_new or a qkv.KVCache."""
+        with k_new or a qkv.KVCache.
+        cache_format="fp8_ds_mla": k_cache is FlashMLA's FP8 records (vLLM's kv_cache_dtype of
+        that name; qkv.mla_decode's layout), uint8 ``[B, capacity, R]`` or the pool
+        ``[num_blocks, block_size, R]``, read in place; v_cache None; the plan has one kv
+        head, head_dim dc + dr and v_dim dc (a multiple of 128). Each query row runs on
+        mla_decode's records kernel, so a sequence's rows are mla_decode's over the same
+        records. indices as above; window, ALiBi, trees and shared prefixes refused. Traced:
+        torch.ops.qkv.batch_plan_run_records."""
         refuse_grad("qkv.BatchPlan.run", q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale,
                     k_new=k_new, v_new=v_new, k_rope_cache=k_rope_cache)
+        if cache_format is not None:
+            return self._run_records(q, k_cache, cache_format, return_lse, indices, v_cache=v_cache, k_scale=k_scale,
+                                     v_scale=v_scale, k_rope_cache=k_rope_cache, k_new=k_new, v_new=v_new,
+                                     rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_dim=rotary_dim,
+                                     positions=positions, rotary_interleaved=rotary_interleaved or None)
         if k_rope_cache is not None and isinstance(k_cache, KVCache):
             raise Error("qkv.BatchPlan.run: k_rope_cache: not with a qkv.KVCache as k_cache (a cache keeps each "
                         "key whole); pass the two pools as arrays")
@@ -225,6 +237,44 @@ class BatchPlan:
                 return (out, lse) if return_lse else out
         return self.eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
                               indices=indices, k_rope_cache=k_rope_cache)
+
+    def _run_records(self, q, records, cache_format, return_lse, indices, **unused):
+        """run() with cache_format: the arguments it does not take refused by name, then the
+        operator (traced) or eager_run_records."""
+        fn = "qkv.BatchPlan.run"
+        if cache_format != "fp8_ds_mla":
+            raise Error(f"{fn}: cache_format: expected None or 'fp8_ds_mla' (FlashMLA's FP8 records), got "
+                        f"{cache_format!r}")
+        for name, value in unused.items():
+            if value is not None:
+                raise Error(f"{fn}: {name}: expected None with cache_format='fp8_ds_mla' (the records hold the "
+                            "keys, values and scales; new tokens are written with qkv.pack_mla_records)")
+        if isinstance(records, KVCache):
+            raise Error(f"{fn}: k_cache: with cache_format='fp8_ds_mla', the records array (uint8), not a qkv.KVCache")
+        if _is_torch(q):
+            from . import _torch_ops_cache
+
+            if _torch_ops_cache.traced(q):
+                if self._handle is None:
+                    raise Error(f"{fn}: traced (torch.compile), but the plan was made before torch was imported: "
+                                "make it after `import torch`")
+                out, lse = _torch_ops_cache.batch_plan_run_records(self._handle, q, records, indices)
+                return (out, lse) if return_lse else out
+        return self.eager_run_records(q, records, return_lse=return_lse, indices=indices)
+
+    def eager_run_records(self, q, records, *, return_lse=False, indices=None):
+        """run(cache_format="fp8_ds_mla") itself, outside any tracing (what the operator calls)."""
+        fn = "qkv.BatchPlan.run"
+        from ._decode_eager import key_lists
+
+        indices = key_lists(indices)
+        q_lib = _float32_packed(q, "q", fn)
+        if _is_torch(records):
+            if records.device.type != "cpu":
+                raise TypeError(f"{fn}: k_cache: expected a CPU tensor, got device {records.device}")
+            records = records.detach().numpy()
+        return self._run(q, q_lib, "float8_e4m3fn", return_lse,
+                         lambda plan, out, lse: plan.run_records(q_lib, records, out, lse=lse, indices=indices))
 
     def eager_run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None,
                   k_rope_cache=None):

@@ -6,6 +6,7 @@ qkv.decode, qkv.KVCache and qkv.BatchPlan.run:
     torch.ops.qkv.kv_cache_attend(state, handle, q, layout, v_dim, ...)   -> (out, lse)
     torch.ops.qkv.batch_plan_run(handle, q, k_cache, v_cache, k_scale, v_scale, indices, k_rope_cache)
                                                                      -> (out, lse)
+    torch.ops.qkv.batch_plan_run_records(handle, q, records, indices)   -> (out, lse)
 
 Each runs the eager function (qkv/_decode.py, qkv/_batch_plan.py) when it executes, so a
 traced call is the eager call. None is differentiable (decoding and serving have no
@@ -215,6 +216,23 @@ def _(handle, q, k_cache, v_cache, k_scale, v_scale, indices=None, k_rope_cache=
             q.new_empty((heads, total), dtype=torch.float32))
 
 
+# FlashMLA's FP8 records (BatchPlan.run with cache_format="fp8_ds_mla"). The fake reads dc
+# from the shapes: a record is dc + dc/32 + 2·dr bytes and q's rows dc + dr wide, so
+# dc = 32·(2·(dc + dr) − record) / 31.
+@torch.library.custom_op("qkv::batch_plan_run_records", mutates_args=())
+def batch_plan_run_records(handle: Tensor, q: Tensor, records: Tensor,
+                           indices: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    return _plan(handle).eager_run_records(q, records, return_lse=True, indices=indices)
+
+
+@batch_plan_run_records.register_fake
+def _(handle, q, records, indices=None):
+    total, heads, width = q.shape
+    dc = 32 * (2 * width - records.shape[-1]) // 31
+    dtype = q.dtype if q.is_floating_point() else torch.float32
+    return (q.new_empty((total, heads, dc), dtype=dtype), q.new_empty((heads, total), dtype=torch.float32))
+
+
 def traced(x) -> bool:
     """Whether a call on torch tensors is traced (torch.compile, fake tensors)."""
     return torch.compiler.is_compiling() or type(x) is not Tensor
@@ -287,6 +305,6 @@ def traced_attend(cache, q, *, scale, causal, return_lse, threads, window, softc
     return (out, lse) if return_lse else out
 
 
-__all__ = ["batch_plan_run", "decode", "kv_cache_append", "kv_cache_attend", "mla_decode", "mla_decode_records", "register_cache",
+__all__ = ["batch_plan_run", "batch_plan_run_records", "decode", "kv_cache_append", "kv_cache_attend", "mla_decode", "mla_decode_records", "register_cache",
            "register_plan", "traced", "traced_append", "traced_attend", "traced_decode", "traced_mla_decode",
            "traced_mla_decode_records"]

@@ -108,6 +108,22 @@ void run_any(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::handle
   throw Error("qkv::BatchPlan::run: int4 caches attend through qkv.KVCache.attend");
 }
 
+// FlashMLA's FP8 records (qkv/batch_plan.hpp's BatchRecordArgs): one uint8 array.
+void run_records(const BatchPlan& plan, nb::handle q, nb::handle records, nb::handle out, nb::handle lse,
+                 nb::handle indices) {
+  const Caller caller("qkv.BatchPlan.run");
+  const std::optional<ArrayRef> index_array = optional_in("indices", indices);
+  BatchRecordArgs args;
+  args.indices = index_array ? packed_indices_of(*index_array) : KeyIndices{};
+  args.q = view_of<const float, 3>("q", ArrayRef::from(q, false, "q"), "queries are float32");
+  args.records = view_of<const std::uint8_t, 3>("records", ArrayRef::from(records, false, "records"),
+                                                "FlashMLA's FP8 records are bytes (uint8)");
+  args.out = view_of<float, 3>("out", ArrayRef::from(out, true, "out"), "the output is float32");
+  if (!lse.is_none()) args.lse = view_of<float, 2>("lse", ArrayRef::from(lse, true, "lse"), "the log-sum-exp is float32");
+  nb::gil_scoped_release release;
+  plan.run(args);
+}
+
 }  // namespace
 
 void bind_batch_plan(nb::module_& m) {
@@ -152,6 +168,10 @@ void bind_batch_plan(nb::module_& m) {
            nb::arg("k_rope_cache").none() = nb::none(),
            "One layer of the planned step: q [total_q, Hq, d] float32, caches read in place, writes out "
            "[total_q, Hq, dv] (and lse [Hq, total_q]); the GIL is released.")
+      .def("run_records", &run_records, nb::arg("q"), nb::arg("records"), nb::arg("out"), nb::kw_only(),
+           nb::arg("lse").none() = nb::none(), nb::arg("indices").none() = nb::none(),
+           "One layer of the planned step over FlashMLA's FP8 records (uint8 [B | blocks, capacity | block_size, "
+           "record]); the GIL is released.")
       .def(
           "run_cache",
           [](const BatchPlan& self, nb::handle q, const CacheObject& cache, nb::handle out, nb::handle lse,

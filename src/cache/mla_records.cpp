@@ -47,7 +47,7 @@ void reference_records(const detail::RecordsProblem& problem) {
   std::vector<uint64_t> marks = problem.keys ? problem.keys->marks_for(e.k_len) : std::vector<uint64_t>{};
   std::vector<double> score, out(static_cast<std::size_t>(rec.dc));
   for (int64_t b = 0; b < e.batch; ++b)
-    for (int64_t i = 0; i < e.q_len; ++i) {
+    for (int64_t i = 0; i < p.mask.q_len(b); ++i) {
       std::vector<int64_t> keys;
       if (problem.keys != nullptr) {
         const int64_t count = problem.keys->attended_keys(p.mask, b, 0, i, listed.data(), marks);
@@ -138,7 +138,11 @@ void mla_decode(const MlaRecordArgs& a, const AttentionOptions& options) {
     rec.page_size = a.ckv_cache.shape[1];
   }
   if (batch == 0 || q_len == 0) return;
-  if (resolve_backend(options, false, false) == Backend::reference) return reference_records(problem);
+  detail::run_records(problem, resolve_backend(options, false, false));
+}
+
+void detail::run_records(const RecordsProblem& problem, Backend backend) {
+  if (backend == Backend::reference) return reference_records(problem);
   cpu::mla_records_decode(problem);
 }
 

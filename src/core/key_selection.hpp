@@ -40,9 +40,15 @@ struct KeySelection {
   // left zero. Sorting topk keys costs ~topk·log2(topk) steps (~45 µs for 2048, a third
   // of the row's arithmetic at d = 128); marking them in a bit set and reading the set
   // words in order costs topk + key_end/64 — used whenever the bit set is that small.
+  // Packed lists ([total_q, topk], a qkv::BatchPlan step's) hold sequence b's query i at
+  // row q_begin(b) + i.
   int64_t attended_keys(const MaskRule& mask, int64_t b, int64_t list, int64_t i, int32_t* keys,
                         std::vector<uint64_t>& marks) const {
     const int64_t end = mask.key_end(b, i);  // window and key_lengths are refused: begin 0
+    if (indices.packed()) {
+      i += mask.sequences.q_begin(b);
+      b = 0;
+    }
     const int64_t words = (end + 63) / 64;
     if (words > 4 * topk || static_cast<int64_t>(marks.size()) < words) {
       int64_t count = 0;

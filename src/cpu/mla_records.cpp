@@ -71,9 +71,12 @@ struct Task {
   int64_t row = 0, first = 0, count = 0, slot = 0;
 };
 
-// Every row's keys: explicit positions (key lists) or 0..count − 1.
+// Every row's keys: explicit positions (key lists) or 0..count − 1. Rows in packed order
+// — sequence by sequence, its queries in order — each with its (sequence, query): the
+// sequences may have different query counts (a qkv::BatchPlan step).
 struct RowKeys {
-  std::vector<int64_t> count;     // per row b·Nq + i
+  std::vector<int64_t> sequence, query;  // per row
+  std::vector<int64_t> count;     // per row
   std::vector<int32_t> position;  // rows × topk with key lists, else empty
   int64_t topk = 0;
   int64_t at(int64_t row, int64_t t) const {
@@ -178,7 +181,7 @@ void RunTask(const detail::RecordsProblem& problem, const records::RowKeys& keys
   const auto& rec = problem.records;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
-  const int64_t b = task.row / e.q_len, i = task.row % e.q_len;
+  const int64_t b = keys.sequence[static_cast<std::size_t>(task.row)], i = keys.query[static_cast<std::size_t>(task.row)];
   const size_t heads = static_cast<size_t>(e.q_heads), d = static_cast<size_t>(e.head_dim);
   const size_t dc = static_cast<size_t>(rec.dc), lanes = VectorLanes();
   const float scale = static_cast<float>(dense.scale);
@@ -272,12 +275,17 @@ void RunTask(const detail::RecordsProblem& problem, const records::RowKeys& keys
 void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
   const auto& dense = *problem.dense;
   const detail::Extents& e = dense.extents;
-  const int64_t row_count = e.batch * e.q_len;
-  if (row_count == 0) return;
   const int64_t heads = e.q_heads, dc = problem.records.dc;
 
-  // Every row's keys, then its chunks.
+  // Every row, its keys, then its chunks.
   records::RowKeys keys;
+  for (int64_t b = 0; b < e.batch; ++b)
+    for (int64_t i = 0; i < dense.mask.q_len(b); ++i) {
+      keys.sequence.push_back(b);
+      keys.query.push_back(i);
+    }
+  const auto row_count = static_cast<int64_t>(keys.sequence.size());
+  if (row_count == 0) return;
   keys.count.resize(static_cast<std::size_t>(row_count));
   if (problem.keys != nullptr) {
     keys.topk = problem.keys->topk;
@@ -285,10 +293,12 @@ void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
     std::vector<uint64_t> marks = problem.keys->marks_for(e.k_len);
     for (int64_t row = 0; row < row_count; ++row)
       keys.count[static_cast<std::size_t>(row)] = problem.keys->attended_keys(
-          dense.mask, row / e.q_len, 0, row % e.q_len, keys.position.data() + row * keys.topk, marks);
+          dense.mask, keys.sequence[static_cast<std::size_t>(row)], 0, keys.query[static_cast<std::size_t>(row)],
+          keys.position.data() + row * keys.topk, marks);
   } else {
     for (int64_t row = 0; row < row_count; ++row)
-      keys.count[static_cast<std::size_t>(row)] = dense.mask.key_end(row / e.q_len, row % e.q_len);
+      keys.count[static_cast<std::size_t>(row)] =
+          dense.mask.key_end(keys.sequence[static_cast<std::size_t>(row)], keys.query[static_cast<std::size_t>(row)]);
   }
   std::vector<records::Task> tasks;
   std::vector<int64_t> first_slot(static_cast<std::size_t>(row_count + 1), 0);
@@ -325,7 +335,7 @@ void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
   std::vector<float> merged_rows(static_cast<std::size_t>(threads * dc));  // one row per thread
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t row = 0; row < row_count; ++row) {
-    const int64_t b = row / e.q_len, i = row % e.q_len;
+    const int64_t b = keys.sequence[static_cast<std::size_t>(row)], i = keys.query[static_cast<std::size_t>(row)];
     const std::span<float> merged(merged_rows.data() + omp_get_thread_num() * dc, static_cast<std::size_t>(dc));
     for (int64_t h = 0; h < heads; ++h) {
       std::fill(merged.begin(), merged.end(), 0.0f);

@@ -51,6 +51,10 @@ struct RecordsProblem {
   const KeySelection* keys = nullptr;
 };
 
+// The call on `backend`: cpu (cpu/mla_records.cpp), or reference, attention in double
+// over the stored values (cache/mla_records.cpp, which defines this).
+void run_records(const RecordsProblem& problem, Backend backend);
+
 }  // namespace qkv::detail
 
 namespace qkv::cpu {

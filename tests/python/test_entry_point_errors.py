@@ -46,6 +46,13 @@ def _cache():
     return cache
 
 
+def _records_plan():  # over RECORDS: dc 128, dr 4
+    return _plan(head_dim=132, v_dim=128)
+
+
+RPLAN_Q = np.zeros((2, 2, 132), f32)
+
+
 def _plan(**changes):
     return qkv.BatchPlan(*changes.pop("args", (PLAN_CU, PLAN_LENGTHS)),
                          **dict(dict(num_heads=2, num_kv_heads=1, head_dim=8), **changes))
@@ -128,6 +135,17 @@ CASES = [
     ("BatchPlan.run", "dtype", lambda: _plan().run(PLAN_Q, PLAN_CACHE, PLAN_CACHE, indices=np.zeros((2, 1), f32)),
      Type, "indices"),
     ("BatchPlan.run", "rank", lambda: _plan().run(PLAN_Q[0], PLAN_CACHE, PLAN_CACHE), Error, "q"),
+    ("BatchPlan.run", "rank", lambda: _records_plan().run(RPLAN_Q, RECORDS[0], None, cache_format="fp8_ds_mla"),
+     Error, "records"),
+    ("BatchPlan.run", "dtype", lambda: _records_plan().run(RPLAN_Q, RECORDS.astype(np.int16), None,
+                                                          cache_format="fp8_ds_mla"), Type, "records"),
+    ("BatchPlan.run", "rank", lambda: _records_plan().run(RPLAN_Q[0], RECORDS, None, cache_format="fp8_ds_mla"),
+     Error, "q"),
+    ("BatchPlan.run", "rank", lambda: _plan(head_dim=12, v_dim=8).run(
+        np.zeros((2, 2, 12), f32), PLAN_CACHE, None, k_rope_cache=PLAN_CACHE[..., 0]), Error, "k_rope_cache"),
+    ("BatchPlan.run", "dtype", lambda: _plan(head_dim=12, v_dim=8).run(
+        np.zeros((2, 2, 12), f32), PLAN_CACHE, None, k_rope_cache=PLAN_CACHE[..., :4].astype(np.int32)), Type,
+     "k_rope_cache"),
     ("BatchPlan.run", "dtype", lambda: _plan().run(PLAN_Q, PLAN_CACHE.astype(np.int32), PLAN_CACHE), Type,
      "k_cache"),
     ("flex_attention", "rank", lambda: qkv.flex_attention(TQ[0], TQ, TQ), Error, "query"),
@@ -214,8 +232,10 @@ def _entry_points():
     return names
 
 
-# Methods that take no array and no integer: nothing to get wrong but the object itself.
-_NO_ARRAYS_OR_INTS = {"task_costs", "eager_run", "storage", "scales", "channel_scales", "value_group_scales",
+# Methods that take no array and no integer: nothing to get wrong but the object itself;
+# and eager_run / eager_run_records, run()'s own bodies (what the operators call), whose
+# bad values are run()'s rows above.
+_NO_ARRAYS_OR_INTS = {"task_costs", "eager_run", "eager_run_records", "storage", "scales", "channel_scales", "value_group_scales",
                       "torch_storage", "block_table", "torch_state"}
 
 
