@@ -208,7 +208,8 @@ BatchPlan::BatchPlan(const BatchLayout& layout, const AttentionOptions& options)
       tiled[static_cast<std::size_t>(b)] = true;
       s.chunks.push_back(b);
     }
-    s.schedule.emplace(p.extents, p.mask, s.storage, cpu::decode_vector_lanes(), p.fixed_key_split, &tiled);
+    s.schedule.emplace(p.extents, p.mask, s.storage, cpu::decode_vector_lanes(), p.fixed_key_split, &tiled,
+                       cpu::latent_blocks(p, s.storage));
     detail::plan_prefix_passes(s.shared, p, s.storage);
   }
   state_ = std::move(state);

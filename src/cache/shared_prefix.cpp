@@ -166,7 +166,8 @@ void plan_prefix_passes(SharedPrefixes& shared, const ForwardProblem<float>& ste
   p.modifiers.softcap = step.modifiers.softcap;  // sinks join the members' own parts, once
   p.threads = step.threads;
   p.precision = step.precision;
-  shared.schedule.emplace(p.extents, p.mask, storage, cpu::decode_vector_lanes());
+  shared.schedule.emplace(p.extents, p.mask, storage, cpu::decode_vector_lanes(), false, nullptr,
+                          cpu::latent_blocks(p, storage));
 }
 
 PrefixRun prepare_prefix_run(const SharedPrefixes& shared, ForwardProblem<float>& step) {

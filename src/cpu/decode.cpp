@@ -548,7 +548,8 @@ void DecodeImpl(const Problem& p, const DecodePlan* planned) {
   std::optional<DecodePlan> local;
   if (planned == nullptr || planned->lanes != VectorLanes()) {  // planned again, leaving out what it left out
     const std::vector<bool>* skip = planned != nullptr && !planned->skipped.empty() ? &planned->skipped : nullptr;
-    planned = &local.emplace(p.extents, p.mask, kv.type, VectorLanes(), p.fixed_key_split, skip);
+    planned = &local.emplace(p.extents, p.mask, kv.type, VectorLanes(), p.fixed_key_split, skip,
+                             latent_blocks(p, kv.type));
   }
   // int4 rows are read in place in full chunks of 32 channels (storage-inl.h's
   // LoadValues), values a group of 32 channels at a time: else widened into scratch.

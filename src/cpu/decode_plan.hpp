@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cpu/blocking.hpp"
+#include "cpu/dot_products.hpp"
 #include "core/problem.hpp"
 #include "qkv/half.hpp"
 
@@ -37,6 +38,22 @@ inline constexpr int64_t kMaxChunks = 16;
 // accumulator) are spread over 64 keys.
 inline constexpr std::size_t kDecodeScoreFloats = 4096;
 inline constexpr std::size_t kDecodeMaxBlockKeys = 64;
+
+// Keys per block of the latent step instead (decode_latent-inl.h: one kv head of ≥ 16
+// bfloat16 query rows on vdpbf16ps), whose scores sit transposed in their own scratch, not
+// in the float step's L1 budget (which gives 32 keys at 128 heads and 16 at 128 heads × 2
+// queries): P·V's reductions run over the block's key pairs, the score tiles over 6 keys
+// at a time, the product tiles over 6 heads. By query heads, measured (Zen 4, dc 512 + dr
+// 64, 4096 keys, 1 thread, the C++ call, ms; the choice starred):
+//   16 heads:  32 keys 1.08*, 48 1.16, 64 (the budget's) 1.19, 96 1.14; 2 queries 1.89* / 2.42 at 64
+//   32 heads:  32 1.89–1.97, 48 1.75*, 64 (the budget's) 2.09–2.14, 96 2.12
+//   64 heads:  32 3.61, 48 3.42, 64 (the budget's) 3.29–3.34*, 96 4.08–4.15
+//   128 heads: 32 (the budget's) 7.35, 64 6.8, 96 6.58–6.64*, 112 6.58; 2 queries 15.7 at
+//              32, 13.75 at 96; batch 8: 61.5 at 32, 55.5 at 96
+// A machine's caches and tile shapes set these; other vdpbf16ps CPUs (Zen 5) unmeasured.
+inline std::size_t latent_block_keys(std::size_t q_heads) {
+  return q_heads <= 16 ? 32 : q_heads <= 32 ? 48 : q_heads <= 64 ? 64 : 96;
+}
 
 // Below these a thread is not worth waking (see threads_for in work_order.hpp).
 inline constexpr double kDecodeMinFlopsPerThread = 4e6;
@@ -77,8 +94,23 @@ struct ChunkState {
   float* l;
 };
 
+// Whether a call's blocks are sized for the latent step (latent_block_keys): the calls
+// LatentDots (decode_latent-inl.h) sends there — one kv head of bfloat16 or float8 keys,
+// query heads in whole 16s, no softcap or score modifier, precision fast on vdpbf16ps —
+// and keys not on execution.fixed_key_split's grid. Decided from the problem alone, so
+// qkv::decode, mla_decode and qkv::BatchPlan (which plans ahead) size a sequence's blocks
+// alike. (A partly visible block of such a call, which takes the float step, has as many
+// keys: the scratch is sized by the plan.)
+inline bool latent_blocks(const detail::ForwardProblem<float>& p, StorageType storage) {
+  const bool storage_ok = storage == StorageType::bfloat16 || storage == StorageType::float8_e4m3fn ||
+                          storage == StorageType::float8_e5m2;
+  return storage_ok && p.extents.kv_heads == 1 && p.extents.q_heads % 16 == 0 && p.modifiers.softcap == 0.0f &&
+         !p.modifiers.has_score_mod() && !p.fixed_key_split && bf16_unit(p.precision) == Bf16Unit::avx512_bf16;
+}
+
 struct DecodePlan {
   std::size_t lanes = 0;       // the vector length it was planned for
+  std::size_t latent_keys = 0;  // keys per block for the latent step (0: the budget's)
   std::size_t d_pad = 0;       // head_dim rounded up to whole vectors
   std::size_t dv_pad = 0;      // v_dim rounded up to whole vectors
   std::size_t block_keys = 0;  // the most keys per block of any sequence (a multiple of lanes)
@@ -100,13 +132,17 @@ struct DecodePlan {
   // `p`'s batch entries are its sequences (dense, or varlen queries: mask.q_len(b) each);
   // `storage` is its key/value source's element type.
   DecodePlan(const detail::ForwardProblem<float>& problem, StorageType storage, std::size_t vector_lanes)
-      : DecodePlan(problem.extents, problem.mask, storage, vector_lanes, problem.fixed_key_split) {}
+      : DecodePlan(problem.extents, problem.mask, storage, vector_lanes, problem.fixed_key_split, nullptr,
+                   latent_blocks(problem, storage)) {}
 
   // `skip` (optional, one flag per sequence): sequences another schedule computes
-  // (qkv::BatchPlan's prefill chunks), left out of the plan.
+  // (qkv::BatchPlan's prefill chunks), left out of the plan. `latent`: blocks of
+  // latent_block_keys (latent_blocks below says when).
   DecodePlan(const detail::Extents& p, const detail::MaskRule& mask, StorageType storage,
-             std::size_t vector_lanes, bool fixed_key_split = false, const std::vector<bool>* skip = nullptr)
+             std::size_t vector_lanes, bool fixed_key_split = false, const std::vector<bool>* skip = nullptr,
+             bool latent = false)
       : lanes(vector_lanes),
+        latent_keys(latent ? round_up(latent_block_keys(static_cast<std::size_t>(p.q_heads)), vector_lanes) : 0),
         d_pad(round_up(static_cast<std::size_t>(p.head_dim), lanes)),
         dv_pad(round_up(static_cast<std::size_t>(p.v_dim), lanes)),
         packed(d_pad != static_cast<std::size_t>(p.head_dim) || dv_pad != static_cast<std::size_t>(p.v_dim)),
@@ -163,6 +199,7 @@ struct DecodePlan {
   // Keys per block for tiles of `tile_queries`: the score tile (group rows × block) within
   // kDecodeScoreFloats, at most kDecodeMaxBlockKeys, whole vectors.
   std::size_t keys_per_block(std::size_t tile_queries) const {
+    if (latent_keys != 0) return latent_keys;
     return std::clamp<std::size_t>(kDecodeScoreFloats / (group * tile_queries) / lanes * lanes, lanes,
                                    round_up(kDecodeMaxBlockKeys, lanes));
   }
