@@ -264,6 +264,32 @@ detail::ForwardProblem<float> detail::step_problem(const BatchPlan::State& s, Vi
   return p;
 }
 
+// q [total_q, Hq, head_dim] and a cache's first two axes against the plan (its pool blocks
+// and block size, or its sequences and capacity).
+void detail::check_step_views(const Checker& check, const BatchPlan::State& s, const Described& q,
+                              const Described& cache) {
+  const detail::Extents& e = s.problem.extents;
+  check.expect_extent(q, 0, "total_q", s.total_q, "as cu_seqlens_q[-1]");
+  check.expect_extent(q, 1, "heads", e.q_heads, "as layout.num_heads");
+  check.expect_extent(q, 2, "head_dim", e.head_dim, "as layout.head_dim");
+  if (s.paged()) {
+    if (cache.shape[0] <= s.largest_block) {
+      check.fail("block_table[" + std::to_string(s.largest_block_sequence) + ", " +
+                 std::to_string(s.largest_block_entry) + "]: expected a pool block 0.." +
+                 std::to_string(cache.shape[0] - 1) + " (" + cache.name + ".shape[0] - 1), got " +
+                 std::to_string(s.largest_block));
+    }
+    check.expect_extent(cache, 1, "block_size", s.block_size, "as the plan's block_size");
+  } else {
+    check.expect_extent(cache, 0, "sequences", e.batch, "as cache_lengths");
+    if (cache.shape[1] < s.longest_cache) {
+      check.fail(cache.name + ".shape[1] (capacity): expected at least cache_lengths[" +
+                 std::to_string(s.longest_cache_sequence) + "] = " + std::to_string(s.longest_cache) + ", got " +
+                 std::to_string(cache.shape[1]));
+    }
+  }
+}
+
 // The run's views against the plan: O(1) checks (the layout was checked when planned).
 template <class T>
 detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State& s, const BatchArgs<T>& a) {
@@ -276,26 +302,8 @@ detail::ForwardProblem<float> detail::planned_problem(const BatchPlan::State& s,
   const Described q = describe("q", a.q), k = describe("k_cache", a.k_cache), v = describe("v_cache", a.v_cache),
                   out = describe("out", a.out);
   for (const Described* view : {&q, &k, &v, &out}) check.expect_well_formed(*view);
-  check.expect_extent(q, 0, "total_q", s.total_q, "as cu_seqlens_q[-1]");
-  check.expect_extent(q, 1, "heads", e.q_heads, "as layout.num_heads");
-  check.expect_extent(q, 2, "head_dim", e.head_dim, "as layout.head_dim");
+  detail::check_step_views(check, s, q, k);
   const char* first_axis = s.paged() ? "blocks" : "sequences";
-  if (s.paged()) {
-    if (a.k_cache.shape[0] <= s.largest_block) {
-      check.fail("block_table[" + std::to_string(s.largest_block_sequence) + ", " +
-                 std::to_string(s.largest_block_entry) + "]: expected a pool block 0.." +
-                 std::to_string(a.k_cache.shape[0] - 1) + " (k_cache.shape[0] - 1), got " +
-                 std::to_string(s.largest_block));
-    }
-    check.expect_extent(k, 1, "block_size", s.block_size, "as the plan's block_size");
-  } else {
-    check.expect_extent(k, 0, "sequences", e.batch, "as cache_lengths");
-    if (a.k_cache.shape[1] < s.longest_cache) {
-      check.fail("k_cache.shape[1] (capacity): expected at least cache_lengths[" +
-                 std::to_string(s.longest_cache_sequence) + "] = " + std::to_string(s.longest_cache) + ", got " +
-                 std::to_string(a.k_cache.shape[1]));
-    }
-  }
   check.expect_extent(k, 2, "kv heads", e.kv_heads, "as layout.num_kv_heads");
   const bool split_keys = !a.k_rope_cache.empty();
   const Described k_rope = describe("k_rope_cache", a.k_rope_cache);

@@ -8,7 +8,6 @@
 
 #include "cache/batch_plan_state.hpp"
 #include "cache/decode_source.hpp"
-#include "core/key_selection.hpp"
 #include "cpu/mla_records.hpp"
 #include "qkv/batch_plan.hpp"
 #include "qkv/error.hpp"
@@ -53,23 +52,7 @@ void BatchPlan::run(const BatchRecordArgs& a) const {
   const int64_t dc = e.v_dim, dr = e.head_dim - e.v_dim;
   const Described q = describe("q", a.q), records = describe("records", a.records), out = describe("out", a.out);
   for (const Described* view : {&q, &records, &out}) check.expect_well_formed(*view);
-  check.expect_extent(q, 0, "total_q", s.total_q, "as cu_seqlens_q[-1]");
-  check.expect_extent(q, 1, "heads", e.q_heads, "as layout.num_heads");
-  check.expect_extent(q, 2, "head_dim", e.head_dim, "as layout.head_dim (dc + dr)");
-  if (s.paged()) {
-    if (a.records.shape[0] <= s.largest_block)
-      check.fail("block_table[" + std::to_string(s.largest_block_sequence) + ", " +
-                 std::to_string(s.largest_block_entry) + "]: expected a pool block 0.." +
-                 std::to_string(a.records.shape[0] - 1) + " (records.shape[0] - 1), got " +
-                 std::to_string(s.largest_block));
-    check.expect_extent(records, 1, "block_size", s.block_size, "as the plan's block_size");
-  } else {
-    check.expect_extent(records, 0, "sequences", e.batch, "as cache_lengths");
-    if (a.records.shape[1] < s.longest_cache)
-      check.fail("records.shape[1] (capacity): expected at least cache_lengths[" +
-                 std::to_string(s.longest_cache_sequence) + "] = " + std::to_string(s.longest_cache) + ", got " +
-                 std::to_string(a.records.shape[1]));
-  }
+  detail::check_step_views(check, s, q, records);
   check.expect_extent(records, 2, "record bytes", mla_record_bytes(dc, dr),
                       "dc + 4*dc/128 + 2*dr: e4m3 latent, float32 scales, bfloat16 k_pe (656 at dc 512, dr 64)");
   std::vector<Described> outputs;
@@ -79,27 +62,8 @@ void BatchPlan::run(const BatchRecordArgs& a) const {
 
   const detail::ForwardProblem<float> p =
       detail::step_problem(s, a.q, a.out, a.lse, s.paged() ? s.max_blocks * s.block_size : a.records.shape[1]);
-  detail::KeySelection selection;
-  if (!a.indices.empty()) {
-    detail::check_key_lists(check, p, a.indices);
-    selection = {a.indices, 1, a.indices.is_int64() ? a.indices.int64_view().shape[3] : a.indices.int32_view().shape[3]};
-  }
-  detail::RecordsProblem problem;
-  problem.dense = &p;
-  problem.keys = a.indices.empty() ? nullptr : &selection;
-  detail::LatentRecords& rec = problem.records;
-  rec.data = a.records.data;
-  rec.seq_stride = a.records.strides[0];
-  rec.row_stride = a.records.strides[1];
-  rec.dc = dc;
-  rec.dr = dr;
-  if (s.paged()) {
-    rec.block_table = s.read_table();
-    rec.table_stride = s.max_blocks;
-    rec.page_size = s.block_size;
-  }
-  if (s.total_q == 0) return;
-  detail::run_records(problem, s.backend);
+  detail::run_records(check, p, a.indices, a.records, dc, dr, s.paged() ? s.read_table() : nullptr, s.max_blocks,
+                      s.backend);
 }
 
 }  // namespace qkv

@@ -53,6 +53,9 @@ namespace detail {
 // `outputs`.
 void check_outputs(const Checker& check, const BatchPlan::State& s, const Described& out, TensorView<float, 2> lse,
                    std::vector<Described>& outputs);
+// q [total_q, Hq, head_dim] and a cache's first two axes (pool blocks and block size, or
+// sequences and capacity) against the plan.
+void check_step_views(const Checker& check, const BatchPlan::State& s, const Described& q, const Described& cache);
 // The planned problem with this run's queries and outputs (its key/value source is the
 // caller's to set), over caches of `capacity` keys a sequence.
 ForwardProblem<float> step_problem(const BatchPlan::State& s, View3<const float> q, View3<float> out,

@@ -117,33 +117,34 @@ void mla_decode(const MlaRecordArgs& a, const AttentionOptions& options) {
   const auto q_view = View4<const float>::contiguous(q.data(), {batch, q_len, heads, d});
   const detail::ForwardProblem<float> p =
       detail::cache_problem(check, options, q_view, a.out, a.lse, /*kv_heads=*/1, capacity, dc, a.cache_lengths);
-  detail::KeySelection selection;
-  if (!a.indices.empty()) {
-    detail::check_key_lists(check, p, a.indices);
-    selection = {a.indices, 1, a.indices.is_int64() ? a.indices.int64_view().shape[3] : a.indices.int32_view().shape[3]};
-  }
-
-  detail::RecordsProblem problem;
-  problem.dense = &p;
-  problem.keys = a.indices.empty() ? nullptr : &selection;
-  detail::LatentRecords& rec = problem.records;
-  rec.data = a.ckv_cache.data;
-  rec.seq_stride = a.ckv_cache.strides[0];
-  rec.row_stride = a.ckv_cache.strides[1];
-  rec.dc = dc;
-  rec.dr = dr;
-  if (!a.block_table.empty()) {
-    rec.block_table = a.block_table.data;
-    rec.table_stride = a.block_table.strides[0];
-    rec.page_size = a.ckv_cache.shape[1];
-  }
-  if (batch == 0 || q_len == 0) return;
-  detail::run_records(problem, resolve_backend(options, false, false));
+  detail::run_records(check, p, a.indices, a.ckv_cache, dc, dr, a.block_table.data, a.block_table.strides[0],
+                      resolve_backend(options, false, false));
 }
 
-void detail::run_records(const RecordsProblem& problem, Backend backend) {
+void detail::run_records(const Checker& check, const ForwardProblem<float>& p, const KeyIndices& indices,
+                         View3<const std::uint8_t> records, int64_t dc, int64_t dr, const int32_t* block_table,
+                         int64_t table_stride, Backend backend) {
+  KeySelection selection;
+  if (!indices.empty()) {
+    check_key_lists(check, p, indices);
+    selection = {indices, 1, indices.is_int64() ? indices.int64_view().shape[3] : indices.int32_view().shape[3]};
+  }
+  RecordsProblem problem;
+  problem.dense = &p;
+  problem.keys = indices.empty() ? nullptr : &selection;
+  LatentRecords& rec = problem.records;
+  rec.data = records.data;
+  rec.seq_stride = records.strides[0];
+  rec.row_stride = records.strides[1];
+  rec.dc = dc;
+  rec.dr = dr;
+  if (block_table != nullptr) {
+    rec.block_table = block_table;
+    rec.table_stride = table_stride;
+    rec.page_size = records.shape[1];
+  }
   if (backend == Backend::reference) return reference_records(problem);
-  cpu::mla_records_decode(problem);
+  cpu::mla_records_decode(problem);  // nothing to do for no rows
 }
 
 }  // namespace qkv

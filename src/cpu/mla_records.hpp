@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "check/checker.hpp"
 #include "core/key_selection.hpp"
 #include "core/problem.hpp"
 #include "cpu/simd_target.hpp"  // the entry point applies QKV_SIMD_TARGET itself
@@ -51,9 +52,14 @@ struct RecordsProblem {
   const KeySelection* keys = nullptr;
 };
 
-// The call on `backend`: cpu (cpu/mla_records.cpp), or reference, attention in double
-// over the stored values (cache/mla_records.cpp, which defines this).
-void run_records(const RecordsProblem& problem, Backend backend);
+// The call over `records` ([B | blocks, capacity | block_size, R]; block_table null:
+// contiguous) for the checked problem `p` (its queries [q_nope | q_pe], outputs, mask
+// rule, options): key lists checked against p, then run on `backend` — cpu
+// (cpu/mla_records.cpp), or reference, attention in double over the stored values.
+// Defined in cache/mla_records.cpp; qkv::mla_decode and BatchPlan::run call it.
+void run_records(const Checker& check, const ForwardProblem<float>& p, const KeyIndices& indices,
+                 View3<const std::uint8_t> records, int64_t dc, int64_t dr, const int32_t* block_table,
+                 int64_t table_stride, Backend backend);
 
 }  // namespace qkv::detail
 

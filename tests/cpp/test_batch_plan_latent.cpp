@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "batch_layout.hpp"
 #include "cpu/dot_products.hpp"
 #include "forced_vdpbf16ps.hpp"
 #include "simd_targets.hpp"
@@ -95,18 +96,9 @@ struct LatentStep {
   }
 
   BatchLayout layout(bool share_prefixes = false) const {
-    BatchLayout l;
-    l.cu_seqlens_q = std::span<const int64_t>(cu);
-    l.cache_lengths = std::span<const int64_t>(spec.lengths);
-    if (spec.block_size > 0) {
-      l.block_table = table.cview();
-      l.block_size = spec.block_size;
-    }
-    l.num_heads = spec.heads;
-    l.num_kv_heads = spec.kv_heads;
-    l.head_dim = d;
-    l.v_dim = spec.dc;
-    l.storage = storage_type_of<T>;
+    BatchLayout l = test::batch_layout(cu, spec.lengths, table, spec.block_size,
+                                       {.heads = spec.heads, .kv_heads = spec.kv_heads, .head_dim = d, .v_dim = spec.dc},
+                                       storage_type_of<T>);
     l.share_prefixes = share_prefixes;
     return l;
   }

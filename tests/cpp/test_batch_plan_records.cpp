@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "batch_layout.hpp"
 #include "cpu/dot_products.hpp"
 #include "forced_vdpbf16ps.hpp"
 #include "simd_targets.hpp"
@@ -91,19 +92,9 @@ struct RecordStep {
   }
 
   BatchLayout layout() const {
-    BatchLayout l;
-    l.cu_seqlens_q = std::span<const int64_t>(cu);
-    l.cache_lengths = std::span<const int64_t>(spec.lengths);
-    if (spec.block_size > 0) {
-      l.block_table = table.cview();
-      l.block_size = spec.block_size;
-    }
-    l.num_heads = spec.heads;
-    l.num_kv_heads = 1;
-    l.head_dim = d;
-    l.v_dim = spec.dc;
-    l.storage = StorageType::float8_e4m3fn;
-    return l;
+    return test::batch_layout(cu, spec.lengths, table, spec.block_size,
+                              {.heads = spec.heads, .kv_heads = 1, .head_dim = d, .v_dim = spec.dc},
+                              StorageType::float8_e4m3fn);
   }
 
   View3<const std::uint8_t> records() const {
