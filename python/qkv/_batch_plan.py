@@ -173,7 +173,8 @@ class BatchPlan:
         Traced: torch.ops.qkv.batch_plan_run_appending, which declares the caches mutated.
         k_rope_cache: MLA's latent cache as two pools (FlashInfer's ckv / kpe): k_cache
         ``[.., Hkv, dc]`` holds each key's first dc channels and k_rope_cache ``[.., Hkv, dr]``
-        (same dtype, layout and block table) its last dr, head_dim = dc + dr; q's rows are
+        (same dtype, layout and block table) its last dr, head_dim = dc + dr (both 3-D,
+        FlashInfer's ``[blocks, block_size, dc | dr]``: one kv head); q's rows are
         ``[q_nope | q_pe]``; with v_cache=None and v_dim=dc the values are k_cache's rows.
         Read in place, bitwise the step over one combined pool of the same values. float32,
         bfloat16 and float16 only (int8 and float8 refused: a combined pool takes them); not
@@ -214,6 +215,9 @@ class BatchPlan:
                                indices=indices, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos,
                                rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, rotary_dim=rotary_dim,
                                positions=positions)
+        if k_rope_cache is not None and getattr(k_cache, "ndim", 0) == 3 and getattr(k_rope_cache, "ndim", 0) == 3:
+            # FlashInfer's pools [blocks, block_size, dc] / [.., dr]: the one latent head as a view
+            k_cache, k_rope_cache = k_cache[:, :, None], k_rope_cache[:, :, None]
         if v_cache is None and not isinstance(k_cache, KVCache):
             if v_scale is not None:
                 raise Error("qkv.BatchPlan.run: v_scale: not with v_cache=None (the values use the keys' k_scale)")

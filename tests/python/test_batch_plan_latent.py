@@ -68,6 +68,8 @@ def test_two_pools_match_the_formula_and_the_combined_pool(dtype):
     combined = torch.cat([ckv, kpe], dim=-1)
     same, same_lse = plan.run(q, combined, None, return_lse=True)
     assert torch.equal(out, same) and torch.equal(lse, same_lse)
+    # FlashInfer's 3-D pools [blocks, block_size, dc | dr]: the same call, a view.
+    assert torch.equal(plan.run(q, ckv[:, :, 0], None, k_rope_cache=kpe[:, :, 0]), out)
     # NumPy arrays (float32 and float16: NumPy has no bfloat16 here) read the same way.
     if dtype != torch.bfloat16:
         np_out = plan.run(q.numpy(), ckv.numpy(), None, k_rope_cache=kpe.numpy())
