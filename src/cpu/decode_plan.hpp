@@ -43,16 +43,22 @@ inline constexpr std::size_t kDecodeMaxBlockKeys = 64;
 // bfloat16 query rows on vdpbf16ps), whose scores sit transposed in their own scratch, not
 // in the float step's L1 budget (which gives 32 keys at 128 heads and 16 at 128 heads × 2
 // queries): P·V's reductions run over the block's key pairs, the score tiles over 6 keys
-// at a time, the product tiles over 6 heads. By query heads, measured (Zen 4, dc 512 + dr
-// 64, 4096 keys, 1 thread, the C++ call, ms; the choice starred):
-//   16 heads:  32 keys 1.08*, 48 1.16, 64 (the budget's) 1.19, 96 1.14; 2 queries 1.89* / 2.42 at 64
-//   32 heads:  32 1.89–1.97, 48 1.75*, 64 (the budget's) 2.09–2.14, 96 2.12
-//   64 heads:  32 3.61, 48 3.42, 64 (the budget's) 3.29–3.34*, 96 4.08–4.15
-//   128 heads: 32 (the budget's) 7.35, 64 6.8, 96 6.58–6.64*, 112 6.58; 2 queries 15.7 at
-//              32, 13.75 at 96; batch 8: 61.5 at 32, 55.5 at 96
-// A machine's caches and tile shapes set these; other vdpbf16ps CPUs (Zen 5) unmeasured.
+// at a time, the product tiles over 6 heads. Measured (Zen 4, dc 512 + dr 64, 1 thread,
+// the C++ call, best of interleaved rounds, ms) with the cache in L3 ("hot": 4096 keys,
+// batch 1, the same call repeated) and streamed from memory ("cold": 32768 keys, or 4096
+// × batch 8), which is how a serving step reads it; the choice starred:
+//   16 heads  hot: 32 keys 1.08, 48* 1.16, 64 (the budget's) 1.19; 2 queries 1.89 / 1.78* / 2.22
+//             cold 32k: 32 9.52, 48* 8.83–8.92, 64 8.89–9.07, 96 9.04; batch 8: 48* 9.49, 64 9.60
+//   32 heads  hot: 32 1.89, 48* 1.75, 64 (the budget's) 2.09, 96 2.09
+//             cold batch 8: 48* 16.55, 64 17.56, 96 15.72; 32k: 48* 15.43, 64 14.98, 96 14.46
+//   64 heads  hot: 32 3.61, 48 3.42, 64* (the budget's) 3.29, 96 4.08
+//             cold 32k: 64* 26.7, 96 25.9; batch 8: 64* 29.1, 96 28.5
+//   128 heads hot: 32 (the budget's) 7.35, 64 6.8, 96* 6.6; 2 queries 15.7 at 32, 13.75 at 96
+//             cold 32k: 48 55.0, 64 53.7, 96* 52.7, 128 52.1; batch 8: 61.5 at 32, 55.5 at 96
+// Below 128 heads the hot cache favours small blocks and the cold one larger ones; each
+// choice is within 8% of the best of both. Other vdpbf16ps CPUs (Zen 5) are unmeasured.
 inline std::size_t latent_block_keys(std::size_t q_heads) {
-  return q_heads <= 16 ? 32 : q_heads <= 32 ? 48 : q_heads <= 64 ? 64 : 96;
+  return q_heads <= 32 ? 48 : q_heads <= 64 ? 64 : 96;
 }
 
 // Below these a thread is not worth waking (see threads_for in work_order.hpp).
