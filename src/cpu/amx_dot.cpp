@@ -61,17 +61,47 @@ struct alignas(64) TileConfig {
   std::uint8_t rows[16] = {};
 };
 
-// Loads the configuration for this call and releases the tiles when it ends.
+// Whether a TileScope of this thread holds the configuration now.
+thread_local bool tiles_held = false;
+
+// In static storage: GCC 12's _tile_loadconfig tells the compiler it reads only the first
+// 8 bytes of its operand, so a configuration built on the stack just before it may lose
+// its row sizes to dead-store elimination (seen: palette 1 with every tile 0 × 0, and
+// SIGILL at the first tile instruction).
+constexpr TileConfig kTileConfig = [] {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = kTileRows;
+  return config;
+}();
+
+void load_configuration() { _tile_loadconfig(&kTileConfig); }
+
+// TileScope's members are declared before this file's target pragma, so they call these.
+void hold_tiles() {
+  load_configuration();
+  tiles_held = true;
+}
+
+void release_held_tiles() {
+  _tile_release();
+  tiles_held = false;
+}
+
+// Loads the configuration for this call and releases the tiles when it ends, unless a
+// TileScope holds them.
 class Tiles {
  public:
-  Tiles() {
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = kTileRows;
-    _tile_loadconfig(&config);
+  Tiles() : owner_(!tiles_held) {
+    if (owner_) load_configuration();
   }
   Tiles(const Tiles&) = delete;
   Tiles& operator=(const Tiles&) = delete;
-  ~Tiles() { _tile_release(); }
+  ~Tiles() {
+    if (owner_) _tile_release();
+  }
+
+ private:
+  bool owner_;
 };
 
 // A: value (r, x) at data[r·stride + x] for r < rows, x < values.
@@ -149,14 +179,27 @@ struct Term {
 };
 
 // C[m0..m0+32) × [n0..n0+32) (fewer where `two_rows` / `two_columns` say one tile) summed
-// over the terms, stored in the scratch's C block. Tile numbers are immediates, hence the
-// four spelled-out shapes.
+// over the terms, stored at c (its top left; c_ld floats a row): onto what c holds when
+// `load` (the running P·V sum, added in the tiles), else from zero (the scratch's C
+// block). Tile numbers are immediates, hence the four spelled-out shapes.
 template <bool kTwoRows, bool kTwoColumns>
-void block(const Term* terms, std::size_t term_count, std::size_t m0, std::size_t n0) {
-  _tile_zero(0);
-  if constexpr (kTwoColumns) _tile_zero(1);
-  if constexpr (kTwoRows) _tile_zero(2);
-  if constexpr (kTwoRows && kTwoColumns) _tile_zero(3);
+void block(const Term* terms, std::size_t term_count, std::size_t m0, std::size_t n0, float* c, std::size_t c_ld,
+           bool load) {
+  const std::size_t row_bytes = c_ld * sizeof(float);
+  float* const c01 = c + kTileWords;
+  float* const c10 = c + kTileRows * c_ld;
+  float* const c11 = c10 + kTileWords;
+  if (load) {
+    _tile_loadd(0, c, row_bytes);
+    if constexpr (kTwoColumns) _tile_loadd(1, c01, row_bytes);
+    if constexpr (kTwoRows) _tile_loadd(2, c10, row_bytes);
+    if constexpr (kTwoRows && kTwoColumns) _tile_loadd(3, c11, row_bytes);
+  } else {
+    _tile_zero(0);
+    if constexpr (kTwoColumns) _tile_zero(1);
+    if constexpr (kTwoRows) _tile_zero(2);
+    if constexpr (kTwoRows && kTwoColumns) _tile_zero(3);
+  }
   for (std::size_t x = 0; x < terms[0].a.values; x += kTileValues) {
     std::size_t stride = 0;
     for (std::size_t t = 0; t < term_count; ++t) {
@@ -179,12 +222,26 @@ void block(const Term* terms, std::size_t term_count, std::size_t m0, std::size_
       }
     }
   }
-  float* out = scratch().c;
-  constexpr std::size_t row_bytes = kCBlockLd * sizeof(float);
-  _tile_stored(0, out, row_bytes);
-  if constexpr (kTwoColumns) _tile_stored(1, out + kTileWords, row_bytes);
-  if constexpr (kTwoRows) _tile_stored(2, out + kTileRows * kCBlockLd, row_bytes);
-  if constexpr (kTwoRows && kTwoColumns) _tile_stored(3, out + kTileRows * kCBlockLd + kTileWords, row_bytes);
+  _tile_stored(0, c, row_bytes);
+  if constexpr (kTwoColumns) _tile_stored(1, c01, row_bytes);
+  if constexpr (kTwoRows) _tile_stored(2, c10, row_bytes);
+  if constexpr (kTwoRows && kTwoColumns) _tile_stored(3, c11, row_bytes);
+}
+
+template <class Visit>
+void for_blocks(std::size_t m, std::size_t n, Visit&& visit) {
+  for (std::size_t n0 = 0; n0 < n; n0 += 2 * kTileWords) {
+    const bool two_columns = n0 + kTileWords < n;
+    for (std::size_t m0 = 0; m0 < m; m0 += 2 * kTileRows) visit(m0, n0, m0 + kTileRows < m, two_columns);
+  }
+}
+
+void block_at(const Term* terms, std::size_t term_count, std::size_t m0, std::size_t n0, bool two_rows,
+              bool two_columns, float* c, std::size_t c_ld, bool load) {
+  if (two_rows && two_columns) block<true, true>(terms, term_count, m0, n0, c, c_ld, load);
+  else if (two_rows) block<true, false>(terms, term_count, m0, n0, c, c_ld, load);
+  else if (two_columns) block<false, true>(terms, term_count, m0, n0, c, c_ld, load);
+  else block<false, false>(terms, term_count, m0, n0, c, c_ld, load);
 }
 
 // C = Σ_t A_t·B_t for rows < m, columns < n (every term as long as the first), one 32 × 32
@@ -196,17 +253,22 @@ void block(const Term* terms, std::size_t term_count, std::size_t m0, std::size_
 template <class Epilogue>
 void product(const Term* terms, std::size_t term_count, std::size_t m, std::size_t n, Epilogue&& epilogue) {
   const Tiles tiles;
-  for (std::size_t n0 = 0; n0 < n; n0 += 2 * kTileWords) {
-    const bool two_columns = n0 + kTileWords < n;
-    for (std::size_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
-      const bool two_rows = m0 + kTileRows < m;
-      if (two_rows && two_columns) block<true, true>(terms, term_count, m0, n0);
-      else if (two_rows) block<true, false>(terms, term_count, m0, n0);
-      else if (two_columns) block<false, true>(terms, term_count, m0, n0);
-      else block<false, false>(terms, term_count, m0, n0);
-      epilogue(m0, n0, static_cast<const float*>(scratch().c));
-    }
-  }
+  float* const c = scratch().c;
+  for_blocks(m, n, [&](std::size_t m0, std::size_t n0, bool two_rows, bool two_columns) {
+    block_at(terms, term_count, m0, n0, two_rows, two_columns, c, kCBlockLd, /*load=*/false);
+    epilogue(m0, n0, static_cast<const float*>(c));
+  });
+}
+
+// C += A·B in the tiles themselves, C's rows [0, round_up(m, 16)) and columns [0,
+// round_up(n, 16)) loaded from and stored back to c (c_ld floats a row, a multiple of 16:
+// whole tiles stay inside each row). The caller's rows and columns past m and n must be
+// there and take A's and B's zeros: they come back unchanged.
+void product_onto(const Term& term, std::size_t m, std::size_t n, float* c, std::size_t c_ld) {
+  const Tiles tiles;
+  for_blocks(m, n, [&](std::size_t m0, std::size_t n0, bool two_rows, bool two_columns) {
+    block_at(&term, 1, m0, n0, two_rows, two_columns, c + m0 * c_ld + n0, c_ld, /*load=*/true);
+  });
 }
 
 // Calls f(r, x, mask, c_row + x) for rows [m0, min(m0 + 32, m)) and the vectors of columns
@@ -249,26 +311,55 @@ void transpose16(__m512 r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// acc_i = acc_i·alpha_i + Σ_j P_ij·v_j with V's pairs in b (alpha null: acc_i + Σ).
-void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys, const Right& b,
-              std::size_t dv, float* acc, std::size_t acc_ld, const float* alpha) {
-  // P = (Pᵀ)ᵀ as one bfloat16 term, bf16(P) rounded to nearest even (the Precision::fast
-  // contract, as bf16_dot.cpp and the peers), row-major (row i: query i's weights over
-  // the keys), zero past the keys up to whole tiles.
-  Scratch& s = scratch();
-  const std::size_t values = round_up(keys, kTileValues), rows = round_up(count, kTileRows);
+// bf16(Pᵀ)ᵀ: P as one bfloat16 term, rounded to nearest even (the Precision::fast contract,
+// as bf16_dot.cpp and the peers), row-major into dst (row i: query i's weights over the
+// keys, dst_ld values apart), rows up to round_up(count, 16) and columns up to `columns`
+// (≥ keys, a multiple of 16), zero past count and keys.
+void transpose_weights(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
+                       std::uint16_t* dst, std::size_t dst_ld, std::size_t columns) {
+  const std::size_t rows = round_up(count, kTileRows);
   for (std::size_t i0 = 0; i0 < rows; i0 += 16) {
-    const __mmask16 columns = i0 < count ? lanes_below(count - i0) : 0;
-    for (std::size_t j0 = 0; j0 < values; j0 += 16) {
+    const __mmask16 lanes = i0 < count ? lanes_below(count - i0) : 0;
+    for (std::size_t j0 = 0; j0 < columns; j0 += 16) {
       __m512 r[16];
       for (std::size_t j = 0; j < 16; ++j)
-        r[j] = j0 + j < keys ? _mm512_maskz_loadu_ps(columns, pt + (j0 + j) * pt_ld + i0) : _mm512_setzero_ps();
+        r[j] = j0 + j < keys ? _mm512_maskz_loadu_ps(lanes, pt + (j0 + j) * pt_ld + i0) : _mm512_setzero_ps();
       transpose16(r);  // r[i]: query i0 + i's weights of keys j0..j0+15
       for (std::size_t i = 0; i < 16; ++i)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.p_terms + (i0 + i) * kMaxRows + j0), to_bf16(r[i]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (i0 + i) * dst_ld + j0), to_bf16(r[i]));
     }
   }
+}
+
+// acc_i *= alpha_i for the rows whose alpha is not 1: with the online softmax, those
+// whose maximum grew in this block, which after the first few blocks is rare.
+void scale_rows(float* acc, std::size_t acc_ld, std::size_t count, std::size_t dv, const float* alpha) {
+  if (alpha == nullptr) return;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (alpha[i] == 1.0f) continue;
+    const __m512 a = _mm512_set1_ps(alpha[i]);
+    float* row = acc + i * acc_ld;
+    for (std::size_t x = 0; x < dv; x += 16)
+      _mm512_mask_storeu_ps(row + x, lanes_below(dv - x),
+                            _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes_below(dv - x), row + x), a));
+  }
+}
+
+// acc_i = acc_i·alpha_i + Σ_j P_ij·v_j with V's pairs in b (alpha null: acc_i + Σ).
+// `onto`: the sum goes onto acc in the tiles (product_onto; acc_ld a multiple of 16 and
+// acc's rows up to round_up(count, 16) there), after acc's rows with alpha_i ≠ 1 are
+// scaled, so no C block passes through the scratch and an epilogue. Otherwise the block
+// sums from zero and acc·alpha + sum is one rounding (bf16_dot.cpp's order).
+void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys, const Right& b,
+              std::size_t dv, float* acc, std::size_t acc_ld, const float* alpha, bool onto) {
+  Scratch& s = scratch();
+  const std::size_t values = round_up(keys, kTileValues), rows = round_up(count, kTileRows);
+  transpose_weights(pt, pt_ld, count, keys, s.p_terms, kMaxRows, values);
   const Term term{{s.p_terms, kMaxRows, rows, values}, b};
+  if (onto) {
+    scale_rows(acc, acc_ld, count, dv, alpha);
+    return product_onto(term, count, dv, acc, acc_ld);
+  }
   product(&term, 1, count, dv, [&](std::size_t m0, std::size_t n0, const float* c) {
     for_block_vectors(m0, count, n0, dv, c, [&](std::size_t i, std::size_t x, __mmask16 m, const float* sum) {
       float* out = acc + i * acc_ld + x;
@@ -282,6 +373,14 @@ void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t
 }
 
 }  // namespace
+
+TileScope::TileScope(bool active) : owner_(active && available() && !tiles_held) {
+  if (owner_) hold_tiles();
+}
+
+TileScope::~TileScope() {
+  if (owner_) release_held_tiles();
+}
 
 void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, std::size_t d,
                       const std::uint32_t* qp, std::size_t q_ld, std::size_t width, float scale,
@@ -304,7 +403,8 @@ void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, s
   bf16dot::PackRowPairs(v, v_row, keys, dv, pairs.v_pairs, v_ld);
   // Pair rows past (keys + 1)/2 are not zeroed here: a partial tile of them is copied
   // with zeros (right_tile reads only the rows below `pairs`).
-  weighted(pt, pt_ld, count, keys, Right{pairs.v_pairs, v_ld, (keys + 1) / 2}, dv, acc, acc_ld, alpha);
+  weighted(pt, pt_ld, count, keys, Right{pairs.v_pairs, v_ld, (keys + 1) / 2}, dv, acc, acc_ld, alpha,
+           acc_ld % kTileWords == 0);
 }
 
 void AddWeightedPairs(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
@@ -313,7 +413,7 @@ void AddWeightedPairs(const float* pt, std::size_t pt_ld, std::size_t count, std
   if (count == 0 || dv == 0) return;
   // Zero up to 32 pair rows: every tile loads in place.
   weighted(pt, pt_ld, count, keys, Right{v_pairs, v_ld, round_up((keys + 1) / 2, kTileRows)}, dv, acc, acc_ld,
-           alpha);
+           alpha, acc_ld % kTileWords == 0);
 }
 
 void AddTransposedProduct(const float* at, std::size_t at_ld, std::size_t rows, std::size_t inner,
@@ -322,7 +422,7 @@ void AddTransposedProduct(const float* at, std::size_t at_ld, std::size_t rows, 
   if (rows == 0 || n == 0) return;
   const std::size_t b_ld = bf16dot::pair_ld(n);
   bf16dot::PackRowPairs(b, b_row, inner, n, b_pairs, b_ld);
-  weighted(at, at_ld, rows, inner, Right{b_pairs, b_ld, (inner + 1) / 2}, n, c, c_ld, nullptr);
+  weighted(at, at_ld, rows, inner, Right{b_pairs, b_ld, (inner + 1) / 2}, n, c, c_ld, nullptr, /*onto=*/false);
 }
 
 void AddProduct(const bf16dot::LeftPairs& a, std::size_t rows, std::size_t pairs, const std::uint32_t* b,
@@ -353,6 +453,8 @@ void AddProduct(const bf16dot::LeftPairs& a, std::size_t rows, std::size_t pairs
 
 namespace qkv::cpu::amx {
 bool available() { return false; }
+TileScope::TileScope(bool) : owner_(false) {}
+TileScope::~TileScope() = default;
 [[noreturn]] static void unavailable() { throw Error("AMX tiles: not compiled for this CPU"); }
 void ScoresTransposed(const bfloat16*, std::int64_t, std::size_t, std::size_t, const std::uint32_t*, std::size_t,
                       std::size_t, float, float*, std::size_t) { unavailable(); }

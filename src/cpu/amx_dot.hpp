@@ -30,6 +30,23 @@ namespace qkv::cpu::amx {
 // (asked once; the answer is kept).
 bool available();
 
+// Keeps this thread's tile configuration loaded from construction to destruction, so
+// that the products called in between skip their own ldtilecfg / tilerelease: that pair
+// took 100–250 ns (an Emerald Rapids Xeon VM, family 6 model 207), against ~0.9 µs of
+// tile products in a 64 × 64 block pair at d = 128. Only for stretches where no other code runs between the products: a user's score_mod /
+// mask_mod may call into oneDNN, which loads its own configuration (or releases the
+// tiles), so callers with hooks pass active = false and each product configures itself.
+class TileScope {
+ public:
+  explicit TileScope(bool active);
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+  ~TileScope();
+
+ private:
+  bool owner_;
+};
+
 // As bf16dot::ScoresTransposed: Sᵀ[j, i] = scale · Σ_c k_j[c]·q_i[c], j < keys, i < width.
 void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, std::size_t d,
                       const std::uint32_t* qp, std::size_t q_ld, std::size_t width, float scale,
@@ -37,7 +54,11 @@ void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, s
 
 // As bf16dot::RescaleAddWeighted: acc_i = acc_i·alpha_i + Σ_j P_ij·v_j, P as one bfloat16
 // term (the Precision::fast contract; scratch.v_pairs holds V's pairs; scratch.p_pairs is not used: P's terms are
-// transposed into this thread's own tile scratch).
+// transposed into this thread's own tile scratch). Where acc_ld is a multiple of 16, the
+// sum is added onto acc in the tiles (acc's rows with alpha_i ≠ 1 scaled first, then
+// rounded again by each addition: the fast contract's float32 sums, in another order),
+// and acc must have rows up to round_up(count, 16): rows past count and columns past dv
+// come back unchanged. Otherwise acc·alpha + Σ is rounded once, as bf16dot does.
 void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
                         const bfloat16* v, std::int64_t v_row, std::size_t dv, bf16dot::PvScratch scratch,
                         float* acc, std::size_t acc_ld, const float* alpha);
@@ -45,6 +66,7 @@ void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, s
 // The same with V's pairs already packed (bf16dot::PackRowPairs's layout, v_ld words a
 // pair row, rows (keys + 1)/2 .. 32 zero): the forward packs each key block's V once per
 // call when several query blocks read it, instead of once per (query block, key block).
+// acc as above.
 void AddWeightedPairs(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
                       const std::uint32_t* v_pairs, std::size_t v_ld, std::size_t dv, float* acc,
                       std::size_t acc_ld, const float* alpha);

@@ -270,6 +270,9 @@ void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
   const size_t kn = static_cast<size_t>(keys);
   const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
   const size_t group_rows = static_cast<size_t>(e.q_len);  // dq_group rows per head
+  // One tile configuration for the block's products, unless a user's hook runs between
+  // them (amx_dot.hpp).
+  const amx::TileScope tile_scope(packed.amx && !p.modifiers.has_score_mod() && !p.mask.mask_mod.active());
   float* dk_acc = s.acc.get();                     // kn × d_ld
   float* dv_acc = dk_acc + kBlockKeys * packed.d_ld;  // kn × dv_ld
   std::fill(dk_acc, dk_acc + kn * packed.d_ld, 0.0f);
@@ -361,6 +364,7 @@ void QueryBlockGradient(const Context<T>& c, const ForwardTask& task, BackwardSc
   const int64_t b = task.batch, h = task.head, kv_head = e.kv_head_of(h);
   const int64_t q_block = task.first_query / kBlockQueries;
   const QueryRows rows = DescribeQueryBlock(c, b, h, task.first_query, s);
+  const amx::TileScope tile_scope(c.packed.amx && !c.p.modifiers.has_score_mod() && !c.p.mask.mask_mod.active());
   float* dq_acc = s.dq.get();  // count × d_ld
   std::fill(dq_acc, dq_acc + static_cast<size_t>(rows.count) * c.packed.d_ld, 0.0f);
   const int64_t k_len = c.p.mask.sequences.k_len(b);

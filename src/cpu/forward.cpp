@@ -263,6 +263,9 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
 
   const int64_t k_row = p.args.k.strides[1], v_row = p.args.v.strides[1];
   const int64_t last_block = plan.last_key_block(b, h, q_block);
+  // One tile configuration for the block's products, unless a user's hook runs between
+  // them (amx_dot.hpp).
+  const amx::TileScope tile_scope(s.amx && !mods.has_score_mod() && !p.mask.mask_mod.active());
   for (int64_t k_block = plan.first_key_block(b, h, q_block); k_block <= last_block; ++k_block) {
     const detail::Tile tile = plan.at(b, h, q_block, k_block);
     if (tile == detail::Tile::empty) continue;

@@ -71,40 +71,88 @@ TEST(AmxDot, ScoresMatchTheExactProductsWithinFloat32Sums) {
   }
 }
 
+// Two accumulator layouts: a row length that is not a multiple of 16 takes the block's
+// sum from zero and acc·alpha + sum in one rounding; a multiple of 16 (the forward's
+// dv_ld) adds the sum onto acc in the tiles after scaling the rows whose alpha is not 1,
+// one more rounding per row, and reads and writes whole tiles of acc: rows up to
+// round_up(count, 16) and columns up to acc_ld, which must come back unchanged.
 TEST(AmxDot, RescaleAddWeightedTakesPRoundedOnce) {
   QKV_REQUIRE_AMX();
   std::mt19937 gen(12);
   std::uniform_real_distribution<float> weight(0.0f, 1.0f);
-  for (const Shape& s : kShapes) {
-    const std::size_t keys = std::min<std::size_t>(s.d, 64), count = s.rows, dv = s.width + 1;
-    SCOPED_TRACE(testing::Message() << keys << " keys, " << count << " queries, dv " << dv);
-    const std::size_t pt_ld = (count + 15) / 16 * 16, v_row = dv + 2, acc_ld = dv + 1;
-    std::vector<float> pt(64 * pt_ld);
-    for (auto& p : pt) p = weight(gen);
-    const std::vector<bfloat16> v = random_bf16(keys * v_row, gen);
-    std::vector<float> acc(count * acc_ld), alpha(count);
-    for (auto& a : acc) a = weight(gen);
-    for (auto& a : alpha) a = weight(gen);
-    const std::vector<float> before = acc;
-    std::vector<std::uint32_t> p_pairs(2 * 32 * 64), v_pairs(32 * cpu::bf16dot::pair_ld(dv), 0xFFFFFFFFu);
-    cpu::amx::RescaleAddWeighted(pt.data(), pt_ld, count, keys, v.data(), static_cast<std::int64_t>(v_row), dv,
-                                 {p_pairs.data(), v_pairs.data()}, acc.data(), acc_ld, alpha.data());
-    for (std::size_t i = 0; i < count; ++i) {
-      for (std::size_t x = 0; x < dv; ++x) {
-        double sum = 0.0, magnitude = 0.0;
-        for (std::size_t j = 0; j < keys; ++j) {
-          const double p = static_cast<float>(bfloat16(pt[j * pt_ld + i]));  // bf16(P), exact in double
-          const double term = p * static_cast<float>(v[j * v_row + x]);
-          sum += term;
-          magnitude += std::abs(term);
+  for (const bool onto : {false, true}) {
+    for (const Shape& s : kShapes) {
+      const std::size_t keys = std::min<std::size_t>(s.d, 64), count = s.rows, dv = s.width + 1;
+      SCOPED_TRACE(testing::Message() << keys << " keys, " << count << " queries, dv " << dv << (onto ? ", onto acc" : ""));
+      const std::size_t pt_ld = (count + 15) / 16 * 16, v_row = dv + 2;
+      const std::size_t acc_ld = onto ? (dv + 15) / 16 * 16 : dv + 1, acc_rows = onto ? pt_ld : count;
+      std::vector<float> pt(64 * pt_ld);
+      for (auto& p : pt) p = weight(gen);
+      const std::vector<bfloat16> v = random_bf16(keys * v_row, gen);
+      std::vector<float> acc(acc_rows * acc_ld), alpha(count);
+      for (auto& a : acc) a = weight(gen);
+      // Most rows keep their maximum (alpha exactly 1, as the online softmax gives them).
+      for (auto& a : alpha) a = weight(gen) < 0.5f ? 1.0f : weight(gen);
+      const std::vector<float> before = acc;
+      std::vector<std::uint32_t> p_pairs(2 * 32 * 64), v_pairs(32 * cpu::bf16dot::pair_ld(dv), 0xFFFFFFFFu);
+      cpu::amx::RescaleAddWeighted(pt.data(), pt_ld, count, keys, v.data(), static_cast<std::int64_t>(v_row), dv,
+                                   {p_pairs.data(), v_pairs.data()}, acc.data(), acc_ld, alpha.data());
+      for (std::size_t i = 0; i < count; ++i) {
+        for (std::size_t x = 0; x < dv; ++x) {
+          double sum = 0.0, magnitude = 0.0;
+          for (std::size_t j = 0; j < keys; ++j) {
+            const double p = static_cast<float>(bfloat16(pt[j * pt_ld + i]));  // bf16(P), exact in double
+            const double term = p * static_cast<float>(v[j * v_row + x]);
+            sum += term;
+            magnitude += std::abs(term);
+          }
+          const double scaled = static_cast<double>(before[i * acc_ld + x]) * alpha[i];
+          const double exact = scaled + sum;
+          // onto: acc·alpha rounded, then keys + 1 float32 additions in the tiles' order.
+          const double bound = onto ? static_cast<double>(keys + 1) * 0x1p-24 * (magnitude + std::abs(scaled)) +
+                                          0x1p-23 * std::abs(exact) + 1e-30
+                                    : static_cast<double>(keys) * 0x1p-24 * magnitude + 0x1p-23 * std::abs(exact) + 1e-30;
+          ASSERT_NEAR(acc[i * acc_ld + x], exact, bound) << "query " << i << ", channel " << x;
         }
-        const double exact = static_cast<double>(before[i * acc_ld + x]) * alpha[i] + sum;
-        const double bound = static_cast<double>(keys) * 0x1p-24 * magnitude + 0x1p-23 * std::abs(exact) + 1e-30;
-        ASSERT_NEAR(acc[i * acc_ld + x], exact, bound) << "query " << i << ", channel " << x;
+        for (std::size_t x = dv; x < acc_ld; ++x)
+          ASSERT_EQ(acc[i * acc_ld + x], before[i * acc_ld + x]) << "written past dv, query " << i;
       }
-      ASSERT_EQ(acc[i * acc_ld + dv], before[i * acc_ld + dv]) << "written past dv";
+      for (std::size_t i = count; i < acc_rows; ++i)
+        for (std::size_t x = 0; x < acc_ld; ++x)
+          ASSERT_EQ(acc[i * acc_ld + x], before[i * acc_ld + x]) << "written past count: row " << i;
     }
   }
+}
+
+// A TileScope keeps one configuration for the products inside it: they give the bits they
+// give alone, an inner or inactive scope changes nothing, and products after the scope
+// configure the tiles again themselves.
+TEST(AmxDot, TileScopeGivesTheSameProducts) {
+  QKV_REQUIRE_AMX();
+  std::mt19937 gen(14);
+  const std::size_t keys = 40, width = 48, d = 72, q_ld = cpu::bf16dot::pair_ld(width);
+  const std::vector<bfloat16> k = random_bf16(keys * d, gen), q = random_bf16(width * d, gen);
+  std::vector<std::uint32_t> qp((d + 1) / 2 * q_ld);
+  cpu::bf16dot::PackQueryPairs(q.data(), static_cast<std::int64_t>(d), width, d, qp.data(), q_ld);
+  const auto scores = [&] {
+    std::vector<float> st(keys * width);
+    cpu::amx::ScoresTransposed(k.data(), static_cast<std::int64_t>(d), keys, d, qp.data(), q_ld, width, 0.25f, st.data(),
+                               width);
+    return st;
+  };
+  const std::vector<float> alone = scores();
+  {
+    const cpu::amx::TileScope scope(true);
+    EXPECT_EQ(scores(), alone);
+    const cpu::amx::TileScope inner(true);  // not the owner: leaves the tiles to the outer scope
+    EXPECT_EQ(scores(), alone);
+  }
+  EXPECT_EQ(scores(), alone);  // released: this product loads its own configuration
+  {
+    const cpu::amx::TileScope inactive(false);
+    EXPECT_EQ(scores(), alone);
+  }
+  EXPECT_EQ(scores(), alone);
 }
 
 // dK's product: a left operand paired along its rows, one or two terms, added to c.
