@@ -50,7 +50,8 @@ namespace {
 constexpr std::size_t kTileRows = 16;    // rows of every tile
 constexpr std::size_t kTileValues = 32;  // bfloat16 values of an A tile's row (64 bytes)
 constexpr std::size_t kTileWords = 16;   // words of a B tile's row (16 columns)
-constexpr std::size_t kMaxRows = 64;     // M of every product here (a block of keys or queries)
+constexpr std::size_t kMaxRows = 64;     // rows of P a product takes at once (a block of queries)
+constexpr std::size_t kMaxKeys = 128;    // keys of P·V (latent decode blocks are up to 96)
 
 // Palette 1, all 8 tiles 16 rows × 64 bytes (the layout of ldtilecfg's 64-byte operand).
 struct alignas(64) TileConfig {
@@ -124,7 +125,7 @@ struct Scratch {
   alignas(64) float c[2 * kTileRows * 2 * kTileWords];
   alignas(64) std::uint16_t a_tile[kTileRows * kTileValues];
   alignas(64) std::uint32_t b_tile[kTileRows * kTileWords];
-  alignas(64) std::uint16_t p_terms[kMaxRows * kMaxRows];  // bf16(P), row-major
+  alignas(64) std::uint16_t p_terms[kMaxRows * kMaxKeys];  // bf16(P), row-major
 };
 
 Scratch& scratch() {
@@ -353,23 +354,31 @@ void scale_rows(float* acc, std::size_t acc_ld, std::size_t count, std::size_t d
 void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys, const Right& b,
               std::size_t dv, float* acc, std::size_t acc_ld, const float* alpha, bool onto) {
   Scratch& s = scratch();
-  const std::size_t values = round_up(keys, kTileValues), rows = round_up(count, kTileRows);
-  transpose_weights(pt, pt_ld, count, keys, s.p_terms, kMaxRows, values);
-  const Term term{{s.p_terms, kMaxRows, rows, values}, b};
-  if (onto) {
-    scale_rows(acc, acc_ld, count, dv, alpha);
-    return product_onto(term, count, dv, acc, acc_ld);
-  }
-  product(&term, 1, count, dv, [&](std::size_t m0, std::size_t n0, const float* c) {
-    for_block_vectors(m0, count, n0, dv, c, [&](std::size_t i, std::size_t x, __mmask16 m, const float* sum) {
-      float* out = acc + i * acc_ld + x;
-      const __m512 block_sum = _mm512_maskz_loadu_ps(m, sum);
-      // acc·alpha + sum in one rounding, as bf16_dot.cpp and gemm-inl.h do.
-      _mm512_mask_storeu_ps(out, m, alpha == nullptr ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), block_sum)
-                                                     : _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, out),
-                                                                       _mm512_set1_ps(alpha[i]), block_sum));
+  const std::size_t values = round_up(keys, kTileValues);
+  // 64 rows of P at a time (latent decode stacks up to 128 heads × tokens in a tile).
+  for (std::size_t r0 = 0; r0 < count; r0 += kMaxRows) {
+    const std::size_t part = std::min(kMaxRows, count - r0);
+    float* const part_acc = acc + r0 * acc_ld;
+    const float* const part_alpha = alpha == nullptr ? nullptr : alpha + r0;
+    transpose_weights(pt + r0, pt_ld, part, keys, s.p_terms, kMaxKeys, values);
+    const Term term{{s.p_terms, kMaxKeys, round_up(part, kTileRows), values}, b};
+    if (onto) {
+      scale_rows(part_acc, acc_ld, part, dv, part_alpha);
+      product_onto(term, part, dv, part_acc, acc_ld);
+      continue;
+    }
+    product(&term, 1, part, dv, [&](std::size_t m0, std::size_t n0, const float* c) {
+      for_block_vectors(m0, part, n0, dv, c, [&](std::size_t i, std::size_t x, __mmask16 m, const float* sum) {
+        float* out = part_acc + i * acc_ld + x;
+        const __m512 block_sum = _mm512_maskz_loadu_ps(m, sum);
+        // acc·alpha + sum in one rounding, as bf16_dot.cpp and gemm-inl.h do.
+        _mm512_mask_storeu_ps(out, m, part_alpha == nullptr
+                                          ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), block_sum)
+                                          : _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, out),
+                                                            _mm512_set1_ps(part_alpha[i]), block_sum));
+      });
     });
-  });
+  }
 }
 
 }  // namespace

@@ -58,7 +58,8 @@ void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, s
 // sum is added onto acc in the tiles (acc's rows with alpha_i ≠ 1 scaled first, then
 // rounded again by each addition: the fast contract's float32 sums, in another order),
 // and acc must have rows up to round_up(count, 16): rows past count and columns past dv
-// come back unchanged. Otherwise acc·alpha + Σ is rounded once, as bf16dot does.
+// come back unchanged. Otherwise acc·alpha + Σ is rounded once, as bf16dot does. Any
+// count; keys ≤ 128.
 void RescaleAddWeighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t keys,
                         const bfloat16* v, std::int64_t v_row, std::size_t dv, bf16dot::PvScratch scratch,
                         float* acc, std::size_t acc_ld, const float* alpha);

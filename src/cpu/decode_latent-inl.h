@@ -1,8 +1,9 @@
-// Latent attention (qkv::mla_decode) over a bfloat16 cache on AVX512-BF16's vdpbf16ps:
-// the split-K schedule's block step for that one case, where the work per cached byte is
+// Latent attention (qkv::mla_decode) over a bfloat16 cache on the bf16 dot products
+// (AVX512-BF16's vdpbf16ps, or the AMX tiles where the call's precision picks them): the
+// split-K schedule's block step for that one case, where the work per cached byte is
 // large (H query heads, up to 16 queries, against one latent kv head: 128·(d + dv)
 // multiply-adds per 2·(d + dv) bytes at DeepSeek's shape), so the FMA rate, not the
-// memory, sets the pace, and vdpbf16ps doubles it.
+// memory, sets the pace, and vdpbf16ps doubles it (the tiles more: bench/RESULTS.md §13).
 //
 // Numerics (Precision::fast, the bf16 contract of docs/numerics.md): each query row is
 // rounded to bfloat16 once per task, and each weight P once (bf16_dot.hpp); keys and
@@ -12,8 +13,9 @@
 //
 // Layout: the block's keys are gathered into whole bf16 rows (latent part then rotary
 // part: the cache keeps them apart), scored transposed — Sᵀ[j][r], the tile's rows in
-// the lanes — by bf16dot::ScoresTransposed; the online softmax runs down the columns
-// (vectors of rows); bf16dot::AddWeightedPairs adds P·V from Pᵀ and the values' pairs.
+// the lanes — by bf16dot::ScoresTransposed (amx::ScoresTransposed); the online softmax
+// runs down the columns (vectors of rows); bf16dot::AddWeightedPairs adds P·V from Pᵀ and
+// the values' pairs (amx::RescaleAddWeighted, which adds it onto acc in the tiles).
 #if defined(QKV_CPU_DECODE_LATENT_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef QKV_CPU_DECODE_LATENT_INL_H_
 #undef QKV_CPU_DECODE_LATENT_INL_H_
@@ -25,6 +27,7 @@
 #include <cstddef>
 #include <cstring>
 
+#include "cpu/amx_dot.hpp"
 #include "hwy/highway.h"
 #include "cpu/bf16_dot.hpp"
 #include "cpu/block_ops-inl.h"
@@ -39,9 +42,8 @@ namespace qkv::cpu::HWY_NAMESPACE {
 // qkv::BatchPlan with v_cache=None) and multi-query attention — whose tiles have whole
 // vectors of rows (≥ 16 query heads: the arithmetic per cached byte that makes the dot
 // products pay, and no tail for the column softmax), no softcap (the transposed scores
-// skip the score pipeline), and vdpbf16ps the unit the call's precision picks (AMX
-// machines keep the float kernel here). Decided per call, so every row rounds its query
-// alike.
+// skip the score pipeline), and a bf16 unit (vdpbf16ps or the AMX tiles) the one the
+// call's precision picks. Decided per call, so every row rounds its query alike.
 // The storage types the step reads: bfloat16, and float8 (e4m3fn, e5m2), every value of
 // which is a bfloat16 value (widened exactly, then its top 16 bits), its row scale applied
 // to the block's scores and weights instead (FP8 latent caches, vLLM's layout).
@@ -49,8 +51,8 @@ template <class T>
 inline constexpr bool kLatentStorage = std::is_same_v<T, bfloat16> || kIsFloat8<T>;
 
 inline bool LatentDots(const detail::ForwardProblem<float>& p, const KvSource& kv, const DecodePlan& plan,
-                       bool latent_storage, bool vdpbf16ps) {
-  return latent_storage && vdpbf16ps && !kv.windowed() && p.extents.kv_heads == 1 && p.modifiers.softcap == 0.0f &&
+                       bool latent_storage, bool bf16_dots) {
+  return latent_storage && bf16_dots && !kv.windowed() && p.extents.kv_heads == 1 && p.modifiers.softcap == 0.0f &&
          !p.modifiers.has_score_mod() && plan.group_rows() % 16 == 0 && p.extents.q_heads % 16 == 0;
 }
 
@@ -147,10 +149,23 @@ void LatentBlock(size_t rows, float* m, float* l, float* acc, float* alpha, Late
     values_in_keys = values_in_keys && v_rows[j] == k_rows[j] && dv <= d_first;
   }
   // One kv head: the group's rows are the whole tile's, the query pairs' every column.
-  bf16dot::ScoresTransposed(key, static_cast<std::int64_t>(d), keys, d, s.q_pairs.data(), s.q_ld, rows, scale,
-                            s.st.get(), s.st_ld);
+  (s.amx ? amx::ScoresTransposed : bf16dot::ScoresTransposed)(key, static_cast<std::int64_t>(d), keys, d,
+                                                              s.q_pairs.data(), s.q_ld, rows, scale, s.st.get(),
+                                                              s.st_ld);
   if (k_scales != nullptr) ScaleTileRows(s.st.get(), s.st_ld, keys, rows, k_scales);
   const size_t v_ld = bf16dot::pair_ld(dv);
+  if (s.amx) {  // the values' pairs packed there, from the bf16 rows
+    const bfloat16* values = key;
+    if (!values_in_keys) {
+      for (size_t j = 0; j < keys; ++j) LatentRow(v_rows[j], dv, s.widened.get(), s.values.data() + j * dv);
+      values = s.values.data();
+    }
+    SoftmaxColumns(rows, keys, s.st.get(), s.st_ld, m, l, alpha);
+    if (v_scales != nullptr) ScaleTileRows(s.st.get(), s.st_ld, keys, rows, v_scales);
+    amx::RescaleAddWeighted(s.st.get(), s.st_ld, rows, keys, values, static_cast<std::int64_t>(values_in_keys ? d : dv),
+                            dv, {s.p_pairs.data(), s.v_pairs.data()}, acc, dv_pad, alpha);
+    return;
+  }
   if (values_in_keys) {
     bf16dot::PackRowPairs(key, static_cast<std::int64_t>(d), keys, dv, s.v_pairs.data(), v_ld);
   } else {

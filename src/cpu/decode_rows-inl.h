@@ -82,8 +82,10 @@ constexpr bool PackValuesFor(size_t rows) {
 // scores then weights ([block][st_ld]), and the pairs of its values and weights.
 struct LatentScratch {
   LatentScratch() : st(AllocateFloats(0)), widened(AllocateFloats(0)) {}
-  LatentScratch(size_t tile_rows, size_t group_rows, size_t block_keys, size_t head_dim, size_t v_dim)
-      : q_ld(bf16dot::pair_ld(tile_rows)),
+  LatentScratch(size_t tile_rows, size_t group_rows, size_t block_keys, size_t head_dim, size_t v_dim,
+                bool on_tiles = false)
+      : amx(on_tiles),
+        q_ld(bf16dot::pair_ld(tile_rows)),
         st_ld(bf16dot::pair_ld(group_rows)),
         q_rows(tile_rows * head_dim),
         keys(block_keys * head_dim),
@@ -94,6 +96,7 @@ struct LatentScratch {
         st(AllocateFloats(block_keys * st_ld)),
         widened(AllocateFloats(std::max(head_dim, v_dim))) {}
 
+  bool amx = false;  // the block's two products on the AMX tiles (amx_dot.hpp), else vdpbf16ps
   size_t q_ld = 0, st_ld = 0;
   std::vector<bfloat16> q_rows, keys, values;
   std::vector<std::uint32_t> q_pairs, v_pairs, p_pairs;
@@ -155,7 +158,7 @@ struct DecodeScratch {
   }
 
   DecodeScratch(const DecodePlan& plan, const KvSource& kv, bool int8_dots, size_t head_dim, size_t v_dim,
-                bool latent_dots = false)
+                bool latent_dots = false, bool latent_on_tiles = false)
       : queries(AllocateFloats(plan.tile_rows() * plan.d_pad)),
         keys(AllocateFloats(plan.packed || kv.split_keys() ? plan.block_keys * plan.d_pad : 0)),
         values(AllocateFloats(plan.packed || PackValuesFor<T>(plan.group_rows()) ? plan.block_keys * (plan.dv_pad + plan.lanes)
@@ -188,7 +191,8 @@ struct DecodeScratch {
         weight_bytes(vnni ? int8dot::weight_bytes(plan.group_rows(), plan.block_keys) : 0),
         value_bytes(vnni ? int8dot::value_bytes(plan.block_keys, v_dim) : 0),
         latent(latent_dots),
-        lat(latent ? LatentScratch(plan.tile_rows(), plan.group_rows(), plan.block_keys, head_dim, v_dim)
+        lat(latent ? LatentScratch(plan.tile_rows(), plan.group_rows(), plan.block_keys, head_dim, v_dim,
+                                   latent_on_tiles)
                    : LatentScratch()) {}
 };
 

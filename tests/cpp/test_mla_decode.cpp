@@ -50,19 +50,23 @@ using test::random_tensor;
 using test::shapes;
 using test::step_options;
 
-// A bfloat16 cache with Precision::fast on vdpbf16ps, forced on: the latent block step
+// A bfloat16 cache with Precision::fast on a bf16 unit, forced on: the latent block step
 // for tiles of whole vectors of rows (16 heads × Nq 1, 2, 4; a partly visible block
-// falls back to the float step within the same rows), within the bound expect_matches
-// states — and not the float32 path's bits (the dot products did run).
-TEST(MlaDecode, Bfloat16OnTheDotUnitWithinTheBf16Contract) {
-  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
-  const test::ForcedVdpbf16ps forced;
+// falls back to the float step within the same rows; 32 heads × 4 and 128 heads × 1 for
+// tiles of more than 64 rows, the latter with blocks of 96 keys), within the bound
+// expect_matches states — and not the float32 path's bits (the dot products did run).
+void expect_latent_step_within_the_bf16_contract() {
+  struct Rows {
+    int64_t heads, q_len;
+  };
   test::for_each_simd_target([&](int64_t) {
     std::uint64_t seed = 41;
-    for (int64_t q_len : {1, 2, 4})
+    for (const Rows r : {Rows{16, 1}, Rows{16, 2}, Rows{16, 4}, Rows{32, 4}, Rows{128, 1}})
       for (int64_t block : {0, 16}) {
-        const Shape s{2, q_len, 16, 64, 16, {77, 300}, 304, block};
-        const std::string what = "Nq " + std::to_string(q_len) + (block > 0 ? " paged" : " contiguous");
+        const int64_t q_len = r.q_len;
+        const Shape s{2, q_len, r.heads, 64, 16, {77, 300}, 304, block};
+        const std::string what = std::to_string(r.heads) + " heads, Nq " + std::to_string(q_len) +
+                                 (block > 0 ? " paged" : " contiguous");
         for (int64_t lists : {0, 40}) {
           const Case<bfloat16> c(s, seed++, lists);
           expect_matches(c, Backend::automatic, what + (lists > 0 ? " indices" : ""), Precision::fast);
@@ -74,6 +78,20 @@ TEST(MlaDecode, Bfloat16OnTheDotUnitWithinTheBf16Contract) {
         }
       }
   });
+}
+
+TEST(MlaDecode, Bfloat16OnTheDotUnitWithinTheBf16Contract) {
+  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  const test::ForcedVdpbf16ps forced;
+  expect_latent_step_within_the_bf16_contract();
+}
+
+// The same block step with its two products on the AMX tiles (P·V added onto the rows'
+// accumulators in the tiles).
+TEST(MlaDecode, Bfloat16OnTheAmxTilesWithinTheBf16Contract) {
+  if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
+  const test::ForcedAmx forced;
+  expect_latent_step_within_the_bf16_contract();
 }
 
 // A float8 latent pool (vLLM's FP8 MLA cache: [c_kv | k_pe] rows in float8, one scale for
@@ -145,6 +163,13 @@ void expect_float8_latent_pool_on_the_dot_unit() {
 TEST(MlaDecode, Float8LatentPoolOnTheDotUnitWithinTheBf16Contract) {
   if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
   const test::ForcedVdpbf16ps forced;
+  expect_float8_latent_pool_on_the_dot_unit<float8_e4m3fn>();
+  expect_float8_latent_pool_on_the_dot_unit<float8_e5m2>();
+}
+
+TEST(MlaDecode, Float8LatentPoolOnTheAmxTilesWithinTheBf16Contract) {
+  if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
+  const test::ForcedAmx forced;
   expect_float8_latent_pool_on_the_dot_unit<float8_e4m3fn>();
   expect_float8_latent_pool_on_the_dot_unit<float8_e5m2>();
 }
