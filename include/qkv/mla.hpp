@@ -42,8 +42,8 @@
 //
 // Arithmetic: float32 (caches widened exactly), except a bfloat16 or float8 cache (every
 // float8 value is a bfloat16 value) with options.precision fast, at least 16 heads and no
-// softcap, on a CPU with AVX512-BF16 (not AMX): the products on vdpbf16ps, q rounded to
-// bfloat16 once and each weight P once, float32 sums — the bf16 contract (docs/numerics.md); Precision::exact keeps
+// softcap, on a CPU with AVX512-BF16 or AMX: the products on vdpbf16ps or the AMX tiles, q
+// rounded to bfloat16 once and each weight P once, float32 sums — the bf16 contract (docs/numerics.md); Precision::exact keeps
 // float32 bit for bit. (qkv::decode and qkv::BatchPlan do the same for any one-kv-head
 // bfloat16 cache: a combined latent pool gives these bits.)
 //
@@ -91,8 +91,8 @@ struct MlaDecodeArgs {
 // options and errors; backend reference computes in double over the stored values.
 // Arithmetic: each block of records is widened into float32 rows in L1 (the stored
 // values) and the float32 kernels run on them; with options.precision fast, ≥ 16 heads,
-// no softcap and vdpbf16ps, a block whose stored values are all bfloat16 values (power-of-
-// two scales) takes the bf16 products instead (q rounded once, P once: the bf16 contract).
+// no softcap and a bf16 unit (vdpbf16ps or AMX), a block whose stored values are all
+// bfloat16 values (power-of-two scales) takes the bf16 products instead (q rounded once, P once: the bf16 contract).
 struct MlaRecordArgs {
   View4<const float> q_nope, q_pe;
   View3<const std::uint8_t> ckv_cache;

@@ -10,7 +10,8 @@
 // values) as value. H·(2·d + 2·dc) flops per 656 bytes widened once: at DeepSeek's 16 to
 // 128 heads the widening is a few percent of the block's arithmetic.
 //
-// On vdpbf16ps (options.precision fast, H a multiple of 16, no soft-cap) a block whose
+// On a bf16 unit (vdpbf16ps or the AMX tiles, as the call's precision picks; options.precision
+// fast, H a multiple of 16, no soft-cap) a block whose
 // stored values are all bfloat16 values — every value when the scales are powers of two,
 // as DeepSeek's UE8M0 scales are — takes the latent step (decode_latent-inl.h) on those
 // values instead: the same values, products exact, q and each weight P rounded to
@@ -42,6 +43,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -94,16 +96,22 @@ namespace {
 using records::kBlockKeys;
 
 // Whether the call's blocks may take the latent step (see the top): decided per call.
-bool RecordLatentDots(const detail::ForwardProblem<float>& p) {
-  return p.extents.q_heads % 16 == 0 && p.modifiers.softcap == 0.0f && !p.modifiers.has_score_mod() &&
-         !p.modifiers.has_alibi() && bf16_unit(p.precision) == Bf16Unit::avx512_bf16;
+// Its unit: vdpbf16ps or the AMX tiles, as bf16_unit picks for the call's precision (None:
+// the float kernel).
+std::optional<Bf16Unit> RecordLatentUnit(const detail::ForwardProblem<float>& p) {
+  if (p.extents.q_heads % 16 != 0 || p.modifiers.softcap != 0.0f || p.modifiers.has_score_mod() ||
+      p.modifiers.has_alibi())
+    return std::nullopt;
+  const Bf16Unit unit = bf16_unit(p.precision);
+  if (unit == Bf16Unit::fp32_fma) return std::nullopt;
+  return unit;
 }
 
 // One thread's scratch.
 struct Scratch {
-  Scratch(size_t heads, size_t d, size_t dc, bool latent_dots)
-      : latent(latent_dots),
-        lat(latent ? LatentScratch(heads, heads, kBlockKeys, d, dc) : LatentScratch()),
+  Scratch(size_t heads, size_t d, size_t dc, std::optional<Bf16Unit> latent_unit)
+      : latent(latent_unit.has_value()),
+        lat(latent ? LatentScratch(heads, heads, kBlockKeys, d, dc, latent_unit == Bf16Unit::amx) : LatentScratch()),
         d_pad(round_up(d, VectorLanes())),
         dc_pad(round_up(dc, VectorLanes())),
         queries(AllocateFloats(heads * d_pad)),
@@ -184,6 +192,9 @@ void RunTask(const detail::RecordsProblem& problem, const records::RowKeys& keys
   const int64_t b = keys.sequence[static_cast<std::size_t>(task.row)], i = keys.query[static_cast<std::size_t>(task.row)];
   const size_t heads = static_cast<size_t>(e.q_heads), d = static_cast<size_t>(e.head_dim);
   const size_t dc = static_cast<size_t>(rec.dc), lanes = VectorLanes();
+  // The latent step's products on the AMX tiles: one configuration for the task (no hook
+  // runs here: score_mod is refused above).
+  const amx::TileScope tile_scope(s.latent && s.lat.amx);
   const float scale = static_cast<float>(dense.scale);
   const size_t record_bytes = static_cast<size_t>(mla_record_bytes(rec.dc, rec.dr));
   for (size_t h = 0; h < heads; ++h) {
@@ -312,14 +323,14 @@ void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
 
   // Workspace before the parallel region (a failed allocation throws here, not in a thread).
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(dense.threads, static_cast<int64_t>(tasks.size()))));
-  const bool latent_dots = RecordLatentDots(dense);
+  const std::optional<Bf16Unit> latent_unit = RecordLatentUnit(dense);
   std::vector<float> part_out(tasks.size() * static_cast<std::size_t>(heads * dc));
   std::vector<float> part_lse(tasks.size() * static_cast<std::size_t>(heads));
   std::vector<Scratch> scratch;
   scratch.reserve(static_cast<std::size_t>(threads));
   for (int t = 0; t < threads; ++t)
     scratch.emplace_back(static_cast<size_t>(heads), static_cast<size_t>(e.head_dim), static_cast<size_t>(dc),
-                         latent_dots);
+                         latent_unit);
   const auto task_count = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t t = 0; t < task_count; ++t) {

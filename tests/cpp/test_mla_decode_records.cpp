@@ -158,10 +158,9 @@ TEST(MlaDecodeRecords, ReferenceBackendMatchesTheFormula) {
 }
 
 // Power-of-two scales: every block's stored values are bfloat16 values, so 16 heads in
-// fast take vdpbf16ps; other scales keep the float kernel, fast giving exact's bits.
-TEST(MlaDecodeRecords, PowerOfTwoScalesTakeTheDotUnit) {
-  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
-  const test::ForcedVdpbf16ps forced;
+// fast take the bf16 unit forced on; other scales keep the float kernel, fast giving
+// exact's bits.
+void expect_power_of_two_scales_take_the_unit() {
   test::for_each_simd_target([&](int64_t) {
     std::uint64_t seed = 701;
     for (const Shape& s : {Shape{1, 1, 16, 256, 64, {1300}, 1300, 16}, Shape{2, 2, 32, 128, 64, {700, 90}, 704, 0}}) {
@@ -180,6 +179,18 @@ TEST(MlaDecodeRecords, PowerOfTwoScalesTakeTheDotUnit) {
       EXPECT_EQ(0, std::memcmp(any_fast.lse.data(), any_exact.lse.data(), any_fast.lse.size() * sizeof(float)));
     }
   });
+}
+
+TEST(MlaDecodeRecords, PowerOfTwoScalesTakeTheDotUnit) {
+  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  const test::ForcedVdpbf16ps forced;
+  expect_power_of_two_scales_take_the_unit();
+}
+
+TEST(MlaDecodeRecords, PowerOfTwoScalesTakeTheAmxTiles) {
+  if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
+  const test::ForcedAmx forced;
+  expect_power_of_two_scales_take_the_unit();
 }
 
 TEST(MlaDecodeRecords, BitwiseEqualForAnyThreadCount) {
