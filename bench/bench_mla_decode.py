@@ -4,8 +4,8 @@ parallel shard), caches of 4k and 32k tokens, batch 1 and 8, fp32 and bf16 cache
 top-k lists (DSA's 2048) at 32k against the dense latent decode. Reports each call's time,
 qkv's speed-up over PyTorch, and its share of the peak probed in the same run
 (bench/fma_peak.cpp via bench_attention.fma_peak): the fp32 FMA peak, or for a bf16 cache
-on a CPU with AVX512-BF16 the vdpbf16ps peak (precision "fast" takes the dot products
-there: q rounded to bf16 once, P once); the bf16 row's time against the fp32 cache's; its
+the peak of the bf16 unit the call runs on, vdpbf16ps or the AMX tiles (precision "fast"
+takes the dot products there: q rounded to bf16 once, P once); the bf16 row's time against the fp32 cache's; its
 max error against the fp64 formula over the stored values, as a ratio to PyTorch's bf16
 formula's error (the bf16 contract: ≤ 2).
 
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_attention import BF16_PEAK, fma_peak  # noqa: E402
+from bench_attention import bf16_unit_peak, fma_peak  # noqa: E402
 from bench_timing import best_of, cpu_model  # noqa: E402
 
 import qkv  # noqa: E402
@@ -59,9 +59,9 @@ def main():
     peak, target = fma_peak(threads)
     print(f"# {cpu_model()}, {threads} threads, SIMD target {target}, FMA peak {peak:.1f} GFLOP/s (fp32), "
           f"load {os.getloadavg()[0]:.1f}")
-    bf16_peak = BF16_PEAK.get(threads, 0.0)
+    bf16_name, bf16_peak = bf16_unit_peak(threads)
     if bf16_peak > 0:
-        print(f"# vdpbf16ps peak {bf16_peak:.1f} GFLOP/s ({threads} threads)")
+        print(f"# bf16 unit: {bf16_name}, its peak {bf16_peak:.1f} GFLOP/s ({threads} threads; the bf16 rows' share)")
     print("| heads | cache | batch | dtype | qkv ms | torch ms | qkv / torch | qkv GFLOP/s | share of peak | "
           "vs fp32 cache | error / torch bf16's |")
     print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
