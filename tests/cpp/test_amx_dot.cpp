@@ -19,6 +19,7 @@
 #include "cpu/amx_dot.hpp"
 #include "cpu/bf16_dot.hpp"
 #include "cpu/dot_products.hpp"
+#include "weighted_sum_oracle.hpp"
 
 namespace qkv {
 namespace {
@@ -99,13 +100,7 @@ TEST(AmxDot, RescaleAddWeightedTakesPRoundedOnce) {
                                    {p_pairs.data(), v_pairs.data()}, acc.data(), acc_ld, alpha.data());
       for (std::size_t i = 0; i < count; ++i) {
         for (std::size_t x = 0; x < dv; ++x) {
-          double sum = 0.0, magnitude = 0.0;
-          for (std::size_t j = 0; j < keys; ++j) {
-            const double p = static_cast<float>(bfloat16(pt[j * pt_ld + i]));  // bf16(P), exact in double
-            const double term = p * static_cast<float>(v[j * v_row + x]);
-            sum += term;
-            magnitude += std::abs(term);
-          }
+          const auto [sum, magnitude] = test::exact_weighted_sum(pt.data(), pt_ld, v.data(), v_row, keys, i, x);
           const double scaled = static_cast<double>(before[i * acc_ld + x]) * alpha[i];
           const double exact = scaled + sum;
           // onto: acc·alpha rounded, then keys + 1 float32 additions in the tiles' order.

@@ -20,6 +20,7 @@
 #include "cpu/bf16_dot.hpp"
 #include "half_check.hpp"
 #include "simd_targets.hpp"
+#include "weighted_sum_oracle.hpp"
 
 namespace qkv {
 namespace {
@@ -136,13 +137,7 @@ TEST(Bf16Dot, WeightedProductsTakePRoundedOnce) {
         }
         for (std::size_t i = 0; i < count; ++i) {
           for (std::size_t x = 0; x < dv; ++x) {
-            double sum = 0.0, magnitude = 0.0;
-            for (std::size_t j = 0; j < keys; ++j) {
-              const double p = static_cast<float>(bfloat16(pt[j * pt_ld + i]));  // bf16(P), exact in double
-              const double term = p * static_cast<float>(v[j * v_row + x]);
-              sum += term;
-              magnitude += std::abs(term);
-            }
+            const auto [sum, magnitude] = test::exact_weighted_sum(pt.data(), pt_ld, v.data(), v_row, keys, i, x);
             const double old = before[i * acc_ld + x];
             const double exact = (rescale ? old * alpha[i] : old) + sum;
             const double bound = static_cast<double>(keys) * 0x1p-24 * magnitude + 0x1p-23 * std::abs(exact) + 1e-30;
