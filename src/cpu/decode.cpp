@@ -320,9 +320,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
   const size_t group_rows = static_cast<size_t>(e.group()) * tile;
   const size_t all_rows = static_cast<size_t>(e.q_heads) * tile;
   const ChunkState chunk = plan.chunk_state(states, task);
-  // Latent blocks on the AMX tiles: one tile configuration for the chunk's products
-  // (amx_dot.hpp; LatentDots leaves out score_mod, and a mask_mod keeps each product's own).
-  const amx::TileScope tile_scope(s.latent && s.lat.amx && !mask.mask_mod.active());
+  const amx::TileScope tile_scope(s.latent && s.lat.amx && !mask.mask_mod.active());  // amx_dot.hpp: hooks
 
   // Row (h, i) of the tile: scale·q(b, first_query + i, h, ·), zero-padded to d_pad.
   // Query i sees keys [key_begin[i], key_end[i]); both bounds grow with i.
@@ -514,24 +512,22 @@ void RunDecode(const Problem& p, const KvSource& kv, const DecodePlan& plan) {
   if (plan.units.empty()) return;
   hwy::AlignedFreeUniquePtr<float[]> states = AllocateFloats(plan.state_floats);
   const int threads = plan.threads(p.threads);
-  // int8 caches: VNNI where the precision and the switch allow (this may throw: here,
-  // outside the parallel region). The switch is asked before the target is: forcing the unit
-  // on a CPU without it is an error under every compiled target, the scalar one included.
-  // Its blocks of keys must be whole groups of 4.
+  // int8 caches: VNNI where the precision and the switch allow (this may throw: here, outside
+  // the parallel region; the switch is asked before the target is, so forcing the unit on a CPU
+  // without it is an error under every target, scalar included). Blocks: whole groups of 4 keys.
   const size_t d = static_cast<size_t>(p.extents.head_dim), dv = static_cast<size_t>(p.extents.v_dim);
   const bool int8_dots = std::is_same_v<T, std::int8_t> && int8_dot_products(p.precision) && VectorLanes() % 4 == 0;
   const Bf16Unit bf16 = kLatentStorage<T> && p.extents.kv_heads == 1 ? bf16_unit(p.precision) : Bf16Unit::fp32_fma;
-  const bool latent_dots = kLatentStorage<T> && p.extents.kv_heads == 1 && LatentDots(p, kv, plan, true, bf16 != Bf16Unit::fp32_fma);
-  const bool latent_on_tiles = latent_dots && bf16 == Bf16Unit::amx;
+  const bool latent_dots = LatentDots(p, kv, plan, kLatentStorage<T>, bf16 != Bf16Unit::fp32_fma);
   if (threads <= 1) {  // no parallel region for work one thread does best
-    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots, latent_on_tiles);
+    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots, bf16 == Bf16Unit::amx);
     for (const DecodeTask& task : plan.tasks) DecodeChunk<T>(p, kv, plan, task, scratch, states.get());
     for (const DecodeUnit& unit : plan.units) MergeChunks(p, plan, unit, states.get(), scratch.merged.get());
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
-    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots, latent_on_tiles);
+    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots, bf16 == Bf16Unit::amx);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < plan.order.size(); ++t)
       DecodeChunk<T>(p, kv, plan, plan.tasks[plan.order[t]], scratch, states.get());
