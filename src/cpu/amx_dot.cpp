@@ -13,97 +13,21 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 
-namespace qkv::cpu::amx {
-
-bool available() {
-  static const bool granted = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
-    const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512vl");
-    if (!amx_bf16 || !amx_tile || !avx512_bf16) return false;
-    // Linux enables the 8 KiB tile state per process on request (XFEATURE_XTILEDATA = 18);
-    // a kernel without the request, or one that refuses, leaves AMX unusable.
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return granted;
-}
-
-}  // namespace qkv::cpu::amx
-
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+
+#include "cpu/avx512_transpose.hpp"
 
 namespace qkv::cpu::amx {
 namespace {
 
-constexpr std::size_t kTileRows = 16;    // rows of every tile
-constexpr std::size_t kTileValues = 32;  // bfloat16 values of an A tile's row (64 bytes)
-constexpr std::size_t kTileWords = 16;   // words of a B tile's row (16 columns)
 constexpr std::size_t kMaxRows = 64;     // rows of P a product takes at once (a block of queries)
 constexpr std::size_t kMaxKeys = 128;    // keys of P·V (latent decode blocks are up to 96)
-
-// Palette 1, all 8 tiles 16 rows × 64 bytes (the layout of ldtilecfg's 64-byte operand).
-struct alignas(64) TileConfig {
-  std::uint8_t palette = 1;
-  std::uint8_t start_row = 0;
-  std::uint8_t reserved[14] = {};
-  std::uint16_t bytes_per_row[16] = {};
-  std::uint8_t rows[16] = {};
-};
-
-// Whether a TileScope of this thread holds the configuration now.
-thread_local bool tiles_held = false;
-
-// In static storage: GCC 12's _tile_loadconfig tells the compiler it reads only the first
-// 8 bytes of its operand, so a configuration built on the stack just before it may lose
-// its row sizes to dead-store elimination (seen: palette 1 with every tile 0 × 0, and
-// SIGILL at the first tile instruction).
-constexpr TileConfig kTileConfig = [] {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = kTileRows;
-  return config;
-}();
-
-void load_configuration() { _tile_loadconfig(&kTileConfig); }
-
-// TileScope's members are declared before this file's target pragma, so they call these.
-void hold_tiles() {
-  load_configuration();
-  tiles_held = true;
-}
-
-void release_held_tiles() {
-  _tile_release();
-  tiles_held = false;
-}
-
-// Loads the configuration for this call and releases the tiles when it ends, unless a
-// TileScope holds them.
-class Tiles {
- public:
-  Tiles() : owner_(!tiles_held) {
-    if (owner_) load_configuration();
-  }
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
-  ~Tiles() {
-    if (owner_) _tile_release();
-  }
-
- private:
-  bool owner_;
-};
 
 // A: value (r, x) at data[r·stride + x] for r < rows, x < values.
 struct Left {
@@ -253,7 +177,7 @@ void block_at(const Term* terms, std::size_t term_count, std::size_t m0, std::si
 // block at dv 128 with this and the aligned scratch together, measured.)
 template <class Epilogue>
 void product(const Term* terms, std::size_t term_count, std::size_t m, std::size_t n, Epilogue&& epilogue) {
-  const Tiles tiles;
+  const CallTiles tiles;
   float* const c = scratch().c;
   for_blocks(m, n, [&](std::size_t m0, std::size_t n0, bool two_rows, bool two_columns) {
     block_at(terms, term_count, m0, n0, two_rows, two_columns, c, kCBlockLd, /*load=*/false);
@@ -266,7 +190,7 @@ void product(const Term* terms, std::size_t term_count, std::size_t m, std::size
 // whole tiles stay inside each row). The caller's rows and columns past m and n must be
 // there and take A's and B's zeros: they come back unchanged.
 void product_onto(const Term& term, std::size_t m, std::size_t n, float* c, std::size_t c_ld) {
-  const Tiles tiles;
+  const CallTiles tiles;
   for_blocks(m, n, [&](std::size_t m0, std::size_t n0, bool two_rows, bool two_columns) {
     block_at(&term, 1, m0, n0, two_rows, two_columns, c + m0 * c_ld + n0, c_ld, /*load=*/true);
   });
@@ -284,34 +208,6 @@ void for_block_vectors(std::size_t m0, std::size_t m, std::size_t n0, std::size_
 
 __m256i to_bf16(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
 
-// Transposes 16 rows of 16 floats in place (r[i] lane j ↔ r[j] lane i).
-void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  // r[4q + m] now holds, in 128-bit lane L, row 4L..4L+3's... of the group q: a 4 × 4
-  // transpose of 128-bit lanes across the groups finishes it.
-  for (int m = 0; m < 4; ++m) {
-    const __m512 a = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x44), b = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x44);
-    const __m512 c = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xEE), d = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xEE);
-    t[m] = _mm512_shuffle_f32x4(a, b, 0x88);
-    t[4 + m] = _mm512_shuffle_f32x4(a, b, 0xDD);
-    t[8 + m] = _mm512_shuffle_f32x4(c, d, 0x88);
-    t[12 + m] = _mm512_shuffle_f32x4(c, d, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
 // bf16(Pᵀ)ᵀ: P as one bfloat16 term, rounded to nearest even (the Precision::fast contract,
 // as bf16_dot.cpp and the peers), row-major into dst (row i: query i's weights over the
 // keys, dst_ld values apart), rows up to round_up(count, 16) and columns up to `columns`
@@ -325,7 +221,7 @@ void transpose_weights(const float* pt, std::size_t pt_ld, std::size_t count, st
       __m512 r[16];
       for (std::size_t j = 0; j < 16; ++j)
         r[j] = j0 + j < keys ? _mm512_maskz_loadu_ps(lanes, pt + (j0 + j) * pt_ld + i0) : _mm512_setzero_ps();
-      transpose16(r);  // r[i]: query i0 + i's weights of keys j0..j0+15
+      avx512::transpose16(r);  // r[i]: query i0 + i's weights of keys j0..j0+15
       for (std::size_t i = 0; i < 16; ++i)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (i0 + i) * dst_ld + j0), to_bf16(r[i]));
     }
@@ -382,14 +278,6 @@ void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t
 }
 
 }  // namespace
-
-TileScope::TileScope(bool active) : owner_(active && available() && !tiles_held) {
-  if (owner_) hold_tiles();
-}
-
-TileScope::~TileScope() {
-  if (owner_) release_held_tiles();
-}
 
 void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, std::size_t d,
                       const std::uint32_t* qp, std::size_t q_ld, std::size_t width, float scale,
@@ -461,9 +349,6 @@ void AddProduct(const bf16dot::LeftPairs& a, std::size_t rows, std::size_t pairs
 #include "qkv/error.hpp"
 
 namespace qkv::cpu::amx {
-bool available() { return false; }
-TileScope::TileScope(bool) : owner_(false) {}
-TileScope::~TileScope() = default;
 [[noreturn]] static void unavailable() { throw Error("AMX tiles: not compiled for this CPU"); }
 void ScoresTransposed(const bfloat16*, std::int64_t, std::size_t, std::size_t, const std::uint32_t*, std::size_t,
                       std::size_t, float, float*, std::size_t) { unavailable(); }

@@ -1,7 +1,7 @@
 // The bfloat16 block products of bf16_dot.hpp on Intel's AMX tiles (AMX-BF16, Sapphire
 // Rapids and later): tdpbf16ps multiplies a 16 × 32 bf16 tile by a 32 × 16 one (pairs,
 // the layout of bf16_dot.hpp) into a 16 × 16 float32 tile, 8192 multiply-adds an
-// instruction — on the Xeon of bench/RESULTS.md §10a 3.0–3.1 TFLOP/s a core, 14× its
+// instruction — 1–2.3 TFLOP/s a core on the Xeon VM of bench/RESULTS.md §10f, 6–15× its
 // fp32 FMAs, where vdpbf16ps runs at half of them. Same operands, same contract as bf16_dot.hpp:
 // products of two bfloat16 values are exact in float32 and summed in float32 (in the
 // unit's own order, fixed by the shape: results never depend on threads), bf16 inputs
@@ -12,9 +12,9 @@
 //
 // Plain functions with their own target attribute (amx-tile, amx-bf16, avx512-bf16 for
 // the packing), compiled for x86-64 only and called only where dot_products.cpp found
-// the tiles and the OS granted them to the process (arch_prctl ARCH_REQ_XCOMP_PERM).
-// Each call loads its tile configuration and releases the tiles before it returns, so
-// other AMX users in the process (oneDNN under PyTorch) find the state they expect.
+// the tiles and the OS granted them to the process (amx_tiles.hpp). Each call loads its
+// tile configuration and releases the tiles before it returns, unless a TileScope holds
+// them, so other AMX users in the process (oneDNN under PyTorch) find the state they expect.
 // Partial tiles (fewer than 16 rows or 32 reduction elements left) are copied into
 // zero-padded scratch; whole ones are loaded in place.
 #pragma once
@@ -22,30 +22,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cpu/amx_tiles.hpp"
 #include "cpu/bf16_dot.hpp"
 
 namespace qkv::cpu::amx {
-
-// Whether this CPU has AMX-TILE and AMX-BF16 and the OS lets this process use them
-// (asked once; the answer is kept).
-bool available();
-
-// Keeps this thread's tile configuration loaded from construction to destruction, so
-// that the products called in between skip their own ldtilecfg / tilerelease: that pair
-// took 100–250 ns (an Emerald Rapids Xeon VM, family 6 model 207), against ~0.9 µs of
-// tile products in a 64 × 64 block pair at d = 128. Only for stretches where no other code runs between the products: a user's score_mod /
-// mask_mod may call into oneDNN, which loads its own configuration (or releases the
-// tiles), so callers with hooks pass active = false and each product configures itself.
-class TileScope {
- public:
-  explicit TileScope(bool active);
-  TileScope(const TileScope&) = delete;
-  TileScope& operator=(const TileScope&) = delete;
-  ~TileScope();
-
- private:
-  bool owner_;
-};
 
 // As bf16dot::ScoresTransposed: Sᵀ[j, i] = scale · Σ_c k_j[c]·q_i[c], j < keys, i < width.
 void ScoresTransposed(const bfloat16* k, std::int64_t k_row, std::size_t keys, std::size_t d,

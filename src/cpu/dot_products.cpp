@@ -32,9 +32,15 @@ Choice environment_amx_choice() {
   return choice;
 }
 
+Choice environment_amx_rows_choice() {
+  static const Choice choice = read_choice("QKV_AMX_ROWS");
+  return choice;
+}
+
 // The test hooks: -1 the environment's choice, 0 off, 1 on.
 std::atomic<int> forced_for_test{-1};
 std::atomic<int> amx_forced_for_test{-1};
+std::atomic<int> amx_rows_forced_for_test{-1};
 
 Choice current_choice() {
   const int forced = forced_for_test.load(std::memory_order_relaxed);
@@ -136,6 +142,23 @@ void set_dot_products_for_test(std::optional<bool> forced) {
 void set_amx_for_test(std::optional<bool> forced) {
   amx_forced_for_test.store(forced ? (*forced ? 1 : 0) : -1, std::memory_order_relaxed);
 }
+
+bool amx_row_forward() {
+  const int forced = amx_rows_forced_for_test.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced == 1;
+  return environment_amx_rows_choice() != Choice::off;
+}
+
+void set_amx_row_forward_for_test(std::optional<bool> forced) {
+  amx_rows_forced_for_test.store(forced ? (*forced ? 1 : 0) : -1, std::memory_order_relaxed);
+}
+
+namespace {
+std::atomic<std::size_t> row_tasks{0};
+}  // namespace
+
+void count_amx_row_task() { row_tasks.fetch_add(1, std::memory_order_relaxed); }
+std::size_t amx_row_tasks() { return row_tasks.load(std::memory_order_relaxed); }
 
 const char* bf16_arithmetic_name() {
   switch (bf16_unit(Precision::fast)) {

@@ -23,6 +23,7 @@
 // with QKV_AMX=off forces vdpbf16ps, with QKV_AMX=on the tiles.
 #pragma once
 
+#include <cstddef>
 #include <optional>
 
 #include "qkv/options.hpp"
@@ -65,6 +66,17 @@ void set_dot_products_for_test(std::optional<bool> forced);
 // The same for QKV_AMX: true forces the tiles (throwing where there are none), false
 // keeps bfloat16 dot products on vdpbf16ps, nullopt restores the environment's choice.
 void set_amx_for_test(std::optional<bool> forced);
+
+// On the AMX tiles, the forward takes the row kernel (forward_rows-inl.h: 512-key spans, P
+// query-major) where the call allows it, unless QKV_AMX_ROWS=off (read once; auto or on:
+// where allowed) or the test hook says otherwise: false keeps every call on the block
+// kernel of forward.cpp, which the backward and the calls the row kernel does not take use.
+bool amx_row_forward();
+void set_amx_row_forward_for_test(std::optional<bool> forced);
+// Forward tasks the row kernel has run in this process (a relaxed count, one add per task
+// of ≥ 64 × 64 × d products): lets tests see that a call took it.
+void count_amx_row_task();
+std::size_t amx_row_tasks();
 
 // "bf16-amx", "bf16-dot" or "fp32-fma": what a bfloat16 call in the default precision
 // runs, for benchmarks and `qkv bench`.

@@ -37,6 +37,7 @@
 #include "cpu/modifier_tiles-inl.h"
 #include "cpu/decode_tiles-inl.h"
 #include "cpu/score_pipeline-inl.h"
+#include "cpu/forward_rows-inl.h"
 
 #ifndef QKV_CPU_FORWARD_ONCE_
 #define QKV_CPU_FORWARD_ONCE_
@@ -145,78 +146,10 @@ void RowStatistics(const detail::ForwardProblem<T>& p, const QueryRows& rows,
   sum = block;
 }
 
-// bfloat16 on the dot products (either unit): every key block's V as pairs
-// (bf16dot::PackRowPairs's layout, zero pair rows up to 32), packed once per call, when a
-// key block is read by more than one query block (a GQA group's heads, or a head's query
-// blocks) and the copy stays under kMaxBytes; otherwise each (query block, key block)
-// packs its own. Packing per block measured ~20% of the AMX P·V's time (64 × 64 keys ×
-// queries, dv 128, Xeon of §10).
-template <class T>
-class PackedValues {
- public:
-  static constexpr size_t kMaxBytes = size_t{512} << 20;
-
-  PackedValues(const detail::ForwardProblem<T>& p, Bf16Unit unit) {
-    const detail::Extents& e = p.extents;
-    if (!std::is_same_v<T, bfloat16> || unit == Bf16Unit::fp32_fma) return;
-    if (e.group() == 1 && e.q_len <= kBlockQueries) return;  // each key block read once
-    ld_ = bf16dot::pair_ld(static_cast<size_t>(e.v_dim));
-    block_words_ = kBlockKeys / 2 * ld_;
-    size_t blocks = 0;
-    for (int64_t b = 0; b < e.batch; ++b) {
-      first_.push_back(blocks);
-      const int64_t key_blocks = (p.mask.sequences.k_len(b) + kBlockKeys - 1) / kBlockKeys;
-      for (int64_t h = 0; h < e.kv_heads; ++h)
-        for (int64_t k = 0; k < key_blocks; ++k) items_.push_back({b, h, k});
-      blocks += static_cast<size_t>(e.kv_heads * key_blocks);
-    }
-    if (blocks * block_words_ * sizeof(uint32_t) > kMaxBytes) {
-      items_.clear();
-      return;
-    }
-    words_.reset(new uint32_t[blocks * block_words_]);  // every word is written by pack()
-  }
-
-  bool active() const { return words_ != nullptr; }
-  size_t size() const { return active() ? items_.size() : 0; }
-
-  void pack(const detail::ForwardProblem<T>& p, size_t item) const {
-    if constexpr (std::is_same_v<T, bfloat16>) {
-      const Item& it = items_[item];
-      const int64_t first_key = it.k_block * kBlockKeys;
-      const size_t keys = static_cast<size_t>(std::min(kBlockKeys, p.mask.sequences.k_len(it.batch) - first_key));
-      uint32_t* out = const_cast<uint32_t*>(block(p, it.batch, it.kv_head, it.k_block));
-      bf16dot::PackRowPairs(p.rows().v(it.batch, first_key, it.kv_head), p.args.v.strides[1], keys,
-                            static_cast<size_t>(p.extents.v_dim), out, ld_);
-      const size_t packed = (keys + 1) / 2 * ld_;
-      std::fill(out + packed, out + block_words_, 0u);
-    } else {
-      (void)p, (void)item;
-    }
-  }
-
-  const uint32_t* block(const detail::ForwardProblem<T>& p, int64_t b, int64_t kv_head, int64_t k_block) const {
-    const size_t key_blocks = static_cast<size_t>((p.mask.sequences.k_len(b) + kBlockKeys - 1) / kBlockKeys);
-    const size_t index = first_[static_cast<size_t>(b)] + static_cast<size_t>(kv_head) * key_blocks +
-                         static_cast<size_t>(k_block);
-    return words_.get() + index * block_words_;
-  }
-  size_t ld() const { return ld_; }
-
- private:
-  struct Item {
-    int64_t batch, kv_head, k_block;
-  };
-  size_t ld_ = 0, block_words_ = 0;
-  std::vector<size_t> first_;  // per batch entry: its first block
-  std::vector<Item> items_;
-  std::unique_ptr<uint32_t[]> words_;
-};
-
 // block_stats: where the block's statistics go, or null when none are asked for.
 template <class T>
 void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& plan,
-                  const KeyValueFinite& finite, const SharedMaskTiles& shared, const PackedValues<T>& packed_values,
+                  const KeyValueFinite& finite, const SharedMaskTiles& shared, const PackedBlocks<T>& packed_values,
                   const ForwardTask& task, ForwardScratch& s, detail::HeadStatsSum* block_stats) {
   const detail::Extents& e = p.extents;
   const auto rows_of = p.rows();
@@ -384,22 +317,7 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
                    v_operand, v_ld, s.acc.get(), s.dv_ld, alpha);
   }
 
-  // out = acc / l; a query that saw no key at all has l = 0: out 0, lse -inf.
-  for (size_t i = 0; i < count; ++i) {
-    const int64_t query = rows.first + static_cast<int64_t>(i);
-    T* out = rows_of.out(b, query, h);
-    const float* acc = s.acc.get() + i * s.dv_ld;
-    if (l[i] == 0.0f) {
-      std::fill(out, out + dv, StoreAs<T>(0.0f));
-    } else {
-      for (size_t c = 0; c < dv; ++c) out[c] = StoreAs<T>(acc[c] / l[i]);  // no 1/l rounding
-    }
-    if (!p.args.lse.empty()) {
-      // A degenerate row was computed shifted by its largest bias (block_mask.hpp).
-      const float shift = rows.degenerate != nullptr ? rows.degenerate[i] : 0.0f;
-      rows_of.lse(b, h, query) = l[i] == 0.0f ? kMinusInf : m[i] + std::log(l[i]) + shift;
-    }
-  }
+  WriteOutputRows(p, rows, s.acc.get(), s.dv_ld, m, l);
   // alpha is free now: it takes the rows' largest weights.
   if (block_stats != nullptr) RowStatistics(p, rows, l, u, alpha, width, *block_stats);
 }
@@ -435,23 +353,33 @@ void ForwardImpl(const detail::ForwardProblem<T>& p) {
   const SharedMaskTiles shared(p.mask, p.extents, plan);
   const int threads = threads_for(p.threads, tasks.size(), forward_flops(tasks, p.extents));
   const Bf16Unit unit = std::is_same_v<T, bfloat16> ? bf16_unit(p.precision) : Bf16Unit::fp32_fma;  // may throw: here
-  const PackedValues<T> packed_values(p, unit);
+  const bool rows_fit = RowKernelFits(p, unit);
+  const PackedBlocks<T> packed_values(p, PackedKind::values, unit != Bf16Unit::fp32_fma);
+  const PackedBlocks<T> packed_keys(p, PackedKind::keys, rows_fit);
+  const bool row_kernel = rows_fit && packed_keys.active() && packed_values.active();
 #pragma omp parallel num_threads(threads) if (threads > 1)  // one thread: no region at all
   {
     // Non-finite K/V scan of the key blocks that partial tiles read, once per call.
 #pragma omp for schedule(dynamic, 16) nowait
     for (size_t t = 0; t < scans.size(); ++t) ScanKeyValueBlock(p, scans[t], finite);
-    // The AMX tiles' V pairs, once per call (done before the tasks: the barrier below).
+    // The tiles' V (and the row kernel's K) pairs, once per call (done before the tasks:
+    // the barrier below).
 #pragma omp for schedule(dynamic, 16) nowait
     for (size_t t = 0; t < packed_values.size(); ++t) packed_values.pack(p, t);
+#pragma omp for schedule(dynamic, 16) nowait
+    for (size_t t = 0; t < packed_keys.size(); ++t) packed_keys.pack(p, t);
     // The mask tiles shared by every head, once per call.
 #pragma omp for schedule(dynamic, 4)
     for (size_t t = 0; t < shared.size(); ++t) shared.build(p.mask, plan, t);
     ForwardScratch scratch(p, VectorLanes(), unit);
+    std::unique_ptr<RowScratch> rows_scratch(row_kernel ? new RowScratch(p.extents) : nullptr);
 #pragma omp for schedule(dynamic, 1)
-    for (size_t t = 0; t < tasks.size(); ++t)
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      if (row_kernel && RowsForwardBlock(p, plan, finite, packed_keys, packed_values, tasks[t], *rows_scratch))
+        continue;
       ForwardBlock(p, plan, finite, shared, packed_values, tasks[t], scratch,
                    p.collect_stats ? &block_stats[t] : nullptr);
+    }
   }
   if (p.collect_stats) WriteHeadStatistics(p, tasks, block_stats);
 }
