@@ -30,6 +30,11 @@ __mmask32 values_below(std::size_t n) {
   return n >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << n) - 1);
 }
 
+// A packed key block's tiles: kKeyTiles tiles of 16 keys for each 32 values of d, each tile's
+// 16 pair rows × 16 words contiguous (1 KiB: one sequential stream for the tile loads).
+constexpr std::size_t kKeyTiles = kKeyBlock / kTileWords;
+constexpr std::size_t kTileWordsPerTile = kTileRows * kTileWords;
+
 // Lanes of the 16 keys from j that lie in [begin, end).
 __mmask16 key_lanes(std::ptrdiff_t j, std::ptrdiff_t begin, std::ptrdiff_t end) {
   const std::ptrdiff_t a = std::clamp<std::ptrdiff_t>(begin - j, 0, 16), b = std::clamp<std::ptrdiff_t>(end - j, 0, 16);
@@ -64,7 +69,7 @@ __m512 exp2_of(__m512 t) {
 template <bool kTwoRows>
 void score_block(const std::uint16_t* q, std::size_t q_ld, std::size_t m0, const std::uint32_t* k_column,
                  float* s, std::size_t s_ld) {
-  const std::size_t q_bytes = q_ld * sizeof(std::uint16_t), k_bytes = kKeyBlock * sizeof(std::uint32_t);
+  const std::size_t q_bytes = q_ld * sizeof(std::uint16_t), k_bytes = kTileWords * sizeof(std::uint32_t);
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (kTwoRows) {
@@ -73,9 +78,9 @@ void score_block(const std::uint16_t* q, std::size_t q_ld, std::size_t m0, const
   }
   const std::uint16_t* q_rows = q + m0 * q_ld;
   for (std::size_t x = 0; x < q_ld; x += kTileValues) {
-    const std::uint32_t* k_pairs = k_column + x / 2 * kKeyBlock;
+    const std::uint32_t* k_pairs = k_column + x / kTileValues * kKeyTiles * kTileWordsPerTile;
     _tile_loadd(6, k_pairs, k_bytes);
-    _tile_loadd(7, k_pairs + kTileWords, k_bytes);
+    _tile_loadd(7, k_pairs + kTileWordsPerTile, k_bytes);
     _tile_loadd(4, q_rows + x, q_bytes);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
@@ -139,7 +144,8 @@ void PackKeyPairs(const bfloat16* k, std::int64_t k_row, std::size_t keys, std::
                                    present, values + static_cast<std::int64_t>(j0 + j) * k_row + 2 * c0))
                              : _mm512_setzero_ps();
       avx512::transpose16(r);  // r[c]: pair c0 + c of keys j0..j0+15
-      for (std::size_t c = 0; c < 16; ++c) _mm512_storeu_ps(out + (c0 + c) * kKeyBlock + j0, r[c]);
+      std::uint32_t* tile = out + (c0 / kTileRows * kKeyTiles + j0 / kTileWords) * kTileWordsPerTile;
+      for (std::size_t c = 0; c < 16; ++c) _mm512_storeu_ps(tile + c * kTileWords, r[c]);
     }
   }
 }
@@ -224,7 +230,8 @@ void scale_rows(const RowState& state, std::size_t first, std::size_t end, std::
 void score_rows(const Span& span, const SpanScratch& scratch, std::size_t row_tiles) {
   const std::size_t q_ld = query_ld(span.d), block_words = key_block_words(span.d);
   for (std::size_t n0 = 0; n0 < span.keys; n0 += 2 * kTileWords) {
-    const std::uint32_t* k_column = span.k_blocks + n0 / kKeyBlock * block_words + n0 % kKeyBlock;
+    const std::uint32_t* k_column =
+        span.k_blocks + n0 / kKeyBlock * block_words + n0 % kKeyBlock / kTileWords * kTileWordsPerTile;
     for (std::size_t m0 = 0; m0 < row_tiles; m0 += 2 * kTileRows) {
       float* block = scratch.s + m0 * scratch.s_ld + n0;
       if (m0 + kTileRows < row_tiles) score_block<true>(span.q, q_ld, m0, k_column, block, scratch.s_ld);

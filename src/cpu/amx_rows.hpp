@@ -29,8 +29,10 @@ constexpr std::size_t query_ld(std::size_t d) { return (d + 31) / 32 * 32; }
 // Words of one packed key block: query_ld(d)/2 pair rows of kKeyBlock keys.
 constexpr std::size_t key_block_words(std::size_t d) { return query_ld(d) / 2 * kKeyBlock; }
 
-// out[c·kKeyBlock + j] = (k_j[2c], k_j[2c+1]) for keys j < keys ≤ kKeyBlock, c <
-// query_ld(d)/2: zero past the keys and past d (k_j row at k + j·k_row).
+// Pair (k_j[2c], k_j[2c+1]) of keys j < keys ≤ kKeyBlock, c < query_ld(d)/2, into `out` in the
+// tiles' own order: the 16 × 16 tile of pair rows [16a, 16a + 16) and keys [16t, 16t + 16)
+// is contiguous, tile (a, t) at word (4a + t)·256, its row c − 16a at 16 words a row.
+// Zero past the keys and past d (k_j row at k + j·k_row).
 void PackKeyPairs(const bfloat16* k, std::int64_t k_row, std::size_t keys, std::size_t d, std::uint32_t* out);
 
 // out[r·query_ld(d) + c] = q_r[c] for rows r < rows ≤ kMaxQueries, zero past d and in the
