@@ -19,6 +19,7 @@
 #include "core/tile_plan.hpp"
 #include "cpu/block_mask.hpp"
 #include "cpu/bf16_dot.hpp"
+#include "cpu/scratch_cache.hpp"
 #include "cpu/dot_products.hpp"
 #include "cpu/block_ops-inl.h"
 #include "cpu/blocking.hpp"
@@ -56,11 +57,11 @@ struct Packed {
   bool dots = false;
   bool amx = false;  // the products on the AMX tiles (amx_dot.hpp), as the forward's
   size_t q_pair_words = 0, dout_pair_words = 0, q_row_pair_ld = 0;
-  std::vector<uint32_t> q_pairs, dout_pairs, q_row_pairs;
+  ScratchWords q_pairs, dout_pairs, q_row_pairs;
   // dV = Pᵀ·dO on the dot products too (P as one bf16 term): dO paired across the block's
   // queries, as Q is for dK.
   size_t dout_row_pair_ld = 0;
-  std::vector<uint32_t> dout_row_pairs;
+  ScratchWords dout_row_pairs;
   const detail::Extents* e = nullptr;
   const detail::Sequences* sequences = nullptr;
 

@@ -26,6 +26,7 @@
 #include "hwy/highway.h"
 #include "core/dropout.hpp"
 #include "qkv/error.hpp"
+#include "cpu/scratch_cache.hpp"
 #include "cpu/storage-inl.h"
 #include "cpu/vec_array-inl.h"
 
@@ -44,8 +45,9 @@ HWY_INLINE size_t VectorLanes() { return hn::Lanes(FloatTag()); }
 // Aligned scratch; Highway refuses zero-sized allocations, so ask for at least one.
 // Highway returns null when the memory is not there: a qkv::Error then (the entry points
 // allocate their per-call workspaces before any output is written), not a null write.
+// Large blocks come from and go back to the workspace cache (scratch_cache.hpp).
 inline hwy::AlignedFreeUniquePtr<float[]> AllocateFloats(size_t count) {
-  auto memory = hwy::AllocateAligned<float>(count == 0 ? 1 : count);
+  auto memory = hwy::AllocateAligned<float>(count == 0 ? 1 : count, scratch_allocate, scratch_free, nullptr);
   if (memory == nullptr)
     throw Error("qkv: a workspace of " + std::to_string(count) + " floats could not be allocated (out of memory)");
   return memory;

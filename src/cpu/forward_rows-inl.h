@@ -44,6 +44,7 @@
 #include "cpu/blocking.hpp"
 #include "cpu/dot_products.hpp"
 #include "cpu/finite_scan.hpp"
+#include "cpu/scratch_cache.hpp"
 #include "cpu/storage-inl.h"
 #include "cpu/work_order.hpp"
 
@@ -89,10 +90,10 @@ class PackedBlocks {
       items_.clear();
       return;
     }
-    words_.reset(new uint32_t[blocks * block_words_]);  // every word is written by pack()
+    words_ = ScratchWords(blocks * block_words_);  // every word is written by pack()
   }
 
-  bool active() const { return words_ != nullptr; }
+  bool active() const { return words_.data() != nullptr; }
   size_t size() const { return active() ? items_.size() : 0; }
 
   void pack(const detail::ForwardProblem<T>& p, size_t item) const {
@@ -119,7 +120,7 @@ class PackedBlocks {
     const size_t key_blocks = static_cast<size_t>((p.mask.sequences.k_len(b) + kBlockKeys - 1) / kBlockKeys);
     const size_t index = first_[static_cast<size_t>(b)] + static_cast<size_t>(kv_head) * key_blocks +
                          static_cast<size_t>(k_block);
-    return words_.get() + index * block_words_;
+    return words_.data() + index * block_words_;
   }
   size_t ld() const { return ld_; }
 
@@ -131,7 +132,7 @@ class PackedBlocks {
   size_t ld_ = 0, block_words_ = 0;
   std::vector<size_t> first_;  // per batch entry: its first block
   std::vector<Item> items_;
-  std::unique_ptr<uint32_t[]> words_;
+  ScratchWords words_;
 };
 
 // out = acc / l and lse = m + log l for a block's rows (acc rows acc_ld apart); a query
