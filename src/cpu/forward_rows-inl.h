@@ -160,12 +160,14 @@ void WriteOutputRows(const detail::ForwardProblem<T>& p, const QueryRows& rows, 
 }
 
 // Whether a call may take the row kernel (the header's list) on its bfloat16 unit; it
-// takes it when the packings of K and V made for it are there too (under kMaxBytes).
+// takes it when the packings of K and V made for it are there too (under kMaxBytes). The
+// Highway target does not matter: the kernel is AVX-512 and AMX code of its own, with its
+// own layouts (a forced QKV_SIMD_TARGET=AVX2, or the AVX2-only sanitizer build, on an AMX
+// machine still takes it).
 template <class T>
 bool RowKernelFits(const detail::ForwardProblem<T>& p, Bf16Unit unit) {
   const detail::ScoreModifiers& mods = p.modifiers;
-  return std::is_same_v<T, bfloat16> && unit == Bf16Unit::amx && amx_row_forward() && VectorLanes() % 16 == 0 &&
-         p.scale > 0.0 && mods.softcap == 0.0f && !mods.has_alibi() && !mods.has_score_mod() &&
+  return std::is_same_v<T, bfloat16> && unit == Bf16Unit::amx && amx_row_forward() && p.scale > 0.0 && mods.softcap == 0.0f && !mods.has_alibi() && !mods.has_score_mod() &&
          !mods.has_dropout() && !p.mask.has_elementwise() && !p.mask.has_mask_mod() && !p.collect_stats;
 }
 

@@ -21,6 +21,7 @@
 #include "cpu/bf16_dot.hpp"
 #include "cpu/dot_products.hpp"
 #include "half_check.hpp"
+#include "simd_targets.hpp"
 
 namespace qkv {
 namespace {
@@ -296,6 +297,21 @@ TEST(AmxRows, VarlenEqualsEachSequenceAlone) {
     for (int64_t h = 0; h < kQHeads; ++h)
       for (int64_t i = 0; i < q_lens[s]; ++i) ASSERT_EQ(alone_lse(0, h, i), lse(h, cu_q[s] + i)) << h << ", " << i;
   }
+}
+
+// The kernel is AVX-512 and AMX code of its own: every compiled Highway target around it
+// (which packs nothing it reads) takes it, with the same contract.
+TEST(AmxRows, EverySimdTargetTakesIt) {
+  QKV_REQUIRE_AMX();
+  const test::ForcedBf16Unit tiles(cpu::Bf16Unit::amx);
+  const RowForward rows(true);
+  test::for_each_simd_target([](int64_t) {
+    const std::size_t before = cpu::amx_row_tasks();
+    test::check_half_case<bfloat16>({.name = "targets", .q_len = 100, .k_len = 200, .q_heads = 2, .kv_heads = 1,
+                                     .head_dim = 40, .v_dim = 24, .causal = Causal::bottom_right},
+                                    2, false, 5, Precision::fast);
+    EXPECT_GT(cpu::amx_row_tasks(), before) << "the call did not take the row kernel";
+  });
 }
 
 // The switch: off keeps every call on the block kernel.
