@@ -421,11 +421,24 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
       // Its lines ride with the keys' prefetches, then the values' (one a key each).
       const size_t lines = s.scale_lines.size(), k_lines = std::min(lines, far_keys);
       const size_t keys = slot_keys[slot];  // the block's stored keys
-      // Latent attention on vdpbf16ps: blocks every row of the tile sees whole.
+      // Latent attention on a bf16 unit: blocks every row of the tile sees whole (the
+      // column step), or on the tiles' spans also the last block of a causal step, which
+      // each row sees up to its own key_end (not a tree's, whose rows see scattered keys).
       bool latent_block = false;
       if constexpr (kLatentStorage<T>) {
-        latent_block = s.latent && keys > 0 && first >= gr.max_begin && first + static_cast<int64_t>(keys) <= gr.min_end;
-        if (latent_block)
+        const bool whole = first >= gr.max_begin && first + static_cast<int64_t>(keys) <= gr.min_end;
+        if (s.latent && s.lat.spans && keys > 0 && first >= gr.max_begin && (whole || !mask.tree.has(task.batch))) {
+          size_t visible[kDecodeQueries];
+          for (size_t i = 0; i < tile; ++i)
+            visible[i] = static_cast<size_t>(std::clamp<int64_t>(key_end[i] - first, 0, static_cast<int64_t>(keys)));
+          latent_block = LatentSpan<T>(group_rows, tile, visible, gr.m, gr.l, gr.acc, dv_pad, s.alpha.get(), s.lat, keys,
+                                       d, kv.split_keys() ? static_cast<size_t>(kv.rope_from) : d, dv, scale,
+                                       s.k_ring.data() + slot * slot_rows,
+                                       kv.split_keys() ? s.rope_ring.data() + slot * slot_rows : nullptr,
+                                       s.v_ring.data() + slot * slot_rows);
+        }
+        if (!s.lat.spans) latent_block = s.latent && keys > 0 && whole;
+        if (latent_block && !s.lat.spans)
           LatentBlock<T>(group_rows, gr.m, gr.l, gr.acc, s.alpha.get(), s.lat, keys, d, kv.split_keys() ? static_cast<size_t>(kv.rope_from) : d,
                       dv, dv_pad, scale, s.k_ring.data() + slot * slot_rows,
                       kv.split_keys() ? s.rope_ring.data() + slot * slot_rows : nullptr, s.v_ring.data() + slot * slot_rows,
@@ -519,15 +532,20 @@ void RunDecode(const Problem& p, const KvSource& kv, const DecodePlan& plan) {
   const bool int8_dots = std::is_same_v<T, std::int8_t> && int8_dot_products(p.precision) && VectorLanes() % 4 == 0;
   const Bf16Unit bf16 = kLatentStorage<T> && p.extents.kv_heads == 1 ? bf16_unit(p.precision) : Bf16Unit::fp32_fma;
   const bool latent_dots = LatentDots(p, kv, plan, kLatentStorage<T>, bf16 != Bf16Unit::fp32_fma);
+  // The row-layout spans where the plan made blocks for them and the tiles run the call
+  // (a BatchPlan made earlier may meet another unit: its 512-key blocks then take the
+  // column step on vdpbf16ps, which any block length suits).
+  const bool latent_spans =
+      latent_dots && plan.latent_spans && bf16 == Bf16Unit::amx && std::is_same_v<T, bfloat16>;
   if (threads <= 1) {  // no parallel region for work one thread does best
-    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots, bf16 == Bf16Unit::amx);
+    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots, bf16 == Bf16Unit::amx, latent_spans);
     for (const DecodeTask& task : plan.tasks) DecodeChunk<T>(p, kv, plan, task, scratch, states.get());
     for (const DecodeUnit& unit : plan.units) MergeChunks(p, plan, unit, states.get(), scratch.merged.get());
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
-    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots, bf16 == Bf16Unit::amx);
+    DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots, bf16 == Bf16Unit::amx, latent_spans);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < plan.order.size(); ++t)
       DecodeChunk<T>(p, kv, plan, plan.tasks[plan.order[t]], scratch, states.get());

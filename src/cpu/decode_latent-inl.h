@@ -16,6 +16,12 @@
 // the lanes — by bf16dot::ScoresTransposed (amx::ScoresTransposed); the online softmax
 // runs down the columns (vectors of rows); bf16dot::AddWeightedPairs adds P·V from Pᵀ and
 // the values' pairs (amx::RescaleAddWeighted, which adds it onto acc in the tiles).
+//
+// On the AMX tiles a bfloat16 cache takes LatentSpan instead (the bottom of this file):
+// blocks of 512 keys in the row layout of the forward's row kernel (amx_rows.hpp), which
+// loads and stores the rows' accumulators once per 512 keys instead of once per block of
+// 32–96 (at 128 heads × 512 values those accumulators are 256 KiB: the column step's
+// tiles spent much of their time moving them).
 #if defined(QKV_CPU_DECODE_LATENT_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef QKV_CPU_DECODE_LATENT_INL_H_
 #undef QKV_CPU_DECODE_LATENT_INL_H_
@@ -28,6 +34,8 @@
 #include <cstring>
 
 #include "cpu/amx_dot.hpp"
+#include "cpu/amx_rows.hpp"
+#include "cpu/dot_products.hpp"
 #include "hwy/highway.h"
 #include "cpu/bf16_dot.hpp"
 #include "cpu/block_ops-inl.h"
@@ -67,6 +75,13 @@ void PackLatentQueries(const Rows& rows, int64_t batch, int64_t first_query, siz
       bfloat16* to = s.q_rows.data() + (h * tile + i) * d;
       for (size_t c = 0; c < d; ++c) to[c] = bfloat16(q[c]);
     }
+  if (s.spans) {  // LatentSpan's groups of up to 64 rows, each as the tiles load it
+    auto* packed = reinterpret_cast<std::uint16_t*>(s.span_queries.data());
+    for (size_t r = 0; r < q_heads * tile; r += amx::kMaxQueries)
+      amx::PackQueryRows(s.q_rows.data() + r * d, static_cast<std::int64_t>(d), std::min(amx::kMaxQueries, q_heads * tile - r),
+                         d, packed + r * amx::query_ld(d));
+    return;
+  }
   bf16dot::PackQueryPairs(s.q_rows.data(), static_cast<std::int64_t>(d), q_heads * tile, d, s.q_pairs.data(), s.q_ld);
 }
 
@@ -176,6 +191,104 @@ void LatentBlock(size_t rows, float* m, float* l, float* acc, float* alpha, Late
   if (v_scales != nullptr) ScaleTileRows(s.st.get(), s.st_ld, keys, rows, v_scales);
   bf16dot::AddWeightedPairs(s.st.get(), s.st_ld, rows, keys, s.v_pairs.data(), v_ld, dv, s.p_pairs.data(), acc, dv_pad,
                             alpha);
+}
+
+// ---------------------------------------------------------------------------------
+// The latent step on the AMX tiles in the row layout (amx_rows.hpp, the forward's row
+// kernel): a block of up to amx::kSpanKeys keys is one span — its keys packed into the
+// tiles' order and its values into pairs once, then for each group of up to 64 query rows
+// S = Q·Kᵀ a row per query, the online softmax along the rows, and bf16(P)·V onto the
+// rows' accumulators, loaded into the tiles and stored once per span. The column step
+// (LatentBlock on the tiles) stored and reloaded the 128 heads' 512-wide accumulators
+// for every 32–96 keys.
+
+// Whether rows[0, n) are equally spaced in memory (one stride; n ≤ 1 always): a
+// contiguous cache, or a page of a paged one, packed straight from the cache.
+template <class S>
+HWY_INLINE bool EquallySpaced(const S* const* rows, size_t n, std::int64_t& stride) {
+  stride = n > 1 ? rows[1] - rows[0] : 0;
+  for (size_t j = 2; j < n; ++j)
+    if (rows[j] - rows[j - 1] != stride) return false;
+  return true;
+}
+
+// Whether any of the n bfloat16 rows (dv values each) holds NaN or ±Inf.
+HWY_INLINE bool AnyNonFinite(const bfloat16* const* rows, size_t n, size_t dv) {
+  for (size_t j = 0; j < n; ++j)
+    for (size_t c = 0; c < dv; ++c)
+      if ((rows[j][c].bits & 0x7F80u) == 0x7F80u) return true;
+  return false;
+}
+
+// One block of `keys` keys for the rows of the tile (rows r = h·tile + i, query i seeing
+// the block's keys [0, visible[i]) — all of them but in a bottom-right causal step's last
+// block). K rows: the first d_first channels from k_rows, the rest from rope_rows (null:
+// d_first = d); V rows from v_rows (the keys' own first channels in latent attention).
+// Returns false, having changed nothing, when a key some row must not see has a
+// non-finite value (the tiles would add 0·NaN): the float step then takes the block.
+template <class S>
+bool LatentSpan(size_t rows, size_t tile, const size_t* visible, float* m, float* l, float* acc, size_t dv_pad,
+                float* alpha, LatentScratch& s, size_t keys, size_t d, size_t d_first, size_t dv, float scale,
+                const S* const* k_rows, const S* const* rope_rows, const S* const* v_rows) {
+  if constexpr (!std::is_same_v<S, bfloat16>) {
+    (void)rows, (void)tile, (void)visible, (void)m, (void)l, (void)acc, (void)dv_pad, (void)alpha, (void)s, (void)keys,
+        (void)d, (void)d_first, (void)dv, (void)scale, (void)k_rows, (void)rope_rows, (void)v_rows;
+    return false;
+  } else {
+    const size_t seen_by_all = *std::min_element(visible, visible + tile);
+    if (seen_by_all < keys && AnyNonFinite(v_rows + seen_by_all, keys - seen_by_all, dv)) return false;
+    const size_t v_ld = bf16dot::pair_ld(dv);
+    // Keys in the tiles' order and values' pairs, 64 keys at a time: read in place where
+    // the part's rows are equally spaced, else gathered into whole rows first.
+    auto* gathered = reinterpret_cast<bfloat16*>(s.span_rows.data());
+    const bool split = rope_rows != nullptr && d_first % 32 == 0;  // the parts' tiles apart
+    for (size_t j0 = 0; j0 < keys; j0 += amx::kKeyBlock) {
+      const size_t n = std::min(amx::kKeyBlock, keys - j0);
+      std::uint32_t* k_out = s.span_keys.data() + j0 / amx::kKeyBlock * amx::key_block_words(d);
+      std::uint32_t* v_out = s.span_values.data() + j0 / 2 * v_ld;
+      std::int64_t k_stride = 0, rope_stride = 0, v_stride = 0;
+      const bool k_direct = EquallySpaced(k_rows + j0, n, k_stride) &&
+                            (rope_rows == nullptr || (split && EquallySpaced(rope_rows + j0, n, rope_stride)));
+      if (k_direct) {
+        amx::PackKeyPairs(k_rows[j0], k_stride, n, rope_rows != nullptr ? d_first : d, k_out);
+        if (rope_rows != nullptr)
+          amx::PackKeyPairs(rope_rows[j0], rope_stride, n, d - d_first, k_out + amx::key_block_words(d_first));
+      } else {
+        for (size_t j = 0; j < n; ++j) {
+          std::memcpy(gathered + j * d, k_rows[j0 + j], (rope_rows != nullptr ? d_first : d) * sizeof(bfloat16));
+          if (rope_rows != nullptr)
+            std::memcpy(gathered + j * d + d_first, rope_rows[j0 + j], (d - d_first) * sizeof(bfloat16));
+        }
+        amx::PackKeyPairs(gathered, static_cast<std::int64_t>(d), n, d, k_out);
+      }
+      if (EquallySpaced(v_rows + j0, n, v_stride)) {
+        bf16dot::PackRowPairs(v_rows[j0], v_stride, n, dv, v_out, v_ld);
+      } else {
+        for (size_t j = 0; j < n; ++j) std::memcpy(gathered + j * dv, v_rows[j0 + j], dv * sizeof(bfloat16));
+        bf16dot::PackRowPairs(gathered, static_cast<std::int64_t>(dv), n, dv, v_out, v_ld);
+      }
+    }
+    // The pair rows the tiles read past the keys (up to whole 32-key steps): zero.
+    std::fill(s.span_values.data() + (keys + 1) / 2 * v_ld, s.span_values.data() + round_up(keys, 32) / 2 * v_ld, 0u);
+
+    const auto* queries = reinterpret_cast<const std::uint16_t*>(s.span_queries.data());
+    for (size_t r0 = 0; r0 < rows; r0 += amx::kMaxQueries) {
+      const size_t count = std::min(amx::kMaxQueries, rows - r0);
+      for (size_t r = 0; r < count; ++r) {
+        s.span_lo[r] = 0;
+        s.span_hi[r] = static_cast<std::int32_t>(visible[(r0 + r) % tile]);
+      }
+      const amx::Span span{.q = queries + r0 * amx::query_ld(d), .count = count, .d = d, .k_blocks = s.span_keys.data(),
+                           .keys = keys, .v_pairs = s.span_values.data(), .v_ld = v_ld, .dv = dv,
+                           .lo = s.span_lo.data(), .hi = s.span_hi.data(), .scale = scale};
+      amx::AttendSpan(span,
+                      {s.span_scores.get(), LatentScratch::kSpanScoreLd,
+                       reinterpret_cast<std::uint16_t*>(s.span_weights.data()), amx::kSpanKeys},
+                      {m + r0, l + r0, alpha, acc + r0 * dv_pad, dv_pad});
+    }
+    count_amx_latent_span();
+    return true;
+  }
 }
 
 }  // namespace qkv::cpu::HWY_NAMESPACE

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <vector>
 
+#include "cpu/amx_rows.hpp"
 #include "cpu/blocking.hpp"
 #include "cpu/dot_products.hpp"
 #include "core/problem.hpp"
@@ -100,22 +101,39 @@ struct ChunkState {
   float* l;
 };
 
-// Whether a call's blocks are sized for the latent step (latent_block_keys): the calls
-// LatentDots (decode_latent-inl.h) sends there — one kv head of bfloat16 or float8 keys,
-// query heads in whole 16s, no softcap or score modifier, precision fast on vdpbf16ps —
-// and keys not on execution.fixed_key_split's grid. Decided from the problem alone, so
-// qkv::decode, mla_decode and qkv::BatchPlan (which plans ahead) size a sequence's blocks
-// alike. (A partly visible block of such a call, which takes the float step, has as many
-// keys: the scratch is sized by the plan.)
-inline bool latent_blocks(const detail::ForwardProblem<float>& p, StorageType storage) {
+// How a call's blocks are sized for the latent step: the calls LatentDots
+// (decode_latent-inl.h) sends there — one kv head of bfloat16 or float8 keys, query heads
+// in whole 16s, no softcap or score modifier, precision fast on a bf16 unit — and keys not
+// on execution.fixed_key_split's grid. `dots`: latent_block_keys per block (vdpbf16ps, and
+// float8 storage on the AMX tiles); `spans`: a bfloat16 cache on the AMX tiles, blocks of
+// amx::kSpanKeys keys, each one span of the row-layout step (LatentSpan; the forward's row
+// kernel switch, amx_row_forward(), off keeps the column step's blocks). Decided from the
+// problem alone, so qkv::decode, mla_decode and qkv::BatchPlan (which plans ahead) size a
+// sequence's blocks alike. (A partly visible block of such a call, which takes the float
+// step, has as many keys: the scratch is sized by the plan.)
+enum class LatentBlocks { none, dots, spans };
+inline constexpr int64_t kLatentSpanRows = 128;  // query rows of a tile from which spans pay
+
+inline LatentBlocks latent_blocks(const detail::ForwardProblem<float>& p, StorageType storage) {
   const bool storage_ok = storage == StorageType::bfloat16 || storage == StorageType::float8_e4m3fn ||
                           storage == StorageType::float8_e5m2;
-  return storage_ok && p.extents.kv_heads == 1 && p.extents.q_heads % 16 == 0 && p.modifiers.softcap == 0.0f &&
-         !p.modifiers.has_score_mod() && !p.fixed_key_split && bf16_unit(p.precision) == Bf16Unit::avx512_bf16;
+  if (!storage_ok || p.extents.kv_heads != 1 || p.extents.q_heads % 16 != 0 || p.modifiers.softcap != 0.0f ||
+      p.modifiers.has_score_mod() || p.fixed_key_split)
+    return LatentBlocks::none;
+  const Bf16Unit unit = bf16_unit(p.precision);
+  // Spans pack each key into the tiles' order once for all the tile's rows: at 128 rows
+  // a query (128 heads × 1, or 64 × 2) that pays (Emerald Rapids, dc 512 + 64, 1 thread,
+  // 4k keys × batch 8: 128 heads 36.0 → 24.7–28.8 ms); at 64 rows the two steps were
+  // even, at 16 the column step, which reads the keys as they are, was 15% faster.
+  const int64_t rows = p.extents.q_heads * std::min<int64_t>(p.extents.q_len, kDecodeQueries);
+  if (unit == Bf16Unit::amx && storage == StorageType::bfloat16 && rows >= kLatentSpanRows && amx_row_forward())
+    return LatentBlocks::spans;
+  return unit == Bf16Unit::fp32_fma ? LatentBlocks::none : LatentBlocks::dots;
 }
 
 struct DecodePlan {
   std::size_t lanes = 0;       // the vector length it was planned for
+  bool latent_spans = false;    // blocks of amx::kSpanKeys for LatentSpan (latent_blocks)
   std::size_t latent_keys = 0;  // keys per block for the latent step (0: the budget's)
   std::size_t d_pad = 0;       // head_dim rounded up to whole vectors
   std::size_t dv_pad = 0;      // v_dim rounded up to whole vectors
@@ -142,13 +160,18 @@ struct DecodePlan {
                    latent_blocks(problem, storage)) {}
 
   // `skip` (optional, one flag per sequence): sequences another schedule computes
-  // (qkv::BatchPlan's prefill chunks), left out of the plan. `latent`: blocks of
-  // latent_block_keys (latent_blocks below says when).
+  // (qkv::BatchPlan's prefill chunks), left out of the plan. `latent`: the latent step's
+  // blocks (latent_blocks above says which). Spans need the accumulator's rows in whole
+  // tiles (dv_pad a multiple of 16); else the latent_block_keys blocks.
   DecodePlan(const detail::Extents& p, const detail::MaskRule& mask, StorageType storage,
              std::size_t vector_lanes, bool fixed_key_split = false, const std::vector<bool>* skip = nullptr,
-             bool latent = false)
+             LatentBlocks latent = LatentBlocks::none)
       : lanes(vector_lanes),
-        latent_keys(latent ? round_up(latent_block_keys(static_cast<std::size_t>(p.q_heads)), vector_lanes) : 0),
+        latent_spans(latent == LatentBlocks::spans &&
+                     round_up(static_cast<std::size_t>(p.v_dim), vector_lanes) % amx::kTileRows == 0),
+        latent_keys(latent_spans                  ? round_up(amx::kSpanKeys, vector_lanes)
+                    : latent != LatentBlocks::none ? round_up(latent_block_keys(static_cast<std::size_t>(p.q_heads)), vector_lanes)
+                                                   : 0),
         d_pad(round_up(static_cast<std::size_t>(p.head_dim), lanes)),
         dv_pad(round_up(static_cast<std::size_t>(p.v_dim), lanes)),
         packed(d_pad != static_cast<std::size_t>(p.head_dim) || dv_pad != static_cast<std::size_t>(p.v_dim)),
@@ -164,6 +187,15 @@ struct DecodePlan {
       const auto tile_queries = static_cast<std::size_t>(fixed_key_split ? kDecodeQueries : std::min(q_len, kDecodeQueries));
       const std::size_t block = keys_per_block(tile_queries);
       block_keys = std::max(block_keys, block);
+      // The latent spans' chunks: the rows' partial state (128 heads × 512 + 2 floats is 257
+      // KiB a query) at most a quarter of the latent rows a chunk reads, since every chunk
+      // zeroes, writes and merges it (at 512 keys, 128 heads, the state was 45% of the
+      // cache's bytes; measured below).
+      int64_t min_chunk = kMinChunkKeys;
+      if (latent_spans)
+        min_chunk = std::max<int64_t>(
+            min_chunk, static_cast<int64_t>(4.0 * static_cast<double>(q_heads * tile_queries * (dv_pad + 2) * sizeof(float)) /
+                                            (static_cast<double>(p.head_dim) * element_bytes)));
       for (int64_t first = 0; first < q_len; first += kDecodeQueries) {
         DecodeUnit unit{b, first, std::min(kDecodeQueries, q_len - first), tasks.size(), 0};
         max_tile = std::max(max_tile, static_cast<std::size_t>(unit.queries));
@@ -177,7 +209,7 @@ struct DecodePlan {
           begin = begin / kFixedChunkKeys * kFixedChunkKeys;  // chunks on the fixed grid
         } else {
           chunk = static_cast<int64_t>(round_up(
-              static_cast<std::size_t>(std::max(kMinChunkKeys, (end - begin + kMaxChunks - 1) / kMaxChunks)), block));
+              static_cast<std::size_t>(std::max(min_chunk, (end - begin + kMaxChunks - 1) / kMaxChunks)), block));
         }
         for (int64_t key = begin; key < end; key += chunk) {
           const int64_t chunk_end = std::min(key + chunk, end);

@@ -19,12 +19,14 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "core/kv_source.hpp"
+#include "cpu/amx_rows.hpp"
 #include "cpu/bf16_dot.hpp"
 #include "cpu/block_ops-inl.h"
 #include "cpu/blocking.hpp"
 #include "cpu/decode_plan.hpp"
 #include "cpu/decode_tiles-inl.h"
 #include "cpu/int8_dot.hpp"
+#include "cpu/scratch_cache.hpp"
 #include "cpu/storage-inl.h"
 #include "qkv/half.hpp"
 
@@ -81,27 +83,51 @@ constexpr bool PackValuesFor(size_t rows) {
 // apart) and values (dv apart, when not the keys' own first channels), its transposed
 // scores then weights ([block][st_ld]), and the pairs of its values and weights.
 struct LatentScratch {
-  LatentScratch() : st(AllocateFloats(0)), widened(AllocateFloats(0)) {}
+  LatentScratch() : st(AllocateFloats(0)), widened(AllocateFloats(0)), span_scores(AllocateFloats(0)) {}
+  // on_spans: the row-layout step on the tiles (decode_latent-inl.h's LatentSpan) for
+  // blocks of up to amx::kSpanKeys keys, which needs none of the column step's buffers
+  // but the query rows.
   LatentScratch(size_t tile_rows, size_t group_rows, size_t block_keys, size_t head_dim, size_t v_dim,
-                bool on_tiles = false)
+                bool on_tiles = false, bool on_spans = false)
       : amx(on_tiles),
+        spans(on_spans),
         q_ld(bf16dot::pair_ld(tile_rows)),
         st_ld(bf16dot::pair_ld(group_rows)),
         q_rows(tile_rows * head_dim),
-        keys(block_keys * head_dim),
-        values(block_keys * v_dim),
-        q_pairs((head_dim + 1) / 2 * q_ld),
-        v_pairs((block_keys + 1) / 2 * bf16dot::pair_ld(v_dim)),
-        p_pairs((block_keys + 1) / 2 * st_ld),
-        st(AllocateFloats(block_keys * st_ld)),
-        widened(AllocateFloats(std::max(head_dim, v_dim))) {}
+        keys(on_spans ? 0 : block_keys * head_dim),
+        values(on_spans ? 0 : block_keys * v_dim),
+        q_pairs(on_spans ? 0 : (head_dim + 1) / 2 * q_ld),
+        v_pairs(on_spans ? 0 : (block_keys + 1) / 2 * bf16dot::pair_ld(v_dim)),
+        p_pairs(on_spans ? 0 : (block_keys + 1) / 2 * st_ld),
+        st(AllocateFloats(on_spans ? 0 : block_keys * st_ld)),
+        widened(AllocateFloats(std::max(head_dim, v_dim))),
+        span_queries(on_spans ? (tile_rows + amx::kMaxQueries - 1) / amx::kMaxQueries * amx::kMaxQueries *
+                                    amx::query_ld(head_dim) / 2
+                              : 0),
+        span_rows(on_spans ? amx::kKeyBlock * round_up(std::max(head_dim, v_dim), 2) / 2 : 0),
+        span_keys(on_spans ? (block_keys + amx::kKeyBlock - 1) / amx::kKeyBlock * amx::key_block_words(head_dim) : 0),
+        span_values(on_spans ? round_up(block_keys, 32) / 2 * bf16dot::pair_ld(v_dim) : 0),
+        span_weights(on_spans ? amx::kMaxQueries * amx::kSpanKeys / 2 : 0),
+        span_scores(AllocateFloats(on_spans ? amx::kMaxQueries * kSpanScoreLd : 0)),
+        span_lo(on_spans ? amx::kMaxQueries : 0),
+        span_hi(on_spans ? amx::kMaxQueries : 0) {}
+
+  static constexpr size_t kSpanScoreLd = amx::kSpanKeys + 16;  // not a multiple of 4 KiB: no set aliasing
 
   bool amx = false;  // the block's two products on the AMX tiles (amx_dot.hpp), else vdpbf16ps
+  bool spans = false;  // blocks every row sees whole or in part: LatentSpan
   size_t q_ld = 0, st_ld = 0;
   std::vector<bfloat16> q_rows, keys, values;
   std::vector<std::uint32_t> q_pairs, v_pairs, p_pairs;
   hwy::AlignedFreeUniquePtr<float[]> st;
   hwy::AlignedFreeUniquePtr<float[]> widened;  // one float8 row widened (LatentRow)
+  // LatentSpan's: the query rows packed for the tiles (amx::PackQueryRows, 64-row groups
+  // query_ld(d) values a row), a 64-key part's rows gathered when the cache's are not
+  // equally spaced, the span's keys in the tiles' order and its values' pairs, S and bf16(P)
+  // of one row group, and each row's visible keys.
+  ScratchWords span_queries, span_rows, span_keys, span_values, span_weights;
+  hwy::AlignedFreeUniquePtr<float[]> span_scores;
+  std::vector<std::int32_t> span_lo, span_hi;
 };
 
 template <class T>
@@ -158,7 +184,7 @@ struct DecodeScratch {
   }
 
   DecodeScratch(const DecodePlan& plan, const KvSource& kv, bool int8_dots, size_t head_dim, size_t v_dim,
-                bool latent_dots = false, bool latent_on_tiles = false)
+                bool latent_dots = false, bool latent_on_tiles = false, bool latent_spans = false)
       : queries(AllocateFloats(plan.tile_rows() * plan.d_pad)),
         keys(AllocateFloats(plan.packed || kv.split_keys() ? plan.block_keys * plan.d_pad : 0)),
         values(AllocateFloats(plan.packed || PackValuesFor<T>(plan.group_rows()) ? plan.block_keys * (plan.dv_pad + plan.lanes)
@@ -192,7 +218,7 @@ struct DecodeScratch {
         value_bytes(vnni ? int8dot::value_bytes(plan.block_keys, v_dim) : 0),
         latent(latent_dots),
         lat(latent ? LatentScratch(plan.tile_rows(), plan.group_rows(), plan.block_keys, head_dim, v_dim,
-                                   latent_on_tiles)
+                                   latent_on_tiles, latent_spans)
                    : LatentScratch()) {}
 };
 

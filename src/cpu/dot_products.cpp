@@ -155,10 +155,13 @@ void set_amx_row_forward_for_test(std::optional<bool> forced) {
 
 namespace {
 std::atomic<std::size_t> row_tasks{0};
+std::atomic<std::size_t> latent_spans{0};
 }  // namespace
 
 void count_amx_row_task() { row_tasks.fetch_add(1, std::memory_order_relaxed); }
 std::size_t amx_row_tasks() { return row_tasks.load(std::memory_order_relaxed); }
+void count_amx_latent_span() { latent_spans.fetch_add(1, std::memory_order_relaxed); }
+std::size_t amx_latent_spans() { return latent_spans.load(std::memory_order_relaxed); }
 
 const char* bf16_arithmetic_name() {
   switch (bf16_unit(Precision::fast)) {

@@ -70,13 +70,18 @@ void set_amx_for_test(std::optional<bool> forced);
 // On the AMX tiles, the forward takes the row kernel (forward_rows-inl.h: 512-key spans, P
 // query-major) where the call allows it, unless QKV_AMX_ROWS=off (read once; auto or on:
 // where allowed) or the test hook says otherwise: false keeps every call on the block
-// kernel of forward.cpp, which the backward and the calls the row kernel does not take use.
+// kernel of forward.cpp, which the backward and the calls the row kernel does not take use
+// (and the latent decode on the column step, decode_latent-inl.h's LatentBlock).
 bool amx_row_forward();
 void set_amx_row_forward_for_test(std::optional<bool> forced);
 // Forward tasks the row kernel has run in this process (a relaxed count, one add per task
 // of ≥ 64 × 64 × d products): lets tests see that a call took it.
 void count_amx_row_task();
 std::size_t amx_row_tasks();
+// The same for the latent decode's spans (decode_latent-inl.h's LatentSpan, one add per
+// span of up to 512 keys), which the same switch governs: off keeps the column step.
+void count_amx_latent_span();
+std::size_t amx_latent_spans();
 
 // "bf16-amx", "bf16-dot" or "fp32-fma": what a bfloat16 call in the default precision
 // runs, for benchmarks and `qkv bench`.

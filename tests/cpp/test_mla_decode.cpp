@@ -87,11 +87,86 @@ TEST(MlaDecode, Bfloat16OnTheDotUnitWithinTheBf16Contract) {
 }
 
 // The same block step with its two products on the AMX tiles (P·V added onto the rows'
-// accumulators in the tiles).
+// accumulators in the tiles); tiles of 128 rows take the spans (below) unless the row
+// kernel's switch is off, so the column step runs them once more with it off.
 TEST(MlaDecode, Bfloat16OnTheAmxTilesWithinTheBf16Contract) {
   if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
   const test::ForcedAmx forced;
   expect_latent_step_within_the_bf16_contract();
+  cpu::set_amx_row_forward_for_test(false);
+  const std::size_t spans_before = cpu::amx_latent_spans();
+  expect_latent_step_within_the_bf16_contract();
+  EXPECT_EQ(cpu::amx_latent_spans(), spans_before) << "the switch off: no span";
+  cpu::set_amx_row_forward_for_test(std::nullopt);
+}
+
+// On the AMX tiles a bfloat16 cache with ≥ 128 query rows a tile (heads × queries) takes
+// the row-layout spans (decode_latent-inl.h's LatentSpan): blocks of 512 keys, each packed
+// once into the tiles' order and attended by groups of up to 64 query rows. Caches longer
+// than a span (several spans per chunk and a partial last one), the last block of an
+// Nq > 1 step seen by each row up to its own key (per-row key ranges in the span), 128 × 1,
+// 64 × 2, 48 × 3 (a 16-row group after two of 64) and 16 × 8 rows, rows read in place
+// (contiguous; pages of 128 keys) and gathered (pages of 16 keys; a latent part of 40
+// channels, not whole tiles), indices (a gathered problem of the listed keys), each within
+// the bound expect_matches states, and the spans counted: the kernel did run. 2 threads,
+// so chunks merge.
+TEST(MlaDecode, Bfloat16OnTheAmxSpansWithinTheBf16Contract) {
+  if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
+  const test::ForcedAmx forced;
+  struct Rows {
+    int64_t heads, q_len, dc, dr;
+  };
+  test::for_each_simd_target([&](int64_t) {
+    std::uint64_t seed = 4100;
+    for (const Rows r : {Rows{128, 1, 64, 16}, Rows{64, 2, 64, 16}, Rows{48, 3, 64, 16}, Rows{16, 8, 64, 16},
+                         Rows{128, 1, 40, 8}})
+      for (int64_t block : {0, 16, 128}) {
+        const Shape s{3, r.q_len, r.heads, r.dc, r.dr, {600, 1500, 2}, 1536, block};
+        const std::string what = std::to_string(r.heads) + " heads, Nq " + std::to_string(r.q_len) + ", dc " +
+                                 std::to_string(r.dc) + (block > 0 ? ", pages of " + std::to_string(block) : ", contiguous");
+        const std::size_t spans_before = cpu::amx_latent_spans();
+        expect_matches(Case<bfloat16>(s, seed++), Backend::automatic, what, Precision::fast);
+        // (dc 40 on a target of 8 lanes: the accumulator rows are not whole tiles, so the
+        // column step takes the call.)
+        if (r.dc % 16 == 0) {
+          EXPECT_GT(cpu::amx_latent_spans(), spans_before) << what;
+        }
+        if (block == 0) expect_matches(Case<bfloat16>(s, seed++, 300), Backend::automatic, what + ", indices", Precision::fast);
+      }
+  });
+}
+
+// A NaN in the value of the newest key of an Nq = 3 step on the spans (64 heads): only the query
+// that sees that key gets NaN (the inputs put it there); the two before it, whose part of
+// the last block ends earlier, stay finite and equal to the result without the NaN (on
+// the spans) within what rounding P once adds — the span, which would add 0·NaN on the
+// tiles, gives that block to the float step.
+TEST(MlaDecode, AmxSpansKeepAHiddenNanOutOfEarlierQueries) {
+  if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
+  const test::ForcedAmx forced;
+  const Shape s{1, 3, 64, 64, 16, {700}, 704, 0};
+  const Case<bfloat16> clean(s, 77);
+  Case<bfloat16> c(s, 77);
+  const int64_t newest = 699;
+  c.ckv[static_cast<std::size_t>(newest * s.dc + 5)] = bfloat16(std::numeric_limits<float>::quiet_NaN());
+  Tensor<float, 4> out({1, 3, 64, 64}), want({1, 3, 64, 64});
+  Tensor<float, 3> lse({1, 64, 3});
+  const std::size_t spans_before = cpu::amx_latent_spans();
+  mla_decode(clean.args(want, lse), step_options(0.3, 1, Backend::automatic, Precision::fast));
+  mla_decode(c.args(out, lse), step_options(0.3, 1, Backend::automatic, Precision::fast));
+  EXPECT_GT(cpu::amx_latent_spans(), spans_before);
+  // Both runs round q and P to bfloat16 once (the span's P, the float step's exact P):
+  // they differ by at most what that rounding adds, u·Σ_j P_j·|v_j| ≤ 2⁻⁸·max|v| each.
+  double largest = 0.0;
+  for (const bfloat16 v : clean.ckv) largest = std::max(largest, std::abs(static_cast<double>(float(v))));
+  for (int64_t h = 0; h < 64; ++h) {
+    for (int64_t i = 0; i < 2; ++i)
+      for (int64_t x = 0; x < 64; ++x) {
+        ASSERT_TRUE(std::isfinite(out(0, i, h, x))) << "query " << i << " head " << h;
+        EXPECT_NEAR(out(0, i, h, x), want(0, i, h, x), 2.0 * largest / 256.0) << "query " << i << " head " << h;
+      }
+    EXPECT_TRUE(std::isnan(out(0, 2, h, 5))) << "head " << h;
+  }
 }
 
 // A float8 latent pool (vLLM's FP8 MLA cache: [c_kv | k_pe] rows in float8, one scale for
