@@ -190,7 +190,7 @@ struct DecodePlan {
       // The latent spans' chunks: the rows' partial state (128 heads × 512 + 2 floats is 257
       // KiB a query) at most a quarter of the latent rows a chunk reads, since every chunk
       // zeroes, writes and merges it (at 512 keys, 128 heads, the state was 45% of the
-      // cache's bytes; measured below).
+      // cache's bytes; bench/RESULTS.md §13g).
       int64_t min_chunk = kMinChunkKeys;
       if (latent_spans)
         min_chunk = std::max<int64_t>(

@@ -46,34 +46,37 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
 namespace {
 
-// Whether the call's units take the latent step on vdpbf16ps (decode_latent-inl.h, as
-// latent decode does): bfloat16 storage, Precision::fast where the call's bf16 unit is
-// AVX512-BF16, groups of whole vectors of heads (≥ 16: DeepSeek's MQA/MLA mode, where each
-// gathered key feeds enough rows to make the dot products pay) and no modifier the
-// transposed scores skip (soft-cap, ALiBi, score_mod). The queries and keys are bf16
-// already, their products exact in float32: the logits, and so the lse the backward
-// divides by, are the float step's up to the order of the float32 sums; each weight P is
-// rounded to bfloat16 once for P·V (the bf16 contract, docs/numerics.md). May throw
-// (QKV_DOT_PRODUCTS=on without the unit): called before the parallel region.
+// The bf16 unit the call's units take the latent step on (decode_latent-inl.h's column
+// step, as latent decode does; fp32_fma: none): bfloat16 storage, Precision::fast where
+// the call has a bf16 unit — vdpbf16ps, or the AMX tiles (Xeons, where the float step
+// ran until 2026-12-06: bench/RESULTS.md §15b) — groups of whole vectors of heads (≥ 16:
+// DeepSeek's MQA/MLA mode, where each gathered key feeds enough rows to make the dot
+// products pay) and no modifier the transposed scores skip (soft-cap, ALiBi, score_mod).
+// The queries and keys are bf16 already, their products exact in float32: the logits, and
+// so the lse the backward divides by, are the float step's up to the order of the float32
+// sums; each weight P is rounded to bfloat16 once for P·V (the bf16 contract,
+// docs/numerics.md). May throw (QKV_DOT_PRODUCTS=on without the unit): called before the
+// parallel region.
 template <class T>
-bool SparseLatentDots(const detail::SparseForwardProblem<T>& problem) {
+Bf16Unit SparseLatentUnit(const detail::SparseForwardProblem<T>& problem) {
   const auto& p = problem.dense;
   if constexpr (!std::is_same_v<T, bfloat16>) {
-    return false;
+    return Bf16Unit::fp32_fma;
   } else {
     const bool eligible = p.extents.group() % 16 == 0 && p.modifiers.softcap == 0.0f && !p.modifiers.has_alibi() &&
                           !p.modifiers.has_score_mod();
-    return eligible && bf16_unit(p.precision) == Bf16Unit::avx512_bf16;
+    return eligible ? bf16_unit(p.precision) : Bf16Unit::fp32_fma;
   }
 }
 
 // One thread's scratch, reused by its units.
 template <class T>
 struct ForwardScratch {
-  ForwardScratch(const detail::Extents& e, const detail::KeySelection& selection, bool latent_dots)
-      : latent(latent_dots),
+  ForwardScratch(const detail::Extents& e, const detail::KeySelection& selection, Bf16Unit latent_unit)
+      : latent(latent_unit != Bf16Unit::fp32_fma),
         lat(latent ? LatentScratch(static_cast<size_t>(e.group()), static_cast<size_t>(e.group()), kGatherKeys,
-                                   static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim))
+                                   static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim),
+                                   latent_unit == Bf16Unit::amx)
                    : LatentScratch()),
         k_rows(latent ? kGatherKeys : 0),
         v_rows(latent ? kGatherKeys : 0),
@@ -88,7 +91,7 @@ struct ForwardScratch {
         l(m.size()),
         alpha(m.size()) {}
 
-  bool latent;                   // SparseLatentDots: the latent step, its scratch and row pointers
+  bool latent;                   // SparseLatentUnit: the latent step, its scratch and row pointers
   LatentScratch lat;
   std::vector<const T*> k_rows, v_rows, k_next;
   std::vector<int32_t> keys;     // the unit's attended set
@@ -102,7 +105,7 @@ struct ForwardScratch {
 template <class T>
 void Finish(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g, ForwardScratch<T>& s);
 
-// The unit's blocks on the latent step (SparseLatentDots): the group's query rows rounded
+// The unit's blocks on the latent step (SparseLatentUnit): the group's query rows rounded
 // to bfloat16 (they are bf16 already) and paired once, then each block of attended keys
 // gathered as row pointers, the next block's keys prefetched.
 inline void LatentUnit(const detail::SparseForwardProblem<bfloat16>& problem, int64_t b, int64_t i, int64_t g,
@@ -116,6 +119,7 @@ inline void LatentUnit(const detail::SparseForwardProblem<bfloat16>& problem, in
     std::copy_n(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, s.lat.q_rows.data() + r * d);
   bf16dot::PackQueryPairs(s.lat.q_rows.data(), static_cast<std::int64_t>(d), group, d, s.lat.q_pairs.data(), s.lat.q_ld);
   const float scale = static_cast<float>(dense.scale);
+  const amx::TileScope tile_scope(s.lat.amx);  // one configuration for the unit's blocks (no hook runs)
   for (size_t start = 0; start < count; start += kGatherKeys) {
     const size_t n = std::min(kGatherKeys, count - start);
     const int32_t* keys = s.keys.data() + start;
@@ -215,10 +219,10 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   // Scratch allocated before the parallel region: a workspace the system cannot give is
   // a qkv::Error from here, not an exception escaping an OpenMP thread.
   const int threads = static_cast<int>(std::min<int64_t>(problem.dense.threads, units));
-  const bool latent_dots = SparseLatentDots(problem);
+  const Bf16Unit latent_unit = SparseLatentUnit(problem);
   std::vector<ForwardScratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, latent_dots);
+  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, latent_unit);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
   for (int64_t u = 0; u < units; ++u) {
     // Queries innermost: consecutive units read one kv head's K and V, which then stay in

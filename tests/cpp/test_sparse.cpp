@@ -154,20 +154,22 @@ TEST_P(SparseCases, HalfStorageWithinItsRounding) {
   expect_half_close<float16>(GetParam(), std::ldexp(1.0, -12));
 }
 
-// bfloat16 with Precision::fast on vdpbf16ps, forced on, groups of 16 heads (DeepSeek's
-// MQA/MLA mode; two kv heads here): the forward's latent step (sparse_forward.cpp). Its
-// logits are the float step's but for the order of float32 sums, so lse is held to the
-// fp32 bound; each weight P is rounded to bfloat16 once for P·V (|ΔP| ≤ u·P, u = 2^-9),
-// which moves out by at most u·Σ_j P_j·|v_j| ≤ u·max|v|, and the stored out rounds once
-// more (u·|out|). The backward recomputes the logits in float32 against this lse: its
-// gradients keep the 16-bit bound of expect_half_close. The dot products did run (fast
-// differs from exact), and the bits do not depend on the thread count.
-TEST(Sparse, Bfloat16GroupsOf16OnTheDotUnitWithinTheBf16Contract) {
-  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
-  const test::ForcedVdpbf16ps forced;
+// bfloat16 with Precision::fast on a bf16 unit (vdpbf16ps, or the AMX tiles), forced on,
+// groups of 16 heads (DeepSeek's MQA/MLA mode; two kv heads here): the forward's latent
+// step (sparse_forward.cpp). Its logits are the float step's but for the order of float32
+// sums, so lse is held to the fp32 bound; each weight P is rounded to bfloat16 once for
+// P·V (|ΔP| ≤ u·P, u = 2^-9), which moves out by at most u·Σ_j P_j·|v_j| ≤ u·max|v|, and
+// the stored out rounds once more (u·|out|). The backward recomputes the logits in float32
+// against this lse: its gradients keep the 16-bit bound of expect_half_close. The dot
+// products did run (fast differs from exact), and the bits do not depend on the thread
+// count. Returns the forward's lse of the native target.
+const SparseSpec kGroupsOf16{.name = "mqa_groups_of_16", .batch = 2, .q_len = 9, .k_len = 150, .q_heads = 32,
+                             .kv_heads = 2, .head_dim = 64, .v_dim = 32, .topk = 90, .causal = Causal::bottom_right,
+                             .sinks = true};
+
+std::vector<float> expect_groups_of_16_within_the_bf16_contract() {
   const double u = std::ldexp(1.0, -9);
-  const SparseSpec s{.name = "mqa_groups_of_16", .batch = 2, .q_len = 9, .k_len = 150, .q_heads = 32, .kv_heads = 2,
-                     .head_dim = 64, .v_dim = 32, .topk = 90, .causal = Causal::bottom_right, .sinks = true};
+  const SparseSpec& s = kGroupsOf16;
   const auto in = sparse_inputs<bfloat16>(s, 77);
   const auto exact_in = convert<double>(in);
   const auto ref = run_sparse(s, exact_in, Backend::reference, 1, true);
@@ -188,6 +190,30 @@ TEST(Sparse, Bfloat16GroupsOf16OnTheDotUnitWithinTheBf16Contract) {
     EXPECT_EQ(0, std::memcmp(one.out.data(), three.out.data(), one.out.size() * sizeof(bfloat16)));
     EXPECT_EQ(0, std::memcmp(one.lse.data(), three.lse.data(), one.lse.size() * sizeof(float)));
   });
+  const auto native = run_sparse(s, in, Backend::cpu, 2, false);
+  return {native.lse.data(), native.lse.data() + native.lse.size()};
+}
+
+TEST(Sparse, Bfloat16GroupsOf16OnTheDotUnitWithinTheBf16Contract) {
+  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  const test::ForcedVdpbf16ps forced;
+  expect_groups_of_16_within_the_bf16_contract();
+}
+
+// The same on the AMX tiles (Xeons), whose float32 sums of the logits run in another
+// order than vdpbf16ps's: the lse bits differ from that unit's (the tiles did run; out,
+// rounded to bfloat16, hides that difference).
+TEST(Sparse, Bfloat16GroupsOf16OnTheAmxTilesWithinTheBf16Contract) {
+  if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
+  std::vector<float> on_vdpbf16ps;
+  {
+    const test::ForcedVdpbf16ps forced;
+    const auto native = run_sparse(kGroupsOf16, sparse_inputs<bfloat16>(kGroupsOf16, 77), Backend::cpu, 2, false);
+    on_vdpbf16ps.assign(native.lse.data(), native.lse.data() + native.lse.size());
+  }
+  const test::ForcedAmx forced;
+  const std::vector<float> on_tiles = expect_groups_of_16_within_the_bf16_contract();
+  EXPECT_NE(0, std::memcmp(on_tiles.data(), on_vdpbf16ps.data(), on_tiles.size() * sizeof(float)));
 }
 
 // A row that lists nothing, or whose listed keys causality removes: out 0, lse −inf,
