@@ -28,9 +28,9 @@ _DOC = """
     backend: ``"auto"``, ``"reference"`` (fp64, float64 inputs always) or ``"cpu"``.
     precision: None or ``"fast"`` (the default) or ``"exact"``. With bfloat16 inputs and
         groups of >= 16 query heads per kv head, ``"fast"`` runs the forward's dot products
-        on AVX512-BF16 or the AMX tiles where the CPU has them (each weight P rounded to bfloat16 once, as
-        every peer does: within 2x PyTorch's bf16 error); ``"exact"`` keeps float32
-        arithmetic. Every other call, and the backward, is float32 either way.
+        on AVX512-BF16 or the AMX tiles where the CPU has them (each weight P rounded
+        to bfloat16 once, as every peer does: within 2x PyTorch's bf16 error);
+        ``"exact"`` keeps float32 arithmetic. Every other call, and the backward, is float32 either way.
 
     Cost O(Nq·topk·d); nothing Nq × Nk is built. A row with no key taking part gives
     out 0, lse -inf and zero gradients. float32, float64, float16, bfloat16 (16-bit
