@@ -408,6 +408,31 @@ void ChannelScaledScores(const KvSource& kv, const DecodePlan& plan, int64_t bat
   }
 }
 
+// int4 values' weights (GroupedWeights): w[r·row_ld + g·keys_ld + j] = P_rj·s_jg and
+// bias[r·groups + g] = Σ_j P_rj·z_jg for keys j < padded, from the block's group scales
+// as RowPointers lays them out (group g's scales at scales[g·t_ld + j], its zero points
+// at scales[(groups + g)·t_ld + j]; P and both are 0 past the block's keys). A NaN scale
+// of a visible key reaches its rows through both, as through a dequantized value.
+HWY_INLINE void GroupWeights(size_t rows, const float* HWY_RESTRICT p, size_t p_ld, size_t padded,
+                             const float* HWY_RESTRICT scales, size_t t_ld, size_t groups, float* HWY_RESTRICT w,
+                             size_t row_ld, size_t keys_ld, float* HWY_RESTRICT bias) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t g = 0; g < groups; ++g) {
+      const float* scale = scales + g * t_ld;
+      const float* zero = scales + (groups + g) * t_ld;
+      float* to = w + r * row_ld + g * keys_ld;
+      FloatVec sum = hn::Zero(df);
+      for (size_t j = 0; j < padded; j += lanes) {
+        const FloatVec pv = hn::LoadU(df, p + r * p_ld + j);
+        hn::StoreU(hn::Mul(pv, hn::LoadU(df, scale + j)), df, to + j);
+        sum = hn::MulAdd(pv, hn::LoadU(df, zero + j), sum);
+      }
+      bias[r * groups + g] = hn::GetLane(hn::SumOfLanes(df, sum));
+    }
+}
+
 }  // namespace qkv::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 

@@ -169,6 +169,68 @@ TEST(MlaDecode, AmxSpansKeepAHiddenNanOutOfEarlierQueries) {
   }
 }
 
+// Spans where the values are not the keys' own channels: qkv::decode over one kv head of
+// 128 query heads (multi-query attention) with a separate bfloat16 value cache (dv 48 ≠ d
+// 80), 2 queries (the last block seen per row), caches of 0, 300 and 1100 keys (three
+// spans). Against the formula over the stored values with the bf16-rounded queries,
+// within what P rounded once adds (u·Σ_j P_j·|v_j|, u = 2⁻⁸) plus float32 sums; the spans
+// counted.
+TEST(MlaDecode, AmxSpansWithSeparateValues) {
+  if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
+  const test::ForcedAmx forced;
+  const int64_t batch = 3, q_len = 2, heads = 128, d = 80, dv = 48, capacity = 1104;
+  const std::vector<int64_t> lengths{0, 300, 1100};
+  const Tensor<float, 4> k_wide = random_tensor<float, 4>({batch, capacity, 1, d}, 11);
+  const Tensor<float, 4> v_wide = random_tensor<float, 4>({batch, capacity, 1, dv}, 12);
+  Tensor<bfloat16, 4> k({batch, capacity, 1, d}), v({batch, capacity, 1, dv});
+  for (std::size_t n = 0; n < k.size(); ++n) k[n] = bfloat16(k_wide[n]);
+  for (std::size_t n = 0; n < v.size(); ++n) v[n] = bfloat16(v_wide[n]);
+  const Tensor<float, 4> q = random_tensor<float, 4>({batch, q_len, heads, d}, 13);
+  Tensor<float, 4> out({batch, q_len, heads, dv});
+  Tensor<float, 3> lse({batch, heads, q_len});
+  const double scale = 0.1;
+  const std::size_t spans_before = cpu::amx_latent_spans();
+  decode(DecodeArgs<bfloat16>{.q = q.cview(), .k_cache = k.cview(), .v_cache = v.cview(), .cache_lengths = lengths,
+                              .out = out.view(), .lse = lse.view()},
+         step_options(scale, 2, Backend::automatic, Precision::fast));
+  EXPECT_GT(cpu::amx_latent_spans(), spans_before);
+  double largest = 1.0;
+  for (std::size_t n = 0; n < v.size(); ++n) largest = std::max(largest, std::abs(static_cast<double>(float(v[n]))));
+  const double floor = static_cast<double>(d + 1100) * std::numeric_limits<float>::epsilon() * largest;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < q_len; ++i)
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t visible = std::max<int64_t>(0, lengths[static_cast<std::size_t>(b)] - q_len + i + 1);
+        SCOPED_TRACE(testing::Message() << "b " << b << " i " << i << " h " << h);
+        if (visible == 0) {
+          for (int64_t c = 0; c < dv; ++c) EXPECT_EQ(out(b, i, h, c), 0.0f);
+          EXPECT_EQ(lse(b, h, i), -std::numeric_limits<float>::infinity());
+          continue;
+        }
+        std::vector<double> logit(static_cast<std::size_t>(visible));
+        double top = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < visible; ++j) {
+          double dot = 0.0;
+          for (int64_t c = 0; c < d; ++c)
+            dot += static_cast<double>(float(bfloat16(q(b, i, h, c)))) * static_cast<double>(float(k(b, j, 0, c)));
+          logit[static_cast<std::size_t>(j)] = scale * dot;
+          top = std::max(top, scale * dot);
+        }
+        double sum = 0.0;
+        for (double& x : logit) sum += (x = std::exp(x - top));
+        EXPECT_NEAR(lse(b, h, i), top + std::log(sum), 1e-5 * std::max(1.0, std::abs(top + std::log(sum))));
+        for (int64_t c = 0; c < dv; ++c) {
+          double want = 0.0, weighted_abs = 0.0;
+          for (int64_t j = 0; j < visible; ++j) {
+            const double x = static_cast<double>(float(v(b, j, 0, c))), w = logit[static_cast<std::size_t>(j)] / sum;
+            want += w * x;
+            weighted_abs += w * std::abs(x);
+          }
+          EXPECT_LE(std::abs(out(b, i, h, c) - want), weighted_abs / 256.0 + floor) << "c " << c;
+        }
+      }
+}
+
 // A float8 latent pool (vLLM's FP8 MLA cache: [c_kv | k_pe] rows in float8, one scale for
 // the tensor) through qkv::decode, the values the keys' first dc channels, Precision::fast
 // with vdpbf16ps forced on: the latent step widens the float8 rows to bfloat16 exactly and
