@@ -403,18 +403,19 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
       bool latent_block = false;
       if constexpr (kLatentStorage<T>) {
         const bool whole = first >= gr.max_begin && first + static_cast<int64_t>(keys) <= gr.min_end;
-        if (s.latent && s.lat.spans && keys > 0 && first >= gr.max_begin && (whole || !mask.tree.has(task.batch))) {
-          size_t visible[kDecodeQueries];
-          for (size_t i = 0; i < tile; ++i)
-            visible[i] = static_cast<size_t>(std::clamp<int64_t>(key_end[i] - first, 0, static_cast<int64_t>(keys)));
-          latent_block = LatentSpan<T>(group_rows, tile, visible, gr.m, gr.l, gr.acc, dv_pad, s.alpha.get(), s.lat, keys,
-                                       d, kv.split_keys() ? static_cast<size_t>(kv.rope_from) : d, dv, scale,
-                                       s.k_ring.data() + slot * slot_rows,
-                                       kv.split_keys() ? s.rope_ring.data() + slot * slot_rows : nullptr,
-                                       s.v_ring.data() + slot * slot_rows);
-        }
-        if (!s.lat.spans) latent_block = s.latent && keys > 0 && whole;
-        if (latent_block && !s.lat.spans)
+        if (s.latent && s.lat.spans) {
+          if (keys > 0 && first >= gr.max_begin && (whole || !mask.tree.has(task.batch))) {
+            size_t visible[kDecodeQueries];
+            for (size_t i = 0; i < tile; ++i)
+              visible[i] = static_cast<size_t>(std::clamp<int64_t>(key_end[i] - first, 0, static_cast<int64_t>(keys)));
+            latent_block = LatentSpan<T>(group_rows, tile, visible, gr.m, gr.l, gr.acc, dv_pad, s.alpha.get(), s.lat,
+                                         keys, d, kv.split_keys() ? static_cast<size_t>(kv.rope_from) : d, dv, scale,
+                                         s.k_ring.data() + slot * slot_rows,
+                                         kv.split_keys() ? s.rope_ring.data() + slot * slot_rows : nullptr,
+                                         s.v_ring.data() + slot * slot_rows);
+          }
+        } else if (s.latent && keys > 0 && whole) {
+          latent_block = true;
           LatentBlock<T>(group_rows, gr.m, gr.l, gr.acc, s.alpha.get(), s.lat, keys, d, kv.split_keys() ? static_cast<size_t>(kv.rope_from) : d,
                       dv, dv_pad, scale, s.k_ring.data() + slot * slot_rows,
                       kv.split_keys() ? s.rope_ring.data() + slot * slot_rows : nullptr, s.v_ring.data() + slot * slot_rows,
@@ -423,6 +424,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
                       kv.split_keys() ? Ahead<T>{s.rope_ring.data() + far_slot * slot_rows, far_keys,
                                                  RowBytes<T>(d - static_cast<size_t>(kv.rope_from))}
                                       : Ahead<T>{});
+        }
       }
       if (keys > 0 && !latent_block)
         BlockStep<T, T>(p, kv, plan, task, gr, s, first, keys, s.k_ring.data() + slot * slot_rows,

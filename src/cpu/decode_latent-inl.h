@@ -212,14 +212,6 @@ HWY_INLINE bool EquallySpaced(const S* const* rows, size_t n, std::int64_t& stri
   return true;
 }
 
-// Whether any of the n bfloat16 rows (dv values each) holds NaN or ±Inf.
-HWY_INLINE bool AnyNonFinite(const bfloat16* const* rows, size_t n, size_t dv) {
-  for (size_t j = 0; j < n; ++j)
-    for (size_t c = 0; c < dv; ++c)
-      if ((rows[j][c].bits & 0x7F80u) == 0x7F80u) return true;
-  return false;
-}
-
 // One block of `keys` keys for the rows of the tile (rows r = h·tile + i, query i seeing
 // the block's keys [0, visible[i]) — all of them but in a bottom-right causal step's last
 // block). K rows: the first d_first channels from k_rows, the rest from rope_rows (null:
@@ -236,7 +228,8 @@ bool LatentSpan(size_t rows, size_t tile, const size_t* visible, float* m, float
     return false;
   } else {
     const size_t seen_by_all = *std::min_element(visible, visible + tile);
-    if (seen_by_all < keys && AnyNonFinite(v_rows + seen_by_all, keys - seen_by_all, dv)) return false;
+    for (size_t j = seen_by_all; j < keys; ++j)  // values some row must not see
+      if (!AllFinite(v_rows[j], 0, 1, dv)) return false;
     const size_t v_ld = bf16dot::pair_ld(dv);
     // Keys in the tiles' order and values' pairs, 64 keys at a time: read in place where
     // the part's rows are equally spaced, else gathered into whole rows first.
