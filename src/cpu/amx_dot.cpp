@@ -189,10 +189,11 @@ void product(const Term* terms, std::size_t term_count, std::size_t m, std::size
 // round_up(n, 16)) loaded from and stored back to c (c_ld floats a row, a multiple of 16:
 // whole tiles stay inside each row). The caller's rows and columns past m and n must be
 // there and take A's and B's zeros: they come back unchanged.
-void product_onto(const Term& term, std::size_t m, std::size_t n, float* c, std::size_t c_ld) {
+void product_onto(const Term* terms, std::size_t term_count, std::size_t m, std::size_t n, float* c,
+                  std::size_t c_ld) {
   const CallTiles tiles;
   for_blocks(m, n, [&](std::size_t m0, std::size_t n0, bool two_rows, bool two_columns) {
-    block_at(&term, 1, m0, n0, two_rows, two_columns, c + m0 * c_ld + n0, c_ld, /*load=*/true);
+    block_at(terms, term_count, m0, n0, two_rows, two_columns, c + m0 * c_ld + n0, c_ld, /*load=*/true);
   });
 }
 
@@ -260,7 +261,7 @@ void weighted(const float* pt, std::size_t pt_ld, std::size_t count, std::size_t
     const Term term{{s.p_terms, kMaxKeys, round_up(part, kTileRows), values}, b};
     if (onto) {
       scale_rows(part_acc, acc_ld, part, dv, part_alpha);
-      product_onto(term, part, dv, part_acc, acc_ld);
+      product_onto(&term, 1, part, dv, part_acc, acc_ld);
       continue;
     }
     product(&term, 1, part, dv, [&](std::size_t m0, std::size_t n0, const float* c) {
@@ -313,15 +314,6 @@ void AddWeightedPairs(const float* pt, std::size_t pt_ld, std::size_t count, std
            alpha, acc_ld % kTileWords == 0);
 }
 
-void AddTransposedProduct(const float* at, std::size_t at_ld, std::size_t rows, std::size_t inner,
-                          const bfloat16* b, std::int64_t b_row, std::size_t n, std::uint32_t* b_pairs, float* c,
-                          std::size_t c_ld) {
-  if (rows == 0 || n == 0) return;
-  const std::size_t b_ld = bf16dot::pair_ld(n);
-  bf16dot::PackRowPairs(b, b_row, inner, n, b_pairs, b_ld);
-  weighted(at, at_ld, rows, inner, Right{b_pairs, b_ld, (inner + 1) / 2}, n, c, c_ld, nullptr, /*onto=*/false);
-}
-
 void AddProduct(const bf16dot::LeftPairs& a, std::size_t rows, std::size_t pairs, const std::uint32_t* b,
                 std::size_t b_ld, std::size_t n, float* c, std::size_t c_ld) {
   if (rows == 0 || n == 0) return;
@@ -331,7 +323,9 @@ void AddProduct(const bf16dot::LeftPairs& a, std::size_t rows, std::size_t pairs
   const Right right{b, b_ld, pairs};
   const Term terms[2] = {{{words, 2 * a.row_step, rows, 2 * pairs}, right},
                          {{words + 2 * a.terms_at, 2 * a.row_step, rows, 2 * pairs}, right}};
-  product(terms, a.terms == bf16dot::Terms::two ? 2 : 1, rows, n, [&](std::size_t m0, std::size_t n0, const float* sum) {
+  const std::size_t term_count = a.terms == bf16dot::Terms::two ? 2 : 1;
+  if (c_ld % kTileWords == 0) return product_onto(terms, term_count, rows, n, c, c_ld);
+  product(terms, term_count, rows, n, [&](std::size_t m0, std::size_t n0, const float* sum) {
     for_block_vectors(m0, rows, n0, n, sum, [&](std::size_t r, std::size_t x, __mmask16 m, const float* block_sum) {
       float* out = c + r * c_ld + x;
       _mm512_mask_storeu_ps(out, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), _mm512_maskz_loadu_ps(m, block_sum)));
@@ -358,7 +352,5 @@ void AddProduct(const bf16dot::LeftPairs&, std::size_t, std::size_t, const std::
                 float*, std::size_t) { unavailable(); }
 void AddWeightedPairs(const float*, std::size_t, std::size_t, std::size_t, const std::uint32_t*, std::size_t, std::size_t,
                       float*, std::size_t, const float*) { unavailable(); }
-void AddTransposedProduct(const float*, std::size_t, std::size_t, std::size_t, const bfloat16*, std::int64_t, std::size_t,
-                          std::uint32_t*, float*, std::size_t) { unavailable(); }
 }  // namespace qkv::cpu::amx
 #endif

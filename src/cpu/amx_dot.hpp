@@ -52,16 +52,12 @@ void AddWeightedPairs(const float* pt, std::size_t pt_ld, std::size_t count, std
                       const std::uint32_t* v_pairs, std::size_t v_ld, std::size_t dv, float* acc,
                       std::size_t acc_ld, const float* alpha);
 
-// c_r += Σ_j A_rj·b_j for r < rows (≤ 64), columns < n, with A given transposed (float
-// rows j < inner ≤ 64 of at, at_ld apart, columns < rows) and entering as one bfloat16
-// term, b_j bfloat16 rows (b_row apart) packed into pairs in b_pairs (⌈inner/2⌉ ×
-// pair_ld(n) words): the backward's dQ = dS·K from dSᵀ, dS rounded once as PyTorch's.
-void AddTransposedProduct(const float* at, std::size_t at_ld, std::size_t rows, std::size_t inner,
-                          const bfloat16* b, std::int64_t b_row, std::size_t n, std::uint32_t* b_pairs, float* c,
-                          std::size_t c_ld);
-
 // As bf16dot::AddProduct for a left operand paired along its rows (a.pair_step == 1, as
-// the backward's dK = dSᵀ·Q has it): c_r += Σ_k a(r, k)·b_k, the sum from zero first.
+// the backward's dK = dSᵀ·Q has it): c_r += Σ_k a(r, k)·b_k. Where c_ld is a multiple
+// of 16 the sum goes onto c in the tiles (as AddWeightedPairs's acc: c must have rows up
+// to round_up(rows, 16), and rows past `rows` and columns past n take A's zeros times B,
+// so they hold NaN after an Inf in B: scratch rows only); otherwise it is summed from
+// zero first and added.
 void AddProduct(const bf16dot::LeftPairs& a, std::size_t rows, std::size_t pairs, const std::uint32_t* b,
                 std::size_t b_ld, std::size_t n, float* c, std::size_t c_ld);
 

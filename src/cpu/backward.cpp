@@ -79,6 +79,14 @@ namespace {
 //     float32 FMAs for all five.
 constexpr bf16dot::Terms kWeightTerms = bf16dot::Terms::one;
 
+// Rows of one head in the single-pass schedule's dQ accumulator: the queries rounded up
+// to whole tiles, because the AMX tiles add dS·K onto those rows in place, a whole tile
+// of 16 rows at a time, and the padding rows (0 · K, NaN after an Inf in K) must be the
+// head's own, never the next head's first queries.
+inline size_t DqRowsPerHead(const detail::Extents& e) {
+  return round_up(static_cast<size_t>(e.q_len), amx::kTileRows);
+}
+
 // Pᵀ (with dropout: P·Z, as the forward multiplied V by) and dSᵀ of one (key block,
 // query block) tile into scratch.pt and scratch.dst, scored and masked exactly as the
 // forward did. Returns the columns (queries, padded to whole vectors) computed.
@@ -177,15 +185,19 @@ inline void AddValueGradient(bool on_tiles, const float* pt, size_t width, size_
 }
 
 // K's rows of one key block paired across the keys (bf16dot::PackRowPairs) into
-// s.k_pairs: the right operand of dQ += dS·K on vdpbf16ps, packed once per key block.
+// s.k_pairs: the right operand of dQ += dS·K on the dot products, packed once per key
+// block. The tiles read whole tiles of 16 pair rows: the rows past the block's (a
+// partial last block) are zero.
 template <class T>
 const uint32_t* PackKeyPairs(const Context<T>& c, int64_t b, int64_t kv_head, int64_t first_key, size_t kn,
                              BackwardScratch& s) {
   if constexpr (std::is_same_v<T, bfloat16>) {
-    if (c.packed.dots && !c.packed.amx) {
-      const size_t d = static_cast<size_t>(c.p.extents.head_dim);
-      bf16dot::PackRowPairs(c.p.rows().k(b, first_key, kv_head), c.p.args.k.strides[1], kn, d, s.k_pairs.data(),
-                            bf16dot::pair_ld(d));
+    if (c.packed.dots) {
+      const size_t d = static_cast<size_t>(c.p.extents.head_dim), ld = bf16dot::pair_ld(d);
+      bf16dot::PackRowPairs(c.p.rows().k(b, first_key, kv_head), c.p.args.k.strides[1], kn, d, s.k_pairs.data(), ld);
+      const size_t pairs = (kn + 1) / 2;
+      std::fill(s.k_pairs.begin() + static_cast<std::ptrdiff_t>(pairs * ld),
+                s.k_pairs.begin() + static_cast<std::ptrdiff_t>(round_up(pairs, amx::kTileRows) * ld), 0u);
       return s.k_pairs.data();
     }
   }
@@ -203,22 +215,21 @@ void AccumulateQueryGradient(const Context<T>& c, const QueryRows& rows, detail:
   const Packed& packed = c.packed;
   const size_t d = static_cast<size_t>(c.p.extents.head_dim);
   const size_t kn = static_cast<size_t>(keys), count = static_cast<size_t>(rows.count);
-  const float* k = kv.k;
-  const int64_t k_row = static_cast<int64_t>(kv.k_ld);
   // A removed key's K row may hold NaN/Inf (scanned once per call): skip its dS = 0 terms.
   if (tile == detail::Tile::partial &&
       !c.finite.keys(rows.batch, kv_head, first_key / kBlockKeys)) {
-    AccumulateSkippingZeros(s.dst.get(), width, count, kn, k, k_row, d, dq_rows, packed.d_ld);
+    size_t k_ld = 0;
+    const float* k = WidenKeys(c, kv, rows.batch, kv_head, first_key, kn, s, &k_ld);
+    AccumulateSkippingZeros(s.dst.get(), width, count, kn, k, static_cast<int64_t>(k_ld), d, dq_rows,
+                            packed.d_ld);
     return;
   }
+  const float* k = kv.k;
   if constexpr (std::is_same_v<T, bfloat16>) {
-    if (packed.amx) {  // dS as one bfloat16 term on the tiles (kWeightTerms)
-      const auto access = c.p.rows();
-      amx::AddTransposedProduct(s.dst.get(), width, count, kn, access.k(rows.batch, first_key, kv_head),
-                                c.p.args.k.strides[1], d, s.k_pairs.data(), dq_rows, packed.d_ld);
-      return;
-    }
-    if (packed.dots) {  // dS as one bfloat16 term on vdpbf16ps, K's pairs packed per key block
+    if (packed.dots) {  // dS as one bfloat16 term (kWeightTerms), K's pairs packed per key block
+      if (packed.amx)  // onto dq_rows in the tiles: whole tiles of rows (DqRowsPerHead)
+        return amx::AddWeightedPairs(s.dst.get(), width, count, kn, k_pairs, bf16dot::pair_ld(d), d, dq_rows,
+                                     packed.d_ld, nullptr);
       bf16dot::AddWeightedPairs(s.dst.get(), width, count, kn, k_pairs, bf16dot::pair_ld(d), d,
                                 s.p_pairs.data(), dq_rows, packed.d_ld, nullptr);
       return;
@@ -227,7 +238,7 @@ void AccumulateQueryGradient(const Context<T>& c, const QueryRows& rows, detail:
   const float* k_operand = k;
   size_t k_ld = kv.k_ld;
   if (packed.pad_q_rows && !kv.k_padded) {  // d is not whole vectors: pad K's rows like Q's
-    PackRowsPadded(k, k_row, kn, d, s.k_pad.get(), packed.d_ld);
+    PackRowsPadded(k, static_cast<int64_t>(kv.k_ld), kn, d, s.k_pad.get(), packed.d_ld);
     k_operand = s.k_pad.get();
     k_ld = packed.d_ld;
   }
@@ -244,13 +255,20 @@ void PrefetchQueryBlock(const Context<T>& c, int64_t b, int64_t h, int64_t first
   const size_t count = static_cast<size_t>(std::min(kBlockQueries, c.p.mask.q_len(b) - first));
   const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
   const size_t offset = static_cast<size_t>(first);
-  PrefetchRows(packed.qt_block(b, h, first), 0, 1, d * kBlockQueries);
-  PrefetchRows(packed.dot_block(b, h, first), 0, 1, dv * kBlockQueries);
-  PrefetchRows(q_rows.data + offset * q_rows.ld, static_cast<int64_t>(q_rows.ld), count, d);
-  PrefetchRows(dout_rows.data + offset * dout_rows.ld, static_cast<int64_t>(dout_rows.ld), count, dv);
+  if (packed.dots) {  // the pair panels (the float ones are not packed then)
+    PrefetchRows(packed.q_pairs_block(b, h, first), 0, 1, packed.q_pair_words);
+    PrefetchRows(packed.dout_pairs_block(b, h, first), 0, 1, packed.dout_pair_words);
+    PrefetchRows(packed.q_row_pairs_block(b, h, first), 0, 1, kBlockQueries / 2 * packed.q_row_pair_ld);
+    PrefetchRows(packed.dout_row_pairs_block(b, h, first), 0, 1, kBlockQueries / 2 * packed.dout_row_pair_ld);
+  } else {
+    PrefetchRows(packed.qt_block(b, h, first), 0, 1, d * kBlockQueries);
+    PrefetchRows(packed.dot_block(b, h, first), 0, 1, dv * kBlockQueries);
+    PrefetchRows(q_rows.data + offset * q_rows.ld, static_cast<int64_t>(q_rows.ld), count, d);
+    PrefetchRows(dout_rows.data + offset * dout_rows.ld, static_cast<int64_t>(dout_rows.ld), count, dv);
+  }
   if (dq_group != nullptr) {
     const size_t head_in_group = static_cast<size_t>(h - kv_head * e.group());
-    PrefetchRows(dq_group + (head_in_group * static_cast<size_t>(e.q_len) + offset) * packed.d_ld,
+    PrefetchRows(dq_group + (head_in_group * DqRowsPerHead(e) + offset) * packed.d_ld,
                  static_cast<int64_t>(packed.d_ld), count, d);
   }
 }
@@ -269,7 +287,7 @@ void KeyValueBlock(const Context<T>& c, const KeyTask& task, BackwardScratch& s,
   const int64_t keys = std::min(kBlockKeys, p.mask.sequences.k_len(b) - first_key);
   const size_t kn = static_cast<size_t>(keys);
   const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
-  const size_t group_rows = static_cast<size_t>(e.q_len);  // dq_group rows per head
+  const size_t group_rows = DqRowsPerHead(e);  // dq_group rows per head
   // One tile configuration for the block's products, unless a user's hook runs between
   // them (amx_dot.hpp).
   const amx::TileScope tile_scope(packed.amx && !p.modifiers.has_score_mod() && !p.mask.mask_mod.active());
@@ -387,7 +405,7 @@ void QueryBlockGradient(const Context<T>& c, const ForwardTask& task, BackwardSc
 template <class T>
 void HeadGroupGradient(const Context<T>& c, int64_t b, int64_t kv_head, BackwardScratch& s) {
   const detail::Extents& e = c.p.extents;
-  const size_t rows_per_head = static_cast<size_t>(e.q_len) * c.packed.d_ld;
+  const size_t rows_per_head = DqRowsPerHead(e) * c.packed.d_ld;
   float* dq_group = s.dq.get();  // group × Nq × d_ld
   std::fill(dq_group, dq_group + static_cast<size_t>(e.group()) * rows_per_head, 0.0f);
   for (int64_t first_key = 0; first_key < c.p.mask.sequences.k_len(b); first_key += kBlockKeys)
@@ -430,7 +448,7 @@ void BackwardImpl(const detail::BackwardProblem<T>& p) {
       single_pass ? head_group_tasks(e, kv_tasks) : std::vector<std::pair<int64_t, int64_t>>{};
   const size_t most_tasks =
       single_pass ? head_groups.size() : std::max(query_tasks.size(), kv_tasks.size());
-  const size_t dq_rows = single_pass ? static_cast<size_t>(e.group() * e.q_len)
+  const size_t dq_rows = single_pass ? static_cast<size_t>(e.group()) * DqRowsPerHead(e)
                                      : static_cast<size_t>(kBlockQueries);
   // The backward does about 3.5 forwards' worth of block products.
   const int threads = threads_for(p.threads, most_tasks, 3.5 * forward_flops(query_tasks, e));

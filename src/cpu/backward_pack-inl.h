@@ -80,15 +80,17 @@ struct Packed {
       column_offset.push_back(columns);
       columns += static_cast<size_t>(extents.q_heads) * nq_ld(b);
     }
-    qt = AllocateFloats(columns * static_cast<size_t>(extents.head_dim));
-    dot = AllocateFloats(columns * static_cast<size_t>(extents.v_dim));
+    dots = unit != Bf16Unit::fp32_fma;
+    amx = unit == Bf16Unit::amx;
+    // The float panels and rows feed the float products only (none with dots).
+    const size_t float_columns = dots ? 0 : columns;
+    qt = AllocateFloats(float_columns * static_cast<size_t>(extents.head_dim));
+    dot = AllocateFloats(float_columns * static_cast<size_t>(extents.v_dim));
     lse = AllocateFloats(columns);
     delta = AllocateFloats(columns);
     sink_terms = AllocateFloats(columns);
-    q_rows = AllocateFloats(pad_q_rows ? columns * d_ld : 0);
-    dout_rows = AllocateFloats(pad_dout_rows ? columns * dv_ld : 0);
-    dots = unit != Bf16Unit::fp32_fma;
-    amx = unit == Bf16Unit::amx;
+    q_rows = AllocateFloats(pad_q_rows ? float_columns * d_ld : 0);
+    dout_rows = AllocateFloats(pad_dout_rows ? float_columns * dv_ld : 0);
     if (dots) {  // per query block: ⌈d/2⌉ × 64 and 32 × pair_ld(d) words (⌈dv/2⌉ × 64 for dO)
       const size_t d = static_cast<size_t>(extents.head_dim), dv = static_cast<size_t>(extents.v_dim);
       q_pair_words = (d + 1) / 2 * kBlockQueries;
@@ -155,11 +157,18 @@ void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan&
                                packed.nq_ld(b) - static_cast<size_t>(first));
   const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim);
 
-  // The block's transposed panels (rows kBlockQueries floats apart).
-  PackTransposed(rows.q(b, first, h), p.args.q.strides[1], count, d, static_cast<float>(p.scale),
-                 packed.qt_block(b, h, first), kBlockQueries, cols);
-  PackTransposed(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, 1.0f,
-                 packed.dot_block(b, h, first), kBlockQueries, cols);
+  // The block's transposed panels (rows kBlockQueries floats apart), for the float
+  // products only: the dot products take the pair panels below instead.
+  if (!packed.dots) {
+    PackTransposed(rows.q(b, first, h), p.args.q.strides[1], count, d, static_cast<float>(p.scale),
+                   packed.qt_block(b, h, first), kBlockQueries, cols);
+    PackTransposed(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, 1.0f,
+                   packed.dot_block(b, h, first), kBlockQueries, cols);
+  }
+  // D_i = ⟨dO_i, O_i⟩ in double: it is subtracted from every dP_ij of the row.
+  double dots[kBlockQueries];
+  DotsWidened(rows.dout(b, first, h), p.args.dout.strides[1], rows.out(b, first, h),
+              p.args.out.strides[1], count, dv, dots);
 
   float* lse = packed.lse_of(b, h) + first;
   float* delta = packed.delta_of(b, h) + first;
@@ -178,10 +187,7 @@ void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan&
     const float* shifts = plan.degenerate_rows(b, h, first);
     if (shifts != nullptr && shifts[i] != 0.0f && value != kMinusInf)  // see block_mask.hpp
       lse[i] = degenerate_row_lse(p.mask, b, h, query, shifts[i]);
-    // D_i = ⟨dO_i, O_i⟩ in double: it is subtracted from every dP_ij of the row.
-    const T* dout = rows.dout(b, query, h);
-    const T* out = rows.out(b, query, h);
-    const double dot_product = DotWidened(dout, out, dv);
+    const double dot_product = dots[i];
     delta[i] = static_cast<float>(dot_product);
     // The sink is a softmax entry without a value: dP_sink = 0, so
     // dS_sink = P_sink·(0 − D_i) with P_sink = exp(sink − lse_i).
@@ -201,6 +207,7 @@ void PackQueryBlock(const detail::BackwardProblem<T>& p, const detail::TilePlan&
       bf16dot::PackRowPairs(rows.dout(b, first, h), p.args.dout.strides[1], count, dv, block, packed.dout_row_pair_ld);
     }
   }
+  if (packed.dots) return;  // the float rows below serve the float products only
   if (packed.pad_q_rows)
     WidenRows(rows.q(b, first, h), p.args.q.strides[1], count, d,
               packed.q_rows_of(b, h) + static_cast<size_t>(first) * packed.d_ld, packed.d_ld);

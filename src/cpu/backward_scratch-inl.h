@@ -118,16 +118,31 @@ KeyValueRows LoadKeyValues(const Context<T>& c, int64_t b, int64_t kv_head, int6
   const auto* v = access.v(b, first_key, kv_head);
   const int64_t k_row = c.p.args.k.strides[1], v_row = c.p.args.v.strides[1];
   if constexpr (kIsHalf<T>) {
+    // The dot products read K and V in place: nothing to widen (WidenKeys below, for
+    // the rare dQ product that skips a removed key's terms).
+    if (c.packed.dots) return {nullptr, 0, nullptr, 0, false};
     const size_t kn = static_cast<size_t>(keys);
     WidenRows(k, k_row, kn, static_cast<size_t>(c.p.extents.head_dim), s.k_pad.get(),
               c.packed.d_ld);
     WidenRows(v, v_row, kn, static_cast<size_t>(c.p.extents.v_dim), s.v_wide.get(),
               c.packed.dv_ld);
-    // (The dot products read K and V in place; dQ's product takes these float rows.)
     return {s.k_pad.get(), c.packed.d_ld, s.v_wide.get(), c.packed.dv_ld, true};
   } else {
     return {k, static_cast<size_t>(k_row), v, static_cast<size_t>(v_row), false};
   }
+}
+
+// K's rows of one key block as floats: LoadKeyValues's, or widened now into s.k_pad
+// where it left them to the dot products.
+template <class T>
+const float* WidenKeys(const Context<T>& c, const KeyValueRows& kv, int64_t b, int64_t kv_head,
+                       int64_t first_key, size_t kn, BackwardScratch& s, size_t* k_ld) {
+  *k_ld = kv.k_ld;
+  if (kv.k != nullptr) return kv.k;
+  WidenRows(c.p.rows().k(b, first_key, kv_head), c.p.args.k.strides[1], kn,
+            static_cast<size_t>(c.p.extents.head_dim), s.k_pad.get(), c.packed.d_ld);
+  *k_ld = c.packed.d_ld;
+  return s.k_pad.get();
 }
 
 // The query rows of block (b, h, first) with their key_end and degenerate flags.

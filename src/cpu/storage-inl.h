@@ -299,23 +299,35 @@ HWY_INLINE void WidenRows(const T* HWY_RESTRICT src, int64_t src_row, size_t row
 // Elements widened per chunk into a stack buffer where a row is consumed as float.
 inline constexpr size_t kWidenChunk = 256;
 
-// Σ_c a[c]·b[c] in double over float-widened values (c < n), widened with SIMD a chunk
-// at a time for the 16-bit types.
+// Σ_c a_r[c]·b_r[c] in double over float-widened values (c < n) for `rows` rows
+// (a_r = a + r·a_row, b_r likewise) into sums[r]. Each row's sum runs in order from
+// c = 0, so it is the same, bit for bit, whatever the rows around it (a float·float
+// product is exact in double, so contracting it into an FMA changes nothing either).
+// Eight rows' sums are interleaved: one row's chain of dependent double additions
+// costs an addition's latency per element (the backward's prepack spent ~4 cycles an
+// element there), eight independent chains overlap it.
 template <class T>
-HWY_INLINE double DotWidened(const T* HWY_RESTRICT a, const T* HWY_RESTRICT b, size_t n) {
-  double sum = 0.0;
-  if constexpr (kIsHalf<T>) {
-    float wa[kWidenChunk], wb[kWidenChunk];
-    for (size_t c0 = 0; c0 < n; c0 += kWidenChunk) {
-      const size_t m = n - c0 < kWidenChunk ? n - c0 : kWidenChunk;
-      WidenRows(a + c0, 0, 1, m, wa, m);
-      WidenRows(b + c0, 0, 1, m, wb, m);
-      for (size_t c = 0; c < m; ++c) sum += static_cast<double>(wa[c]) * wb[c];
+HWY_INLINE void DotsWidened(const T* HWY_RESTRICT a, int64_t a_row, const T* HWY_RESTRICT b,
+                            int64_t b_row, size_t rows, size_t n, double* HWY_RESTRICT sums) {
+  constexpr size_t kRows = 8, kChunk = 128;
+  float wa[kRows][kChunk], wb[kRows][kChunk];
+  for (size_t r0 = 0; r0 < rows; r0 += kRows) {
+    const size_t m_rows = rows - r0 < kRows ? rows - r0 : kRows;
+    double sum[kRows] = {};
+    for (size_t c0 = 0; c0 < n; c0 += kChunk) {
+      const size_t m = n - c0 < kChunk ? n - c0 : kChunk;
+      for (size_t r = 0; r < m_rows; ++r) {
+        const int64_t row = static_cast<int64_t>(r0 + r);
+        WidenRows(a + row * a_row + c0, 0, 1, m, wa[r], m);
+        WidenRows(b + row * b_row + c0, 0, 1, m, wb[r], m);
+      }
+      for (size_t r = m_rows; r < kRows; ++r)  // absent rows: zeros, never stored
+        for (size_t c = 0; c < m; ++c) wa[r][c] = wb[r][c] = 0.0f;
+      for (size_t c = 0; c < m; ++c)
+        for (size_t r = 0; r < kRows; ++r) sum[r] += static_cast<double>(wa[r][c]) * wb[r][c];
     }
-  } else {
-    for (size_t c = 0; c < n; ++c) sum += static_cast<double>(a[c]) * b[c];
+    for (size_t r = 0; r < m_rows; ++r) sums[r0 + r] = sum[r];
   }
-  return sum;
 }
 
 // The 16-bit types: a value is NaN or ±inf exactly when its exponent bits are all ones.
