@@ -65,11 +65,9 @@ __mmask16 lanes_below(std::size_t n) {
 
 // The A tile at rows [row, row + 16), values [x, x + 32): in place when whole, else
 // copied with zeros past the operand (tile loads read all 16 rows × 64 bytes).
-const std::uint16_t* left_tile(const Left& a, std::size_t row, std::size_t x, std::size_t& stride_bytes) {
-  if (row + kTileRows <= a.rows && x + kTileValues <= a.values) {
-    stride_bytes = a.stride * sizeof(std::uint16_t);
-    return a.data + row * a.stride + x;
-  }
+// (The copies apart, so that the whole tiles' path inlines into the products.)
+[[gnu::noinline]] const std::uint16_t* left_copy(const Left& a, std::size_t row, std::size_t x,
+                                                 std::size_t& stride_bytes) {
   std::uint16_t* tile = scratch().a_tile;
   std::memset(tile, 0, sizeof scratch().a_tile);
   const std::size_t rows = a.rows > row ? std::min(kTileRows, a.rows - row) : 0;
@@ -80,17 +78,30 @@ const std::uint16_t* left_tile(const Left& a, std::size_t row, std::size_t x, st
   return tile;
 }
 
-const std::uint32_t* right_tile(const Right& b, std::size_t pair, std::size_t column, std::size_t& stride_bytes) {
-  if (pair + kTileRows <= b.pairs) {
-    stride_bytes = b.ld * sizeof(std::uint32_t);
-    return b.data + pair * b.ld + column;
+inline const std::uint16_t* left_tile(const Left& a, std::size_t row, std::size_t x, std::size_t& stride_bytes) {
+  if (row + kTileRows <= a.rows && x + kTileValues <= a.values) [[likely]] {
+    stride_bytes = a.stride * sizeof(std::uint16_t);
+    return a.data + row * a.stride + x;
   }
+  return left_copy(a, row, x, stride_bytes);
+}
+
+[[gnu::noinline]] const std::uint32_t* right_copy(const Right& b, std::size_t pair, std::size_t column,
+                                                  std::size_t& stride_bytes) {
   std::uint32_t* tile = scratch().b_tile;
   std::memset(tile, 0, sizeof scratch().b_tile);
   for (std::size_t p = pair; p < b.pairs; ++p)
     std::memcpy(tile + (p - pair) * kTileWords, b.data + p * b.ld + column, kTileWords * sizeof(std::uint32_t));
   stride_bytes = kTileWords * sizeof(std::uint32_t);
   return tile;
+}
+
+inline const std::uint32_t* right_tile(const Right& b, std::size_t pair, std::size_t column, std::size_t& stride_bytes) {
+  if (pair + kTileRows <= b.pairs) [[likely]] {
+    stride_bytes = b.ld * sizeof(std::uint32_t);
+    return b.data + pair * b.ld + column;
+  }
+  return right_copy(b, pair, column, stride_bytes);
 }
 
 constexpr std::size_t kCBlockLd = 2 * kTileWords;  // floats a row of the scratch's C block

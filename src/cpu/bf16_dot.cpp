@@ -216,6 +216,14 @@ void PairsAlongRows(const float* t, std::size_t t_ld, std::size_t rows, std::siz
   // 32 floats of a row → 16 words: cvtne2ps_pbh puts its second argument's 16 values in
   // the low half, so the words are (x0, x1), (x2, x3), … in order.
   std::uint32_t* lo_out = out + rows * out_ld;
+  if (terms == Terms::one && n % (2 * kLanes) == 0) {  // whole vectors (the backward's full blocks)
+    for (std::size_t r = 0; r < rows; ++r)
+      for (std::size_t x = 0; x < n; x += 2 * kLanes)
+        _mm512_storeu_si512(out + r * out_ld + x / 2,
+                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(t + r * t_ld + x + kLanes),
+                                                                          _mm512_loadu_ps(t + r * t_ld + x))));
+    return;
+  }
   for (std::size_t r = 0; r < rows; ++r) {
     const float* row = t + r * t_ld;
     for (std::size_t x = 0; x < n; x += 2 * kLanes) {
