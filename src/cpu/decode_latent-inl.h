@@ -64,6 +64,20 @@ inline bool LatentDots(const detail::ForwardProblem<float>& p, const KvSource& k
          !p.modifiers.has_score_mod() && plan.group_rows() % 16 == 0 && p.extents.q_heads % 16 == 0;
 }
 
+// s.q_rows's first `rows` rows (d values each) packed for the step the scratch is for:
+// LatentSpan's groups of up to 64 rows, each as the tiles load it, or the column step's
+// pairs.
+inline void PackLatentQueryRows(size_t rows, size_t d, LatentScratch& s) {
+  if (s.spans) {
+    auto* packed = reinterpret_cast<std::uint16_t*>(s.span_queries.data());
+    for (size_t r = 0; r < rows; r += amx::kMaxQueries)
+      amx::PackQueryRows(s.q_rows.data() + r * d, static_cast<std::int64_t>(d), std::min(amx::kMaxQueries, rows - r), d,
+                         packed + r * amx::query_ld(d));
+    return;
+  }
+  bf16dot::PackQueryPairs(s.q_rows.data(), static_cast<std::int64_t>(d), rows, d, s.q_pairs.data(), s.q_ld);
+}
+
 // The tile's query rows (unscaled: the products of two bf16 values are exact in float32,
 // scale·q would not be), rounded to bfloat16 once and paired for ScoresTransposed.
 template <class Rows>
@@ -75,14 +89,7 @@ void PackLatentQueries(const Rows& rows, int64_t batch, int64_t first_query, siz
       bfloat16* to = s.q_rows.data() + (h * tile + i) * d;
       for (size_t c = 0; c < d; ++c) to[c] = bfloat16(q[c]);
     }
-  if (s.spans) {  // LatentSpan's groups of up to 64 rows, each as the tiles load it
-    auto* packed = reinterpret_cast<std::uint16_t*>(s.span_queries.data());
-    for (size_t r = 0; r < q_heads * tile; r += amx::kMaxQueries)
-      amx::PackQueryRows(s.q_rows.data() + r * d, static_cast<std::int64_t>(d), std::min(amx::kMaxQueries, q_heads * tile - r),
-                         d, packed + r * amx::query_ld(d));
-    return;
-  }
-  bf16dot::PackQueryPairs(s.q_rows.data(), static_cast<std::int64_t>(d), q_heads * tile, d, s.q_pairs.data(), s.q_ld);
+  PackLatentQueryRows(q_heads * tile, d, s);
 }
 
 // The online-softmax step down the columns of Sᵀ (keys × rows, rows a multiple of the
@@ -212,10 +219,72 @@ HWY_INLINE bool EquallySpaced(const S* const* rows, size_t n, std::int64_t& stri
   return true;
 }
 
+// Keys [j0, j0 + n) of a span (n ≤ amx::kKeyBlock, j0 a multiple of it) into the span's
+// buffers: K's rows in the tiles' order — the first d_first channels from k_rows, the
+// rest from rope_rows (null: d_first = d) — and V's rows (v_rows) as pairs. The row
+// pointers are the part's own (k_rows[0] is key j0's). Read in place where the part's
+// rows are equally spaced, else gathered into whole rows first.
+template <class S>
+void PackSpanPart(LatentScratch& s, size_t j0, size_t n, size_t d, size_t d_first, size_t dv,
+                  const S* const* k_rows, const S* const* rope_rows, const S* const* v_rows) {
+  const size_t v_ld = bf16dot::pair_ld(dv);
+  auto* gathered = reinterpret_cast<bfloat16*>(s.span_rows.data());
+  const bool split = rope_rows != nullptr && d_first % 32 == 0;  // the parts' tiles apart
+  std::uint32_t* k_out = s.span_keys.data() + j0 / amx::kKeyBlock * amx::key_block_words(d);
+  std::uint32_t* v_out = s.span_values.data() + j0 / 2 * v_ld;
+  std::int64_t k_stride = 0, rope_stride = 0, v_stride = 0;
+  const bool k_direct =
+      EquallySpaced(k_rows, n, k_stride) && (rope_rows == nullptr || (split && EquallySpaced(rope_rows, n, rope_stride)));
+  if (k_direct) {
+    amx::PackKeyPairs(k_rows[0], k_stride, n, rope_rows != nullptr ? d_first : d, k_out);
+    if (rope_rows != nullptr)
+      amx::PackKeyPairs(rope_rows[0], rope_stride, n, d - d_first, k_out + amx::key_block_words(d_first));
+  } else {
+    for (size_t j = 0; j < n; ++j) {
+      std::memcpy(gathered + j * d, k_rows[j], (rope_rows != nullptr ? d_first : d) * sizeof(bfloat16));
+      if (rope_rows != nullptr) std::memcpy(gathered + j * d + d_first, rope_rows[j], (d - d_first) * sizeof(bfloat16));
+    }
+    amx::PackKeyPairs(gathered, static_cast<std::int64_t>(d), n, d, k_out);
+  }
+  if (EquallySpaced(v_rows, n, v_stride)) {
+    bf16dot::PackRowPairs(v_rows[0], v_stride, n, dv, v_out, v_ld);
+  } else {
+    for (size_t j = 0; j < n; ++j) std::memcpy(gathered + j * dv, v_rows[j], dv * sizeof(bfloat16));
+    bf16dot::PackRowPairs(gathered, static_cast<std::int64_t>(dv), n, dv, v_out, v_ld);
+  }
+}
+
+// The packed span of `keys` keys (PackSpanPart's) for the rows of the tile (rows r =
+// h·tile + i, query i seeing the span's keys [0, visible[i])): for each group of up to
+// 64 rows, amx::AttendSpan onto their softmax state m, l and acc (dv_pad apart); alpha,
+// scratch of 64 floats. The queries: PackLatentQueryRows's.
+inline void AttendPackedSpan(size_t rows, size_t tile, const size_t* visible, float* m, float* l, float* acc,
+                             size_t dv_pad, float* alpha, LatentScratch& s, size_t keys, size_t d, size_t dv,
+                             float scale) {
+  const size_t v_ld = bf16dot::pair_ld(dv);
+  // The pair rows the tiles read past the keys (up to whole 32-key steps): zero.
+  std::fill(s.span_values.data() + (keys + 1) / 2 * v_ld, s.span_values.data() + round_up(keys, 32) / 2 * v_ld, 0u);
+  const auto* queries = reinterpret_cast<const std::uint16_t*>(s.span_queries.data());
+  for (size_t r0 = 0; r0 < rows; r0 += amx::kMaxQueries) {
+    const size_t count = std::min(amx::kMaxQueries, rows - r0);
+    for (size_t r = 0; r < count; ++r) {
+      s.span_lo[r] = 0;
+      s.span_hi[r] = static_cast<std::int32_t>(visible[(r0 + r) % tile]);
+    }
+    const amx::Span span{.q = queries + r0 * amx::query_ld(d), .count = count, .d = d, .k_blocks = s.span_keys.data(),
+                         .keys = keys, .v_pairs = s.span_values.data(), .v_ld = v_ld, .dv = dv,
+                         .lo = s.span_lo.data(), .hi = s.span_hi.data(), .scale = scale};
+    amx::AttendSpan(span,
+                    {s.span_scores.get(), LatentScratch::kSpanScoreLd,
+                     reinterpret_cast<std::uint16_t*>(s.span_weights.data()), amx::kSpanKeys},
+                    {m + r0, l + r0, alpha, acc + r0 * dv_pad, dv_pad});
+  }
+  count_amx_latent_span();
+}
+
 // One block of `keys` keys for the rows of the tile (rows r = h·tile + i, query i seeing
 // the block's keys [0, visible[i]) — all of them but in a bottom-right causal step's last
-// block). K rows: the first d_first channels from k_rows, the rest from rope_rows (null:
-// d_first = d); V rows from v_rows (the keys' own first channels in latent attention).
+// block): packed (PackSpanPart) and attended (AttendPackedSpan) as one span.
 // Returns false, having changed nothing, when a key some row must not see has a
 // non-finite value (the tiles would add 0·NaN): the float step then takes the block.
 template <class S>
@@ -230,56 +299,10 @@ bool LatentSpan(size_t rows, size_t tile, const size_t* visible, float* m, float
     const size_t seen_by_all = *std::min_element(visible, visible + tile);
     for (size_t j = seen_by_all; j < keys; ++j)  // values some row must not see
       if (!AllFinite(v_rows[j], 0, 1, dv)) return false;
-    const size_t v_ld = bf16dot::pair_ld(dv);
-    // Keys in the tiles' order and values' pairs, 64 keys at a time: read in place where
-    // the part's rows are equally spaced, else gathered into whole rows first.
-    auto* gathered = reinterpret_cast<bfloat16*>(s.span_rows.data());
-    const bool split = rope_rows != nullptr && d_first % 32 == 0;  // the parts' tiles apart
-    for (size_t j0 = 0; j0 < keys; j0 += amx::kKeyBlock) {
-      const size_t n = std::min(amx::kKeyBlock, keys - j0);
-      std::uint32_t* k_out = s.span_keys.data() + j0 / amx::kKeyBlock * amx::key_block_words(d);
-      std::uint32_t* v_out = s.span_values.data() + j0 / 2 * v_ld;
-      std::int64_t k_stride = 0, rope_stride = 0, v_stride = 0;
-      const bool k_direct = EquallySpaced(k_rows + j0, n, k_stride) &&
-                            (rope_rows == nullptr || (split && EquallySpaced(rope_rows + j0, n, rope_stride)));
-      if (k_direct) {
-        amx::PackKeyPairs(k_rows[j0], k_stride, n, rope_rows != nullptr ? d_first : d, k_out);
-        if (rope_rows != nullptr)
-          amx::PackKeyPairs(rope_rows[j0], rope_stride, n, d - d_first, k_out + amx::key_block_words(d_first));
-      } else {
-        for (size_t j = 0; j < n; ++j) {
-          std::memcpy(gathered + j * d, k_rows[j0 + j], (rope_rows != nullptr ? d_first : d) * sizeof(bfloat16));
-          if (rope_rows != nullptr)
-            std::memcpy(gathered + j * d + d_first, rope_rows[j0 + j], (d - d_first) * sizeof(bfloat16));
-        }
-        amx::PackKeyPairs(gathered, static_cast<std::int64_t>(d), n, d, k_out);
-      }
-      if (EquallySpaced(v_rows + j0, n, v_stride)) {
-        bf16dot::PackRowPairs(v_rows[j0], v_stride, n, dv, v_out, v_ld);
-      } else {
-        for (size_t j = 0; j < n; ++j) std::memcpy(gathered + j * dv, v_rows[j0 + j], dv * sizeof(bfloat16));
-        bf16dot::PackRowPairs(gathered, static_cast<std::int64_t>(dv), n, dv, v_out, v_ld);
-      }
-    }
-    // The pair rows the tiles read past the keys (up to whole 32-key steps): zero.
-    std::fill(s.span_values.data() + (keys + 1) / 2 * v_ld, s.span_values.data() + round_up(keys, 32) / 2 * v_ld, 0u);
-
-    const auto* queries = reinterpret_cast<const std::uint16_t*>(s.span_queries.data());
-    for (size_t r0 = 0; r0 < rows; r0 += amx::kMaxQueries) {
-      const size_t count = std::min(amx::kMaxQueries, rows - r0);
-      for (size_t r = 0; r < count; ++r) {
-        s.span_lo[r] = 0;
-        s.span_hi[r] = static_cast<std::int32_t>(visible[(r0 + r) % tile]);
-      }
-      const amx::Span span{.q = queries + r0 * amx::query_ld(d), .count = count, .d = d, .k_blocks = s.span_keys.data(),
-                           .keys = keys, .v_pairs = s.span_values.data(), .v_ld = v_ld, .dv = dv,
-                           .lo = s.span_lo.data(), .hi = s.span_hi.data(), .scale = scale};
-      amx::AttendSpan(span,
-                      {s.span_scores.get(), LatentScratch::kSpanScoreLd,
-                       reinterpret_cast<std::uint16_t*>(s.span_weights.data()), amx::kSpanKeys},
-                      {m + r0, l + r0, alpha, acc + r0 * dv_pad, dv_pad});
-    }
-    count_amx_latent_span();
+    for (size_t j0 = 0; j0 < keys; j0 += amx::kKeyBlock)
+      PackSpanPart(s, j0, std::min(amx::kKeyBlock, keys - j0), d, d_first, dv, k_rows + j0,
+                   rope_rows != nullptr ? rope_rows + j0 : nullptr, v_rows + j0);
+    AttendPackedSpan(rows, tile, visible, m, l, acc, dv_pad, alpha, s, keys, d, dv, scale);
     return true;
   }
 }

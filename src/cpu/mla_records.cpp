@@ -51,6 +51,7 @@
 #include "qkv/mla.hpp"
 #include "core/score_pipeline.hpp"
 #include "cpu/blocking.hpp"
+#include "cpu/decode_plan.hpp"
 #include "cpu/dot_products.hpp"
 #include "cpu/mla_records.hpp"
 
@@ -59,12 +60,18 @@ namespace qkv::cpu::records {
 inline constexpr std::size_t kBlockKeys = 64;  // records widened per online-softmax block
 inline constexpr int64_t kMinChunkKeys = 512;  // a task's keys: at least this many ...
 inline constexpr int64_t kMaxChunks = 16;      // ... and at most this many tasks per row
+// On the AMX spans (decode_latent-inl.h's LatentSpan): a task's partial state is its
+// heads' 512-wide rows (256 KiB at 128 heads), zeroed, written and merged, against 656
+// bytes a record: at 512 keys it was 45% of the bytes the chunk reads in qkv::decode's
+// latent step, and 2048 measured 8–12% faster there (bench/RESULTS.md §13g).
+inline constexpr int64_t kMinSpanChunkKeys = 2048;
 
-// Keys per chunk of a row with `count` keys: a function of the count alone.
-inline int64_t chunk_keys(int64_t count) {
+// Keys per chunk of a row with `count` keys: a function of the count (and of the call's
+// step, spans or not) alone.
+inline int64_t chunk_keys(int64_t count, bool spans) {
   const int64_t even = (count + kMaxChunks - 1) / kMaxChunks;
   const int64_t whole_blocks = (even + static_cast<int64_t>(kBlockKeys) - 1) / static_cast<int64_t>(kBlockKeys);
-  return std::max(kMinChunkKeys, whole_blocks * static_cast<int64_t>(kBlockKeys));
+  return std::max(spans ? kMinSpanChunkKeys : kMinChunkKeys, whole_blocks * static_cast<int64_t>(kBlockKeys));
 }
 
 // One chunk of one row: keys [first, first + count) of row `row`'s keys; its partial
@@ -107,11 +114,20 @@ std::optional<Bf16Unit> RecordLatentUnit(const detail::ForwardProblem<float>& p)
   return unit;
 }
 
+// Whether the call's bf16-exact blocks take the AMX spans (LatentSpan: 512 records a
+// span, the heads the rows) rather than the column step: on the tiles with at least
+// kLatentSpanRows heads, as qkv::decode's latent step decides (decode_plan.hpp).
+bool RecordSpans(std::optional<Bf16Unit> unit, int64_t heads) {
+  return unit == Bf16Unit::amx && heads >= kLatentSpanRows && amx_row_forward();
+}
+
 // One thread's scratch.
 struct Scratch {
-  Scratch(size_t heads, size_t d, size_t dc, std::optional<Bf16Unit> latent_unit)
+  Scratch(size_t heads, size_t d, size_t dc, std::optional<Bf16Unit> latent_unit, bool spans)
       : latent(latent_unit.has_value()),
-        lat(latent ? LatentScratch(heads, heads, kBlockKeys, d, dc, latent_unit == Bf16Unit::amx) : LatentScratch()),
+        lat(latent ? LatentScratch(heads, heads, spans ? amx::kSpanKeys : kBlockKeys, d, dc,
+                                   latent_unit == Bf16Unit::amx, spans)
+                   : LatentScratch()),
         d_pad(round_up(d, VectorLanes())),
         dc_pad(round_up(dc, VectorLanes())),
         queries(AllocateFloats(heads * d_pad)),
@@ -132,7 +148,7 @@ struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> scores;   // heads × kBlockKeys
   hwy::AlignedFreeUniquePtr<float[]> acc;      // heads × dc_pad
   std::vector<const float*> row_ptrs;
-  std::vector<const bfloat16*> half_ptrs;      // the block's rows in lat.keys (latent step)
+  std::vector<const bfloat16*> half_ptrs;      // the block's rows in lat.keys (lat.span_rows on spans)
   std::vector<float> m, l, alpha;
 };
 
@@ -208,8 +224,7 @@ void RunTask(const detail::RecordsProblem& problem, const records::RowKeys& keys
       const float* q = rows.q(b, i, static_cast<int64_t>(h));
       for (size_t c = 0; c < d; ++c) s.lat.q_rows[h * d + c] = bfloat16(q[c]);
     }
-    bf16dot::PackQueryPairs(s.lat.q_rows.data(), static_cast<std::int64_t>(d), heads, d, s.lat.q_pairs.data(),
-                            s.lat.q_ld);
+    PackLatentQueryRows(heads, d, s.lat);
   }
   std::fill(s.m.begin(), s.m.end(), kMinusInf);
   std::fill(s.l.begin(), s.l.end(), 0.0f);
@@ -217,6 +232,17 @@ void RunTask(const detail::RecordsProblem& problem, const records::RowKeys& keys
 
   for (int64_t t = 0; t < std::min<int64_t>(kBlockKeys, task.count); ++t)
     PrefetchRow(rec.row(b, keys.at(task.row, task.first + t)), record_bytes);
+  // On spans: the bf16-exact blocks packed so far into the span not yet attended (whole
+  // blocks of 64 = amx::kKeyBlock records, then at most one partial: the task's last).
+  // A block the float step takes in between goes first: the online softmax's result does
+  // not depend on the order of its blocks.
+  size_t span_keys = 0;
+  const auto attend_span = [&] {
+    if (span_keys == 0) return;
+    AttendPackedSpan(heads, 1, &span_keys, s.m.data(), s.l.data(), s.acc.get(), s.dc_pad, s.alpha.data(), s.lat,
+                     span_keys, d, dc, scale);
+    span_keys = 0;
+  };
   for (int64_t start = 0; start < task.count; start += static_cast<int64_t>(kBlockKeys)) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(kBlockKeys, task.count - start));
     const size_t padded = round_up(n, lanes);
@@ -232,15 +258,23 @@ void RunTask(const detail::RecordsProblem& problem, const records::RowKeys& keys
       if (j < ahead) PrefetchRow(rec.row(b, keys.at(task.row, next + static_cast<int64_t>(j))), record_bytes);
     };
     // The latent step's bfloat16 rows straight from the records, written where
-    // LatentBlock gathers its keys; the first record that is not bf16-exact sends the
-    // block to the float step.
+    // LatentBlock gathers its keys (on spans: where PackSpanPart gathers a part's); the
+    // first record that is not bf16-exact sends the block to the float step.
     bool halves = s.latent;
     size_t converted = 0;
+    bfloat16* const half_rows = s.lat.spans ? reinterpret_cast<bfloat16*>(s.lat.span_rows.data()) : s.lat.keys.data();
     for (; halves && converted < n; ++converted) {
-      bfloat16* row = s.lat.keys.data() + converted * d;
+      bfloat16* row = half_rows + converted * d;
       halves = RecordHalves(rec, record_of(converted), row);
       s.half_ptrs[converted] = row;
       prefetch(converted);
+    }
+    if (halves && s.lat.spans) {  // into the span; attended when it is whole
+      PackSpanPart(s.lat, span_keys, n, d, d, dc, s.half_ptrs.data(), static_cast<const bfloat16* const*>(nullptr),
+                   s.half_ptrs.data());
+      span_keys += n;
+      if (span_keys == amx::kSpanKeys) attend_span();
+      continue;
     }
     if (!halves)
       for (size_t j = 0; j < n; ++j) {
@@ -268,6 +302,7 @@ void RunTask(const detail::RecordsProblem& problem, const records::RowKeys& keys
     ValueBlock(heads, s.scores.get(), kBlockKeys, n, s.row_ptrs.data(), dc, Ahead<float>{}, s.alpha.data(),
                s.acc.get(), s.dc_pad);
   }
+  attend_span();
 
   for (size_t h = 0; h < heads; ++h) {
     float* out = part_out + h * dc;
@@ -311,11 +346,13 @@ void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
       keys.count[static_cast<std::size_t>(row)] =
           dense.mask.key_end(keys.sequence[static_cast<std::size_t>(row)], keys.query[static_cast<std::size_t>(row)]);
   }
+  const std::optional<Bf16Unit> latent_unit = RecordLatentUnit(dense);
+  const bool spans = RecordSpans(latent_unit, heads);
   std::vector<records::Task> tasks;
   std::vector<int64_t> first_slot(static_cast<std::size_t>(row_count + 1), 0);
   for (int64_t row = 0; row < row_count; ++row) {
     const int64_t count = keys.count[static_cast<std::size_t>(row)];
-    const int64_t step = records::chunk_keys(count);
+    const int64_t step = records::chunk_keys(count, spans);
     for (int64_t first = 0; first < count; first += step)
       tasks.push_back({row, first, std::min(step, count - first), static_cast<int64_t>(tasks.size())});
     first_slot[static_cast<std::size_t>(row + 1)] = static_cast<int64_t>(tasks.size());
@@ -323,14 +360,13 @@ void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
 
   // Workspace before the parallel region (a failed allocation throws here, not in a thread).
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(dense.threads, static_cast<int64_t>(tasks.size()))));
-  const std::optional<Bf16Unit> latent_unit = RecordLatentUnit(dense);
   std::vector<float> part_out(tasks.size() * static_cast<std::size_t>(heads * dc));
   std::vector<float> part_lse(tasks.size() * static_cast<std::size_t>(heads));
   std::vector<Scratch> scratch;
   scratch.reserve(static_cast<std::size_t>(threads));
   for (int t = 0; t < threads; ++t)
     scratch.emplace_back(static_cast<size_t>(heads), static_cast<size_t>(e.head_dim), static_cast<size_t>(dc),
-                         latent_unit);
+                         latent_unit, spans);
   const auto task_count = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t t = 0; t < task_count; ++t) {

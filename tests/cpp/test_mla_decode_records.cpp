@@ -37,7 +37,10 @@ using test::Case;
 using test::Shape;
 using test::step_options;
 
-enum class Scales { any, powers_of_two };
+// mostly_powers_of_two: every 300th record's scales are not (its block of 64 takes the
+// float step between the unit's blocks), and the queries are bfloat16 values, so that the
+// float step's unrounded queries are the unit's rounded ones and one oracle serves both.
+enum class Scales { any, powers_of_two, mostly_powers_of_two };
 
 // A float case whose caches are re-expressed as FP8 records: each stored row quantized
 // (scale per 128 values: max|x| / 448, or the power of two at or above it), the case's
@@ -64,7 +67,8 @@ struct RecordCase {
         float amax = 0.0f;
         for (int64_t n = 0; n < 128; ++n) amax = std::max(amax, std::abs(x[n] *= size));
         float scale = std::max(amax, 1e-4f) / 448.0f;
-        if (scales == Scales::powers_of_two) scale = std::exp2(std::ceil(std::log2(scale)));
+        if (scales == Scales::powers_of_two || (scales == Scales::mostly_powers_of_two && r % 300 != 7))
+          scale = std::exp2(std::ceil(std::log2(scale)));
         std::memcpy(record + s.dc + 4 * g, &scale, 4);
         for (int64_t n = 0; n < 128; ++n) {
           const float8_e4m3fn v(x[n] / scale);
@@ -79,6 +83,9 @@ struct RecordCase {
         k = static_cast<float>(v);
       }
     }
+    if (scales == Scales::mostly_powers_of_two)
+      for (Tensor<float, 4>* q : {&c.q_nope, &c.q_pe})
+        for (std::size_t n = 0; n < q->size(); ++n) q->data()[n] = static_cast<float>(bfloat16(q->data()[n]));
   }
 
   MlaRecordArgs args(Tensor<float, 4>& out, Tensor<float, 3>& lse) const {
@@ -191,6 +198,34 @@ TEST(MlaDecodeRecords, PowerOfTwoScalesTakeTheAmxTiles) {
   if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
   const test::ForcedAmx forced;
   expect_power_of_two_scales_take_the_unit();
+}
+
+// 128 heads on the tiles take the spans (decode_latent-inl.h: 512 records a span, the
+// heads its rows, chunks of ≥ 2048 keys): whole and partial spans, two chunks merged,
+// paged and listed, and records whose scales are not powers of two among the others
+// (their blocks take the float step between spans), against the bf16 contract's oracle.
+// The span counter shows that spans ran; with the switch off (QKV_AMX_ROWS's test hook)
+// none does and the column step meets the same oracle.
+TEST(MlaDecodeRecords, OneHundredTwentyEightHeadsTakeTheAmxSpans) {
+  if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
+  const test::ForcedAmx forced;
+  const AttentionOptions fast = step_options(0.3, 2, Backend::automatic, Precision::fast);
+  std::uint64_t seed = 801;
+  for (const Shape& s : {Shape{1, 1, 128, 128, 64, {1300}, 1300, 16}, Shape{2, 1, 128, 256, 64, {2200, 90}, 2200, 0}})
+    for (Scales scales : {Scales::powers_of_two, Scales::mostly_powers_of_two})
+      for (int64_t list_len : {0, 700}) {
+        const std::string what = name(s) + (scales == Scales::powers_of_two ? " powers of two" : " mostly") +
+                                 (list_len > 0 ? " indices" : "");
+        const RecordCase rc(s, seed++, list_len, scales);
+        const std::size_t before = cpu::amx_latent_spans();
+        expect_matches(rc, fast, true, what);
+        EXPECT_GT(cpu::amx_latent_spans(), before) << what;
+        cpu::set_amx_row_forward_for_test(false);
+        const std::size_t off_before = cpu::amx_latent_spans();
+        expect_matches(rc, fast, true, what + " column step");
+        EXPECT_EQ(cpu::amx_latent_spans(), off_before) << what;
+        cpu::set_amx_row_forward_for_test(std::nullopt);
+      }
 }
 
 TEST(MlaDecodeRecords, BitwiseEqualForAnyThreadCount) {
