@@ -101,13 +101,31 @@ AMX_PEAK: dict[int, float] = {}  # threads → the AMX tiles' bf16 peak (GFLOP/s
 
 
 def bf16_unit_peak(threads: int) -> tuple[str, float]:
-    """The unit qkv's bfloat16 calls run on here (src/cpu/dot_products.hpp: the AMX tiles
-    where the CPU has them unless QKV_AMX=off, else vdpbf16ps) and its peak."""
+    """The unit qkv's bfloat16 calls (precision "fast") run on here and its peak, by
+    src/cpu/dot_products.cpp's bf16_unit: the AMX tiles where the CPU has them unless
+    QKV_AMX=off; else vdpbf16ps where the CPU has it and it pays (AMD) or
+    QKV_DOT_PRODUCTS=on; else the fp32 FMAs (an Intel with QKV_AMX=off), whose peak the
+    caller has already."""
     dots = os.environ.get("QKV_DOT_PRODUCTS", "auto").lower()
     amx = os.environ.get("QKV_AMX", "auto").lower()
     if dots != "off" and amx != "off" and AMX_PEAK.get(threads, 0.0) > 0:
         return "amx", AMX_PEAK[threads]
-    return "bf16 dot", BF16_PEAK.get(threads, 0.0)
+    pays = dots == "on" or "AMD" in cpu_vendor()
+    if dots != "off" and pays and BF16_PEAK.get(threads, 0.0) > 0:
+        return "bf16 dot", BF16_PEAK[threads]
+    return "fp32 FMA", 0.0
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (AuthenticAMD, GenuineIntel), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def fma_peak(threads: int) -> tuple[float, str]:

@@ -62,6 +62,8 @@ def main():
     bf16_name, bf16_peak = bf16_unit_peak(threads)
     if bf16_peak > 0:
         print(f"# bf16 unit: {bf16_name}, its peak {bf16_peak:.1f} GFLOP/s ({threads} threads; the bf16 rows' share)")
+    else:
+        print("# bf16 unit: none, the fp32 FMAs (the bf16 rows' share is of the FMA peak)")
     print("| heads | cache | batch | dtype | qkv ms | torch ms | qkv / torch | qkv GFLOP/s | share of peak | "
           "vs fp32 cache | error / torch bf16's |")
     print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
