@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
+from bench_timing import cpu_vendor
 
 
 def keep_freed_memory() -> None:
@@ -115,17 +116,6 @@ def bf16_unit_peak(threads: int) -> tuple[str, float]:
         return "bf16 dot", BF16_PEAK[threads]
     return "fp32 FMA", 0.0
 
-
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (AuthenticAMD, GenuineIntel), or "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def fma_peak(threads: int) -> tuple[float, str]:

@@ -24,36 +24,8 @@ def best_of(repeats, fn):
     return min(times)
 
 
-def cpu_model():
-    """/proc/cpuinfo's model name (platform.processor() where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def interleaved_medians(fns, repeats):
-    """The median time of each of fns over `repeats` rounds, after one untimed call of each.
-    Each round times every fn once, the order reversed every other round, so a load that
-    comes and goes (a neighbour's build on these shared VMs) lands on all of them alike."""
-    for fn in fns:
-        fn()
-    times = [[] for _ in fns]
-    for round_ in range(repeats):
-        order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
-        for i in order:
-            start = time.perf_counter()
-            fns[i]()
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
-
-
-def cpu_family_model():
-    """'family F model M' from /proc/cpuinfo (empty where there is none)."""
+def _cpuinfo():
+    """/proc/cpuinfo's fields of its first processor (empty where there is none)."""
     fields = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -61,6 +33,24 @@ def cpu_family_model():
                 key, _, value = line.partition(":")
                 fields.setdefault(key.strip(), value.strip())
     except OSError:
+        pass
+    return fields
+
+
+def cpu_model():
+    """/proc/cpuinfo's model name (platform.processor() where there is none)."""
+    return _cpuinfo().get("model name") or platform.processor()
+
+
+def cpu_vendor():
+    """/proc/cpuinfo's vendor_id (AuthenticAMD, GenuineIntel), or "" where there is none."""
+    return _cpuinfo().get("vendor_id", "")
+
+
+def cpu_family_model():
+    """'family F model M' from /proc/cpuinfo (empty where there is none)."""
+    fields = _cpuinfo()
+    if not fields:
         return ""
     return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
 
