@@ -167,6 +167,7 @@ namespace {
 // One row's online-softmax step (amx_rows.hpp, AttendSpan): the row's maximum over its keys
 // [lo, hi) (masked lanes read −inf), then P = 2^(log2(e)·(scale·S − m')) 32 keys at a time,
 // stored as bfloat16 in key order, zeros outside the row's keys up to `values`.
+template <bool kValueScales>
 void softmax_row(const Span& span, const SpanScratch& scratch, const RowState& state, std::size_t values,
                  std::size_t i) {
   const __m512 minus_inf = _mm512_set1_ps(-__builtin_inff());
@@ -205,14 +206,32 @@ void softmax_row(const Span& span, const SpanScratch& scratch, const RowState& s
     const __m512 s0 = whole ? _mm512_loadu_ps(row + u) : _mm512_mask_loadu_ps(minus_inf, key_lanes(at, begin, end), row + u);
     const __m512 s1 = whole ? _mm512_loadu_ps(row + u + 16)
                             : _mm512_mask_loadu_ps(minus_inf, key_lanes(at + 16, begin, end), row + u + 16);
-    const __m512 p0 = exp2_of(_mm512_fmsub_ps(s0, factor, offset));
-    const __m512 p1 = exp2_of(_mm512_fmsub_ps(s1, factor, offset));
+    __m512 p0 = exp2_of(_mm512_fmsub_ps(s0, factor, offset));
+    __m512 p1 = exp2_of(_mm512_fmsub_ps(s1, factor, offset));
     sum0 = _mm512_add_ps(sum0, p0);
     sum1 = _mm512_add_ps(sum1, p1);
+    if constexpr (kValueScales) {  // the row's keys only: others' weights stay 0 whatever their scale
+      p0 = _mm512_mul_ps(p0, _mm512_maskz_loadu_ps(key_lanes(at, begin, end), span.value_scales + u));
+      p1 = _mm512_mul_ps(p1, _mm512_maskz_loadu_ps(key_lanes(at + 16, begin, end), span.value_scales + u + 16));
+    }
     _mm512_storeu_si512(weights + u, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));  // nearest even
   }
   std::fill(weights + u, weights + values, std::uint16_t{0});
   state.l[i] = state.l[i] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+// S_ij ·= ks_j for the rows' keys j < keys (the keys' row scales, Span::key_scales), in
+// place before the softmax, which reads only each row's own keys.
+void scale_scores(const Span& span, const SpanScratch& scratch) {
+  for (std::size_t i = 0; i < span.count; ++i) {
+    float* row = scratch.s + i * scratch.s_ld;
+    for (std::size_t j = 0; j < span.keys; j += 16) {
+      const __mmask16 m = span.keys - j >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                               : static_cast<__mmask16>((1u << (span.keys - j)) - 1);
+      _mm512_mask_storeu_ps(row + j, m,
+                            _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_maskz_loadu_ps(m, span.key_scales + j)));
+    }
+  }
 }
 
 // acc_i *= alpha_i where alpha_i ≠ 1 (rows whose maximum grew), columns < dv.
@@ -271,7 +290,11 @@ void AttendSpan(const Span& span, const SpanScratch& scratch, const RowState& st
   for (std::size_t i = span.count; i < row_tiles; ++i)  // the tiles' rows past the queries
     std::fill(scratch.p + i * scratch.p_ld, scratch.p + i * scratch.p_ld + values, std::uint16_t{0});
   score_rows(span, scratch, row_tiles);
-  for (std::size_t i = 0; i < span.count; ++i) softmax_row(span, scratch, state, values, i);
+  if (span.key_scales != nullptr) scale_scores(span, scratch);
+  for (std::size_t i = 0; i < span.count; ++i) {
+    if (span.value_scales != nullptr) softmax_row<true>(span, scratch, state, values, i);
+    else softmax_row<false>(span, scratch, state, values, i);
+  }
   scale_rows(state, 0, span.count, span.dv);
   weighted_rows(span, scratch, state, values, row_tiles);
 }

@@ -54,6 +54,11 @@ struct Span {
   const std::int32_t* lo;  // per row: its keys are [lo_i, hi_i) of [0, keys)
   const std::int32_t* hi;
   float scale;  // > 0
+  // float8 caches (decode_latent-inl.h): per key j < keys, a factor on its scores (the
+  // keys' row scale, S_ij·ks_j before the softmax) and one on its weights before they are
+  // rounded to bfloat16 (the values', P_ij·vs_j; l sums P_ij); null: none.
+  const float* key_scales = nullptr;
+  const float* value_scales = nullptr;
 };
 
 // Per-thread scratch: S (kMaxQueries rows, s_ld floats apart, s_ld ≥ kSpanKeys) and bf16(P)

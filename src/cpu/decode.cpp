@@ -412,7 +412,7 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
                                          keys, d, kv.split_keys() ? static_cast<size_t>(kv.rope_from) : d, dv, scale,
                                          s.k_ring.data() + slot * slot_rows,
                                          kv.split_keys() ? s.rope_ring.data() + slot * slot_rows : nullptr,
-                                         s.v_ring.data() + slot * slot_rows);
+                                         s.v_ring.data() + slot * slot_rows, scales_of(s.k_scales, slot), scales_of(s.v_scales, slot));
           }
         } else if (s.latent && keys > 0 && whole) {
           latent_block = true;
@@ -514,7 +514,7 @@ void RunDecode(const Problem& p, const KvSource& kv, const DecodePlan& plan) {
   // (a BatchPlan made earlier may meet another unit: its 512-key blocks then take the
   // column step on vdpbf16ps, which any block length suits).
   const bool latent_spans =
-      latent_dots && plan.latent_spans && bf16 == Bf16Unit::amx && std::is_same_v<T, bfloat16>;
+      latent_dots && plan.latent_spans && bf16 == Bf16Unit::amx && kLatentStorage<T>;
   if (threads <= 1) {  // no parallel region for work one thread does best
     DecodeScratch<T> scratch(plan, kv, int8_dots, d, dv, latent_dots, bf16 == Bf16Unit::amx, latent_spans);
     for (const DecodeTask& task : plan.tasks) DecodeChunk<T>(p, kv, plan, task, scratch, states.get());

@@ -222,45 +222,58 @@ HWY_INLINE bool EquallySpaced(const S* const* rows, size_t n, std::int64_t& stri
 // Keys [j0, j0 + n) of a span (n ≤ amx::kKeyBlock, j0 a multiple of it) into the span's
 // buffers: K's rows in the tiles' order — the first d_first channels from k_rows, the
 // rest from rope_rows (null: d_first = d) — and V's rows (v_rows) as pairs. The row
-// pointers are the part's own (k_rows[0] is key j0's). Read in place where the part's
-// rows are equally spaced, else gathered into whole rows first.
+// pointers are the part's own (k_rows[0] is key j0's). bfloat16 rows are read in place
+// where the part's rows are equally spaced, else gathered into whole rows first; float8
+// rows are gathered as their bfloat16 values (LatentRow: exact).
 template <class S>
 void PackSpanPart(LatentScratch& s, size_t j0, size_t n, size_t d, size_t d_first, size_t dv,
                   const S* const* k_rows, const S* const* rope_rows, const S* const* v_rows) {
   const size_t v_ld = bf16dot::pair_ld(dv);
   auto* gathered = reinterpret_cast<bfloat16*>(s.span_rows.data());
-  const bool split = rope_rows != nullptr && d_first % 32 == 0;  // the parts' tiles apart
   std::uint32_t* k_out = s.span_keys.data() + j0 / amx::kKeyBlock * amx::key_block_words(d);
-  std::uint32_t* v_out = s.span_values.data() + j0 / 2 * v_ld;
-  std::int64_t k_stride = 0, rope_stride = 0, v_stride = 0;
-  const bool k_direct =
-      EquallySpaced(k_rows, n, k_stride) && (rope_rows == nullptr || (split && EquallySpaced(rope_rows, n, rope_stride)));
-  if (k_direct) {
-    amx::PackKeyPairs(k_rows[0], k_stride, n, rope_rows != nullptr ? d_first : d, k_out);
-    if (rope_rows != nullptr)
-      amx::PackKeyPairs(rope_rows[0], rope_stride, n, d - d_first, k_out + amx::key_block_words(d_first));
-  } else {
+  if constexpr (!std::is_same_v<S, bfloat16>) {
     for (size_t j = 0; j < n; ++j) {
-      std::memcpy(gathered + j * d, k_rows[j], (rope_rows != nullptr ? d_first : d) * sizeof(bfloat16));
-      if (rope_rows != nullptr) std::memcpy(gathered + j * d + d_first, rope_rows[j], (d - d_first) * sizeof(bfloat16));
+      LatentRow(k_rows[j], rope_rows != nullptr ? d_first : d, s.widened.get(), gathered + j * d);
+      if (rope_rows != nullptr) LatentRow(rope_rows[j], d - d_first, s.widened.get(), gathered + j * d + d_first);
     }
     amx::PackKeyPairs(gathered, static_cast<std::int64_t>(d), n, d, k_out);
-  }
-  if (EquallySpaced(v_rows, n, v_stride)) {
-    bf16dot::PackRowPairs(v_rows[0], v_stride, n, dv, v_out, v_ld);
+    for (size_t j = 0; j < n; ++j) LatentRow(v_rows[j], dv, s.widened.get(), gathered + j * dv);
+    bf16dot::PackRowPairs(gathered, static_cast<std::int64_t>(dv), n, dv, s.span_values.data() + j0 / 2 * v_ld, v_ld);
   } else {
-    for (size_t j = 0; j < n; ++j) std::memcpy(gathered + j * dv, v_rows[j], dv * sizeof(bfloat16));
-    bf16dot::PackRowPairs(gathered, static_cast<std::int64_t>(dv), n, dv, v_out, v_ld);
+    const bool split = rope_rows != nullptr && d_first % 32 == 0;  // the parts' tiles apart
+    std::uint32_t* v_out = s.span_values.data() + j0 / 2 * v_ld;
+    std::int64_t k_stride = 0, rope_stride = 0, v_stride = 0;
+    const bool k_direct =
+        EquallySpaced(k_rows, n, k_stride) && (rope_rows == nullptr || (split && EquallySpaced(rope_rows, n, rope_stride)));
+    if (k_direct) {
+      amx::PackKeyPairs(k_rows[0], k_stride, n, rope_rows != nullptr ? d_first : d, k_out);
+      if (rope_rows != nullptr)
+        amx::PackKeyPairs(rope_rows[0], rope_stride, n, d - d_first, k_out + amx::key_block_words(d_first));
+    } else {
+      for (size_t j = 0; j < n; ++j) {
+        std::memcpy(gathered + j * d, k_rows[j], (rope_rows != nullptr ? d_first : d) * sizeof(bfloat16));
+        if (rope_rows != nullptr) std::memcpy(gathered + j * d + d_first, rope_rows[j], (d - d_first) * sizeof(bfloat16));
+      }
+      amx::PackKeyPairs(gathered, static_cast<std::int64_t>(d), n, d, k_out);
+    }
+    if (EquallySpaced(v_rows, n, v_stride)) {
+      bf16dot::PackRowPairs(v_rows[0], v_stride, n, dv, v_out, v_ld);
+    } else {
+      for (size_t j = 0; j < n; ++j) std::memcpy(gathered + j * dv, v_rows[j], dv * sizeof(bfloat16));
+      bf16dot::PackRowPairs(gathered, static_cast<std::int64_t>(dv), n, dv, v_out, v_ld);
+    }
   }
 }
 
 // The packed span of `keys` keys (PackSpanPart's) for the rows of the tile (rows r =
 // h·tile + i, query i seeing the span's keys [0, visible[i])): for each group of up to
 // 64 rows, amx::AttendSpan onto their softmax state m, l and acc (dv_pad apart); alpha,
-// scratch of 64 floats. The queries: PackLatentQueryRows's.
+// scratch of 64 floats. The queries: PackLatentQueryRows's. k_scales / v_scales: a
+// float8 cache's row scales of the span's keys (null for bfloat16), on each key's scores
+// and on its weights before their rounding, as LatentBlock applies them.
 inline void AttendPackedSpan(size_t rows, size_t tile, const size_t* visible, float* m, float* l, float* acc,
                              size_t dv_pad, float* alpha, LatentScratch& s, size_t keys, size_t d, size_t dv,
-                             float scale) {
+                             float scale, const float* k_scales = nullptr, const float* v_scales = nullptr) {
   const size_t v_ld = bf16dot::pair_ld(dv);
   // The pair rows the tiles read past the keys (up to whole 32-key steps): zero.
   std::fill(s.span_values.data() + (keys + 1) / 2 * v_ld, s.span_values.data() + round_up(keys, 32) / 2 * v_ld, 0u);
@@ -273,7 +286,8 @@ inline void AttendPackedSpan(size_t rows, size_t tile, const size_t* visible, fl
     }
     const amx::Span span{.q = queries + r0 * amx::query_ld(d), .count = count, .d = d, .k_blocks = s.span_keys.data(),
                          .keys = keys, .v_pairs = s.span_values.data(), .v_ld = v_ld, .dv = dv,
-                         .lo = s.span_lo.data(), .hi = s.span_hi.data(), .scale = scale};
+                         .lo = s.span_lo.data(), .hi = s.span_hi.data(), .scale = scale,
+                         .key_scales = k_scales, .value_scales = v_scales};
     amx::AttendSpan(span,
                     {s.span_scores.get(), LatentScratch::kSpanScoreLd,
                      reinterpret_cast<std::uint16_t*>(s.span_weights.data()), amx::kSpanKeys},
@@ -284,16 +298,19 @@ inline void AttendPackedSpan(size_t rows, size_t tile, const size_t* visible, fl
 
 // One block of `keys` keys for the rows of the tile (rows r = h·tile + i, query i seeing
 // the block's keys [0, visible[i]) — all of them but in a bottom-right causal step's last
-// block): packed (PackSpanPart) and attended (AttendPackedSpan) as one span.
+// block): packed (PackSpanPart) and attended (AttendPackedSpan) as one span; float8
+// rows with their row scales k_scales / v_scales (null for bfloat16).
 // Returns false, having changed nothing, when a key some row must not see has a
 // non-finite value (the tiles would add 0·NaN): the float step then takes the block.
 template <class S>
 bool LatentSpan(size_t rows, size_t tile, const size_t* visible, float* m, float* l, float* acc, size_t dv_pad,
                 float* alpha, LatentScratch& s, size_t keys, size_t d, size_t d_first, size_t dv, float scale,
-                const S* const* k_rows, const S* const* rope_rows, const S* const* v_rows) {
-  if constexpr (!std::is_same_v<S, bfloat16>) {
+                const S* const* k_rows, const S* const* rope_rows, const S* const* v_rows, const float* k_scales,
+                const float* v_scales) {
+  if constexpr (!kLatentStorage<S>) {
     (void)rows, (void)tile, (void)visible, (void)m, (void)l, (void)acc, (void)dv_pad, (void)alpha, (void)s, (void)keys,
-        (void)d, (void)d_first, (void)dv, (void)scale, (void)k_rows, (void)rope_rows, (void)v_rows;
+        (void)d, (void)d_first, (void)dv, (void)scale, (void)k_rows, (void)rope_rows, (void)v_rows, (void)k_scales,
+        (void)v_scales;
     return false;
   } else {
     const size_t seen_by_all = *std::min_element(visible, visible + tile);
@@ -302,7 +319,7 @@ bool LatentSpan(size_t rows, size_t tile, const size_t* visible, float* m, float
     for (size_t j0 = 0; j0 < keys; j0 += amx::kKeyBlock)
       PackSpanPart(s, j0, std::min(amx::kKeyBlock, keys - j0), d, d_first, dv, k_rows + j0,
                    rope_rows != nullptr ? rope_rows + j0 : nullptr, v_rows + j0);
-    AttendPackedSpan(rows, tile, visible, m, l, acc, dv_pad, alpha, s, keys, d, dv, scale);
+    AttendPackedSpan(rows, tile, visible, m, l, acc, dv_pad, alpha, s, keys, d, dv, scale, k_scales, v_scales);
     return true;
   }
 }

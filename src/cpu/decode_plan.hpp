@@ -105,9 +105,9 @@ struct ChunkState {
 // (decode_latent-inl.h) sends there — one kv head of bfloat16 or float8 keys, query heads
 // in whole 16s, no softcap or score modifier, precision fast on a bf16 unit — and keys not
 // on execution.fixed_key_split's grid. `dots`: latent_block_keys per block (vdpbf16ps, and
-// float8 storage on the AMX tiles); `spans`: a bfloat16 cache on the AMX tiles, blocks of
-// amx::kSpanKeys keys, each one span of the row-layout step (LatentSpan; the forward's row
-// kernel switch, amx_row_forward(), off keeps the column step's blocks). Decided from the
+// the AMX tiles below kLatentSpanRows rows); `spans`: on the AMX tiles from there, blocks
+// of amx::kSpanKeys keys, each one span of the row-layout step (LatentSpan; the forward's
+// row kernel switch, amx_row_forward(), off keeps the column step's blocks). Decided from the
 // problem alone, so qkv::decode, mla_decode and qkv::BatchPlan (which plans ahead) size a
 // sequence's blocks alike. (A partly visible block of such a call, which takes the float
 // step, has as many keys: the scratch is sized by the plan.)
@@ -126,7 +126,7 @@ inline LatentBlocks latent_blocks(const detail::ForwardProblem<float>& p, Storag
   // 4k keys × batch 8: 128 heads 36.0 → 24.7–28.8 ms); at 64 rows the two steps were
   // even, at 16 the column step, which reads the keys as they are, was 15% faster.
   const int64_t rows = p.extents.q_heads * std::min<int64_t>(p.extents.q_len, kDecodeQueries);
-  if (unit == Bf16Unit::amx && storage == StorageType::bfloat16 && rows >= kLatentSpanRows && amx_row_forward())
+  if (unit == Bf16Unit::amx && rows >= kLatentSpanRows && amx_row_forward())
     return LatentBlocks::spans;
   return unit == Bf16Unit::fp32_fma ? LatentBlocks::none : LatentBlocks::dots;
 }

@@ -239,11 +239,15 @@ TEST(MlaDecode, AmxSpansWithSeparateValues) {
 // P·s rounded once to bfloat16 adds, u·Σ_j P_j·|v_j| (u = 2⁻⁸ as above), plus float32 sums
 // over ≤ 300 keys of 80 channels ((d + keys)·ε of the largest value). Nq 3: the newest
 // keys' partly visible block takes the float step in the same rows. The bits differ
-// from Precision::exact's (the dot products ran).
+// from Precision::exact's (the dot products ran). row_scales: a scale per token, the
+// keys' and the values' different (the factors on each key's scores and weights).
+// heads 128 on the AMX tiles: 384 query rows a tile, so the spans run (counted), a whole
+// span and a partial one, the last block's rows each up to their own key.
 template <class F>
-void expect_float8_latent_pool_on_the_dot_unit() {
-  const int64_t batch = 2, q_len = 3, heads = 16, dc = 64, dr = 16, d = dc + dr, capacity = 304;
-  const std::vector<int64_t> lengths{77, 300};
+void expect_float8_latent_pool_on_the_dot_unit(int64_t heads = 16, bool row_scales = false) {
+  const int64_t batch = 2, q_len = 3, dc = 64, dr = 16, d = dc + dr;
+  const int64_t longest = heads >= 128 ? 700 : 300, capacity = longest + 4;
+  const std::vector<int64_t> lengths{77, longest};
   const float s8 = 0.02f;
   const Tensor<float, 4> wide = random_tensor<float, 4>({batch, capacity, 1, d}, 5, 1.0 / s8);
   Tensor<F, 4> pool({batch, capacity, 1, d});
@@ -251,22 +255,39 @@ void expect_float8_latent_pool_on_the_dot_unit() {
   const Tensor<float, 4> q = random_tensor<float, 4>({batch, q_len, heads, d}, 6);
   const auto kv = pool.cview();
   const View4<const F> values(kv.data, {batch, capacity, 1, dc}, kv.strides);
-  const View3<const float> scale8(&s8, {batch, capacity, 1}, {0, 0, 0});
+  std::vector<float> k_scales(static_cast<std::size_t>(batch * capacity), s8), v_scales = k_scales;
+  if (row_scales) {
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> spread(0.5f, 1.5f);
+    for (float& x : k_scales) x = s8 * spread(rng);
+    for (float& x : v_scales) x = s8 * spread(rng);
+  }
+  const View3<const float> k_scale(k_scales.data(), {batch, capacity, 1}, {capacity, 1, 1});
+  const View3<const float> v_scale(v_scales.data(), {batch, capacity, 1}, {capacity, 1, 1});
+  const auto ks = [&](int64_t b, int64_t j) { return static_cast<double>(k_scales[static_cast<std::size_t>(b * capacity + j)]); };
+  const auto vs = [&](int64_t b, int64_t j) { return static_cast<double>(v_scales[static_cast<std::size_t>(b * capacity + j)]); };
   const double scale = 0.1;
   auto run = [&](Precision precision, Tensor<float, 4>& out, Tensor<float, 3>& lse) {
     decode(DecodeArgs<F>{.q = q.cview(), .k_cache = kv, .v_cache = values, .cache_lengths = lengths,
-                         .out = out.view(), .lse = lse.view(), .k_scale = scale8, .v_scale = scale8},
+                         .out = out.view(), .lse = lse.view(), .k_scale = k_scale, .v_scale = v_scale},
            step_options(scale, 2, Backend::automatic, precision));
   };
   test::for_each_simd_target([&](int64_t) {
     Tensor<float, 4> out({batch, q_len, heads, dc}), exact({batch, q_len, heads, dc});
     Tensor<float, 3> lse({batch, heads, q_len}), exact_lse({batch, heads, q_len});
+    const std::size_t spans_before = cpu::amx_latent_spans();
     run(Precision::fast, out, lse);
+    if (heads >= 128 && cpu::bf16_unit(Precision::fast) == cpu::Bf16Unit::amx && cpu::amx_row_forward()) {
+      EXPECT_GT(cpu::amx_latent_spans(), spans_before) << "128 heads on the tiles: spans";
+    }
     run(Precision::exact, exact, exact_lse);
     EXPECT_NE(0, std::memcmp(out.data(), exact.data(), out.size() * sizeof(float)));
     double largest = 1.0;
-    for (std::size_t n = 0; n < pool.size(); ++n) largest = std::max(largest, std::abs(static_cast<double>(float(pool[n])) * s8));
-    const double floor = static_cast<double>(d + 300) * std::numeric_limits<float>::epsilon() * largest;
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t j = 0; j < capacity; ++j)
+        for (int64_t c = 0; c < d; ++c)
+          largest = std::max(largest, std::abs(static_cast<double>(float(pool(b, j, 0, c)))) * std::max(ks(b, j), vs(b, j)));
+    const double floor = static_cast<double>(d + longest) * std::numeric_limits<float>::epsilon() * largest;
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t i = 0; i < q_len; ++i)
         for (int64_t h = 0; h < heads; ++h) {
@@ -276,7 +297,7 @@ void expect_float8_latent_pool_on_the_dot_unit() {
           for (int64_t j = 0; j < visible; ++j) {
             double dot = 0.0;
             for (int64_t c = 0; c < d; ++c)
-              dot += static_cast<double>(float(bfloat16(q(b, i, h, c)))) * float(pool(b, j, 0, c)) * s8;
+              dot += static_cast<double>(float(bfloat16(q(b, i, h, c)))) * float(pool(b, j, 0, c)) * ks(b, j);
             logit[static_cast<std::size_t>(j)] = scale * dot;
             top = std::max(top, scale * dot);
           }
@@ -287,7 +308,7 @@ void expect_float8_latent_pool_on_the_dot_unit() {
           for (int64_t c = 0; c < dc; ++c) {
             double want = 0.0, weighted_abs = 0.0;
             for (int64_t j = 0; j < visible; ++j) {
-              const double v = static_cast<double>(float(pool(b, j, 0, c))) * s8, p = logit[static_cast<std::size_t>(j)] / sum;
+              const double v = static_cast<double>(float(pool(b, j, 0, c))) * vs(b, j), p = logit[static_cast<std::size_t>(j)] / sum;
               want += p * v;
               weighted_abs += p * std::abs(v);
             }
@@ -309,6 +330,21 @@ TEST(MlaDecode, Float8LatentPoolOnTheAmxTilesWithinTheBf16Contract) {
   const test::ForcedAmx forced;
   expect_float8_latent_pool_on_the_dot_unit<float8_e4m3fn>();
   expect_float8_latent_pool_on_the_dot_unit<float8_e5m2>();
+  expect_float8_latent_pool_on_the_dot_unit<float8_e4m3fn>(16, true);
+}
+
+// 128 heads: the spans (above), with a scale per token, the keys' and values' apart, and
+// once more on the column step with the switch off (no span counted).
+TEST(MlaDecode, Float8LatentPoolOnTheAmxSpansWithinTheBf16Contract) {
+  if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
+  const test::ForcedAmx forced;
+  expect_float8_latent_pool_on_the_dot_unit<float8_e4m3fn>(128, true);
+  expect_float8_latent_pool_on_the_dot_unit<float8_e5m2>(128, false);
+  cpu::set_amx_row_forward_for_test(false);
+  const std::size_t spans_before = cpu::amx_latent_spans();
+  expect_float8_latent_pool_on_the_dot_unit<float8_e4m3fn>(128, true);
+  EXPECT_EQ(cpu::amx_latent_spans(), spans_before) << "the switch off: no span";
+  cpu::set_amx_row_forward_for_test(std::nullopt);
 }
 
 TEST(MlaDecode, Float32MatchesTheFormulaOnEveryTarget) { every_shape<float>("float32"); }
