@@ -1,5 +1,5 @@
-// A 16 × 16 transpose of 32-bit lanes in AVX-512 registers, for the AMX files
-// (amx_dot.cpp: P's weights into bf16 rows; amx_rows.cpp: K into pairs along d). Include
+// A 16 × 16 transpose of 32-bit lanes in AVX-512 registers (amx_dot.cpp: P's weights into
+// bf16 rows; amx_rows.cpp: K into pairs along d; bf16_dot.cpp: queries into pairs). Include
 // it after the file's `#pragma GCC target` that enables avx512f: it has no target
 // attribute of its own. x86-64 only.
 #pragma once

@@ -22,6 +22,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 
+#include "cpu/avx512_transpose.hpp"
+
 namespace qkv::cpu::bf16dot {
 namespace {
 
@@ -182,10 +184,25 @@ void PackQueryPairs(const bfloat16* q, std::int64_t q_row, std::size_t count, st
                     std::uint32_t* qp, std::size_t q_ld) {
   const std::size_t pairs = (d + 1) / 2, whole = d / 2;
   for (std::size_t c = 0; c < pairs; ++c) std::fill(qp + c * q_ld + count, qp + (c + 1) * q_ld, 0u);
-  for (std::size_t i = 0; i < count; ++i) {
-    const std::uint16_t* row = &q[static_cast<std::int64_t>(i) * q_row].bits;
-    for (std::size_t c = 0; c < whole; ++c) qp[c * q_ld + i] = load_pair(row + 2 * c);
-    if (pairs > whole) qp[whole * q_ld + i] = row[d - 1];
+  // 16 rows × 16 pairs at a time: each row's pairs are consecutive words, so a 16 × 16
+  // transposition of words (one pair a lane) gives 16 columns of 16 rows. (One store per
+  // word, 64 rows apart, took ~2.5% of the bf16 backward on the AMX tiles.)
+  for (std::size_t i0 = 0; i0 < count; i0 += kLanes) {
+    const std::size_t rows = std::min(kLanes, count - i0);
+    for (std::size_t c0 = 0; c0 < whole; c0 += kLanes) {
+      const std::size_t columns = std::min(kLanes, whole - c0);
+      __m512 r[kLanes];
+      for (std::size_t k = 0; k < kLanes; ++k)
+        r[k] = k < rows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(
+                              lanes_below(columns), &q[static_cast<std::int64_t>(i0 + k) * q_row].bits + 2 * c0))
+                        : _mm512_setzero_ps();
+      avx512::transpose16(r);  // r[k]: pair c0 + k of rows i0 … i0 + 15
+      for (std::size_t k = 0; k < columns; ++k)
+        _mm512_mask_storeu_epi32(qp + (c0 + k) * q_ld + i0, lanes_below(rows), _mm512_castps_si512(r[k]));
+    }
+    if (pairs > whole)  // an odd d: the last value with a zero partner
+      for (std::size_t i = i0; i < i0 + rows; ++i)
+        qp[whole * q_ld + i] = q[static_cast<std::int64_t>(i) * q_row + static_cast<std::int64_t>(d) - 1].bits;
   }
 }
 

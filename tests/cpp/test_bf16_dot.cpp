@@ -317,6 +317,33 @@ TEST(Bf16Dot, VariantsWithinTheWeightRoundingOfTheExactPath) {
 }
 
 // Forced on where the CPU lacks the unit: every bfloat16 call says so (as QKV_DOT_PRODUCTS=on).
+// The query pairs' layout (bf16_dot.hpp's PackQueryPairs, a 16 × 16 transposition of
+// words): word (c, i) = (q_i[2c], q_i[2c+1]), an odd d's last value with a zero partner,
+// columns past count zero; every count and d around the 16-lane tiles, rows further
+// apart than d.
+TEST(Bf16Dot, QueryPairsAreTheRowsPairedAlongD) {
+  QKV_REQUIRE_BF16_DOT();
+  constexpr std::size_t kLd = 64;
+  for (std::size_t count : {1, 15, 16, 17, 40, 64})
+    for (std::size_t d : {1, 2, 31, 32, 33, 64, 129}) {
+      const std::int64_t stride = static_cast<std::int64_t>(d) + 3;
+      std::vector<bfloat16> q(count * static_cast<std::size_t>(stride));
+      for (std::size_t n = 0; n < q.size(); ++n) q[n] = bfloat16::from_bits(static_cast<std::uint16_t>(n * 40503u + 7));
+      const std::size_t pairs = (d + 1) / 2;
+      std::vector<std::uint32_t> qp(pairs * kLd, 0xDEADBEEFu);
+      cpu::bf16dot::PackQueryPairs(q.data(), stride, count, d, qp.data(), kLd);
+      for (std::size_t c = 0; c < pairs; ++c)
+        for (std::size_t i = 0; i < kLd; ++i) {
+          std::uint32_t want = 0;
+          if (i < count) {
+            const bfloat16* row = q.data() + static_cast<std::int64_t>(i) * stride;
+            want = row[2 * c].bits | (2 * c + 1 < d ? static_cast<std::uint32_t>(row[2 * c + 1].bits) << 16 : 0u);
+          }
+          ASSERT_EQ(qp[c * kLd + i], want) << "count " << count << " d " << d << " pair " << c << " column " << i;
+        }
+    }
+}
+
 TEST(Bf16Dot, ForcedOnWithoutTheUnitThrows) {
   if (cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "this CPU has AVX512-BF16";
   const ForcedDotProducts on(true);
