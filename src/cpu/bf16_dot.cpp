@@ -11,9 +11,11 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 // GCC 12's avx512fintrin.h builds some intrinsics on _mm512_undefined_*(), which
-// -Wmaybe-uninitialized reports at every use (GCC bug 105593): silenced for this file.
+// -Wmaybe-uninitialized (and, for the unpacks of avx512_transpose.hpp at -O1,
+// -Wuninitialized) reports at every use (GCC bug 105593): silenced for this file.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include <algorithm>
