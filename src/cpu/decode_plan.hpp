@@ -114,6 +114,13 @@ struct ChunkState {
 enum class LatentBlocks { none, dots, spans };
 inline constexpr int64_t kLatentSpanRows = 128;  // query rows of a tile from which spans pay
 
+// Whether a tile of `rows` query rows on `unit` takes the spans: on the AMX tiles, from
+// kLatentSpanRows rows, unless the row kernel's switch is off. (Also FP8 records' rule,
+// mla_records.cpp, whose rows are the heads.)
+inline bool latent_spans_pay(Bf16Unit unit, int64_t rows) {
+  return unit == Bf16Unit::amx && rows >= kLatentSpanRows && amx_row_forward();
+}
+
 inline LatentBlocks latent_blocks(const detail::ForwardProblem<float>& p, StorageType storage) {
   const bool storage_ok = storage == StorageType::bfloat16 || storage == StorageType::float8_e4m3fn ||
                           storage == StorageType::float8_e5m2;
@@ -126,8 +133,7 @@ inline LatentBlocks latent_blocks(const detail::ForwardProblem<float>& p, Storag
   // 4k keys × batch 8: 128 heads 36.0 → 24.7–28.8 ms); at 64 rows the two steps were
   // even, at 16 the column step, which reads the keys as they are, was 15% faster.
   const int64_t rows = p.extents.q_heads * std::min<int64_t>(p.extents.q_len, kDecodeQueries);
-  if (unit == Bf16Unit::amx && rows >= kLatentSpanRows && amx_row_forward())
-    return LatentBlocks::spans;
+  if (latent_spans_pay(unit, rows)) return LatentBlocks::spans;
   return unit == Bf16Unit::fp32_fma ? LatentBlocks::none : LatentBlocks::dots;
 }
 

@@ -114,13 +114,6 @@ std::optional<Bf16Unit> RecordLatentUnit(const detail::ForwardProblem<float>& p)
   return unit;
 }
 
-// Whether the call's bf16-exact blocks take the AMX spans (LatentSpan: 512 records a
-// span, the heads the rows) rather than the column step: on the tiles with at least
-// kLatentSpanRows heads, as qkv::decode's latent step decides (decode_plan.hpp).
-bool RecordSpans(std::optional<Bf16Unit> unit, int64_t heads) {
-  return unit == Bf16Unit::amx && heads >= kLatentSpanRows && amx_row_forward();
-}
-
 // One thread's scratch.
 struct Scratch {
   Scratch(size_t heads, size_t d, size_t dc, std::optional<Bf16Unit> latent_unit, bool spans)
@@ -347,7 +340,9 @@ void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
           dense.mask.key_end(keys.sequence[static_cast<std::size_t>(row)], keys.query[static_cast<std::size_t>(row)]);
   }
   const std::optional<Bf16Unit> latent_unit = RecordLatentUnit(dense);
-  const bool spans = RecordSpans(latent_unit, heads);
+  // The bf16-exact blocks on the AMX spans (512 records a span, the heads its rows) where
+  // qkv::decode's latent step would take them, else the column step.
+  const bool spans = latent_unit.has_value() && latent_spans_pay(*latent_unit, heads);
   std::vector<records::Task> tasks;
   std::vector<int64_t> first_slot(static_cast<std::size_t>(row_count + 1), 0);
   for (int64_t row = 0; row < row_count; ++row) {
