@@ -2,13 +2,27 @@
 // (core/key_selection.hpp) gathered into blocks that the split-K schedule's register
 // tiles compute (cpu/decode_tiles-inl.h), the query heads of a GQA group sharing each
 // gathered block. fp32 arithmetic; storage float, bfloat16 or float16 (widened exactly,
-// rounded once on store). Results are bitwise identical for every thread count.
+// rounded once on store); bfloat16 groups of 16+ heads take a bf16 unit in both passes
+// (sparse_dot_unit). Results are bitwise identical for every thread count.
 #pragma once
 
 #include "core/key_selection.hpp"
+#include "cpu/dot_products.hpp"
 #include "cpu/simd_target.hpp"  // the entry points apply QKV_SIMD_TARGET themselves
 
 namespace qkv::cpu {
+
+// The bf16 unit both passes take for bfloat16 storage (fp32_fma: none): vdpbf16ps or the
+// AMX tiles where the call's precision picks one, for groups of whole vectors of query
+// heads (≥ 16: DeepSeek's MQA/MLA mode, where each gathered key feeds enough rows to make
+// the dot products pay) without a modifier the transposed scores skip (soft-cap, ALiBi,
+// score_mod). One rule for the forward and the backward, so that the backward's logits
+// are the forward's. May throw (QKV_DOT_PRODUCTS=on without the unit): call it before a
+// parallel region.
+inline Bf16Unit sparse_dot_unit(const detail::Extents& e, const detail::ScoreModifiers& mods, Precision precision) {
+  const bool eligible = e.group() % 16 == 0 && mods.softcap == 0.0f && !mods.has_alibi() && !mods.has_score_mod();
+  return eligible ? bf16_unit(precision) : Bf16Unit::fp32_fma;
+}
 
 void sparse_forward(const detail::SparseForwardProblem<float>& problem);
 void sparse_forward(const detail::SparseForwardProblem<bfloat16>& problem);

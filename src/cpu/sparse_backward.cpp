@@ -20,8 +20,11 @@
 // FMA peak. Every pass writes its own outputs, the same way on any thread: results are
 // bitwise identical for every thread count.
 //
+// bfloat16 groups of 16+ heads take the call's bf16 unit (vdpbf16ps or the AMX tiles):
+// S, dP and dQ's product there, in both passes (SparseBackwardUnit).
+//
 // Workspace, per call: the sets (B·lists·Nq·topk int32, the size of the lists), scale·q
-// and dO widened to float, D; nothing Nq × Nk.
+// and dO widened to float, D, and on a bf16 unit q and dO paired; nothing Nq × Nk.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/sparse_backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -30,6 +33,8 @@
 #include "cpu/block_ops-inl.h"
 #include "cpu/decode_tiles-inl.h"
 #include "cpu/sparse_gather-inl.h"
+#include "cpu/amx_dot.hpp"
+#include "cpu/bf16_dot.hpp"
 
 #ifndef QKV_CPU_SPARSE_BACKWARD_ONCE_
 #define QKV_CPU_SPARSE_BACKWARD_ONCE_
@@ -61,17 +66,46 @@ struct Workspace {
   hwy::AlignedFreeUniquePtr<float[]> scaled_q;  // [B, Nq, Hq, d_pad]: scale·q
   hwy::AlignedFreeUniquePtr<float[]> dout;      // [B, Nq, Hq, dv_pad]: dO in float
   std::vector<float> delta;                     // [B, Nq, Hq]: D = ⟨dO, O⟩
+  // On a bf16 unit (SparseBackwardUnit): each (b, i, kv head)'s query and dO rows paired
+  // for ScoresTransposed, once for both passes (pair_ld(group) words a pair row).
+  Bf16Unit unit = Bf16Unit::fp32_fma;
+  size_t pair_ld = 0, q_words = 0, dout_words = 0;
+  std::vector<std::uint32_t> q_pairs, dout_pairs;
 
   int64_t row(int64_t b, int64_t list, int64_t i) const { return (b * lists + list) * q_len + i; }
   int64_t head_row(int64_t b, int64_t i, int64_t h) const { return (b * q_len + i) * q_heads + h; }
   const float* q_row(int64_t b, int64_t i, int64_t h) const { return scaled_q.get() + head_row(b, i, h) * d_pad; }
   const float* dout_row(int64_t b, int64_t i, int64_t h) const { return dout.get() + head_row(b, i, h) * dv_pad; }
+  int64_t unit_of(int64_t b, int64_t i, int64_t g, int64_t kv_heads) const { return (b * q_len + i) * kv_heads + g; }
+};
+
+// One thread's buffers for the products on a bf16 unit: a block's K and V rows gathered
+// as bf16 rows, its Sᵀ and dPᵀ (keys × group: Pᵀ and dSᵀ in place), the pairs scratch of
+// the dQ product, and the group's lse and D.
+struct DotScratch {
+  DotScratch() : st(AllocateFloats(0)), dpt(AllocateFloats(0)) {}
+  DotScratch(size_t group, size_t d, size_t dv)
+      : ld(bf16dot::pair_ld(group)),
+        keys(kGatherKeys * d),
+        values(kGatherKeys * dv),
+        st(AllocateFloats(kGatherKeys * ld)),
+        dpt(AllocateFloats(kGatherKeys * ld)),
+        p_pairs(kGatherKeys / 2 * ld),
+        k_pairs(kGatherKeys / 2 * bf16dot::pair_ld(d)),
+        lse(group),
+        delta(group) {}
+
+  size_t ld = 0;
+  std::vector<bfloat16> keys, values;
+  hwy::AlignedFreeUniquePtr<float[]> st, dpt;
+  std::vector<std::uint32_t> p_pairs, k_pairs;
+  std::vector<float> lse, delta;
 };
 
 // One thread's scratch for passes C and D.
 template <class T>
 struct Scratch {
-  Scratch(const detail::Extents& e, const detail::KeySelection& selection)
+  Scratch(const detail::Extents& e, const detail::KeySelection& selection, Bf16Unit unit)
       : marks(selection.marks_for(e.k_len)),
         block(static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
         rows(std::max<size_t>(static_cast<size_t>(e.group()), 1)),
@@ -89,7 +123,9 @@ struct Scratch {
         head_q(rows),
         head_dout(rows),
         dk_rows(kGatherKeys),
-        dv_rows(kGatherKeys) {}
+        dv_rows(kGatherKeys),
+        dots(unit == Bf16Unit::fp32_fma ? DotScratch()
+                                        : DotScratch(rows, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim))) {}
 
   std::vector<uint64_t> marks;  // attended_keys's bit set
   GatheredBlock<T> block;
@@ -101,6 +137,7 @@ struct Scratch {
   std::vector<float> lse, delta, ones;
   std::vector<const float*> head_q, head_dout;  // pass D: the group's scale·q and dO rows
   std::vector<float*> dk_rows, dv_rows;         // pass D: the listed keys' rows of dk, dv
+  DotScratch dots;
 };
 
 // Over `padded` entries of one row of scores s (already through the soft-cap) and dP:
@@ -184,6 +221,75 @@ HWY_INLINE void AddWeightedRows(size_t n, const float* HWY_RESTRICT w, size_t gr
   }
 }
 
+// The bf16 unit of the call's products (sparse_dot_unit's rule, the forward's: for
+// bfloat16 storage, groups of whole vectors of heads, the unit the precision picks).
+// Then S and dP of every block are products of bf16 values on that unit, exact, summed in
+// float32 — S bit for bit the forward's latent step's, whose lse P divides by — and dQ =
+// dS·K rounds each dS to bfloat16 once (the fast contract, as the dense backward's tiles
+// do). dK and dV stay float32 products of the float P and dS (keys × group: 16+ heads of
+// one row, too short a sum for the tiles) with the float rows of the workspace. May
+// throw: called before the parallel regions.
+template <class T>
+Bf16Unit SparseBackwardUnit(const detail::SparseBackwardProblem<T>& problem) {
+  if constexpr (!std::is_same_v<T, bfloat16>) {
+    return Bf16Unit::fp32_fma;
+  } else {
+    return sparse_dot_unit(problem.dense.extents, problem.dense.modifiers, problem.dense.precision);
+  }
+}
+
+// Over keys × rows of Sᵀ (st) and dPᵀ (dpt), ld apart, rows whole vectors of heads:
+//   P = e^(S − lse_r) into st, dS = P·(dP − D_r) into dpt.
+HWY_INLINE void WeightsAndGradientsTransposed(size_t keys, size_t rows, size_t ld, const float* HWY_RESTRICT lse,
+                                              const float* HWY_RESTRICT delta, float* HWY_RESTRICT st,
+                                              float* HWY_RESTRICT dpt) {
+  const FloatTag df;
+  const size_t lanes = hn::Lanes(df);
+  for (size_t r = 0; r < rows; r += lanes) {
+    const FloatVec row_lse = hn::LoadU(df, lse + r), row_delta = hn::LoadU(df, delta + r);
+    for (size_t j = 0; j < keys; ++j) {
+      const FloatVec p = ExpKeepNaN(df, hn::Sub(hn::LoadU(df, st + j * ld + r), row_lse));
+      hn::StoreU(p, df, st + j * ld + r);
+      hn::StoreU(hn::Mul(p, hn::Sub(hn::LoadU(df, dpt + j * ld + r), row_delta)), df, dpt + j * ld + r);
+    }
+  }
+}
+
+// Keys keys[0, n) of (b, kv head g) against row i's group on the call's bf16 unit: their
+// K and V rows gathered, then Pᵀ and dSᵀ (n × group) into s.dots.st and s.dots.dpt. The
+// group's lse and D must be in s.dots.lse / s.dots.delta.
+inline void BlockOnDots(const detail::SparseBackwardProblem<bfloat16>& problem, const Workspace& w, int64_t b,
+                        int64_t i, int64_t g, const int32_t* keys, size_t n, Scratch<bfloat16>& s) {
+  const auto& dense = problem.dense;
+  const auto rows = dense.rows();
+  const size_t group = static_cast<size_t>(dense.extents.group());
+  const size_t d = static_cast<size_t>(dense.extents.head_dim), dv = static_cast<size_t>(dense.extents.v_dim);
+  DotScratch& x = s.dots;
+  for (size_t j = 0; j < n; ++j) {
+    std::copy_n(rows.k(b, keys[j], g), d, x.keys.data() + j * d);
+    std::copy_n(rows.v(b, keys[j], g), dv, x.values.data() + j * dv);
+  }
+  const int64_t unit = w.unit_of(b, i, g, dense.extents.kv_heads);
+  const auto scores = w.unit == Bf16Unit::amx ? amx::ScoresTransposed : bf16dot::ScoresTransposed;
+  scores(x.keys.data(), static_cast<std::int64_t>(d), n, d, w.q_pairs.data() + static_cast<size_t>(unit) * w.q_words, w.pair_ld, group,
+         static_cast<float>(dense.scale), x.st.get(), x.ld);
+  scores(x.values.data(), static_cast<std::int64_t>(dv), n, dv, w.dout_pairs.data() + static_cast<size_t>(unit) * w.dout_words, w.pair_ld,
+         group, 1.0f, x.dpt.get(), x.ld);
+  WeightsAndGradientsTransposed(n, group, x.ld, x.lse.data(), x.delta.data(), x.st.get(), x.dpt.get());
+}
+
+// The group's lse and D of row i into s.dots.
+template <class T>
+void GroupRowStatistics(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t i,
+                        int64_t g, Scratch<T>& s) {
+  const auto rows = problem.dense.rows();
+  const int64_t group = problem.dense.extents.group();
+  for (int64_t r = 0; r < group; ++r) {
+    s.dots.lse[static_cast<size_t>(r)] = static_cast<float>(rows.lse(b, g * group + r, i));
+    s.dots.delta[static_cast<size_t>(r)] = w.delta[static_cast<size_t>(w.head_row(b, i, g * group + r))];
+  }
+}
+
 // Pass A, row (b, i): the sets of every list, scale·q and dO in float, D = ⟨dO, O⟩.
 template <class T>
 void PrepareRow(const detail::SparseBackwardProblem<T>& problem, Workspace& w, int64_t b, int64_t i,
@@ -206,6 +312,32 @@ void PrepareRow(const detail::SparseBackwardProblem<T>& problem, Workspace& w, i
     for (int64_t c = 0; c < e.v_dim; ++c) delta += static_cast<double>(dout[c]) * static_cast<double>(Widen(out[c]));
     w.delta[static_cast<size_t>(w.head_row(b, i, h))] = static_cast<float>(delta);
   }
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (w.unit == Bf16Unit::fp32_fma) return;
+    const auto group = static_cast<size_t>(e.group());
+    for (int64_t g = 0; g < e.kv_heads; ++g) {
+      const int64_t unit = w.unit_of(b, i, g, e.kv_heads);
+      bf16dot::PackQueryPairs(rows.q(b, i, g * e.group()), dense.args.q.strides[2], group,
+                              static_cast<size_t>(e.head_dim), w.q_pairs.data() + static_cast<size_t>(unit) * w.q_words, w.pair_ld);
+      bf16dot::PackQueryPairs(rows.dout(b, i, g * e.group()), dense.args.dout.strides[2], group,
+                              static_cast<size_t>(e.v_dim), w.dout_pairs.data() + static_cast<size_t>(unit) * w.dout_words, w.pair_ld);
+    }
+  }
+}
+
+// dQ of the group's heads from the accumulated Σ_j dS_rj·k_j: scale times it, stored.
+template <class T>
+void StoreQueryGradients(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t i,
+                         int64_t g, const Scratch<T>& s) {
+  const auto& dense = problem.dense;
+  const auto rows = dense.rows();
+  const int64_t group = dense.extents.group();
+  const float scale = static_cast<float>(dense.scale);
+  for (int64_t r = 0; r < group; ++r) {
+    T* dq = rows.dq(b, i, g * group + r);
+    const float* acc = s.acc.get() + static_cast<size_t>(r) * w.d_pad;
+    for (int64_t c = 0; c < dense.extents.head_dim; ++c) dq[c] = StoreAs<T>(scale * acc[c]);
+  }
 }
 
 // Pass C, (b, i, kv head g): dQ of the group's heads over the gathered blocks of A_i.
@@ -222,6 +354,23 @@ void QueryGradients(const detail::SparseBackwardProblem<T>& problem, const Works
   const float* q = w.q_row(b, i, g * e.group());
   const float* dout = w.dout_row(b, i, g * e.group());
   std::fill(s.acc.get(), s.acc.get() + group * w.d_pad, 0.0f);
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (w.unit != Bf16Unit::fp32_fma) {
+      GroupRowStatistics(problem, w, b, i, g, s);
+      const amx::TileScope tile_scope(w.unit == Bf16Unit::amx);  // one configuration for the unit's blocks
+      const size_t d = static_cast<size_t>(e.head_dim);
+      for (size_t start = 0; start < count; start += kGatherKeys) {
+        const size_t n = std::min(kGatherKeys, count - start);
+        BlockOnDots(problem, w, b, i, g, set + start, n, s);
+        // dQ_r += Σ_j dS_rj·k_j, dS rounded to bfloat16 once (alpha 1: the running sum is kept).
+        (w.unit == Bf16Unit::amx ? amx::RescaleAddWeighted : bf16dot::RescaleAddWeighted)(
+            s.dots.dpt.get(), s.dots.ld, group, n, s.dots.keys.data(), static_cast<std::int64_t>(d), d,
+            {s.dots.p_pairs.data(), s.dots.k_pairs.data()}, s.acc.get(), w.d_pad, s.ones.data());
+      }
+      StoreQueryGradients(problem, w, b, i, g, s);
+      return;
+    }
+  }
   for (size_t start = 0; start < count; start += kGatherKeys) {
     const size_t n = std::min(kGatherKeys, count - start), padded = round_up(n, lanes);
     const int32_t* keys = set + start;
@@ -243,10 +392,24 @@ void QueryGradients(const detail::SparseBackwardProblem<T>& problem, const Works
       ValueBlock(group, s.d_scores.get(), kGatherKeys, n, k_rows, k_dim, Ahead<S>{}, s.ones.data(), s.acc.get(), w.d_pad);
     });
   }
-  const float scale = static_cast<float>(dense.scale);
-  for (size_t r = 0; r < group; ++r) {
-    T* dq = rows.dq(b, i, g * e.group() + static_cast<int64_t>(r));
-    for (int64_t c = 0; c < e.head_dim; ++c) dq[c] = StoreAs<T>(scale * s.acc[r * w.d_pad + static_cast<size_t>(c)]);
+  StoreQueryGradients(problem, w, b, i, g, s);
+}
+
+// Pass D's Pᵀ and dSᵀ of row i's keys[0, n) on the call's bf16 unit, pointed to by
+// weights_t / d_weights_t (n × group: the layout AddWeightedRows reads, as the pairs'
+// leading dimension is the group itself); false where the float step computes them.
+template <class T>
+bool DotWeights(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t i, int64_t g,
+                const int32_t* keys, size_t n, Scratch<T>& s, const float*& weights_t, const float*& d_weights_t) {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (w.unit == Bf16Unit::fp32_fma) return false;
+    GroupRowStatistics(problem, w, b, i, g, s);
+    BlockOnDots(problem, w, b, i, g, keys, n, s);
+    weights_t = s.dots.st.get();
+    d_weights_t = s.dots.dpt.get();
+    return true;
+  } else {
+    return false;
   }
 }
 
@@ -263,6 +426,7 @@ void KeyBlockGradients(const detail::SparseBackwardProblem<T>& problem, const Wo
   const size_t group = static_cast<size_t>(e.group()), lanes = VectorLanes();
   const int64_t last = std::min(first + kKeyBlock, e.k_len);
   const int64_t list = problem.keys.list_of(g);
+  const amx::TileScope tile_scope(w.unit == Bf16Unit::amx);  // one configuration for the unit's rows
   std::fill(s.dk.get(), s.dk.get() + static_cast<size_t>(last - first) * w.d_pad, 0.0f);
   std::fill(s.dv.get(), s.dv.get() + static_cast<size_t>(last - first) * w.dv_pad, 0.0f);
   for (int64_t i = 0; i < w.q_len; ++i) {
@@ -273,25 +437,30 @@ void KeyBlockGradients(const detail::SparseBackwardProblem<T>& problem, const Wo
     const int32_t* keys = std::lower_bound(set, set_end, static_cast<int32_t>(first));
     const auto n = static_cast<size_t>(std::lower_bound(keys, set_end, static_cast<int32_t>(last)) - keys);
     if (n == 0) continue;
-    const size_t padded = round_up(n, lanes);
     const float* q = w.q_row(b, i, g * e.group());
     const float* dout = w.dout_row(b, i, g * e.group());
-    const auto k_row = [&](size_t j) { return rows.k(b, keys[j], g); };
-    const auto v_row = [&](size_t j) { return rows.v(b, keys[j], g); };
-    s.block.Gather(n, padded, k_row, v_row);
-    s.block.GatherNext(0, k_row, v_row);  // the block's rows are in L2 after the first row
-    s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
-      for (size_t j = 0; j < padded; j += lanes) {
-        ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, k_ahead, s.scores.get() + j, kGatherKeys);
-        ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, v_ahead, s.d_scores.get() + j, kGatherKeys);
-      }
-    });
-    GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
-    for (size_t x = 0; x < n; ++x)
-      for (size_t r = 0; r < group; ++r) {
-        s.weights_t[x * group + r] = s.scores[r * kGatherKeys + x];
-        s.d_weights_t[x * group + r] = s.d_scores[r * kGatherKeys + x];
-      }
+    // Pᵀ and dSᵀ (n × group) of the row's listed keys in the block.
+    const float* weights_t = s.weights_t.get();
+    const float* d_weights_t = s.d_weights_t.get();
+    if (!DotWeights(problem, w, b, i, g, keys, n, s, weights_t, d_weights_t)) {
+      const size_t padded = round_up(n, lanes);
+      const auto k_row = [&](size_t j) { return rows.k(b, keys[j], g); };
+      const auto v_row = [&](size_t j) { return rows.v(b, keys[j], g); };
+      s.block.Gather(n, padded, k_row, v_row);
+      s.block.GatherNext(0, k_row, v_row);  // the block's rows are in L2 after the first row
+      s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
+        for (size_t j = 0; j < padded; j += lanes) {
+          ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, k_ahead, s.scores.get() + j, kGatherKeys);
+          ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, v_ahead, s.d_scores.get() + j, kGatherKeys);
+        }
+      });
+      GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
+      for (size_t x = 0; x < n; ++x)
+        for (size_t r = 0; r < group; ++r) {
+          s.weights_t[x * group + r] = s.scores[r * kGatherKeys + x];
+          s.d_weights_t[x * group + r] = s.d_scores[r * kGatherKeys + x];
+        }
+    }
     for (size_t r = 0; r < group; ++r) {
       s.head_q[r] = q + r * w.d_pad;
       s.head_dout[r] = dout + r * w.dv_pad;
@@ -301,8 +470,8 @@ void KeyBlockGradients(const detail::SparseBackwardProblem<T>& problem, const Wo
       s.dv_rows[x] = s.dv.get() + static_cast<size_t>(keys[x] - first) * w.dv_pad;
       s.dk_rows[x] = s.dk.get() + static_cast<size_t>(keys[x] - first) * w.d_pad;
     }
-    AddWeightedRows(n, s.weights_t.get(), group, s.head_dout.data(), w.dv_pad, s.dv_rows.data());
-    AddWeightedRows(n, s.d_weights_t.get(), group, s.head_q.data(), w.d_pad, s.dk_rows.data());
+    AddWeightedRows(n, weights_t, group, s.head_dout.data(), w.dv_pad, s.dv_rows.data());
+    AddWeightedRows(n, d_weights_t, group, s.head_q.data(), w.d_pad, s.dk_rows.data());
   }
   for (int64_t j = first; j < last; ++j) {
     const float* dk_sum = s.dk.get() + static_cast<size_t>(j - first) * w.d_pad;
@@ -334,10 +503,19 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
   w.scaled_q = AllocateFloats(head_rows * w.d_pad);
   w.dout = AllocateFloats(head_rows * w.dv_pad);
   w.delta.resize(head_rows);
+  w.unit = SparseBackwardUnit(problem);
+  if (w.unit != Bf16Unit::fp32_fma) {
+    const auto units = static_cast<size_t>(e.batch * e.q_len * e.kv_heads);
+    w.pair_ld = bf16dot::pair_ld(static_cast<size_t>(e.group()));
+    w.q_words = (static_cast<size_t>(e.head_dim) + 1) / 2 * w.pair_ld;
+    w.dout_words = (static_cast<size_t>(e.v_dim) + 1) / 2 * w.pair_ld;
+    w.q_pairs.resize(units * w.q_words);
+    w.dout_pairs.resize(units * w.dout_words);
+  }
   const int threads = std::max(dense.threads, 1);
   std::vector<Scratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys);
+  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, w.unit);
 
   const int64_t query_rows = e.batch * e.q_len;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)

@@ -47,25 +47,18 @@ namespace qkv::cpu::HWY_NAMESPACE {
 namespace {
 
 // The bf16 unit the call's units take the latent step on (decode_latent-inl.h's column
-// step, as latent decode does; fp32_fma: none): bfloat16 storage, Precision::fast where
-// the call has a bf16 unit — vdpbf16ps, or the AMX tiles (Xeons, where the float step
-// ran until 2026-12-06: bench/RESULTS.md §15b) — groups of whole vectors of heads (≥ 16:
-// DeepSeek's MQA/MLA mode, where each gathered key feeds enough rows to make the dot
-// products pay) and no modifier the transposed scores skip (soft-cap, ALiBi, score_mod).
+// step, as latent decode does; sparse_dot_unit's rule, sparse.hpp), for bfloat16 storage.
+// On the AMX tiles the float step ran until 2026-12-06 (bench/RESULTS.md §15b).
 // The queries and keys are bf16 already, their products exact in float32: the logits, and
 // so the lse the backward divides by, are the float step's up to the order of the float32
 // sums; each weight P is rounded to bfloat16 once for P·V (the bf16 contract,
-// docs/numerics.md). May throw (QKV_DOT_PRODUCTS=on without the unit): called before the
-// parallel region.
+// docs/numerics.md). May throw: called before the parallel region.
 template <class T>
 Bf16Unit SparseLatentUnit(const detail::SparseForwardProblem<T>& problem) {
-  const auto& p = problem.dense;
   if constexpr (!std::is_same_v<T, bfloat16>) {
     return Bf16Unit::fp32_fma;
   } else {
-    const bool eligible = p.extents.group() % 16 == 0 && p.modifiers.softcap == 0.0f && !p.modifiers.has_alibi() &&
-                          !p.modifiers.has_score_mod();
-    return eligible ? bf16_unit(p.precision) : Bf16Unit::fp32_fma;
+    return sparse_dot_unit(problem.dense.extents, problem.dense.modifiers, problem.dense.precision);
   }
 }
 
