@@ -33,6 +33,7 @@
 #include "cpu/block_ops-inl.h"
 #include "cpu/decode_tiles-inl.h"
 #include "cpu/sparse_gather-inl.h"
+#include "cpu/sparse_backward_dots-inl.h"
 #include "cpu/amx_dot.hpp"
 #include "cpu/bf16_dot.hpp"
 
@@ -79,29 +80,6 @@ struct Workspace {
   int64_t unit_of(int64_t b, int64_t i, int64_t g, int64_t kv_heads) const { return (b * q_len + i) * kv_heads + g; }
 };
 
-// One thread's buffers for the products on a bf16 unit: a block's K and V rows gathered
-// as bf16 rows, its Sᵀ and dPᵀ (keys × group: Pᵀ and dSᵀ in place), the pairs scratch of
-// the dQ product, and the group's lse and D.
-struct DotScratch {
-  DotScratch() : st(AllocateFloats(0)), dpt(AllocateFloats(0)) {}
-  DotScratch(size_t group, size_t d, size_t dv)
-      : ld(bf16dot::pair_ld(group)),
-        keys(kGatherKeys * d),
-        values(kGatherKeys * dv),
-        st(AllocateFloats(kGatherKeys * ld)),
-        dpt(AllocateFloats(kGatherKeys * ld)),
-        p_pairs(kGatherKeys / 2 * ld),
-        k_pairs(kGatherKeys / 2 * bf16dot::pair_ld(d)),
-        lse(group),
-        delta(group) {}
-
-  size_t ld = 0;
-  std::vector<bfloat16> keys, values;
-  hwy::AlignedFreeUniquePtr<float[]> st, dpt;
-  std::vector<std::uint32_t> p_pairs, k_pairs;
-  std::vector<float> lse, delta;
-};
-
 // One thread's scratch for passes C and D.
 template <class T>
 struct Scratch {
@@ -124,8 +102,9 @@ struct Scratch {
         head_dout(rows),
         dk_rows(kGatherKeys),
         dv_rows(kGatherKeys),
-        dots(unit == Bf16Unit::fp32_fma ? DotScratch()
-                                        : DotScratch(rows, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim))) {}
+        dots(unit == Bf16Unit::fp32_fma
+                 ? SparseDotScratch()
+                 : SparseDotScratch(rows, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim))) {}
 
   std::vector<uint64_t> marks;  // attended_keys's bit set
   GatheredBlock<T> block;
@@ -137,7 +116,7 @@ struct Scratch {
   std::vector<float> lse, delta, ones;
   std::vector<const float*> head_q, head_dout;  // pass D: the group's scale·q and dO rows
   std::vector<float*> dk_rows, dv_rows;         // pass D: the listed keys' rows of dk, dv
-  DotScratch dots;
+  SparseDotScratch dots;  // on a bf16 unit (SparseBackwardUnit)
 };
 
 // Over `padded` entries of one row of scores s (already through the soft-cap) and dP:
@@ -238,23 +217,6 @@ Bf16Unit SparseBackwardUnit(const detail::SparseBackwardProblem<T>& problem) {
   }
 }
 
-// Over keys × rows of Sᵀ (st) and dPᵀ (dpt), ld apart, rows whole vectors of heads:
-//   P = e^(S − lse_r) into st, dS = P·(dP − D_r) into dpt.
-HWY_INLINE void WeightsAndGradientsTransposed(size_t keys, size_t rows, size_t ld, const float* HWY_RESTRICT lse,
-                                              const float* HWY_RESTRICT delta, float* HWY_RESTRICT st,
-                                              float* HWY_RESTRICT dpt) {
-  const FloatTag df;
-  const size_t lanes = hn::Lanes(df);
-  for (size_t r = 0; r < rows; r += lanes) {
-    const FloatVec row_lse = hn::LoadU(df, lse + r), row_delta = hn::LoadU(df, delta + r);
-    for (size_t j = 0; j < keys; ++j) {
-      const FloatVec p = ExpKeepNaN(df, hn::Sub(hn::LoadU(df, st + j * ld + r), row_lse));
-      hn::StoreU(p, df, st + j * ld + r);
-      hn::StoreU(hn::Mul(p, hn::Sub(hn::LoadU(df, dpt + j * ld + r), row_delta)), df, dpt + j * ld + r);
-    }
-  }
-}
-
 // Keys keys[0, n) of (b, kv head g) against row i's group on the call's bf16 unit: their
 // K and V rows gathered, then Pᵀ and dSᵀ (n × group) into s.dots.st and s.dots.dpt. The
 // group's lse and D must be in s.dots.lse / s.dots.delta.
@@ -264,17 +226,23 @@ inline void BlockOnDots(const detail::SparseBackwardProblem<bfloat16>& problem, 
   const auto rows = dense.rows();
   const size_t group = static_cast<size_t>(dense.extents.group());
   const size_t d = static_cast<size_t>(dense.extents.head_dim), dv = static_cast<size_t>(dense.extents.v_dim);
-  DotScratch& x = s.dots;
+  SparseDotScratch& x = s.dots;
+  // Latent attention's values are its keys' first dv channels (v a view of k, as
+  // DeepSeek's MLA cache is read): then they are gathered once, with the keys.
+  bool values_in_keys = dv <= d;
   for (size_t j = 0; j < n; ++j) {
-    std::copy_n(rows.k(b, keys[j], g), d, x.keys.data() + j * d);
-    std::copy_n(rows.v(b, keys[j], g), dv, x.values.data() + j * dv);
+    const bfloat16* key = rows.k(b, keys[j], g);
+    std::copy_n(key, d, x.keys.data() + j * d);
+    values_in_keys = values_in_keys && rows.v(b, keys[j], g) == key;
   }
-  const int64_t unit = w.unit_of(b, i, g, dense.extents.kv_heads);
+  if (!values_in_keys)
+    for (size_t j = 0; j < n; ++j) std::copy_n(rows.v(b, keys[j], g), dv, x.values.data() + j * dv);
+  const auto unit = static_cast<size_t>(w.unit_of(b, i, g, dense.extents.kv_heads));
   const auto scores = w.unit == Bf16Unit::amx ? amx::ScoresTransposed : bf16dot::ScoresTransposed;
-  scores(x.keys.data(), static_cast<std::int64_t>(d), n, d, w.q_pairs.data() + static_cast<size_t>(unit) * w.q_words, w.pair_ld, group,
+  scores(x.keys.data(), static_cast<std::int64_t>(d), n, d, w.q_pairs.data() + unit * w.q_words, w.pair_ld, group,
          static_cast<float>(dense.scale), x.st.get(), x.ld);
-  scores(x.values.data(), static_cast<std::int64_t>(dv), n, dv, w.dout_pairs.data() + static_cast<size_t>(unit) * w.dout_words, w.pair_ld,
-         group, 1.0f, x.dpt.get(), x.ld);
+  scores(values_in_keys ? x.keys.data() : x.values.data(), static_cast<std::int64_t>(values_in_keys ? d : dv), n, dv,
+         w.dout_pairs.data() + unit * w.dout_words, w.pair_ld, group, 1.0f, x.dpt.get(), x.ld);
   WeightsAndGradientsTransposed(n, group, x.ld, x.lse.data(), x.delta.data(), x.st.get(), x.dpt.get());
 }
 

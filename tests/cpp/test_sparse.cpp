@@ -335,5 +335,56 @@ TEST(Sparse, Int32ListsAndBhsdViewsGiveTheSameBits) {
   EXPECT_EQ(0, std::memcmp(expected.lse.data(), lse.data(), lse.size() * sizeof(float)));
 }
 
+// Latent attention's values are its keys' first dv channels: v given as a view of k (as
+// DeepSeek's MLA cache is read) takes the backward's shortcut of gathering the rows once
+// (sparse_backward.cpp's BlockOnDots); the same values in their own tensor do not. Both
+// give the same bits, forward and backward, on each bf16 unit and on the float step.
+TEST(Sparse, ValuesAsAViewOfTheKeysGiveTheSameBits) {
+  const SparseSpec s{.name = "latent", .batch = 2, .q_len = 7, .k_len = 90, .q_heads = 16, .kv_heads = 1,
+                     .head_dim = 48, .v_dim = 32, .topk = 40, .causal = Causal::bottom_right};
+  const auto in = sparse_inputs<bfloat16>(s, 83);
+  auto copied = in;
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t j = 0; j < s.k_len; ++j)
+      for (int64_t x = 0; x < s.v_dim; ++x) copied.v(b, j, 0, x) = in.k(b, j, 0, x);
+  auto run_on_the_view = [&] {
+    SparseResults<bfloat16> r = sparse_results<bfloat16>(s);
+    const auto k = in.k.cview();
+    const View4<const bfloat16> v(k.data, {s.batch, s.k_len, s.kv_heads, s.v_dim}, k.strides);
+    const AttentionOptions options = sparse_options(s, {}, Backend::cpu);
+    const KeyIndices indices = indices_of(s, in.lists);
+    sparse_attention_forward(SparseForwardArgs<bfloat16>{.q = in.q.cview(), .k = k, .v = v, .indices = indices,
+                                                         .out = r.out.view(), .lse = r.lse.view()},
+                             options);
+    sparse_attention_backward(
+        SparseBackwardArgs<bfloat16>{.q = in.q.cview(), .k = k, .v = v, .indices = indices, .out = r.out.cview(),
+                                     .lse = r.lse.cview(), .dout = in.dout.cview(), .dq = r.dq.view(),
+                                     .dk = r.dk.view(), .dv = r.dv.view(), .dsinks = r.dsinks},
+        options);
+    return r;
+  };
+  auto expect_same = [&](const char* unit) {
+    SCOPED_TRACE(unit);
+    const auto expected = run_sparse(s, copied, Backend::cpu, 2, true);
+    const auto got = run_on_the_view();
+    EXPECT_EQ(0, std::memcmp(expected.out.data(), got.out.data(), got.out.size() * sizeof(bfloat16)));
+    EXPECT_EQ(0, std::memcmp(expected.lse.data(), got.lse.data(), got.lse.size() * sizeof(float)));
+    for (const auto& [a, b] : {std::pair{&expected.dq, &got.dq}, std::pair{&expected.dk, &got.dk},
+                               std::pair{&expected.dv, &got.dv}})
+      EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->size() * sizeof(bfloat16)));
+  };
+  cpu::set_dot_products_for_test(false);
+  expect_same("float step");
+  cpu::set_dot_products_for_test(std::nullopt);
+  if (cpu::cpu_has_bf16_dot()) {
+    const test::ForcedVdpbf16ps forced;
+    expect_same("vdpbf16ps");
+  }
+  if (cpu::cpu_has_amx_bf16()) {
+    const test::ForcedAmx forced;
+    expect_same("AMX tiles");
+  }
+}
+
 }  // namespace
 }  // namespace qkv::test
