@@ -35,11 +35,15 @@ void cache_index_topk(const detail::KvSource& kv, const detail::IndexCacheShape&
   detail::IndexTopkProblem<T> problem =
       detail::validate_index_topk_cache(kv, shape, IndexTopkArgs<T>{q, {}, weights, indices}, options);
   const Backend backend = resolve_backend(options, /*is_double=*/false, /*wants_weights=*/false);
-  // bf16 queries over plain bf16 rows (no float window: its rows are float32) take
-  // vdpbf16ps where it is the call's unit, as qkv::index_topk's bf16 calls do.
-  if constexpr (std::is_same_v<T, bfloat16>)
-    problem.bf16_dots = backend == Backend::cpu && kv.type == StorageType::bfloat16 && !kv.windowed() &&
-                        cpu::bf16_unit(options.precision) == cpu::Bf16Unit::avx512_bf16;
+  // bf16 queries over plain bf16 rows (no float window: its rows are float32) take the
+  // call's bf16 unit (vdpbf16ps or the AMX tiles), as qkv::index_topk's bf16 calls do.
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (backend == Backend::cpu && kv.type == StorageType::bfloat16 && !kv.windowed()) {
+      const cpu::Bf16Unit unit = cpu::bf16_unit(options.precision);
+      problem.bf16_dots = unit != cpu::Bf16Unit::fp32_fma;
+      problem.amx = unit == cpu::Bf16Unit::amx;
+    }
+  }
   try {
     if (backend == Backend::cpu) return cpu::index_topk(problem);
     reference::index_topk(problem);

@@ -14,10 +14,15 @@ template <class T>
 void run_index_topk(const IndexTopkArgs<T>& args, const AttentionOptions& options) {
   detail::IndexTopkProblem<T> problem = detail::validate_index_topk(args, options);
   const Backend backend = resolve_backend(options, std::is_same_v<T, double>, /*wants_weights=*/false);
-  // vdpbf16ps where it is the unit a bfloat16 call with this precision takes (AMD's
-  // AVX512-BF16; AMX Xeons keep the float32 FMAs here: the indexer has no tile kernel).
-  if constexpr (std::is_same_v<T, bfloat16>)
-    problem.bf16_dots = backend == Backend::cpu && cpu::bf16_unit(options.precision) == cpu::Bf16Unit::avx512_bf16;
+  // The unit a bfloat16 call with this precision takes: vdpbf16ps (AVX512-BF16) or the
+  // AMX tiles (Xeons, which kept the float32 FMAs here until 2026-12-06).
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (backend == Backend::cpu) {
+      const cpu::Bf16Unit unit = cpu::bf16_unit(options.precision);
+      problem.bf16_dots = unit != cpu::Bf16Unit::fp32_fma;
+      problem.amx = unit == cpu::Bf16Unit::amx;
+    }
+  }
   try {
     if constexpr (!std::is_same_v<T, double>) {
       if (backend == Backend::cpu) return cpu::index_topk(problem);

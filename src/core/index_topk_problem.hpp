@@ -27,10 +27,12 @@ struct IndexTopkProblem {
   // empty, k_len the capacity, mask.key_lengths the cache lengths), each row read as
   // cache_key_row gives it.
   const KvSource* cache = nullptr;
-  // bfloat16 q and k with Precision::fast where vdpbf16ps is the call's unit: the head
-  // logits as pairs of exact products summed on the unit (cpu/bf16_dot.hpp), not float32
-  // FMAs — a different summation order (and subnormals flushed), so other bits.
+  // bfloat16 q and k with Precision::fast where the call has a bf16 unit: the head logits
+  // as pairs of exact products summed on the unit — vdpbf16ps (cpu/bf16_dot.hpp), or the
+  // AMX tiles (`amx`: cpu/amx_dot.hpp) — not float32 FMAs: a different summation order
+  // (and subnormals flushed), so other bits; each unit's the same for any thread count.
   bool bf16_dots = false;
+  bool amx = false;
 };
 
 // Key row j of sequence b of a cache source's kv head 0, as float: exactly the values

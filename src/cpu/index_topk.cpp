@@ -2,6 +2,8 @@
 // top-k per query row, never the Nq × Nk scores.
 //
 // Work item: one batch entry, a block of up to kQueryBlock query rows and a range of keys.
+// (bfloat16 q and k on a bf16 unit: the keys read in place, S of each row's heads by the
+// unit's ScoresTransposed — vdpbf16ps, or the AMX tiles — instead of the float product.)
 // For each block of kKeyBlock keys (copied as float into scratch: widened from 16-bit
 // storage, or read from a qkv::KVCache, each row as KVCache::stored gives it) and each row i
 // of the item, one block product gives the row's head logits for those keys, keys as rows
@@ -39,6 +41,7 @@
 #include <vector>
 
 #include "core/index_topk_problem.hpp"
+#include "cpu/amx_dot.hpp"
 #include "cpu/bf16_dot.hpp"
 #include "cpu/simd_target.hpp"
 
@@ -241,8 +244,9 @@ void RunItem(const detail::IndexTopkProblem<T>& p, const index_topk_plan::Item& 
   const int64_t key_stride = a.k.strides[1];
   for (int64_t j0 = item.first_key; j0 < last_key; j0 += kKeyBlock) {
     const int64_t block_keys = std::min(kKeyBlock, last_key - j0);
-    if (p.bf16_dots) {  // bfloat16 keys read in place, the head logits on vdpbf16ps
+    if (p.bf16_dots) {  // bfloat16 keys read in place, the head logits on the unit
       if constexpr (std::is_same_v<T, bfloat16>) {
+        const amx::TileScope tile_scope(p.amx);  // one configuration for the block's rows
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t count = std::min(block_keys, row_end_key[r] - j0);
           if (count <= 0) continue;
@@ -262,8 +266,9 @@ void RunItem(const detail::IndexTopkProblem<T>& p, const index_topk_plan::Item& 
             } else {
               rows_at = &a.k(item.batch, j, 0);
             }
-            bf16dot::ScoresTransposed(rows_at, row_stride, static_cast<size_t>(run), d, pairs, scratch.q_ld, heads_pad,
-                                      1.0f, scratch.logits.get() + static_cast<size_t>(m) * heads_pad, heads_pad);
+            (p.amx ? amx::ScoresTransposed : bf16dot::ScoresTransposed)(
+                rows_at, row_stride, static_cast<size_t>(run), d, pairs, scratch.q_ld, heads_pad, 1.0f,
+                scratch.logits.get() + static_cast<size_t>(m) * heads_pad, heads_pad);
             m += run;
           }
           OfferScores(scratch.logits.get(), heads_pad, scratch.weights.get() + static_cast<size_t>(r) * heads_pad,

@@ -210,15 +210,19 @@ TEST(IndexTopk, Bfloat16OnTheDotUnitAndOff) {
     const ForcedVdpbf16ps forced;
     check_all(Precision::fast);
   }
+  if (cpu::cpu_has_amx_bf16()) {
+    const ForcedAmx forced;
+    check_all(Precision::fast);
+  }
   cpu::set_dot_products_for_test(false);
   check_all(Precision::fast);
   cpu::set_dot_products_for_test(std::nullopt);
   check_all(Precision::exact);
 }
 
-TEST(IndexTopk, Bfloat16OnTheDotUnitSameBitsForAnyThreadCount) {
-  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
-  const ForcedVdpbf16ps forced;
+// Each unit's bits do not depend on the thread count (the AMX tiles' sums run in another
+// order than vdpbf16ps's, so the two units' scores differ in their last bits).
+void expect_same_bits_for_any_thread_count() {
   for (int64_t q_len : {1, 40}) {
     Case c{.batch = 2, .q_len = q_len, .k_len = 3000, .heads = 33, .head_dim = 24, .topk = 100,
            .causal = Causal::bottom_right, .seed = 13};
@@ -230,6 +234,18 @@ TEST(IndexTopk, Bfloat16OnTheDotUnitSameBitsForAnyThreadCount) {
       for (std::size_t x = 0; x < one.size(); ++x) ASSERT_EQ(one[x], many[x]) << "threads " << threads;
     }
   }
+}
+
+TEST(IndexTopk, Bfloat16OnTheDotUnitSameBitsForAnyThreadCount) {
+  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  const ForcedVdpbf16ps forced;
+  expect_same_bits_for_any_thread_count();
+}
+
+TEST(IndexTopk, Bfloat16OnTheAmxTilesSameBitsForAnyThreadCount) {
+  if (!cpu::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 tiles on this CPU";
+  const ForcedAmx forced;
+  expect_same_bits_for_any_thread_count();
 }
 
 TEST(IndexTopk, TopkAtLeastAllowedKeysPadsWithMinusOne) {

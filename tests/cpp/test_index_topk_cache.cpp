@@ -144,7 +144,7 @@ TEST(IndexTopkCache, EqualsIndexTopkOverTheStoredKeysEveryStorageAndLayout) {
 // bfloat16 queries (a bf16 model's) over every storage: the same bits as qkv::index_topk
 // over the stored keys — with the float32 FMAs (the queries widened exactly; the unit
 // forced off, or Precision::exact), and for a bfloat16 cache with the unit forced on,
-// the dense bfloat16 call on vdpbf16ps over the same bf16 rows (each key's logit summed
+// the dense bfloat16 call on that unit (vdpbf16ps, the AMX tiles) over the same bf16 rows (each key's logit summed
 // in the same order whether its rows come a page or a block at a time).
 TEST(IndexTopkCache, Bfloat16QueriesEqualTheDenseCallEveryStorage) {
   const int64_t di = 32, heads = 8, topk = 96;
@@ -185,6 +185,10 @@ TEST(IndexTopkCache, Bfloat16QueriesEqualTheDenseCallEveryStorage) {
   check(false, Precision::exact);
   if (cpu::cpu_has_bf16_dot()) {
     const ForcedVdpbf16ps forced;
+    check(true, Precision::fast);
+  }
+  if (cpu::cpu_has_amx_bf16()) {  // the tiles likewise: a page's rows or a block's, the same sums
+    const ForcedAmx forced;
     check(true, Precision::fast);
   }
 }

@@ -91,7 +91,7 @@ CASES = [
          causal=None),
 ]
 # bfloat16 against SDPA: the float step's shapes, and groups of 16 heads (DeepSeek's MQA
-# mode), which on an AVX512-BF16 CPU take the forward's latent step on vdpbf16ps.
+# mode), which on a CPU with a bf16 unit (vdpbf16ps or AMX) take it in both passes.
 BF16_CASES = CASES[:2] + [
     dict(name="mqa_16_heads", b=1, hq=32, hkv=2, nq=40, nk=150, d=64, dv=64, topk=90, shared=True,
          causal="bottom_right"),
