@@ -4,7 +4,7 @@ threads (torch.set_num_threads = qkv's threads), forward and forward + backward.
 
     python bench/bench_sparse.py [--threads 2] [--repeats 3] [--sizes 4096 8192]
                                  [--shapes mla gqa] [--dtypes float32 bfloat16]
-                                 [--sdpa-max 4096] [--no-backward]
+                                 [--sdpa-max 4096] [--no-backward] [--values separate|latent]
 
 Shapes (layout bshd, causal prefill Nq = Nk = N, topk 2048):
   mla: 16 query heads on one kv head, d 576, dv 512 (DeepSeek-V3.2's MQA/MLA mode)
@@ -74,12 +74,15 @@ def bench_case(shape, n, dtype, args):
     k = torch.randn(1, n, hkv, d, generator=g).to(dt)
     v = torch.randn(1, n, hkv, dv, generator=g).to(dt)
     dout = torch.randn(1, n, hq, dv, generator=g).to(dt)
+    latent = args.values == "latent" and shape == "mla"  # v = k's first dv channels, a view
     indices = causal_topk_lists(n, args.topk, g)
     th = args.threads
     repeats = 1 if n >= 16384 else args.repeats
 
-    sparse = lambda q, k, v: qkv.sparse_attention(q, k, v, indices, causal="top_left", layout="bshd", threads=th)
-    dense = lambda q, k, v: qkv.attention(q, k, v, causal="top_left", layout="bshd", threads=th)
+    sparse = lambda q, k, v: qkv.sparse_attention(q, k, k[..., :dv] if latent else v, indices, causal="top_left",
+                                                  layout="bshd", threads=th)
+    dense = lambda q, k, v: qkv.attention(q, k, k[..., :dv] if latent else v, causal="top_left", layout="bshd",
+                                          threads=th)
     rows = {}
     with torch.no_grad():
         rows["qkv sparse"] = [best_of(repeats, lambda: sparse(q, k, v))]
@@ -89,7 +92,7 @@ def bench_case(shape, n, dtype, args):
         mask = boolean_mask(indices, n)
         # bhsd views of the same data; enable_gqa repeats kv heads inside SDPA
         sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            q.transpose(1, 2), k.transpose(1, 2), (k[..., :dv] if latent else v).transpose(1, 2), attn_mask=mask,
             enable_gqa=hq != hkv).transpose(1, 2)
         with torch.no_grad():
             rows["torch SDPA + bool mask"] = [best_of(repeats, lambda: sdpa(q, k, v))]
@@ -99,7 +102,8 @@ def bench_case(shape, n, dtype, args):
         rows["qkv dense causal"].append(best_of(repeats, forward_and_backward(dense, inputs, dout)))
         if mask is not None:
             rows["torch SDPA + bool mask"].append(best_of(repeats, forward_and_backward(sdpa, inputs, dout)))
-    print(f"\n{shape} Hq={hq} Hkv={hkv} d={d} dv={dv} N={n} topk={args.topk} {dtype} "
+    print(f"\n{shape} Hq={hq} Hkv={hkv} d={d} dv={dv} N={n} topk={args.topk} {dtype}"
+          f"{' v = k[..., :dv]' if latent else ''} "
           f"(repeats {repeats}, load {os.getloadavg()[0]:.2f})")
     base = rows["qkv sparse"]
     for name, t in rows.items():
@@ -120,6 +124,9 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--sdpa-max", type=int, default=4096)
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--values", choices=["separate", "latent"], default="separate",
+                        help="latent: the mla shape's v is k's first dv channels (a view, as DeepSeek's "
+                             "latent cache is read; its gradient flows into k's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"cpu: {cpu_model()}; threads {args.threads}; load {os.getloadavg()}; "
