@@ -6,6 +6,8 @@
 // (sparse_dot_unit). Results are bitwise identical for every thread count.
 #pragma once
 
+#include <type_traits>
+
 #include "core/key_selection.hpp"
 #include "cpu/dot_products.hpp"
 #include "cpu/simd_target.hpp"  // the entry points apply QKV_SIMD_TARGET themselves
@@ -19,9 +21,15 @@ namespace qkv::cpu {
 // score_mod). One rule for the forward and the backward, so that the backward's logits
 // are the forward's. May throw (QKV_DOT_PRODUCTS=on without the unit): call it before a
 // parallel region.
-inline Bf16Unit sparse_dot_unit(const detail::Extents& e, const detail::ScoreModifiers& mods, Precision precision) {
-  const bool eligible = e.group() % 16 == 0 && mods.softcap == 0.0f && !mods.has_alibi() && !mods.has_score_mod();
-  return eligible ? bf16_unit(precision) : Bf16Unit::fp32_fma;
+// T: the storage type (any but bfloat16 takes none).
+template <class T>
+Bf16Unit sparse_dot_unit(const detail::Extents& e, const detail::ScoreModifiers& mods, Precision precision) {
+  if constexpr (!std::is_same_v<T, bfloat16>) {
+    return Bf16Unit::fp32_fma;
+  } else {
+    const bool eligible = e.group() % 16 == 0 && mods.softcap == 0.0f && !mods.has_alibi() && !mods.has_score_mod();
+    return eligible ? bf16_unit(precision) : Bf16Unit::fp32_fma;
+  }
 }
 
 void sparse_forward(const detail::SparseForwardProblem<float>& problem);

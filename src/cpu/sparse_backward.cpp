@@ -21,7 +21,7 @@
 // bitwise identical for every thread count.
 //
 // bfloat16 groups of 16+ heads take the call's bf16 unit (vdpbf16ps or the AMX tiles):
-// S, dP and dQ's product there, in both passes (SparseBackwardUnit).
+// S, dP and dQ's product there, in both passes (sparse_dot_unit, sparse.hpp).
 //
 // Workspace, per call: the sets (B·lists·Nq·topk int32, the size of the lists), scale·q
 // and dO widened to float, D, and on a bf16 unit q and dO paired; nothing Nq × Nk.
@@ -67,7 +67,7 @@ struct Workspace {
   hwy::AlignedFreeUniquePtr<float[]> scaled_q;  // [B, Nq, Hq, d_pad]: scale·q
   hwy::AlignedFreeUniquePtr<float[]> dout;      // [B, Nq, Hq, dv_pad]: dO in float
   std::vector<float> delta;                     // [B, Nq, Hq]: D = ⟨dO, O⟩
-  // On a bf16 unit (SparseBackwardUnit): each (b, i, kv head)'s query and dO rows paired
+  // On a bf16 unit (sparse_dot_unit, sparse.hpp): each (b, i, kv head)'s query and dO rows paired
   // for ScoresTransposed, once for both passes (pair_ld(group) words a pair row).
   Bf16Unit unit = Bf16Unit::fp32_fma;
   size_t pair_ld = 0, q_words = 0, dout_words = 0;
@@ -116,7 +116,7 @@ struct Scratch {
   std::vector<float> lse, delta, ones;
   std::vector<const float*> head_q, head_dout;  // pass D: the group's scale·q and dO rows
   std::vector<float*> dk_rows, dv_rows;         // pass D: the listed keys' rows of dk, dv
-  SparseDotScratch dots;  // on a bf16 unit (SparseBackwardUnit)
+  SparseDotScratch dots;  // on a bf16 unit (sparse_dot_unit, sparse.hpp)
 };
 
 // Over `padded` entries of one row of scores s (already through the soft-cap) and dP:
@@ -197,23 +197,6 @@ HWY_INLINE void AddWeightedRows(size_t n, const float* HWY_RESTRICT w, size_t gr
     size_t col = 0;
     for (; col + kC * lanes <= dim; col += kC * lanes) AddWeightedTile<1, kC>(w + x * group, group, src, col, dst + x);
     for (; col < dim; col += lanes) AddWeightedTile<1, 1>(w + x * group, group, src, col, dst + x);
-  }
-}
-
-// The bf16 unit of the call's products (sparse_dot_unit's rule, the forward's: for
-// bfloat16 storage, groups of whole vectors of heads, the unit the precision picks).
-// Then S and dP of every block are products of bf16 values on that unit, exact, summed in
-// float32 — S bit for bit the forward's latent step's, whose lse P divides by — and dQ =
-// dS·K rounds each dS to bfloat16 once (the fast contract, as the dense backward's tiles
-// do). dK and dV stay float32 products of the float P and dS (keys × group: 16+ heads of
-// one row, too short a sum for the tiles) with the float rows of the workspace. May
-// throw: called before the parallel regions.
-template <class T>
-Bf16Unit SparseBackwardUnit(const detail::SparseBackwardProblem<T>& problem) {
-  if constexpr (!std::is_same_v<T, bfloat16>) {
-    return Bf16Unit::fp32_fma;
-  } else {
-    return sparse_dot_unit(problem.dense.extents, problem.dense.modifiers, problem.dense.precision);
   }
 }
 
@@ -471,7 +454,15 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
   w.scaled_q = AllocateFloats(head_rows * w.d_pad);
   w.dout = AllocateFloats(head_rows * w.dv_pad);
   w.delta.resize(head_rows);
-  w.unit = SparseBackwardUnit(problem);
+  // The bf16 unit of the call's products (sparse_dot_unit's rule, the forward's: for
+  // bfloat16 storage, groups of whole vectors of heads, the unit the precision picks).
+  // Then S and dP of every block are products of bf16 values on that unit, exact, summed in
+  // float32 — S bit for bit the forward's latent step's, whose lse P divides by — and dQ =
+  // dS·K rounds each dS to bfloat16 once (the fast contract, as the dense backward's tiles
+  // do). dK and dV stay float32 products of the float P and dS (keys × group: 16+ heads of
+  // one row, too short a sum for the tiles) with the float rows of the workspace. May
+  // throw: called before the parallel regions.
+  w.unit = sparse_dot_unit<T>(e, dense.modifiers, dense.precision);
   if (w.unit != Bf16Unit::fp32_fma) {
     const auto units = static_cast<size_t>(e.batch * e.q_len * e.kv_heads);
     w.pair_ld = bf16dot::pair_ld(static_cast<size_t>(e.group()));

@@ -46,22 +46,6 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
 namespace {
 
-// The bf16 unit the call's units take the latent step on (decode_latent-inl.h's column
-// step, as latent decode does; sparse_dot_unit's rule, sparse.hpp), for bfloat16 storage.
-// On the AMX tiles the float step ran until 2026-12-06 (bench/RESULTS.md §15b).
-// The queries and keys are bf16 already, their products exact in float32: the logits, and
-// so the lse the backward divides by, are the float step's up to the order of the float32
-// sums; each weight P is rounded to bfloat16 once for P·V (the bf16 contract,
-// docs/numerics.md). May throw: called before the parallel region.
-template <class T>
-Bf16Unit SparseLatentUnit(const detail::SparseForwardProblem<T>& problem) {
-  if constexpr (!std::is_same_v<T, bfloat16>) {
-    return Bf16Unit::fp32_fma;
-  } else {
-    return sparse_dot_unit(problem.dense.extents, problem.dense.modifiers, problem.dense.precision);
-  }
-}
-
 // One thread's scratch, reused by its units.
 template <class T>
 struct ForwardScratch {
@@ -84,7 +68,7 @@ struct ForwardScratch {
         l(m.size()),
         alpha(m.size()) {}
 
-  bool latent;                   // SparseLatentUnit: the latent step, its scratch and row pointers
+  bool latent;                   // sparse_dot_unit: the latent step, its scratch and row pointers
   LatentScratch lat;
   std::vector<const T*> k_rows, v_rows, k_next;
   std::vector<int32_t> keys;     // the unit's attended set
@@ -98,7 +82,7 @@ struct ForwardScratch {
 template <class T>
 void Finish(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g, ForwardScratch<T>& s);
 
-// The unit's blocks on the latent step (SparseLatentUnit): the group's query rows rounded
+// The unit's blocks on the latent step (sparse_dot_unit): the group's query rows rounded
 // to bfloat16 (they are bf16 already) and paired once, then each block of attended keys
 // gathered as row pointers, the next block's keys prefetched.
 inline void LatentUnit(const detail::SparseForwardProblem<bfloat16>& problem, int64_t b, int64_t i, int64_t g,
@@ -212,7 +196,12 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   // Scratch allocated before the parallel region: a workspace the system cannot give is
   // a qkv::Error from here, not an exception escaping an OpenMP thread.
   const int threads = static_cast<int>(std::min<int64_t>(problem.dense.threads, units));
-  const Bf16Unit latent_unit = SparseLatentUnit(problem);
+  // The latent step's unit (decode_latent-inl.h's column step, as latent decode takes; on
+  // the AMX tiles the float step ran until 2026-12-06: bench/RESULTS.md §15b). The queries
+  // and keys are bf16 already, their products exact in float32: the logits, and so the lse
+  // the backward divides by, are the float step's up to the order of the float32 sums; each
+  // weight P is rounded to bfloat16 once for P·V (the bf16 contract, docs/numerics.md).
+  const Bf16Unit latent_unit = sparse_dot_unit<T>(e, problem.dense.modifiers, problem.dense.precision);
   std::vector<ForwardScratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
   for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, latent_unit);
