@@ -19,9 +19,10 @@
 // Options used: scale, causal, key_lengths, execution (threads, backend, check_finite);
 // masks, window, ALiBi, soft-cap, sinks, dropout and modifiers are refused; precision (below).
 // Every storage type is widened exactly to float (double for the reference), except
-// bfloat16 q and k with Precision::fast (the default) on a CPU whose bfloat16 unit is
-// AVX512-BF16's vdpbf16ps (AMD Zen 4/5; cpu/dot_products.hpp): there each head's logit is
-// summed on the unit from pairs of exact products, the keys read in place — the same
+// bfloat16 q and k with Precision::fast (the default) on a CPU with a bfloat16 unit —
+// AVX512-BF16's vdpbf16ps (AMD Zen 4/5) or the AMX tiles (Intel Xeons; cpu/dot_products.hpp
+// picks it): there each head's logit is summed on the unit from exact products, the keys
+// read in place — the same
 // scores up to float32 summation order (and subnormal products flushed), so a top-k that
 // may differ from Precision::exact's only among keys whose scores lie within that
 // rounding of each other. Precision::exact keeps the float32 FMAs bit for bit.

@@ -403,8 +403,8 @@ class KVCache:
         never read, so make it with ``v_dim=1``). q ``[B, Nq, Hi, di]`` and weights
         ``[B, Nq, Hi]`` in the indexer's shapes whatever the cache's layout (q float32 or
         bfloat16; weights any float, used as float32), NumPy or CPU torch. precision as in
-        ``qkv.index_topk``: bfloat16 q over a bfloat16 cache takes vdpbf16ps with "fast"
-        (the default) where that is the CPU's bf16 unit. Returns int32
+        ``qkv.index_topk``: bfloat16 q over a bfloat16 cache takes the CPU's bf16 unit
+        (vdpbf16ps or the AMX tiles) with "fast" (the default). Returns int32
         ``[B, Nq, topk]``: sequence b's top keys among its cached ones by descending
         ``Σ_h weights·relu(scale·q·k)``, ties to the lower index, -1 past the keys a row may
         see. causal ``"bottom_right"`` (the default: row i sees keys

@@ -47,10 +47,11 @@ index_topk.__doc__ = """The top-k keys of every query by DeepSeek-V3.2's indexer
     ``"top_left"`` (j <= i) or None. key_lengths: one int per batch entry; only keys
     [0, key_lengths[b]) may be picked. threads: None = every hardware thread; the result
     is the same for any count. precision: ``"fast"`` (the default) or ``"exact"``, as in
-    ``qkv.attention``: with bfloat16 q and k, "fast" on a CPU whose bf16 unit is
-    AVX512-BF16's vdpbf16ps (AMD Zen 4/5) sums each head's exact products there, keys read
-    in place (the same scores up to float32 summation order); "exact" keeps the float32
-    FMAs, bit for bit on every machine. Under torch.compile only the default.
+    ``qkv.attention``: with bfloat16 q and k, "fast" on a CPU with a bf16 unit
+    (AVX512-BF16's vdpbf16ps on AMD Zen 4/5, the AMX tiles on Intel Xeons) sums each head's
+    exact products there, keys read in place (the same scores up to float32 summation
+    order); "exact" keeps the float32 FMAs, bit for bit on every machine. Under
+    torch.compile only the default.
 
     Computed in float32 (float64 for float64 inputs) over blocks of keys with a running
     top-k per row: memory O(threads·topk) beside the output, never the Nq×Nk scores. A NaN
