@@ -1,7 +1,7 @@
 // The bfloat16 block products of bf16_dot.hpp on Intel's AMX tiles (AMX-BF16, Sapphire
 // Rapids and later): tdpbf16ps multiplies a 16 × 32 bf16 tile by a 32 × 16 one (pairs,
 // the layout of bf16_dot.hpp) into a 16 × 16 float32 tile, 8192 multiply-adds an
-// instruction — 1–2.3 TFLOP/s a core on the Xeon VM of bench/RESULTS.md §10f, 6–15× its
+// instruction — 1–2.3 TFLOP/s a core on the Xeon VM of bench/RESULTS.md §10g, 6–15× its
 // fp32 FMAs, where vdpbf16ps runs at half of them. Same operands, same contract as bf16_dot.hpp:
 // products of two bfloat16 values are exact in float32 and summed in float32 (in the
 // unit's own order, fixed by the shape: results never depend on threads), bf16 inputs

@@ -13,7 +13,7 @@
 //
 // PyTorch's CPU flash attention and SGLang's take this shape (512-key blocks, P as the
 // left operand as it stands); the block kernel's 64-key steps spent most of the tiles'
-// time loading and storing the accumulator and 12% transposing P (bench/RESULTS.md §10f).
+// time loading and storing the accumulator and 12% transposing P (bench/RESULTS.md §10g).
 // Calls it takes: bfloat16 on the AMX tiles (Precision::fast) with the plain variants —
 // causal, windows, lengths, varlen, GQA, sinks, any d and dv — and each key block read
 // by more than one query block (else K and V are not worth packing). Score modifiers,
