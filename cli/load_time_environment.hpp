@@ -8,8 +8,8 @@
 //                      spinning. On cores shared with other processes a spinning waiter
 //                      takes the time the thread it waits for needs: `qkv demo` with one
 //                      other busy process on 2 cores ran at 0.50× its --threads 1 speed
-//                      with its default 2 threads, 0.91–0.95× with passive waiting (quiet,
-//                      it costs ~5%: bench/demo_shared.sh, bench/RESULTS.md §6b). A value
+//                      with its default 2 threads, 0.97× with passive waiting (quiet,
+//                      it costs ~8%: bench/demo_shared.sh, bench/RESULTS.md §6b). A value
 //                      the user set is kept.
 #pragma once
 

@@ -7,9 +7,10 @@ otherwise, and it reads them only when it is loaded. In a Python program the nex
 statements are rarely another parallel region: the spinning workers burn a core each
 through them, and on a machine with more runnable threads than cores they take the
 time slices a team's last thread needs, so a 2-thread call waits for a scheduler tick.
-Measured on the 2-core test machine under load (bench/RESULTS.md, "Small calls"): a
-2-thread [1,8,256,64] call 31.9 ms spinning vs 1.8 ms passive, and 3.5 ms of CPU burnt
-in the 20 ms after it vs 0.04 ms. What passive costs is a futex wake-up (microseconds)
+Measured on the 2-core test machine (bench/RESULTS.md §6, "Small calls"): a 2-thread
+[1,8,256,64] call takes 1.6 ms and then burns 0.06 ms of CPU in the next 20 ms with
+passive waits, 3.5–4.0 ms spinning; under load a spinning team's call took 31.9 ms
+against 1.8 ms (the file's history). What passive costs is a futex wake-up (microseconds)
 per parallel region, which qkv opens only for work worth several threads (the small
 decode-sized calls run on the calling thread, with no region at all).
 

@@ -119,7 +119,7 @@ bool int8_dot_pays() {
   // Not yet on any CPU measured. vpdpbusd does 4× the fp32 FMAs' multiply-adds on both
   // (682 GOP/s against 171 GFLOP/s on an Emerald Rapids core, 963 against 239 on a Zen 5
   // core), yet the VNNI decode measured 0.67–1.13× the float32 one on the Intel and
-  // 0.25–1.02× on the Zen 5 (bench/int8_dot_ab.sh, bench/RESULTS.md §10): the two-term
+  // 0.78–1.10× on the Zen 5 (bench/int8_dot_ab.sh, bench/RESULTS.md §10d): the two-term
   // splits, the per-block transposes and the int32 → float finish cost more than the
   // unit saves, and from DRAM (32k keys) the kernel waits on rows. Until a schedule that
   // streams as well as the float one is built, Precision::fast keeps the float32
