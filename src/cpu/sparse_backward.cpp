@@ -3,7 +3,7 @@
 //   s_ij = cap((scale·q_i)·k_j),  P_ij = e^(s_ij − lse_i),  O_i = Σ_(j∈A_i) P_ij·v_j
 // so now, with D_i = ⟨dO_i, O_i⟩ (= Σ_j P_ij·dP_ij, FlashAttention's D):
 //   dP_ij = ⟨dO_i, v_j⟩,   dS_ij = P_ij·(dP_ij − D_i)·cap'(·),
-//   dQ_i = scale·Σ_(j∈A_i) dS_ij·k_j                       (pass C: one writer per row)
+//   dQ_i = scale·Σ_(j∈A_i) dS_ij·k_j     (pass C: one writer per row; tiles of rows sweep the keys together)
 //   dK_j = Σ_(i: j∈A_i) dS_ij·(scale·q_i),  dV_j = Σ_(i: j∈A_i) P_ij·dO_i   (pass D: per key block)
 //   dsink_h = −Σ_i e^(sink_h − lse_i)·D_i                 (the sink: dP = 0, no value)
 // A key receives from every query that lists it, so dK and dV are not written by scattering
@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu/sparse.hpp"
@@ -53,10 +54,11 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
 namespace {
 
-// Keys per unit of pass D: one gathered block (its K, V, dK and dV rows stay in L2 while
-// every row that lists one of them passes), and units enough that even one (batch, kv
-// head) spreads over the threads.
-constexpr int64_t kKeyBlock = static_cast<int64_t>(kGatherKeys);
+// Keys per unit of pass D: a key range (sparse_gather-inl.h; its K, V, dK and dV rows stay
+// in L2 while every row that lists one of them passes, each row's scale·q and dO read
+// once for up to 256 keys, not 64 — the rows, streamed from the workspace, were what pass
+// D waited on), and units enough that even one (batch, kv head) spreads over the threads.
+constexpr int64_t kKeyBlock = kRangeKeys;
 
 // The call's workspace, shared by the passes.
 struct Workspace {
@@ -92,9 +94,9 @@ struct Scratch {
         slope(AllocateFloats(rows * kGatherKeys)),
         weights_t(AllocateFloats(kGatherKeys * rows)),
         d_weights_t(AllocateFloats(kGatherKeys * rows)),
-        acc(AllocateFloats(rows * block.d_pad())),
-        dk(AllocateFloats(kGatherKeys * block.d_pad())),
-        dv(AllocateFloats(kGatherKeys * block.dv_pad())),
+        acc(AllocateFloats(kTileRows * rows * block.d_pad())),
+        dk(AllocateFloats(static_cast<size_t>(kKeyBlock) * block.d_pad())),
+        dv(AllocateFloats(static_cast<size_t>(kKeyBlock) * block.dv_pad())),
         lse(kGatherKeys),
         delta(kGatherKeys),
         ones(std::max(rows, kGatherKeys), 1.0f),
@@ -111,7 +113,7 @@ struct Scratch {
   size_t rows;  // the group's query heads
   hwy::AlignedFreeUniquePtr<float[]> scores, d_scores, slope;  // rows × kGatherKeys: S → P, dP → dS
   hwy::AlignedFreeUniquePtr<float[]> weights_t, d_weights_t;   // kGatherKeys × rows: P, dS transposed
-  hwy::AlignedFreeUniquePtr<float[]> acc;     // pass C: dQ of the group
+  hwy::AlignedFreeUniquePtr<float[]> acc;     // pass C: dQ of the group, for each row of a tile
   hwy::AlignedFreeUniquePtr<float[]> dk, dv;  // pass D: the key block's sums
   std::vector<float> lse, delta, ones;
   std::vector<const float*> head_q, head_dout;  // pass D: the group's scale·q and dO rows
@@ -279,71 +281,81 @@ void PrepareRow(const detail::SparseBackwardProblem<T>& problem, Workspace& w, i
 // dQ of the group's heads from the accumulated Σ_j dS_rj·k_j: scale times it, stored.
 template <class T>
 void StoreQueryGradients(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t i,
-                         int64_t g, const Scratch<T>& s) {
+                         int64_t g, const float* sums) {
   const auto& dense = problem.dense;
   const auto rows = dense.rows();
   const int64_t group = dense.extents.group();
   const float scale = static_cast<float>(dense.scale);
   for (int64_t r = 0; r < group; ++r) {
     T* dq = rows.dq(b, i, g * group + r);
-    const float* acc = s.acc.get() + static_cast<size_t>(r) * w.d_pad;
+    const float* acc = sums + static_cast<size_t>(r) * w.d_pad;
     for (int64_t c = 0; c < dense.extents.head_dim; ++c) dq[c] = StoreAs<T>(scale * acc[c]);
   }
 }
 
-// Pass C, (b, i, kv head g): dQ of the group's heads over the gathered blocks of A_i.
+// Pass C, one block of row i's attended keys (keys[0, n); next[0, ahead) the row's
+// following block, prefetched) of kv head g: dQ of the group's heads += Σ_j dS_rj·k_j
+// into acc (group × d_pad).
 template <class T>
-void QueryGradients(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t i,
-                    int64_t g, Scratch<T>& s) {
+void QueryBlock(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t i, int64_t g,
+                const int32_t* keys, size_t n, const int32_t* next, size_t ahead, float* acc, Scratch<T>& s) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
   const size_t group = static_cast<size_t>(e.group()), lanes = VectorLanes();
-  const int64_t at = w.row(b, problem.keys.list_of(g), i);
-  const int32_t* set = w.sets.data() + at * w.topk;
-  const auto count = static_cast<size_t>(w.set_sizes[at]);
-  const float* q = w.q_row(b, i, g * e.group());
-  const float* dout = w.dout_row(b, i, g * e.group());
-  std::fill(s.acc.get(), s.acc.get() + group * w.d_pad, 0.0f);
   if constexpr (std::is_same_v<T, bfloat16>) {
     if (w.unit != Bf16Unit::fp32_fma) {
       GroupRowStatistics(problem, w, b, i, g, s);
-      const amx::TileScope tile_scope(w.unit == Bf16Unit::amx);  // one configuration for the unit's blocks
+      BlockOnDots(problem, w, b, i, g, keys, n, s);
+      // dQ_r += Σ_j dS_rj·k_j, dS rounded to bfloat16 once (alpha 1: the running sum is kept).
       const size_t d = static_cast<size_t>(e.head_dim);
-      for (size_t start = 0; start < count; start += kGatherKeys) {
-        const size_t n = std::min(kGatherKeys, count - start);
-        BlockOnDots(problem, w, b, i, g, set + start, n, s);
-        // dQ_r += Σ_j dS_rj·k_j, dS rounded to bfloat16 once (alpha 1: the running sum is kept).
-        (w.unit == Bf16Unit::amx ? amx::RescaleAddWeighted : bf16dot::RescaleAddWeighted)(
-            s.dots.dpt.get(), s.dots.ld, group, n, s.dots.keys.data(), static_cast<std::int64_t>(d), d,
-            {s.dots.p_pairs.data(), s.dots.k_pairs.data()}, s.acc.get(), w.d_pad, s.ones.data());
-      }
-      StoreQueryGradients(problem, w, b, i, g, s);
+      (w.unit == Bf16Unit::amx ? amx::RescaleAddWeighted : bf16dot::RescaleAddWeighted)(
+          s.dots.dpt.get(), s.dots.ld, group, n, s.dots.keys.data(), static_cast<std::int64_t>(d), d,
+          {s.dots.p_pairs.data(), s.dots.k_pairs.data()}, acc, w.d_pad, s.ones.data());
       return;
     }
   }
-  for (size_t start = 0; start < count; start += kGatherKeys) {
-    const size_t n = std::min(kGatherKeys, count - start), padded = round_up(n, lanes);
-    const int32_t* keys = set + start;
-    s.block.Gather(n, padded, [&](size_t j) { return rows.k(b, keys[j], g); },
-                   [&](size_t j) { return rows.v(b, keys[j], g); });
-    const int32_t* next = keys + n;  // the next block, prefetched while this one computes
-    s.block.GatherNext(std::min(kGatherKeys, count - start - n), [&](size_t j) { return rows.k(b, next[j], g); },
-                       [&](size_t j) { return rows.v(b, next[j], g); });
-    s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
-      for (size_t j = 0; j < padded; j += lanes) {
-        ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, k_ahead.offset(j), s.scores.get() + j, kGatherKeys);
-        ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, v_ahead.offset(j), s.d_scores.get() + j, kGatherKeys);
-      }
-    });
-    GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
-    s.block.Visit([&](auto k_rows, auto, size_t k_dim, size_t, auto, auto) {
-      using S = std::remove_cv_t<std::remove_pointer_t<std::remove_pointer_t<decltype(k_rows)>>>;
-      // dQ_r += Σ_j dS_rj·k_j (alpha 1: the running sum is kept).
-      ValueBlock(group, s.d_scores.get(), kGatherKeys, n, k_rows, k_dim, Ahead<S>{}, s.ones.data(), s.acc.get(), w.d_pad);
-    });
-  }
-  StoreQueryGradients(problem, w, b, i, g, s);
+  const float* q = w.q_row(b, i, g * e.group());
+  const float* dout = w.dout_row(b, i, g * e.group());
+  const size_t padded = round_up(n, lanes);
+  s.block.Gather(n, padded, [&](size_t j) { return rows.k(b, keys[j], g); },
+                 [&](size_t j) { return rows.v(b, keys[j], g); });
+  s.block.GatherNext(ahead, [&](size_t j) { return rows.k(b, next[j], g); },
+                     [&](size_t j) { return rows.v(b, next[j], g); });
+  s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
+    for (size_t j = 0; j < padded; j += lanes) {
+      ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, k_ahead.offset(j), s.scores.get() + j, kGatherKeys);
+      ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, v_ahead.offset(j), s.d_scores.get() + j, kGatherKeys);
+    }
+  });
+  GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
+  s.block.Visit([&](auto k_rows, auto, size_t k_dim, size_t, auto, auto) {
+    using S = std::remove_cv_t<std::remove_pointer_t<std::remove_pointer_t<decltype(k_rows)>>>;
+    // dQ_r += Σ_j dS_rj·k_j (alpha 1: the running sum is kept).
+    ValueBlock(group, s.d_scores.get(), kGatherKeys, n, k_rows, k_dim, Ahead<S>{}, s.ones.data(), acc, w.d_pad);
+  });
+}
+
+// Pass C, rows [i0, i0 + tile) of (b, kv head g): dQ of each row's group over the blocks
+// of its set, the tile's rows sweeping the keys together (SweepTile, as the forward).
+template <class T>
+void QueryTileGradients(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t i0,
+                        size_t tile, int64_t g, Scratch<T>& s) {
+  const size_t sums = static_cast<size_t>(problem.dense.extents.group()) * w.d_pad;
+  std::fill(s.acc.get(), s.acc.get() + tile * sums, 0.0f);
+  const int64_t list = problem.keys.list_of(g);
+  const amx::TileScope tile_scope(w.unit == Bf16Unit::amx);  // one configuration for the unit's blocks
+  SweepTile(
+      tile,
+      [&](size_t t) {
+        const int64_t at = w.row(b, list, i0 + static_cast<int64_t>(t));
+        return std::pair{static_cast<const int32_t*>(w.sets.data() + at * w.topk), static_cast<size_t>(w.set_sizes[at])};
+      },
+      [&](size_t t, const int32_t* keys, size_t n, const int32_t* next, size_t ahead) {
+        QueryBlock(problem, w, b, i0 + static_cast<int64_t>(t), g, keys, n, next, ahead, s.acc.get() + t * sums, s);
+      });
+  for (size_t t = 0; t < tile; ++t)
+    StoreQueryGradients(problem, w, b, i0 + static_cast<int64_t>(t), g, s.acc.get() + t * sums);
 }
 
 // Pass D's Pᵀ and dSᵀ of row i's keys[0, n) on the call's bf16 unit, pointed to by
@@ -385,44 +397,49 @@ void KeyBlockGradients(const detail::SparseBackwardProblem<T>& problem, const Wo
     const int32_t* set = w.sets.data() + at * w.topk;
     const int32_t* set_end = set + w.set_sizes[at];
     if (set == set_end || set_end[-1] < first || set[0] >= last) continue;
-    const int32_t* keys = std::lower_bound(set, set_end, static_cast<int32_t>(first));
-    const auto n = static_cast<size_t>(std::lower_bound(keys, set_end, static_cast<int32_t>(last)) - keys);
-    if (n == 0) continue;
-    const float* q = w.q_row(b, i, g * e.group());
-    const float* dout = w.dout_row(b, i, g * e.group());
-    // Pᵀ and dSᵀ (n × group) of the row's listed keys in the block.
-    const float* weights_t = s.weights_t.get();
-    const float* d_weights_t = s.d_weights_t.get();
-    if (!DotWeights(problem, w, b, i, g, keys, n, s, weights_t, d_weights_t)) {
-      const size_t padded = round_up(n, lanes);
-      const auto k_row = [&](size_t j) { return rows.k(b, keys[j], g); };
-      const auto v_row = [&](size_t j) { return rows.v(b, keys[j], g); };
-      s.block.Gather(n, padded, k_row, v_row);
-      s.block.GatherNext(0, k_row, v_row);  // the block's rows are in L2 after the first row
-      s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
-        for (size_t j = 0; j < padded; j += lanes) {
-          ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, k_ahead, s.scores.get() + j, kGatherKeys);
-          ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, v_ahead, s.d_scores.get() + j, kGatherKeys);
-        }
-      });
-      GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
-      for (size_t x = 0; x < n; ++x)
-        for (size_t r = 0; r < group; ++r) {
-          s.weights_t[x * group + r] = s.scores[r * kGatherKeys + x];
-          s.d_weights_t[x * group + r] = s.d_scores[r * kGatherKeys + x];
-        }
+    const int32_t* in_block = std::lower_bound(set, set_end, static_cast<int32_t>(first));
+    const auto listed = static_cast<size_t>(std::lower_bound(in_block, set_end, static_cast<int32_t>(last)) - in_block);
+    // The row's listed keys of the block in gathered blocks of ≤ kGatherKeys; each key's
+    // sums still gain their rows' terms in ascending row order.
+    for (size_t c0 = 0; c0 < listed; c0 += kGatherKeys) {
+      const int32_t* keys = in_block + c0;
+      const size_t n = std::min(kGatherKeys, listed - c0);
+      const float* q = w.q_row(b, i, g * e.group());
+      const float* dout = w.dout_row(b, i, g * e.group());
+      // Pᵀ and dSᵀ (n × group) of the row's listed keys in the block.
+      const float* weights_t = s.weights_t.get();
+      const float* d_weights_t = s.d_weights_t.get();
+      if (!DotWeights(problem, w, b, i, g, keys, n, s, weights_t, d_weights_t)) {
+        const size_t padded = round_up(n, lanes);
+        const auto k_row = [&](size_t j) { return rows.k(b, keys[j], g); };
+        const auto v_row = [&](size_t j) { return rows.v(b, keys[j], g); };
+        s.block.Gather(n, padded, k_row, v_row);
+        s.block.GatherNext(0, k_row, v_row);  // the block's rows are in L2 after the first row
+        s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
+          for (size_t j = 0; j < padded; j += lanes) {
+            ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, k_ahead, s.scores.get() + j, kGatherKeys);
+            ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, v_ahead, s.d_scores.get() + j, kGatherKeys);
+          }
+        });
+        GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
+        for (size_t x = 0; x < n; ++x)
+          for (size_t r = 0; r < group; ++r) {
+            s.weights_t[x * group + r] = s.scores[r * kGatherKeys + x];
+            s.d_weights_t[x * group + r] = s.d_scores[r * kGatherKeys + x];
+          }
+      }
+      for (size_t r = 0; r < group; ++r) {
+        s.head_q[r] = q + r * w.d_pad;
+        s.head_dout[r] = dout + r * w.dv_pad;
+      }
+      // dV_key += Σ_h P_h,key·dO_h;  dK_key += Σ_h dS_h,key·(scale·q_h)
+      for (size_t x = 0; x < n; ++x) {
+        s.dv_rows[x] = s.dv.get() + static_cast<size_t>(keys[x] - first) * w.dv_pad;
+        s.dk_rows[x] = s.dk.get() + static_cast<size_t>(keys[x] - first) * w.d_pad;
+      }
+      AddWeightedRows(n, weights_t, group, s.head_dout.data(), w.dv_pad, s.dv_rows.data());
+      AddWeightedRows(n, d_weights_t, group, s.head_q.data(), w.d_pad, s.dk_rows.data());
     }
-    for (size_t r = 0; r < group; ++r) {
-      s.head_q[r] = q + r * w.d_pad;
-      s.head_dout[r] = dout + r * w.dv_pad;
-    }
-    // dV_key += Σ_h P_h,key·dO_h;  dK_key += Σ_h dS_h,key·(scale·q_h)
-    for (size_t x = 0; x < n; ++x) {
-      s.dv_rows[x] = s.dv.get() + static_cast<size_t>(keys[x] - first) * w.dv_pad;
-      s.dk_rows[x] = s.dk.get() + static_cast<size_t>(keys[x] - first) * w.d_pad;
-    }
-    AddWeightedRows(n, weights_t, group, s.head_dout.data(), w.dv_pad, s.dv_rows.data());
-    AddWeightedRows(n, d_weights_t, group, s.head_q.data(), w.d_pad, s.dk_rows.data());
   }
   for (int64_t j = first; j < last; ++j) {
     const float* dk_sum = s.dk.get() + static_cast<size_t>(j - first) * w.d_pad;
@@ -480,11 +497,15 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
   for (int64_t u = 0; u < query_rows; ++u)
     PrepareRow(problem, w, u / e.q_len, u % e.q_len, scratch[static_cast<size_t>(omp_get_thread_num())].marks);
-  const int64_t query_units = query_rows * e.kv_heads;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
-  for (int64_t u = 0; u < query_units; ++u)
-    QueryGradients(problem, w, u / (e.q_len * e.kv_heads), (u / e.kv_heads) % e.q_len, u % e.kv_heads,
-                   scratch[static_cast<size_t>(omp_get_thread_num())]);
+  constexpr auto kTile = static_cast<int64_t>(kTileRows);
+  const int64_t tiles = (e.q_len + kTile - 1) / kTile;
+  const int64_t query_units = e.batch * tiles * e.kv_heads;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t u = 0; u < query_units; ++u) {
+    const int64_t i0 = (u % tiles) * kTile, g = (u / tiles) % e.kv_heads, b = u / (tiles * e.kv_heads);
+    QueryTileGradients(problem, w, b, i0, static_cast<size_t>(std::min(kTile, e.q_len - i0)), g,
+                       scratch[static_cast<size_t>(omp_get_thread_num())]);
+  }
   const int64_t key_blocks = (e.k_len + kKeyBlock - 1) / kKeyBlock;
   const int64_t key_units = e.batch * e.kv_heads * key_blocks;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)

@@ -1,12 +1,14 @@
 // Sparse attention forward on the cpu backend.
 //
-// A unit of work is (batch entry b, query row i, kv head g). Its G = Hq/Hkv query heads
-// share one attended set A (in the [B, Nq, topk] mode every kv head's units read the same
-// list; the set is rebuilt per unit, O(topk log topk) against the unit's 4·G·|A|·d flops)
-// and so one gathered copy of those K/V rows: the G heads are the rows of the decode
-// schedule's register tiles (decode_tiles-inl.h), so each gathered K and V vector is
-// loaded once for all G heads. Over blocks of kGatherKeys attended keys, online softmax
-// per head r:
+// A unit of work is (batch entry b, a tile of kTileRows consecutive query rows, kv head
+// g). Each row's G = Hq/Hkv query heads share one attended set A (in the [B, Nq, topk]
+// mode every kv head's units read the same list) and so one gathered copy of those K/V
+// rows: the G heads are the rows of the decode schedule's register tiles
+// (decode_tiles-inl.h), or of the bf16 unit's products (sparse_dot_unit), so each
+// gathered K and V vector is loaded once for all G heads. The tile's rows sweep the keys
+// together, range by range (kRangeKeys), so that rows listed by several of them are read
+// from memory once (ForwardTile). Over blocks of ≤ kGatherKeys attended keys, in key
+// order, online softmax per head r:
 //   S[r][t] = (scale·q_r)·k_(A_t)  → soft-cap      (the dense score pipeline, RowStages)
 //   m' = max(m, max_t S),  alpha = e^(m − m'),  P = e^(S − m'),  l' = l·alpha + Σ_t P,
 //   acc' = acc·alpha + P·V_A
@@ -16,7 +18,8 @@
 // and without one m_f = m, l_f = l. A row with no attended key and no sink: out 0, lse −inf.
 // Each unit writes its own rows of out and lse, computed the same way on any thread: the
 // results do not depend on the thread count. Nothing Nq × Nk exists: per thread, one
-// unit's set (topk), queries (G × d) and score block (G × 64).
+// tile's sets (kTileRows × topk), queries and softmax states (kTileRows × G × (d + dv))
+// and one score block (G × 64).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/sparse_forward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -35,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/score_pipeline.hpp"
@@ -45,6 +49,17 @@
 HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
 namespace {
+
+// One query row of a tile (kTileRows, sparse_gather-inl.h): its attended set, its softmax
+// state (m, l and acc per head of the group) and its queries (the float step's scaled
+// rows or the bf16 unit's pairs).
+struct TileRow {
+  std::vector<int32_t> keys;
+  size_t count = 0;
+  std::vector<float> m, l;
+  hwy::AlignedFreeUniquePtr<float[]> acc, queries;
+  std::vector<std::uint32_t> q_pairs;
+};
 
 // One thread's scratch, reused by its units.
 template <class T>
@@ -58,114 +73,119 @@ struct ForwardScratch {
         k_rows(latent ? kGatherKeys : 0),
         v_rows(latent ? kGatherKeys : 0),
         k_next(latent ? kGatherKeys : 0),
-        keys(static_cast<size_t>(selection.topk)),
         marks(selection.marks_for(e.k_len)),
         block(static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
-        queries(AllocateFloats(static_cast<size_t>(e.group()) * block.d_pad())),
         scores(AllocateFloats(static_cast<size_t>(e.group()) * kGatherKeys)),
-        acc(AllocateFloats(static_cast<size_t>(e.group()) * block.dv_pad())),
-        m(static_cast<size_t>(e.group())),
-        l(m.size()),
-        alpha(m.size()) {}
+        alpha(static_cast<size_t>(e.group())),
+        rows(kTileRows) {
+    const size_t group = static_cast<size_t>(e.group());
+    for (TileRow& row : rows) {
+      row.keys.resize(static_cast<size_t>(selection.topk));
+      row.m.resize(group);
+      row.l.resize(group);
+      row.acc = AllocateFloats(group * block.dv_pad());
+      row.queries = AllocateFloats(latent ? 0 : group * block.d_pad());
+      row.q_pairs.resize(latent ? lat.q_pairs.size() : 0);
+    }
+  }
 
   bool latent;                   // sparse_dot_unit: the latent step, its scratch and row pointers
   LatentScratch lat;
   std::vector<const T*> k_rows, v_rows, k_next;
-  std::vector<int32_t> keys;     // the unit's attended set
   std::vector<uint64_t> marks;   // attended_keys's bit set
   GatheredBlock<T> block;        // one block of its K/V rows
-  hwy::AlignedFreeUniquePtr<float[]> queries, scores, acc;  // G × d_pad, G × 64, G × dv_pad
-  std::vector<float> m, l, alpha;  // online-softmax state per head of the group
+  hwy::AlignedFreeUniquePtr<float[]> scores;  // G × 64
+  std::vector<float> alpha;      // one block's rescaling per head
+  std::vector<TileRow> rows;     // the unit's query rows
 };
 
-// The unit's outputs from its softmax state (m, l, acc): out and lse of the group's heads.
+// Row i's set, zero state and queries.
 template <class T>
-void Finish(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g, ForwardScratch<T>& s);
+void BeginRow(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g, ForwardScratch<T>& s,
+              TileRow& row) {
+  const auto& dense = problem.dense;
+  const detail::Extents& e = dense.extents;
+  const auto rows = dense.rows();
+  const size_t group = static_cast<size_t>(e.group()), d = static_cast<size_t>(e.head_dim);
+  row.count = static_cast<size_t>(
+      problem.keys.attended_keys(dense.mask, b, problem.keys.list_of(g), i, row.keys.data(), s.marks));
+  std::fill(row.m.begin(), row.m.end(), kMinusInf);
+  std::fill(row.l.begin(), row.l.end(), 0.0f);
+  std::fill(row.acc.get(), row.acc.get() + group * s.block.dv_pad(), 0.0f);
+  if (s.latent) {  // the group's query rows (bf16 already) paired once
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      for (size_t r = 0; r < group; ++r)
+        std::copy_n(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, s.lat.q_rows.data() + r * d);
+      bf16dot::PackQueryPairs(s.lat.q_rows.data(), static_cast<std::int64_t>(d), group, d, row.q_pairs.data(),
+                              s.lat.q_ld);
+    }
+    return;
+  }
+  const float scale = static_cast<float>(dense.scale);
+  for (size_t r = 0; r < group; ++r)
+    ScaledRow(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, s.block.d_pad(), scale,
+              row.queries.get() + r * s.block.d_pad());
+}
 
-// The unit's blocks on the latent step (sparse_dot_unit): the group's query rows rounded
-// to bfloat16 (they are bf16 already) and paired once, then each block of attended keys
-// gathered as row pointers, the next block's keys prefetched.
-inline void LatentUnit(const detail::SparseForwardProblem<bfloat16>& problem, int64_t b, int64_t i, int64_t g,
-                       size_t count, ForwardScratch<bfloat16>& s) {
+// The latent step's block (sparse_dot_unit): keys[0, n) of row i, the next block's keys
+// (next[0, ahead)) prefetched.
+inline void LatentRowBlock(const detail::SparseForwardProblem<bfloat16>& problem, int64_t b, int64_t g,
+                           ForwardScratch<bfloat16>& s, TileRow& row, const int32_t* keys, size_t n,
+                           const int32_t* next, size_t ahead) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
   const size_t group = static_cast<size_t>(e.group());
   const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim), dv_pad = s.block.dv_pad();
-  for (size_t r = 0; r < group; ++r)
-    std::copy_n(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, s.lat.q_rows.data() + r * d);
-  bf16dot::PackQueryPairs(s.lat.q_rows.data(), static_cast<std::int64_t>(d), group, d, s.lat.q_pairs.data(), s.lat.q_ld);
-  const float scale = static_cast<float>(dense.scale);
-  const amx::TileScope tile_scope(s.lat.amx);  // one configuration for the unit's blocks (no hook runs)
-  for (size_t start = 0; start < count; start += kGatherKeys) {
-    const size_t n = std::min(kGatherKeys, count - start);
-    const int32_t* keys = s.keys.data() + start;
-    for (size_t j = 0; j < n; ++j) {
-      s.k_rows[j] = rows.k(b, keys[j], g);
-      s.v_rows[j] = rows.v(b, keys[j], g);
-    }
-    const size_t ahead = std::min(kGatherKeys, count - start - n);
-    for (size_t j = 0; j < ahead; ++j) s.k_next[j] = rows.k(b, keys[n + j], g);
-    LatentBlock<bfloat16>(group, s.m.data(), s.l.data(), s.acc.get(), s.alpha.data(), s.lat, n, d, d, dv, dv_pad, scale,
-                s.k_rows.data(), nullptr, s.v_rows.data(), nullptr, nullptr,
-                Ahead<bfloat16>{s.k_next.data(), ahead, RowBytes<bfloat16>(d)},
-                Ahead<bfloat16>{});
+  for (size_t j = 0; j < n; ++j) {
+    s.k_rows[j] = rows.k(b, keys[j], g);
+    s.v_rows[j] = rows.v(b, keys[j], g);
   }
+  for (size_t j = 0; j < ahead; ++j) s.k_next[j] = rows.k(b, next[j], g);
+  std::swap(s.lat.q_pairs, row.q_pairs);  // LatentBlock reads the row's pairs from the scratch
+  LatentBlock<bfloat16>(group, row.m.data(), row.l.data(), row.acc.get(), s.alpha.data(), s.lat, n, d, d, dv, dv_pad,
+                        static_cast<float>(dense.scale), s.k_rows.data(), nullptr, s.v_rows.data(), nullptr, nullptr,
+                        Ahead<bfloat16>{s.k_next.data(), ahead, RowBytes<bfloat16>(d)}, Ahead<bfloat16>{});
+  std::swap(s.lat.q_pairs, row.q_pairs);
 }
 
+// The float step's block: keys[0, n) of row i, the next block's keys (next[0, ahead))
+// prefetched.
 template <class T>
-void ForwardUnit(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g,
-                 ForwardScratch<T>& s) {
+void FloatRowBlock(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g,
+                   ForwardScratch<T>& s, TileRow& row, const int32_t* keys, size_t n, const int32_t* next,
+                   size_t ahead) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
-  const size_t group = static_cast<size_t>(e.group()), d = static_cast<size_t>(e.head_dim);
-  const size_t d_pad = s.block.d_pad(), dv_pad = s.block.dv_pad();
-  const size_t lanes = VectorLanes();
-  const auto count = static_cast<size_t>(problem.keys.attended_keys(dense.mask, b, problem.keys.list_of(g), i, s.keys.data(), s.marks));
-  const float scale = static_cast<float>(dense.scale);
-  std::fill(s.m.begin(), s.m.end(), kMinusInf);
-  std::fill(s.l.begin(), s.l.end(), 0.0f);
-  std::fill(s.acc.get(), s.acc.get() + group * dv_pad, 0.0f);
-  if constexpr (std::is_same_v<T, bfloat16>) {
-    if (s.latent) {
-      LatentUnit(problem, b, i, g, count, s);
-      Finish(problem, b, i, g, s);
-      return;
-    }
-  }
-  for (size_t r = 0; r < group; ++r)
-    ScaledRow(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, d_pad, scale, s.queries.get() + r * d_pad);
-
-  for (size_t start = 0; start < count; start += kGatherKeys) {
-    const size_t n = std::min(kGatherKeys, count - start), padded = round_up(n, lanes);
-    const int32_t* keys = s.keys.data() + start;
-    s.block.Gather(n, padded, [&](size_t j) { return rows.k(b, keys[j], g); },
-                   [&](size_t j) { return rows.v(b, keys[j], g); });
-    const int32_t* next = keys + n;  // the next block, prefetched while this one computes
-    s.block.GatherNext(std::min(kGatherKeys, count - start - n), [&](size_t j) { return rows.k(b, next[j], g); },
-                       [&](size_t j) { return rows.v(b, next[j], g); });
-    s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
-      for (size_t j = 0; j < padded; j += lanes)
-        ScoreKeys(group, s.queries.get(), d_pad, k_rows + j, k_dim, k_ahead.offset(j), s.scores.get() + j, kGatherKeys);
-      // The score pipeline per head; its mask stage removes the padding past the block.
-      for (size_t r = 0; r < group; ++r)
-        detail::apply_score_pipeline(
-            dense.modifiers,
-            RowStages{.rule = dense.mask, .mods = dense.modifiers, .batch = b,
-                      .head = g * e.group() + static_cast<int64_t>(r), .query = i, .first_key = 0, .keys = n,
-                      .padded = padded, .key_begin = 0, .key_end = static_cast<int64_t>(n),
-                      .s = s.scores.get() + r * kGatherKeys});
-      SoftmaxRows(group, padded, s.scores.get(), kGatherKeys, s.m.data(), s.l.data(), s.alpha.data());
-      ValueBlock(group, s.scores.get(), kGatherKeys, n, v_rows, v_dim, v_ahead, s.alpha.data(), s.acc.get(), dv_pad);
-    });
-  }
-
-  Finish(problem, b, i, g, s);
+  const size_t group = static_cast<size_t>(e.group());
+  const size_t lanes = VectorLanes(), padded = round_up(n, lanes);
+  s.block.Gather(n, padded, [&](size_t j) { return rows.k(b, keys[j], g); },
+                 [&](size_t j) { return rows.v(b, keys[j], g); });
+  s.block.GatherNext(ahead, [&](size_t j) { return rows.k(b, next[j], g); },
+                     [&](size_t j) { return rows.v(b, next[j], g); });
+  s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
+    for (size_t j = 0; j < padded; j += lanes)
+      ScoreKeys(group, row.queries.get(), s.block.d_pad(), k_rows + j, k_dim, k_ahead.offset(j), s.scores.get() + j,
+                kGatherKeys);
+    // The score pipeline per head; its mask stage removes the padding past the block.
+    for (size_t r = 0; r < group; ++r)
+      detail::apply_score_pipeline(
+          dense.modifiers,
+          RowStages{.rule = dense.mask, .mods = dense.modifiers, .batch = b,
+                    .head = g * e.group() + static_cast<int64_t>(r), .query = i, .first_key = 0, .keys = n,
+                    .padded = padded, .key_begin = 0, .key_end = static_cast<int64_t>(n),
+                    .s = s.scores.get() + r * kGatherKeys});
+    SoftmaxRows(group, padded, s.scores.get(), kGatherKeys, row.m.data(), row.l.data(), s.alpha.data());
+    ValueBlock(group, s.scores.get(), kGatherKeys, n, v_rows, v_dim, v_ahead, s.alpha.data(), row.acc.get(),
+               s.block.dv_pad());
+  });
 }
 
+// The row's outputs from its softmax state (m, l, acc): out and lse of the group's heads.
 template <class T>
-void Finish(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g, ForwardScratch<T>& s) {
+void FinishRow(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g,
+               const ForwardScratch<T>& s, const TileRow& row) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
@@ -173,14 +193,14 @@ void Finish(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i
   const auto& sinks = dense.modifiers.sinks;
   for (size_t r = 0; r < group; ++r) {
     const int64_t h = g * e.group() + static_cast<int64_t>(r);
-    float m_final = s.m[r], l_final = s.l[r], carry = 1.0f;  // carry = e^(m − m_f)
+    float m_final = row.m[r], l_final = row.l[r], carry = 1.0f;  // carry = e^(m − m_f)
     if (!sinks.empty()) {
-      m_final = std::max(s.m[r], sinks[h]);
-      carry = s.m[r] == kMinusInf ? 0.0f : std::exp(s.m[r] - m_final);
-      l_final = s.l[r] * carry + std::exp(sinks[h] - m_final);
+      m_final = std::max(row.m[r], sinks[h]);
+      carry = row.m[r] == kMinusInf ? 0.0f : std::exp(row.m[r] - m_final);
+      l_final = row.l[r] * carry + std::exp(sinks[h] - m_final);
     }
     T* out = rows.out(b, i, h);
-    const float* acc = s.acc.get() + r * dv_pad;
+    const float* acc = row.acc.get() + r * dv_pad;
     const bool empty = l_final == 0.0f;  // no key and no sink
     const float factor = empty ? 0.0f : carry / l_final;
     for (size_t c = 0; c < dv; ++c) out[c] = StoreAs<T>(empty ? 0.0f : acc[c] * factor);
@@ -188,10 +208,29 @@ void Finish(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i
   }
 }
 
+// Query rows [i0, i0 + tile) of batch entry b, kv head g, swept together (SweepTile).
+template <class T>
+void ForwardTile(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i0, size_t tile, int64_t g,
+                 ForwardScratch<T>& s) {
+  for (size_t t = 0; t < tile; ++t) BeginRow(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t]);
+  const amx::TileScope tile_scope(s.latent && s.lat.amx);  // one configuration for the unit's blocks (no hook runs)
+  SweepTile(
+      tile, [&](size_t t) { return std::pair{static_cast<const int32_t*>(s.rows[t].keys.data()), s.rows[t].count}; },
+      [&](size_t t, const int32_t* keys, size_t n, const int32_t* next, size_t ahead) {
+        if constexpr (std::is_same_v<T, bfloat16>) {
+          if (s.latent) return LatentRowBlock(problem, b, g, s, s.rows[t], keys, n, next, ahead);
+        }
+        FloatRowBlock(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t], keys, n, next, ahead);
+      });
+  for (size_t t = 0; t < tile; ++t) FinishRow(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t]);
+}
+
 template <class T>
 void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   const detail::Extents& e = problem.dense.extents;
-  const int64_t units = e.batch * e.q_len * e.kv_heads;
+  constexpr auto kTile = static_cast<int64_t>(kTileRows);
+  const int64_t tiles = (e.q_len + kTile - 1) / kTile;
+  const int64_t units = e.batch * tiles * e.kv_heads;
   if (units == 0) return;
   // Scratch allocated before the parallel region: a workspace the system cannot give is
   // a qkv::Error from here, not an exception escaping an OpenMP thread.
@@ -205,12 +244,14 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   std::vector<ForwardScratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
   for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, latent_unit);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t u = 0; u < units; ++u) {
-    // Queries innermost: consecutive units read one kv head's K and V, which then stay in
+    // Tiles innermost: consecutive units read one kv head's K and V, which then stay in
     // the last-level cache (all kv heads' rows at 8192 keys are 64 MiB in float at d 128).
-    const int64_t i = u % e.q_len, g = (u / e.q_len) % e.kv_heads, b = u / (e.kv_heads * e.q_len);
-    ForwardUnit(problem, b, i, g, scratch[static_cast<size_t>(omp_get_thread_num())]);
+    const int64_t tile = u % tiles, g = (u / tiles) % e.kv_heads, b = u / (e.kv_heads * tiles);
+    const int64_t i0 = tile * kTile;
+    ForwardTile(problem, b, i0, static_cast<size_t>(std::min(kTile, e.q_len - i0)), g,
+                scratch[static_cast<size_t>(omp_get_thread_num())]);
   }
 }
 

@@ -43,6 +43,10 @@ const SparseSpec kCases[] = {
     // Many rows listing keys of each 64-key block of the backward's per-block pass.
     {.name = "many_rows_three_key_blocks", .batch = 1, .q_len = 70, .k_len = 150, .q_heads = 8, .kv_heads = 2,
      .head_dim = 32, .v_dim = 16, .topk = 40, .causal = Causal::bottom_right},
+    // Rows in two tiles of the forward's sweep (16 rows), lists over three of its key
+    // ranges (256 keys), several blocks of one row inside a range.
+    {.name = "tiles_and_ranges", .batch = 2, .q_len = 37, .k_len = 700, .q_heads = 4, .kv_heads = 2,
+     .head_dim = 16, .v_dim = 8, .topk = 300, .shared = false, .causal = Causal::bottom_right},
     {.name = "per_head_sinks_top_left", .batch = 2, .q_len = 8, .k_len = 8, .q_heads = 4, .kv_heads = 4,
      .head_dim = 16, .v_dim = 8, .topk = 4, .shared = false, .causal = Causal::top_left, .sinks = true},
 };
@@ -167,8 +171,8 @@ TEST_P(SparseCases, HalfStorageWithinItsRounding) {
 // the float P and dS, so they keep the 16-bit bound of expect_half_close. The dot
 // products did run (fast differs from exact, forward and gradients), and the bits do not
 // depend on the thread count. Returns the forward's lse of the native target.
-const SparseSpec kGroupsOf16{.name = "mqa_groups_of_16", .batch = 2, .q_len = 9, .k_len = 150, .q_heads = 32,
-                             .kv_heads = 2, .head_dim = 64, .v_dim = 32, .topk = 90, .causal = Causal::bottom_right,
+const SparseSpec kGroupsOf16{.name = "mqa_groups_of_16", .batch = 2, .q_len = 19, .k_len = 420, .q_heads = 32,
+                             .kv_heads = 2, .head_dim = 64, .v_dim = 32, .topk = 200, .causal = Causal::bottom_right,
                              .sinks = true};
 
 // max over (b, i, h, c) of scale·Σ_j |dS_ij|·|k_jc| over row i's attended keys (listed and
