@@ -50,9 +50,13 @@ inline constexpr int64_t kRangeKeys = 256;
 // block(t, keys, n, next, ahead), next[0, ahead) the row's following block in the range
 // (to prefetch; ahead 0: none). set_of(t) returns row t's sorted keys and their count.
 // A row's blocks depend on its own keys only, never on the tile's other rows: results
-// stay the same whichever rows share its tile.
-template <class SetOf, class Block>
-HWY_INLINE void SweepTile(size_t tile, const SetOf& set_of, const Block& block) {
+// stay the same whichever rows share its tile. on_range(begin, end) runs before each
+// range's blocks, end ≤ begin + kRangeKeys the tile's last listed key + 1 at most.
+struct NoRangeStep {
+  void operator()(int64_t, int64_t) const {}
+};
+template <class SetOf, class Block, class OnRange = NoRangeStep>
+HWY_INLINE void SweepTile(size_t tile, const SetOf& set_of, const Block& block, const OnRange& on_range = {}) {
   size_t cursor[kTileRows] = {};
   int32_t last = -1;
   for (size_t t = 0; t < tile; ++t) {
@@ -60,6 +64,7 @@ HWY_INLINE void SweepTile(size_t tile, const SetOf& set_of, const Block& block) 
     if (count > 0) last = std::max(last, keys[count - 1]);
   }
   for (int64_t range = 0; range <= last; range += kRangeKeys) {
+    on_range(range, std::min<int64_t>(range + kRangeKeys, int64_t{last} + 1));
     for (size_t t = 0; t < tile; ++t) {
       const auto [keys, count] = set_of(t);
       size_t end = cursor[t];
