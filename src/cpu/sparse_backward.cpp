@@ -346,7 +346,7 @@ void QueryTileGradients(const detail::SparseBackwardProblem<T>& problem, const W
   const int64_t list = problem.keys.list_of(g);
   const amx::TileScope tile_scope(w.unit == Bf16Unit::amx);  // one configuration for the unit's blocks
   SweepTile(
-      tile,
+      tile, w.unit != Bf16Unit::fp32_fma ? kWholeRange : kRangeKeys,
       [&](size_t t) {
         const int64_t at = w.row(b, list, i0 + static_cast<int64_t>(t));
         return std::pair{static_cast<const int32_t*>(w.sets.data() + at * w.topk), static_cast<size_t>(w.set_sizes[at])};
@@ -497,7 +497,8 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
   for (int64_t u = 0; u < query_rows; ++u)
     PrepareRow(problem, w, u / e.q_len, u % e.q_len, scratch[static_cast<size_t>(omp_get_thread_num())].marks);
-  constexpr auto kTile = static_cast<int64_t>(kTileRows);
+  // The bf16 unit's rows keep their own blocks, one row a unit, as in the forward.
+  const int64_t kTile = w.unit != Bf16Unit::fp32_fma ? 1 : static_cast<int64_t>(kTileRows);
   const int64_t tiles = (e.q_len + kTile - 1) / kTile;
   const int64_t query_units = e.batch * tiles * e.kv_heads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)

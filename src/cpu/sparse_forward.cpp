@@ -238,7 +238,7 @@ void ForwardTile(const detail::SparseForwardProblem<T>& problem, int64_t b, int6
   for (size_t t = 0; t < tile; ++t) BeginRow(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t]);
   const amx::TileScope tile_scope(s.latent && s.lat.amx);  // one configuration for the unit's blocks (no hook runs)
   SweepTile(
-      tile, [&](size_t t) { return std::pair{static_cast<const int32_t*>(s.rows[t].keys.data()), s.rows[t].count}; },
+      tile, s.latent ? kWholeRange : kRangeKeys, [&](size_t t) { return std::pair{static_cast<const int32_t*>(s.rows[t].keys.data()), s.rows[t].count}; },
       [&](size_t t, const int32_t* keys, size_t n, const int32_t* next, size_t ahead) {
         if constexpr (std::is_same_v<T, bfloat16>) {
           if (s.latent) return LatentRowBlock(problem, b, g, s, s.rows[t], keys, n, next, ahead);
@@ -263,10 +263,16 @@ void ForwardTile(const detail::SparseForwardProblem<T>& problem, int64_t b, int6
 template <class T>
 void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   const detail::Extents& e = problem.dense.extents;
-  constexpr auto kTile = static_cast<int64_t>(kTileRows);
+  if (e.batch * e.q_len * e.kv_heads == 0) return;
+  const Bf16Unit latent_unit = sparse_dot_unit<T>(e, problem.dense.modifiers, problem.dense.precision);
+  // The bf16 unit's rows keep their own blocks of 64 listed keys, one row a unit: split at
+  // the ranges, a row of N 32768 lists ~16 keys a range, and the unit's per-block cost (the
+  // 16+ heads' accumulators, 50 KiB a row at the MLA shape, loaded and stored by the tiles)
+  // made the forward 1.35× slower there (9.2–9.7 → 12.1–13.8 s, 2 threads, Emerald Rapids),
+  // where the GQA shape's float step, 2 KiB a row, still gained (18.3 → 15.0 s).
+  const int64_t kTile = latent_unit != Bf16Unit::fp32_fma ? 1 : static_cast<int64_t>(kTileRows);
   const int64_t tiles = (e.q_len + kTile - 1) / kTile;
   const int64_t units = e.batch * tiles * e.kv_heads;
-  if (units == 0) return;
   // Scratch allocated before the parallel region: a workspace the system cannot give is
   // a qkv::Error from here, not an exception escaping an OpenMP thread.
   const int threads = static_cast<int>(std::min<int64_t>(problem.dense.threads, units));
@@ -275,7 +281,6 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   // and keys are bf16 already, their products exact in float32: the logits, and so the lse
   // the backward divides by, are the float step's up to the order of the float32 sums; each
   // weight P is rounded to bfloat16 once for P·V (the bf16 contract, docs/numerics.md).
-  const Bf16Unit latent_unit = sparse_dot_unit<T>(e, problem.dense.modifiers, problem.dense.precision);
   std::vector<ForwardScratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
   for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, latent_unit);

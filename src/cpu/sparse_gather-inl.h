@@ -55,20 +55,24 @@ inline constexpr int64_t kRangeKeys = 256;
 struct NoRangeStep {
   void operator()(int64_t, int64_t) const {}
 };
+// range_keys: kRangeKeys, or a range past every key (one range: each row's keys in
+// consecutive blocks of kGatherKeys, for a tile of one row).
+inline constexpr int64_t kWholeRange = int64_t{1} << 40;
 template <class SetOf, class Block, class OnRange = NoRangeStep>
-HWY_INLINE void SweepTile(size_t tile, const SetOf& set_of, const Block& block, const OnRange& on_range = {}) {
+HWY_INLINE void SweepTile(size_t tile, int64_t range_keys, const SetOf& set_of, const Block& block,
+                          const OnRange& on_range = {}) {
   size_t cursor[kTileRows] = {};
   int32_t last = -1;
   for (size_t t = 0; t < tile; ++t) {
     const auto [keys, count] = set_of(t);
     if (count > 0) last = std::max(last, keys[count - 1]);
   }
-  for (int64_t range = 0; range <= last; range += kRangeKeys) {
-    on_range(range, std::min<int64_t>(range + kRangeKeys, int64_t{last} + 1));
+  for (int64_t range = 0; range <= last; range += range_keys) {
+    on_range(range, std::min<int64_t>(range + range_keys, int64_t{last} + 1));
     for (size_t t = 0; t < tile; ++t) {
       const auto [keys, count] = set_of(t);
       size_t end = cursor[t];
-      while (end < count && keys[end] < range + kRangeKeys) ++end;
+      while (end < count && keys[end] < range + range_keys) ++end;
       for (size_t start = cursor[t]; start < end; start += kGatherKeys) {
         const size_t n = std::min(kGatherKeys, end - start);
         block(t, keys + start, n, keys + start + n, std::min(kGatherKeys, end - start - n));
