@@ -128,8 +128,16 @@
 // that of the same keys in one combined pool [.., head_dim] (the same schedules, including
 // the AVX512-BF16 latent step with options.precision fast and one kv head). float32,
 // bfloat16 and float16 only: int8 and float8 caches are refused by name (their row scale
-// would have to serve both pools; a combined float8 pool works), and so is run_appending
-// (BatchAppendArgs has no second pool; write the rows, then run).
+// would have to serve both pools; a combined float8 pool works).
+//   run_appending writes both pools (FlashInfer's append_paged_mla_kv_cache, then the
+// step): BatchAppendArgs::k_new [total_q, Hkv, head_dim − dr] goes into k_cache as given and
+// k_rope_new [total_q, Hkv, dr] into k_rope_cache. A Rotary acts on the rotary part only,
+// as DeepSeek's MLA rotates it: k_rope_new and each query's last dr channels (q_pe) are
+// rotated as a row of dr channels would be (rotary_dim ≤ dr; the q_nope channels and k_new
+// pass through). Engines' DeepSeek rotation is GPT-J's pairs (vLLM's is_neox_style=False):
+// Rotary::interleaved with tables repeat_interleave(freqs, 2). With v_cache the same view
+// as k_cache (the latent values) v_new must be left empty: the values are the rows k_new
+// writes; with a separate v_cache, v_new is written as usual.
 //
 // FlashMLA's FP8 records (vLLM's fp8_ds_mla latent cache, DeepSeek-V3.2 and GLM-5; the
 // layout qkv/mla.hpp's MlaRecordArgs states): run(BatchRecordArgs) reads them in place —
@@ -141,6 +149,13 @@
 // any batch and thread count. Options and key lists as for run(BatchArgs); refused by
 // name: window and ALiBi (as mla_decode refuses them), and plans with a tree_mask or
 // share_prefixes (the records kernel has neither).
+//   run_appending(BatchRecordAppendArgs) writes the step's new tokens as records first:
+// k_new [total_q, dc] (c_kv) and k_rope_new [total_q, dr] (k_pe; the Rotary rotating k_rope_new and q's
+// last dr channels, as above) packed as qkv::pack_mla_records packs them (its scales
+// rule), into each sequence's last n_b records, then the step as run(BatchRecordArgs) over
+// the rotated q. The records of the whole step are packed into scratch before the first
+// is stored, so a refused call (run's errors, the new rows' shapes, a non-finite k_new
+// value, records sharing memory with what the call reads) leaves every record as it was.
 //
 // Schedules (cpu backend): sequences of ≤ 32 queries run on the split-K schedule
 // (cpu/decode.cpp), planned together, their tasks handed to threads costliest first; a
@@ -177,6 +192,7 @@
 #include "qkv/attention.hpp"
 #include "qkv/half.hpp"
 #include "qkv/kv_cache.hpp"
+#include "qkv/mla.hpp"  // RecordScales
 #include "qkv/options.hpp"
 #include "qkv/rotary.hpp"
 #include "qkv/sparse.hpp"
@@ -243,6 +259,10 @@ struct BatchAppendArgs {
   TensorView<float, 2> lse;         // optional
   View3<float> k_scale, v_scale;    // int8: the new rows' scales written; float8: read
   KeyIndices indices;               // as BatchArgs'
+  // Keys in two parts (see above): k_new then holds each new key's first head_dim − dr
+  // channels, k_rope_new [total_q, Hkv, dr] its last dr (rotated), written to k_rope_cache.
+  View3<const float> k_rope_new;
+  View4<T> k_rope_cache;
 };
 
 // run over FlashMLA's FP8 records (see above).
@@ -252,6 +272,19 @@ struct BatchRecordArgs {
   View3<float> out;                     // [total_q, Hq, dc]
   TensorView<float, 2> lse;             // optional, [Hq, total_q]
   KeyIndices indices;                   // optional, packed [total_q, topk] (as BatchArgs')
+};
+
+// run_appending over FlashMLA's FP8 records (see above): the new tokens packed, stored, attended.
+struct BatchRecordAppendArgs {
+  View3<const float> q;                 // [total_q, Hq, dc + dr]: read only (rotated into scratch)
+  TensorView<const float, 2> k_new;       // c_kv [total_q, dc], packed as q
+  TensorView<const float, 2> k_rope_new;  // k_pe [total_q, dr], rotated by `rotary` before packing
+  Rotary rotary;                        // optional
+  View3<std::uint8_t> records;          // as BatchRecordArgs'; each sequence's last n_b records written
+  View3<float> out;                     // [total_q, Hq, dc]
+  TensorView<float, 2> lse;             // optional, [Hq, total_q]
+  KeyIndices indices;                   // optional, as BatchRecordArgs'
+  RecordScales scales = RecordScales::power_of_two;  // qkv::pack_mla_records' rule
 };
 
 class BatchPlan {
@@ -279,6 +312,8 @@ class BatchPlan {
   void run_appending(const BatchAppendArgs<float8_e5m2>& args) const;
   // The step over FlashMLA's FP8 records: see above.
   void run(const BatchRecordArgs& args) const;
+  // The new tokens packed into the records, then that step: see above.
+  void run_appending(const BatchRecordAppendArgs& args) const;
   // The step over a qkv::KVCache: q [total_q, Hq, d], out [total_q, Hq, dv], lse
   // [Hq, total_q] (optional).
   void run(View3<const float> q, const KVCache& cache, View3<float> out, TensorView<float, 2> lse = {}) const;

@@ -51,6 +51,15 @@ def _tree_mask(mask, function: str):
     return np.ascontiguousarray(array.reshape(-1))
 
 
+def records_array(records, function: str):
+    """FlashMLA's records as the array the binding reads in place (a CPU tensor's own memory)."""
+    if _is_torch(records):
+        if records.device.type != "cpu":
+            raise TypeError(f"{function}: k_cache: expected a CPU tensor, got device {records.device}")
+        return records.detach().numpy()
+    return records
+
+
 class BatchPlan:
     """A serving step planned once: ``cu_seqlens_q [B+1]`` (prefix sums of each sequence's
     new queries; int32 or int64), ``cache_lengths [B]`` (keys each cache holds, the new
@@ -144,7 +153,7 @@ class BatchPlan:
 
     def run(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None, k_new=None,
             v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False, rotary_dim=None, positions=None,
-            k_rope_cache=None, cache_format=None):
+            k_rope_cache=None, cache_format=None, k_rope_new=None, power_of_two_scales=True):
         """One layer: q ``[total_q, Hq, d]`` against ``k_cache``/``v_cache`` — contiguous
         ``[B, capacity, Hkv, d]`` or the pool ``[num_blocks, block_size, Hkv, d]``, float32,
         bfloat16, float16, int8 (with ``k_scale``/``v_scale``, one float32 per row) or float8
@@ -178,29 +187,54 @@ class BatchPlan:
         ``[q_nope | q_pe]``; with v_cache=None and v_dim=dc the values are k_cache's rows.
         Read in place, bitwise the step over one combined pool of the same values. float32,
         bfloat16 and float16 only (int8 and float8 refused: a combined pool takes them); not
-        with k_new or a qkv.KVCache.
+        with a qkv.KVCache. With k_new ``[total_q, Hkv, dc]`` and k_rope_new ``[total_q, Hkv,
+        dr]`` (``[total_q, dc | dr]`` with 3-D pools) the step's new rows are written into both
+        pools first (FlashInfer's append_paged_mla_kv_cache, then the run, in one call): the
+        rotary tables rotate k_rope_new and q's last dr channels only (q_pe; DeepSeek's pairs
+        are ``rotary_interleaved=True`` with tables ``repeat_interleave(freqs, 2)``, vLLM's
+        is_neox_style=False); v_cache None: the values are the latent rows k_new writes (no
+        v_new).
         cache_format="fp8_ds_mla": k_cache is FlashMLA's FP8 records (vLLM's kv_cache_dtype of
         that name; qkv.mla_decode's layout), uint8 ``[B, capacity, R]`` or the pool
         ``[num_blocks, block_size, R]``, read in place; v_cache None; the plan has one kv
         head, head_dim dc + dr and v_dim dc (a multiple of 128). Each query row runs on
         mla_decode's records kernel, so a sequence's rows are mla_decode's over the same
         records. indices as above; window, ALiBi, trees and shared prefixes refused. Traced:
-        torch.ops.qkv.batch_plan_run_records."""
+        torch.ops.qkv.batch_plan_run_records. With k_new (c_kv ``[total_q, dc]``) and
+        k_rope_new (k_pe ``[total_q, dr]``) the step's new tokens are packed into their records
+        first, IN PLACE (as qkv.pack_mla_records packs them, power_of_two_scales its rule; the
+        rotary tables rotate k_pe and q_pe), then attended; traced:
+        torch.ops.qkv.batch_plan_run_records_appending."""
         refuse_grad("qkv.BatchPlan.run", q=q, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale,
-                    k_new=k_new, v_new=v_new, k_rope_cache=k_rope_cache)
+                    k_new=k_new, v_new=v_new, k_rope_cache=k_rope_cache, k_rope_new=k_rope_new)
+        appending = dict(k_new=k_new, k_rope_new=k_rope_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                         rotary_dim=rotary_dim, positions=positions, rotary_interleaved=rotary_interleaved)
         if cache_format is not None:
-            return self._run_records(q, k_cache, cache_format, return_lse, indices, v_cache=v_cache, k_scale=k_scale,
-                                     v_scale=v_scale, k_rope_cache=k_rope_cache, k_new=k_new, v_new=v_new,
-                                     rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_dim=rotary_dim,
-                                     positions=positions, rotary_interleaved=rotary_interleaved or None)
+            return self._run_records(q, k_cache, cache_format, return_lse, indices, appending, power_of_two_scales,
+                                     v_cache=v_cache, k_scale=k_scale, v_scale=v_scale, k_rope_cache=k_rope_cache,
+                                     v_new=v_new)
+        if power_of_two_scales is not True:
+            raise Error("qkv.BatchPlan.run: power_of_two_scales: only with cache_format='fp8_ds_mla' and k_new (the "
+                        "scales of the records the call packs)")
         if k_rope_cache is not None and isinstance(k_cache, KVCache):
             raise Error("qkv.BatchPlan.run: k_rope_cache: not with a qkv.KVCache as k_cache (a cache keeps each "
                         "key whole); pass the two pools as arrays")
+        if k_rope_new is not None and k_rope_cache is None:
+            raise Error("qkv.BatchPlan.run: k_rope_new: only with k_rope_cache (keys in two parts: their last dr "
+                        "channels are written there)")
+        if k_rope_cache is not None and getattr(k_cache, "ndim", 0) == 3 and getattr(k_rope_cache, "ndim", 0) == 3:
+            # FlashInfer's pools [blocks, block_size, dc] / [.., dr]: the one latent head as a view
+            k_cache, k_rope_cache = k_cache[:, :, None], k_rope_cache[:, :, None]
+            v_cache = v_cache if getattr(v_cache, "ndim", 0) != 3 else v_cache[:, :, None]
+            k_new, k_rope_new, v_new = (x[:, None] if getattr(x, "ndim", 0) == 2 else x for x in (k_new, k_rope_new, v_new))
         if any(x is not None for x in (k_new, v_new, rotary_cos, rotary_sin, rotary_dim, positions)) or rotary_interleaved:
-            if k_rope_cache is not None:
-                raise Error("qkv.BatchPlan.run: k_rope_cache: not with k_new or rotary arguments (the new rows are "
-                            "not written into two pools); write them, then run")
             from . import _rotary
+
+            if k_rope_cache is not None:  # MLA's two pools: rows written into both, then the step
+                return _rotary.run(self, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
+                                   indices=indices, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos,
+                                   rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, rotary_dim=rotary_dim,
+                                   positions=positions, k_rope_new=k_rope_new, k_rope_cache=k_rope_cache)
 
             from ._float8 import cache_bytes
 
@@ -215,9 +249,6 @@ class BatchPlan:
                                indices=indices, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos,
                                rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, rotary_dim=rotary_dim,
                                positions=positions)
-        if k_rope_cache is not None and getattr(k_cache, "ndim", 0) == 3 and getattr(k_rope_cache, "ndim", 0) == 3:
-            # FlashInfer's pools [blocks, block_size, dc] / [.., dr]: the one latent head as a view
-            k_cache, k_rope_cache = k_cache[:, :, None], k_rope_cache[:, :, None]
         if v_cache is None and not isinstance(k_cache, KVCache):
             if v_scale is not None:
                 raise Error("qkv.BatchPlan.run: v_scale: not with v_cache=None (the values use the keys' k_scale)")
@@ -242,9 +273,9 @@ class BatchPlan:
         return self.eager_run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
                               indices=indices, k_rope_cache=k_rope_cache)
 
-    def _run_records(self, q, records, cache_format, return_lse, indices, **unused):
+    def _run_records(self, q, records, cache_format, return_lse, indices, appending, power_of_two_scales, **unused):
         """run() with cache_format: the arguments it does not take refused by name, then the
-        operator (traced) or eager_run_records."""
+        appending run (k_new given), the operator (traced) or eager_run_records."""
         fn = "qkv.BatchPlan.run"
         if cache_format != "fp8_ds_mla":
             raise Error(f"{fn}: cache_format: expected None or 'fp8_ds_mla' (FlashMLA's FP8 records), got "
@@ -252,9 +283,17 @@ class BatchPlan:
         for name, value in unused.items():
             if value is not None:
                 raise Error(f"{fn}: {name}: expected None with cache_format='fp8_ds_mla' (the records hold the "
-                            "keys, values and scales; new tokens are written with qkv.pack_mla_records)")
+                            "keys, values and scales; new tokens come as k_new (c_kv) and k_rope_new (k_pe))")
         if isinstance(records, KVCache):
             raise Error(f"{fn}: k_cache: with cache_format='fp8_ds_mla', the records array (uint8), not a qkv.KVCache")
+        if any(value is not None for name, value in appending.items() if name != "rotary_interleaved") \
+                or appending["rotary_interleaved"]:
+            from . import _rotary
+
+            return _rotary.run_records(self, q, records, return_lse=return_lse, indices=indices,
+                                       power_of_two_scales=power_of_two_scales, **appending)
+        if power_of_two_scales is not True:
+            raise Error(f"{fn}: power_of_two_scales: only with k_new (the scales of the records the call packs)")
         if _is_torch(q):
             from . import _torch_ops_cache
 
@@ -273,10 +312,7 @@ class BatchPlan:
 
         indices = key_lists(indices)
         q_lib = _float32_packed(q, "q", fn)
-        if _is_torch(records):
-            if records.device.type != "cpu":
-                raise TypeError(f"{fn}: k_cache: expected a CPU tensor, got device {records.device}")
-            records = records.detach().numpy()
+        records = records_array(records, fn)
         return self._run(q, q_lib, "float8_e4m3fn", return_lse,
                          lambda plan, out, lse: plan.run_records(q_lib, records, out, lse=lse, indices=indices))
 

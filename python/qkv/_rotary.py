@@ -73,26 +73,39 @@ def rotate(x, function: str, *, rotary_cos, rotary_sin, rotary_interleaved=False
     return out
 
 
-def run(plan, q, k_cache, v_cache, *, k_scale, v_scale, return_lse, indices, k_new, v_new, rotary_cos, rotary_sin,
-        rotary_interleaved, rotary_dim, positions):
-    """BatchPlan.run with new tokens: traced as torch.ops.qkv.batch_plan_run_appending,
-    eagerly the binding."""
-    if v_cache is None:
-        raise Error(f"{_FUNCTION}: v_cache: None (the values in the keys) is not with k_new: pass the value cache")
-    if _is_torch(q):
-        from . import _torch_ops_cache, _torch_ops_rotary
+def _traced_handle(plan, q):
+    """The plan's handle when the call is traced (torch.compile, fake tensors), else None."""
+    if not _is_torch(q):
+        return None
+    from . import _torch_ops_cache
 
-        if _torch_ops_cache.traced(q):
-            if plan._handle is None:
-                raise Error(f"{_FUNCTION}: traced (torch.compile), but the plan was made before torch was imported: "
-                            "make it after `import torch`")
-            out, lse = _torch_ops_rotary.batch_plan_run_appending(
-                plan._handle, q, k_cache, v_cache, k_scale, v_scale, k_new, v_new, rotary_cos, rotary_sin, positions,
-                bool(rotary_interleaved), rotary_dim, indices)
-            return (out, lse) if return_lse else out
+    if not _torch_ops_cache.traced(q):
+        return None
+    if plan._handle is None:
+        raise Error(f"{_FUNCTION}: traced (torch.compile), but the plan was made before torch was imported: "
+                    "make it after `import torch`")
+    return plan._handle
+
+
+def run(plan, q, k_cache, v_cache, *, k_scale, v_scale, return_lse, indices, k_new, v_new, rotary_cos, rotary_sin,
+        rotary_interleaved, rotary_dim, positions, k_rope_new=None, k_rope_cache=None):
+    """BatchPlan.run with new tokens: traced as torch.ops.qkv.batch_plan_run_appending,
+    eagerly the binding. With k_rope_cache (MLA's two pools, 4-D here) v_cache None means
+    the latent values: k_cache's own rows."""
+    if v_cache is None and k_rope_cache is None:
+        raise Error(f"{_FUNCTION}: v_cache: None (the values in the keys) is not with k_new: pass the value cache")
+    handle = _traced_handle(plan, q)
+    if handle is not None:
+        from . import _torch_ops_rotary
+
+        out, lse = _torch_ops_rotary.batch_plan_run_appending(
+            handle, q, k_cache, v_cache, k_scale, v_scale, k_new, v_new, rotary_cos, rotary_sin, positions,
+            bool(rotary_interleaved), rotary_dim, indices, k_rope_new, k_rope_cache, plan.v_dim)
+        return (out, lse) if return_lse else out
     return eager_run(plan, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
                      indices=indices, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                     rotary_interleaved=rotary_interleaved, rotary_dim=rotary_dim, positions=positions)
+                     rotary_interleaved=rotary_interleaved, rotary_dim=rotary_dim, positions=positions,
+                     k_rope_new=k_rope_new, k_rope_cache=k_rope_cache)
 
 
 def _scales(x):
@@ -103,22 +116,72 @@ def _scales(x):
 
 def eager_run(plan, q, k_cache, v_cache, *, k_scale=None, v_scale=None, return_lse=False, indices=None, k_new=None,
               v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False, rotary_dim=None,
-              positions=None):
+              positions=None, k_rope_new=None, k_rope_cache=None):
     """The appending run itself, outside any tracing (what the operator calls)."""
     fn = _FUNCTION
     indices = key_lists(indices)
     q_lib = _float32_packed(q, "q", fn)
     k_lib, bits_as = _cache_array(k_cache, "k_cache", fn)
-    v_lib, v_bits = _cache_array(v_cache, "v_cache", fn)
+    if v_cache is None:  # the latent values: a view of k_cache's rows (the library sees the same memory)
+        v_lib, v_bits = k_lib[..., :plan.v_dim], bits_as
+    else:
+        v_lib, v_bits = _cache_array(v_cache, "v_cache", fn)
     if bits_as != v_bits:
         raise TypeError(f"{fn}: v_cache: expected the dtype of k_cache")
-    new = {name: None if x is None else _float32_packed(x, name, fn) for name, x in (("k_new", k_new), ("v_new", v_new))}
+    rope_lib = None
+    if k_rope_cache is not None:
+        rope_lib, rope_bits = _cache_array(k_rope_cache, "k_rope_cache", fn)
+        if rope_bits != bits_as or rope_lib.dtype != k_lib.dtype:
+            raise TypeError(f"{fn}: k_rope_cache: expected the dtype of k_cache")
+    new = {name: None if x is None else _float32_packed(x, name, fn)
+           for name, x in (("k_new", k_new), ("v_new", v_new), ("k_rope_new", k_rope_new))}
     rotary = rotary_arguments(fn, rotary_cos, rotary_sin, rotary_interleaved, rotary_dim, positions)
     storage = bits_as or ("int8" if k_lib.dtype == np.int8 else "float16" if k_lib.dtype == np.float16 else "float32")
     return plan._run(q, q_lib, storage, return_lse,
                      lambda p, out, lse: _qkv.batch_plan_run_appending(
                          p, q_lib, k_lib, v_lib, out, new["k_new"], new["v_new"], lse=lse, bits_as=bits_as,
-                         k_scale=_scales(k_scale), v_scale=_scales(v_scale), indices=indices, **rotary))
+                         k_scale=_scales(k_scale), v_scale=_scales(v_scale), indices=indices,
+                         k_rope_new=new["k_rope_new"], k_rope_cache=rope_lib, **rotary))
+
+
+def run_records(plan, q, records, *, return_lse, indices, k_new, k_rope_new, rotary_cos, rotary_sin,
+                rotary_interleaved, rotary_dim, positions, power_of_two_scales):
+    """BatchPlan.run(cache_format="fp8_ds_mla", k_new=, k_rope_new=): the new tokens packed
+    into FlashMLA's records in place, then the step. Traced as
+    torch.ops.qkv.batch_plan_run_records_appending."""
+    if not isinstance(power_of_two_scales, (bool, np.bool_)):
+        raise TypeError(f"{_FUNCTION}: power_of_two_scales: expected a bool, got {power_of_two_scales!r}")
+    for name, x in (("k_new", k_new), ("k_rope_new", k_rope_new)):
+        if x is None:
+            raise Error(f"{_FUNCTION}: {name}: expected with {'k_rope_new' if name == 'k_new' else 'k_new'} over "
+                        "FlashMLA's records (each new record packs both: c_kv [total_q, dc], k_pe [total_q, dr])")
+    handle = _traced_handle(plan, q)
+    if handle is not None:
+        from . import _torch_ops_rotary
+
+        out, lse = _torch_ops_rotary.batch_plan_run_records_appending(
+            handle, q, records, k_new, k_rope_new, rotary_cos, rotary_sin, positions, bool(rotary_interleaved),
+            rotary_dim, bool(power_of_two_scales), indices)
+        return (out, lse) if return_lse else out
+    from ._batch_plan import records_array
+
+    fn = _FUNCTION
+    indices = key_lists(indices)
+    q_lib = _float32_packed(q, "q", fn)
+    records = records_array(records, fn)
+    rows = {}
+    for name, x in (("k_new", k_new), ("k_rope_new", k_rope_new)):
+        if getattr(x, "ndim", 0) == 2:  # [total_q, d]: as [total_q, 1, d], the one latent head
+            x = x[:, None]
+        elif getattr(x, "ndim", 0) == 3 and x.shape[1] != 1:
+            raise Error(f"{fn}: {name}: expected [total_q, {'dc' if name == 'k_new' else 'dr'}] or [total_q, 1, "
+                        f"{'dc' if name == 'k_new' else 'dr'}] (the records' one latent head), got shape {tuple(x.shape)}")
+        rows[name] = _float32_packed(x, name, fn)[:, 0]
+    rotary = rotary_arguments(fn, rotary_cos, rotary_sin, rotary_interleaved, rotary_dim, positions)
+    return plan._run(q, q_lib, "float8_e4m3fn", return_lse,
+                     lambda p, out, lse: _qkv.batch_plan_run_records_appending(
+                         p, q_lib, records, out, rows["k_new"], rows["k_rope_new"], lse=lse, indices=indices,
+                         power_of_two_scales=bool(power_of_two_scales), **rotary))
 
 
 def _refuse_traced(function: str, x) -> None:

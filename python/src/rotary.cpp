@@ -48,6 +48,7 @@ Rotary rotary_of(nb::handle cos, nb::handle sin, nb::handle positions, bool inte
 struct Arrays {
   ArrayRef q, k_cache, v_cache, out;
   std::optional<ArrayRef> k_new, v_new, lse, k_scale, v_scale;  // k_new, v_new: the library names a missing one
+  std::optional<ArrayRef> k_rope_new, k_rope_cache;              // keys in two parts (MLA's latent pools)
 };
 
 template <class T>
@@ -64,6 +65,8 @@ void run_typed(const BatchPlan& plan, const Arrays& a, const Rotary& rotary, con
   if (a.k_scale) args.k_scale = view_of<float, 3>("k_scale", *a.k_scale, "scales are float32");
   if (a.v_scale) args.v_scale = view_of<float, 3>("v_scale", *a.v_scale, "scales are float32");
   args.indices = indices;
+  if (a.k_rope_new) args.k_rope_new = view_of<const float, 3>("k_rope_new", *a.k_rope_new, "new keys are float32");
+  if (a.k_rope_cache) args.k_rope_cache = raw_view<T, 4>("k_rope_cache", *a.k_rope_cache);
   nb::gil_scoped_release release;
   plan.run_appending(args);
 }
@@ -71,7 +74,7 @@ void run_typed(const BatchPlan& plan, const Arrays& a, const Rotary& rotary, con
 void run_appending(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle out,
                    nb::handle k_new, nb::handle v_new, nb::handle lse, const std::string& bits_as, nb::handle k_scale,
                    nb::handle v_scale, nb::handle indices, nb::handle cos, nb::handle sin, nb::handle positions,
-                   bool interleaved, nb::handle rotary_dim) {
+                   bool interleaved, nb::handle rotary_dim, nb::handle k_rope_new, nb::handle k_rope_cache) {
   const Caller caller("qkv.BatchPlan.run");
   const std::optional<ArrayRef> index_array = optional_in("indices", indices);
   const KeyIndices lists = index_array ? packed_indices_of(*index_array) : KeyIndices{};
@@ -83,6 +86,12 @@ void run_appending(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::
   if (!lse.is_none()) a.lse = ArrayRef::from(lse, true, "lse");
   if (!k_scale.is_none()) a.k_scale = ArrayRef::from(k_scale, true, "k_scale");
   if (!v_scale.is_none()) a.v_scale = ArrayRef::from(v_scale, true, "v_scale");
+  a.k_rope_new = optional_in("k_rope_new", k_rope_new);
+  if (!k_rope_cache.is_none()) {
+    a.k_rope_cache = ArrayRef::from(k_rope_cache, true, "k_rope_cache");
+    if (cache_storage("k_rope_cache", *a.k_rope_cache, bits_as) != cache_storage("k_cache", a.k_cache, bits_as))
+      argument_type_error("k_rope_cache", "expected the dtype of k_cache");
+  }
   const Rotary rotary = rotary_of(cos, sin, positions, interleaved, rotary_dim);
   const StorageType type = cache_storage("k_cache", a.k_cache, bits_as);
   if (cache_storage("v_cache", a.v_cache, bits_as) != type) argument_type_error("v_cache", "expected the dtype of k_cache");
@@ -96,6 +105,29 @@ void run_appending(const BatchPlan& plan, nb::handle q, nb::handle k_cache, nb::
     case StorageType::int4: break;  // no array dtype is int4 (cache_storage)
   }
   throw Error("qkv::BatchPlan::run: int4 caches append through qkv.KVCache");
+}
+
+// BatchPlan::run_appending over FlashMLA's FP8 records: k_new [total_q, dc], k_rope_new
+// [total_q, dr] float32; records uint8, written in place.
+void run_records_appending(const BatchPlan& plan, nb::handle q, nb::handle records, nb::handle out,
+                           nb::handle k_new, nb::handle k_rope_new, nb::handle lse, nb::handle indices,
+                           nb::handle cos, nb::handle sin, nb::handle positions, bool interleaved,
+                           nb::handle rotary_dim, bool power_of_two_scales) {
+  const Caller caller("qkv.BatchPlan.run");
+  const std::optional<ArrayRef> index_array = optional_in("indices", indices);
+  BatchRecordAppendArgs args;
+  args.q = view_of<const float, 3>("q", ArrayRef::from(q, false, "q"), "queries are float32");
+  args.k_new = view_of<const float, 2>("k_new", ArrayRef::from(k_new, false, "k_new"), "new latent rows are float32");
+  args.k_rope_new = view_of<const float, 2>("k_rope_new", ArrayRef::from(k_rope_new, false, "k_rope_new"),
+                                          "new rotary keys are float32");
+  args.rotary = rotary_of(cos, sin, positions, interleaved, rotary_dim);
+  args.records = view_of<std::uint8_t, 3>("k_cache", ArrayRef::from(records, true, "k_cache"), "records are uint8");
+  args.out = view_of<float, 3>("out", ArrayRef::from(out, true, "out"), "the output is float32");
+  if (!lse.is_none()) args.lse = view_of<float, 2>("lse", ArrayRef::from(lse, true, "lse"), "the log-sum-exp is float32");
+  if (index_array) args.indices = packed_indices_of(*index_array);
+  args.scales = power_of_two_scales ? RecordScales::power_of_two : RecordScales::amax;
+  nb::gil_scoped_release release;
+  plan.run_appending(args);
 }
 
 }  // namespace
@@ -121,9 +153,18 @@ void bind_rotary(nb::module_& m) {
         nb::arg("v_scale").none() = nb::none(), nb::arg("indices").none() = nb::none(),
         nb::arg("rotary_cos").none() = nb::none(), nb::arg("rotary_sin").none() = nb::none(),
         nb::arg("positions").none() = nb::none(), nb::arg("rotary_interleaved") = false,
-        nb::arg("rotary_dim").none() = nb::none(),
+        nb::arg("rotary_dim").none() = nb::none(), nb::arg("k_rope_new").none() = nb::none(),
+        nb::arg("k_rope_cache").none() = nb::none(),
         "BatchPlan::run_appending: the new tokens rotated and written into the caches (in place), then the "
         "step; the GIL is released.");
+  m.def("batch_plan_run_records_appending", &run_records_appending, nb::arg("plan"), nb::arg("q"), nb::arg("records"),
+        nb::arg("out"), nb::arg("k_new"), nb::arg("k_rope_new"), nb::kw_only(), nb::arg("lse").none() = nb::none(),
+        nb::arg("indices").none() = nb::none(), nb::arg("rotary_cos").none() = nb::none(),
+        nb::arg("rotary_sin").none() = nb::none(), nb::arg("positions").none() = nb::none(),
+        nb::arg("rotary_interleaved") = false, nb::arg("rotary_dim").none() = nb::none(),
+        nb::arg("power_of_two_scales") = true,
+        "BatchPlan::run_appending over FlashMLA's FP8 records: the new tokens rotated and packed into the records "
+        "(in place), then the step; the GIL is released.");
 }
 
 }  // namespace qkv::python

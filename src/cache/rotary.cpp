@@ -20,7 +20,8 @@ std::string at(const char* name, int64_t index) { return std::string(name) + "["
 
 }  // namespace
 
-CheckedRotary::CheckedRotary(const Checker& check, const Rotary& rotary, int64_t rows, int64_t head_dim)
+CheckedRotary::CheckedRotary(const Checker& check, const Rotary& rotary, int64_t rows, int64_t head_dim,
+                             const char* width)
     : head_dim_(head_dim) {
   if (rotary.empty()) {
     if (rotary.positions.size() != 0) check.fail("rotary.positions: given without rotary.cos and rotary.sin");
@@ -40,8 +41,8 @@ CheckedRotary::CheckedRotary(const Checker& check, const Rotary& rotary, int64_t
                ", the tables' width), got " + std::to_string(rotary.rotary_dim));
   }
   if (dim_ < 2 || dim_ % 2 != 0 || dim_ > head_dim) {
-    check.fail("rotary.cos.shape[1] (rotary_dim): expected an even number 2.." + std::to_string(head_dim) +
-               " (head_dim; channels rotate in pairs), got " + std::to_string(dim_));
+    check.fail("rotary.cos.shape[1] (rotary_dim): expected an even number 2.." + std::to_string(head_dim) + " (" +
+               width + "; channels rotate in pairs), got " + std::to_string(dim_));
   }
   const int64_t table_rows = rotary.cos.shape[0];
   if (rotary.positions.size() == 0) {

@@ -14,7 +14,10 @@ class CheckedRotary {
   CheckedRotary() = default;  // no rotation
   // `rotary` against `rows` new tokens of `head_dim` channels (qkv/rotary.hpp lists the
   // errors, each a qkv::Error through `check`). `rotary` must outlive this.
-  CheckedRotary(const Checker& check, const Rotary& rotary, int64_t rows, int64_t head_dim);
+  // `width` names head_dim in the errors (keys in two parts rotate their last dr channels
+  // as a row of their own: "dr").
+  CheckedRotary(const Checker& check, const Rotary& rotary, int64_t rows, int64_t head_dim,
+                const char* width = "head_dim");
 
   bool active() const { return rotary_ != nullptr; }
   int64_t dim() const { return dim_; }

@@ -26,46 +26,17 @@
 #include <string>
 #include <vector>
 
+#include "batch_layout.hpp"
+#include "rotary_by_hand.hpp"
 #include "test_support.hpp"
 
 namespace qkv {
 namespace {
 
 using test::expect_error;
-
-// Tables as transformers builds them: θ_i = p · base^(−2i/r); NeoX repeats the r/2
-// angles as cat(θ, θ), interleaved as repeat_interleave(θ, 2).
-struct Tables {
-  Tensor<float, 2> cos, sin;
-};
-Tables tables(int64_t rows, int64_t dim, bool interleaved, int64_t first_position = 0) {
-  Tables t{Tensor<float, 2>({rows, dim}), Tensor<float, 2>({rows, dim})};
-  for (int64_t p = 0; p < rows; ++p)
-    for (int64_t c = 0; c < dim; ++c) {
-      const int64_t i = interleaved ? c / 2 : c % (dim / 2);
-      const double angle = double(p + first_position) * std::pow(10000.0, -2.0 * double(i) / double(dim));
-      t.cos(p, c) = static_cast<float>(std::cos(angle));
-      t.sin(p, c) = static_cast<float>(std::sin(angle));
-    }
-  return t;
-}
-
-// The textbook rotation of one row, rotate_half built as its own vector, each product
-// and sum stored through a volatile so that no fused multiply-add can form.
-void rotate_by_hand(const float* x, const float* cos, const float* sin, int64_t dim, int64_t head_dim, bool interleaved,
-                    float* out) {
-  std::vector<float> half(static_cast<std::size_t>(dim));
-  for (int64_t c = 0; c < dim; ++c) {
-    if (interleaved) half[c] = c % 2 == 0 ? -x[c + 1] : x[c - 1];
-    else half[c] = c < dim / 2 ? -x[c + dim / 2] : x[c - dim / 2];
-  }
-  for (int64_t c = 0; c < dim; ++c) {
-    volatile float a = x[c] * cos[c];
-    volatile float b = half[c] * sin[c];
-    out[c] = a + b;
-  }
-  for (int64_t c = dim; c < head_dim; ++c) out[c] = x[c];
-}
+using test::rotate_by_hand;
+using test::Tables;
+using test::tables;
 
 bool same_bytes(const void* a, const void* b, std::size_t n) { return std::memcmp(a, b, n) == 0; }
 
@@ -131,12 +102,7 @@ struct Step {
       max_blocks = (capacity + block_size - 1) / block_size;
       rows0 = batch * max_blocks + 3;
       rows1 = block_size;
-      std::vector<int32_t> order(static_cast<std::size_t>(rows0));
-      std::iota(order.begin(), order.end(), 0);
-      std::shuffle(order.begin(), order.end(), std::mt19937(7));
-      table = Tensor<int32_t, 2>({batch, max_blocks});
-      for (int64_t b = 0; b < batch; ++b)
-        for (int64_t j = 0; j < max_blocks; ++j) table(b, j) = order[static_cast<std::size_t>(b * max_blocks + j)];
+      table = test::shuffled_table(batch, max_blocks, rows0, 7);
     }
     k = Tensor<T, 4>({rows0, rows1, hkv, d});
     v = Tensor<T, 4>({rows0, rows1, hkv, dv});

@@ -102,9 +102,9 @@ def test_bad_calls_name_the_argument():
         plan.run(q, ckv, None, k_rope_cache=kpe[..., :8])
     with pytest.raises(qkv.Error, match="k_rope_cache"):
         plan.run(q, ckv, None, k_rope_cache=kpe[:, :8].contiguous())
-    with pytest.raises(qkv.Error, match="k_rope_cache: not with k_new"):
-        plan.run(q, ckv, None, k_rope_cache=kpe, k_new=torch.zeros(cu[-1], 1, DC + DR),
-                 v_new=torch.zeros(cu[-1], 1, DC))
+    # New rows need both parts (test_latent_append.py tests the appending run itself).
+    with pytest.raises(qkv.Error, match="k_rope_new: expected with k_rope_cache"):
+        plan.run(q, ckv, None, k_rope_cache=kpe, k_new=torch.zeros(cu[-1], 1, DC))
     with pytest.raises(qkv.Error, match="k_rope_cache: not with a qkv.KVCache"):
         plan.run(q, qkv.KVCache(4, 160, 1, DC + DR, v_dim=DC), None, k_rope_cache=kpe)
     with pytest.raises(qkv.Error, match="k_rope_cache: not with int8"):

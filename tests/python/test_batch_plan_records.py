@@ -94,7 +94,7 @@ def test_bad_calls_name_the_argument():
     with pytest.raises(qkv.Error, match="cache_format: expected None or 'fp8_ds_mla'"):
         plan.run(q, records, None, cache_format="fp8")
     for name, value in (("v_cache", records), ("k_scale", 1.0), ("k_rope_cache", records),
-                        ("k_new", torch.zeros(int(cu[-1]), 1, DC + DR))):
+                        ("v_new", torch.zeros(int(cu[-1]), 1, DC))):
         kwargs = {name: value} if name != "v_cache" else {}
         with pytest.raises(qkv.Error, match=f"{name}: expected None with cache_format='fp8_ds_mla'"):
             plan.run(q, records, value if name == "v_cache" else None, cache_format="fp8_ds_mla", **kwargs)
