@@ -9,6 +9,13 @@ bf16 (matmul + masked softmax + matmul). One process, same threads, best of --re
 The step: --decode sequences with one new token, --mtp sequences with 2 (a
 multi-token-prediction step), each over --keys cached tokens, paged in blocks of 64.
 
+A second table times the step with its new tokens written in the same call (issue 41's
+appending run) against the calls an engine makes without it: q_pe and k_pe rotated in
+PyTorch (DeepSeek's pairs, as vLLM's is_neox_style=False rotation), the rows written
+through the slot mapping (bf16 pools) or packed with qkv.pack_mla_records (records), then
+plan.run — each path checked once to give the same output and pools (max |diff| printed);
+medians of --repeats interleaved rounds.
+
     python bench/bench_mla_batch_plan.py [--heads 16] [--keys 4096] [--decode 6] [--mtp 2] [--threads 1 2]
 """
 
@@ -20,7 +27,7 @@ import os
 import torch
 
 import qkv
-from bench_timing import best_of, cpu_model
+from bench_timing import best_of, cpu_model, interleaved_medians
 
 BLOCK = 64
 
@@ -35,6 +42,7 @@ def main():
     parser.add_argument("--dr", type=int, default=64)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--append-only", action="store_true", help="only the second table")
     args = parser.parse_args()
     torch.manual_seed(0)
     dc, dr, d, n, heads = args.dc, args.dr, args.dc + args.dr, args.keys, args.heads
@@ -73,13 +81,18 @@ def main():
 
     print(f"cpu: {cpu_model()}; {heads} heads, dc {dc}, dr {dr}, {n} cached tokens each; {args.decode} decode "
           f"tokens + {args.mtp} two-token steps, paged ({BLOCK}); load {os.getloadavg()[0]:.2f}")
-    print("| threads | plan: combined bf16 | plan: two bf16 pools | mla_decode per sequence (bf16) | "
-          "plan: FP8 records | mla_decode per sequence (records) | torch bf16 formula per sequence |")
-    print("|---|---|---|---|---|---|---|")
+    if not args.append_only:
+        print("| threads | plan: combined bf16 | plan: two bf16 pools | mla_decode per sequence (bf16) | "
+              "plan: FP8 records | mla_decode per sequence (records) | torch bf16 formula per sequence |")
+        print("|---|---|---|---|---|---|---|")
+    appending = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         plan = qkv.BatchPlan(cu, lengths, num_heads=heads, num_kv_heads=1, head_dim=d, v_dim=dc, block_table=table,
                              block_size=BLOCK, scale=scale, threads=threads)
+        appending.append((threads, plan))
+        if args.append_only:
+            continue
         t = {
             "combined": best_of(args.repeats, lambda: plan.run(q, combined, None)),
             "two pools": best_of(args.repeats, lambda: plan.run(q, ckv, None, k_rope_cache=kpe)),
@@ -93,6 +106,70 @@ def main():
               f"({t['per seq'] / t['two pools']:.2f}× the plan) | {ms['records']:.2f} ms | {ms['per seq records']:.2f} ms "
               f"({t['per seq records'] / t['records']:.2f}×) | {ms['torch']:.2f} ms ({t['torch'] / t['two pools']:.2f}× "
               f"the two-pool plan) |")
+
+    append_table(appending, q, cu, queries, n, table, ckv[:, :, 0], kpe[:, :, 0], records, dc, dr, args.repeats)
+
+
+def append_table(runs, q, cu, queries, n, table, ckv, kpe, records, dc, dr, repeats):
+    """The step with its new tokens written in the call against rotate + write + run."""
+    positions = torch.cat([n - m + torch.arange(m) for m in queries])
+    slots = torch.cat([table[b, positions[cu[b]:cu[b + 1]] // BLOCK].long() * BLOCK + positions[cu[b]:cu[b + 1]] % BLOCK
+                       for b in range(len(queries))])  # vLLM's slot_mapping, made once per step
+    freqs = positions[:, None].float() * 10000.0 ** (-torch.arange(0, dr, 2).float() / dr)
+    cos, sin = freqs.cos().repeat_interleave(2, -1), freqs.sin().repeat_interleave(2, -1)  # pairs' tables
+    half_cos, half_sin = cos[:, 0::2], sin[:, 0::2]
+    c_kv_new, k_pe_new = torch.randn(len(slots), dc), torch.randn(len(slots), dr)
+    rotary = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=True)
+
+    def pairs(x, c, s):  # GPT-J pairs (2i, 2i+1) by angle i
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], -1).flatten(-2)
+
+    def rotated_q():
+        return torch.cat([q[..., :dc], pairs(q[..., dc:], half_cos[:, None], half_sin[:, None])], -1)
+
+    def pools_by_hand(plan, ckv_pool, kpe_pool):
+        ckv_pool.view(-1, dc)[slots] = c_kv_new.bfloat16()
+        kpe_pool.view(-1, dr)[slots] = pairs(k_pe_new, half_cos, half_sin).bfloat16()
+        return plan.run(rotated_q(), ckv_pool, None, k_rope_cache=kpe_pool)
+
+    def records_by_hand(plan, pool):
+        pool.view(-1, pool.shape[-1])[slots] = qkv.pack_mla_records(c_kv_new, pairs(k_pe_new, half_cos, half_sin))
+        return plan.run(rotated_q(), pool, None, cache_format="fp8_ds_mla")
+
+    print("\nWith the step's new tokens written in the call (fused) or by the three calls an engine makes "
+          "without it (rotate in PyTorch + write through the slot mapping + plan.run):")
+    print("| threads | two bf16 pools: fused | rotate + write + run | records: fused | rotate + pack + write + run | "
+          "max abs diff (pools, records) |")
+    print("|---|---|---|---|---|---|")
+    for threads, plan in runs:
+        torch.set_num_threads(threads)
+        copies = [(ckv.clone(), kpe.clone()), (ckv.clone(), kpe.clone()), records.clone(), records.clone()]
+        fused_pools = plan.run(q, *copies[0][:1], None, k_rope_cache=copies[0][1], k_new=c_kv_new,
+                               k_rope_new=k_pe_new, **rotary)
+        hand_pools = pools_by_hand(plan, *copies[1])
+        fused_records = plan.run(q, copies[2], None, cache_format="fp8_ds_mla", k_new=c_kv_new, k_rope_new=k_pe_new,
+                                 **rotary)
+        hand_records = records_by_hand(plan, copies[3])
+        diff_pools = max((fused_pools - hand_pools).abs().max().item(),
+                         (copies[0][0].float() - copies[1][0].float()).abs().max().item(),
+                         (copies[0][1].float() - copies[1][1].float()).abs().max().item())
+        diff_records = max((fused_records - hand_records).abs().max().item(),
+                           float((copies[2] != copies[3]).sum().item()))
+        # Medians of interleaved rounds (this VM's neighbours come and go: the best-of columns
+        # above move 1.5× between runs; a pair timed in turns moves together).
+        times = interleaved_medians([
+            lambda: plan.run(q, copies[0][0], None, k_rope_cache=copies[0][1], k_new=c_kv_new, k_rope_new=k_pe_new,
+                             **rotary),
+            lambda: pools_by_hand(plan, *copies[1]),
+            lambda: plan.run(q, copies[2], None, cache_format="fp8_ds_mla", k_new=c_kv_new, k_rope_new=k_pe_new,
+                             **rotary),
+            lambda: records_by_hand(plan, copies[3])], repeats)
+        t = dict(zip(("fused", "by hand", "records fused", "records by hand"), times))
+        ms = {k: v * 1e3 for k, v in t.items()}
+        print(f"| {threads} | {ms['fused']:.2f} ms | {ms['by hand']:.2f} ms ({t['by hand'] / t['fused']:.2f}× fused) | "
+              f"{ms['records fused']:.2f} ms | {ms['records by hand']:.2f} ms "
+              f"({t['records by hand'] / t['records fused']:.2f}×) | {diff_pools:g}, {diff_records:g} |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,22 @@ def best_of(repeats, fn):
     return min(times)
 
 
+def interleaved_medians(fns, repeats):
+    """The median time of each of fns over `repeats` rounds, after one untimed call of each.
+    Each round times every fn once, the order reversed every other round, so a load that
+    comes and goes (another tenant of these shared VMs) lands on all of them alike."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for round_ in range(repeats):
+        order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            start = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
 def _cpuinfo():
     """/proc/cpuinfo's fields of its first processor (empty where there is none)."""
     fields = {}
