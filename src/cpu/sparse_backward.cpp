@@ -106,7 +106,9 @@ struct Scratch {
         dv_rows(kGatherKeys),
         dots(unit == Bf16Unit::fp32_fma
                  ? SparseDotScratch()
-                 : SparseDotScratch(rows, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim))) {}
+                 : SparseDotScratch(rows, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim))),
+        range(unit == Bf16Unit::fp32_fma && !std::is_same_v<T, float>, static_cast<size_t>(e.head_dim),
+              static_cast<size_t>(e.v_dim)) {}
 
   std::vector<uint64_t> marks;  // attended_keys's bit set
   GatheredBlock<T> block;
@@ -119,6 +121,9 @@ struct Scratch {
   std::vector<const float*> head_q, head_dout;  // pass D: the group's scale·q and dO rows
   std::vector<float*> dk_rows, dv_rows;         // pass D: the listed keys' rows of dk, dv
   SparseDotScratch dots;  // on a bf16 unit (sparse_dot_unit, sparse.hpp)
+  // The float step over 16-bit storage: a range's K and V rows widened once — pass C's
+  // for the tile's rows (SweepTile's on_range), pass D's for its key block's rows.
+  WidenedRange range;
 };
 
 // Over `padded` entries of one row of scores s (already through the soft-cap) and dP:
@@ -318,18 +323,27 @@ void QueryBlock(const detail::SparseBackwardProblem<T>& problem, const Workspace
   const float* q = w.q_row(b, i, g * e.group());
   const float* dout = w.dout_row(b, i, g * e.group());
   const size_t padded = round_up(n, lanes);
-  s.block.Gather(n, padded, [&](size_t j) { return rows.k(b, keys[j], g); },
-                 [&](size_t j) { return rows.v(b, keys[j], g); });
-  s.block.GatherNext(ahead, [&](size_t j) { return rows.k(b, next[j], g); },
-                     [&](size_t j) { return rows.v(b, next[j], g); });
-  s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
+  // The block's rows: widened once for the tile's range (QueryTileGradients), or gathered.
+  const auto visit = [&](auto&& f) {
+    if (s.range.active()) return s.range.Visit(f);
+    s.block.Visit(f);
+  };
+  if (s.range.active()) {
+    s.range.Point(keys, n, padded);
+  } else {
+    s.block.Gather(n, padded, [&](size_t j) { return rows.k(b, keys[j], g); },
+                   [&](size_t j) { return rows.v(b, keys[j], g); });
+    s.block.GatherNext(ahead, [&](size_t j) { return rows.k(b, next[j], g); },
+                       [&](size_t j) { return rows.v(b, next[j], g); });
+  }
+  visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
     for (size_t j = 0; j < padded; j += lanes) {
       ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, k_ahead.offset(j), s.scores.get() + j, kGatherKeys);
       ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, v_ahead.offset(j), s.d_scores.get() + j, kGatherKeys);
     }
   });
   GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
-  s.block.Visit([&](auto k_rows, auto, size_t k_dim, size_t, auto, auto) {
+  visit([&](auto k_rows, auto, size_t k_dim, size_t, auto, auto) {
     using S = std::remove_cv_t<std::remove_pointer_t<std::remove_pointer_t<decltype(k_rows)>>>;
     // dQ_r += Σ_j dS_rj·k_j (alpha 1: the running sum is kept).
     ValueBlock(group, s.d_scores.get(), kGatherKeys, n, k_rows, k_dim, Ahead<S>{}, s.ones.data(), acc, w.d_pad);
@@ -353,6 +367,11 @@ void QueryTileGradients(const detail::SparseBackwardProblem<T>& problem, const W
       },
       [&](size_t t, const int32_t* keys, size_t n, const int32_t* next, size_t ahead) {
         QueryBlock(problem, w, b, i0 + static_cast<int64_t>(t), g, keys, n, next, ahead, s.acc.get() + t * sums, s);
+      },
+      [&](int64_t begin, int64_t end) {
+        if (!s.range.active()) return;
+        const auto rows = problem.dense.rows();
+        s.range.Widen(begin, end, [&](int64_t j) { return rows.k(b, j, g); }, [&](int64_t j) { return rows.v(b, j, g); });
       });
   for (size_t t = 0; t < tile; ++t)
     StoreQueryGradients(problem, w, b, i0 + static_cast<int64_t>(t), g, s.acc.get() + t * sums);
@@ -392,6 +411,8 @@ void KeyBlockGradients(const detail::SparseBackwardProblem<T>& problem, const Wo
   const amx::TileScope tile_scope(w.unit == Bf16Unit::amx);  // one configuration for the unit's rows
   std::fill(s.dk.get(), s.dk.get() + static_cast<size_t>(last - first) * w.d_pad, 0.0f);
   std::fill(s.dv.get(), s.dv.get() + static_cast<size_t>(last - first) * w.dv_pad, 0.0f);
+  if (s.range.active())  // the block's rows widened once for every row that lists them
+    s.range.Widen(first, last, [&](int64_t j) { return rows.k(b, j, g); }, [&](int64_t j) { return rows.v(b, j, g); });
   for (int64_t i = 0; i < w.q_len; ++i) {
     const int64_t at = w.row(b, list, i);
     const int32_t* set = w.sets.data() + at * w.topk;
@@ -411,16 +432,22 @@ void KeyBlockGradients(const detail::SparseBackwardProblem<T>& problem, const Wo
       const float* d_weights_t = s.d_weights_t.get();
       if (!DotWeights(problem, w, b, i, g, keys, n, s, weights_t, d_weights_t)) {
         const size_t padded = round_up(n, lanes);
-        const auto k_row = [&](size_t j) { return rows.k(b, keys[j], g); };
-        const auto v_row = [&](size_t j) { return rows.v(b, keys[j], g); };
-        s.block.Gather(n, padded, k_row, v_row);
-        s.block.GatherNext(0, k_row, v_row);  // the block's rows are in L2 after the first row
-        s.block.Visit([&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
+        const auto scores = [&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
           for (size_t j = 0; j < padded; j += lanes) {
             ScoreKeys(group, q, w.d_pad, k_rows + j, k_dim, k_ahead, s.scores.get() + j, kGatherKeys);
             ScoreKeys(group, dout, w.dv_pad, v_rows + j, v_dim, v_ahead, s.d_scores.get() + j, kGatherKeys);
           }
-        });
+        };
+        if (s.range.active()) {
+          s.range.Point(keys, n, padded);
+          s.range.Visit(scores);
+        } else {
+          const auto k_row = [&](size_t j) { return rows.k(b, keys[j], g); };
+          const auto v_row = [&](size_t j) { return rows.v(b, keys[j], g); };
+          s.block.Gather(n, padded, k_row, v_row);
+          s.block.GatherNext(0, k_row, v_row);  // the block's rows are in L2 after the first row
+          s.block.Visit(scores);
+        }
         GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
         for (size_t x = 0; x < n; ++x)
           for (size_t r = 0; r < group; ++r) {

@@ -75,11 +75,7 @@ struct ForwardScratch {
         k_next(latent ? kGatherKeys : 0),
         marks(selection.marks_for(e.k_len)),
         block(static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
-        widen_ranges(!latent && !std::is_same_v<T, float>),
-        range_k(AllocateFloats(widen_ranges ? kRangeKeys * block.d_pad() : 0)),
-        range_v(AllocateFloats(widen_ranges ? kRangeKeys * block.dv_pad() : 0)),
-        k_ptr(widen_ranges ? kGatherKeys : 0),
-        v_ptr(widen_ranges ? kGatherKeys : 0),
+        range(!latent && !std::is_same_v<T, float>, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
         scores(AllocateFloats(static_cast<size_t>(e.group()) * kGatherKeys)),
         alpha(static_cast<size_t>(e.group())),
         rows(kTileRows) {
@@ -99,14 +95,9 @@ struct ForwardScratch {
   std::vector<const T*> k_rows, v_rows, k_next;
   std::vector<uint64_t> marks;   // attended_keys's bit set
   GatheredBlock<T> block;        // one block of its K/V rows
-  // The float step over 16-bit storage: the range's K and V rows of the unit's kv head
-  // widened to float once (kRangeKeys × d_pad, × dv_pad, zero-padded), for every row of the
-  // tile, instead of widening each listed row inside the loads of each row that lists it
-  // (exact: the same floats, the same bits). k_ptr / v_ptr: one block's rows there.
-  bool widen_ranges;
-  hwy::AlignedFreeUniquePtr<float[]> range_k, range_v;
-  int64_t range_begin = 0;
-  std::vector<const float*> k_ptr, v_ptr;
+  // The float step over 16-bit storage: each range's K and V rows of the unit's kv head
+  // widened to float once for every row of the tile (ForwardTile's on_range).
+  WidenedRange range;
   hwy::AlignedFreeUniquePtr<float[]> scores;  // G × 64
   std::vector<float> alpha;      // one block's rescaling per head
   std::vector<TileRow> rows;     // the unit's query rows
@@ -189,14 +180,9 @@ void FloatRowBlock(const detail::SparseForwardProblem<T>& problem, int64_t b, in
     ValueBlock(group, s.scores.get(), kGatherKeys, n, v_rows, v_dim, v_ahead, s.alpha.data(), row.acc.get(),
                s.block.dv_pad());
   };
-  if (s.widen_ranges) {  // the rows widened once for the tile (ForwardTile), in L2
-    const size_t d_pad = s.block.d_pad(), dv_pad = s.block.dv_pad();
-    for (size_t j = 0; j < padded; ++j) {  // padded with the block's last row, as Gather does
-      const auto at = static_cast<size_t>(keys[std::min(j, n - 1)] - s.range_begin);
-      s.k_ptr[j] = s.range_k.get() + at * d_pad;
-      s.v_ptr[j] = s.range_v.get() + at * dv_pad;
-    }
-    return step(s.k_ptr.data(), s.v_ptr.data(), d_pad, dv_pad, Ahead<float>{}, Ahead<float>{});
+  if (s.range.active()) {  // the rows widened once for the tile (ForwardTile), in L2
+    s.range.Point(keys, n, padded);
+    return s.range.Visit(step);
   }
   s.block.Gather(n, padded, [&](size_t j) { return rows.k(b, keys[j], g); },
                  [&](size_t j) { return rows.v(b, keys[j], g); });
@@ -246,16 +232,9 @@ void ForwardTile(const detail::SparseForwardProblem<T>& problem, int64_t b, int6
         FloatRowBlock(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t], keys, n, next, ahead);
       },
       [&](int64_t begin, int64_t end) {
-        if (!s.widen_ranges) return;
+        if (!s.range.active()) return;
         const auto rows = problem.dense.rows();
-        const auto d = static_cast<size_t>(problem.dense.extents.head_dim);
-        const auto dv = static_cast<size_t>(problem.dense.extents.v_dim);
-        s.range_begin = begin;
-        for (int64_t j = begin; j < end; ++j) {
-          const auto at = static_cast<size_t>(j - begin);
-          WidenRows(rows.k(b, j, g), 0, 1, d, s.range_k.get() + at * s.block.d_pad(), s.block.d_pad());
-          WidenRows(rows.v(b, j, g), 0, 1, dv, s.range_v.get() + at * s.block.dv_pad(), s.block.dv_pad());
-        }
+        s.range.Widen(begin, end, [&](int64_t j) { return rows.k(b, j, g); }, [&](int64_t j) { return rows.v(b, j, g); });
       });
   for (size_t t = 0; t < tile; ++t) FinishRow(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t]);
 }

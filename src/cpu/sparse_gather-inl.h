@@ -171,6 +171,62 @@ class GatheredBlock {
   size_t next_count_ = 0;
 };
 
+// The float step over 16-bit storage (the forward's and both backward passes'): a key
+// range's K and V rows of one kv head widened to float once (kRangeKeys × d_pad, × dv_pad,
+// zero-padded) for every row of the tile that lists them, instead of inside the loads of
+// each row that lists them — the same floats, so the same bits. Widen(begin, end, ...)
+// fills it (SweepTile's on_range, or a pass's key block); Point(keys, n, padded) points a
+// block's rows there (padded with its last row, as GatheredBlock::Gather does); Visit(f)
+// then calls f as GatheredBlock::Visit does, on float rows (nothing to prefetch: in L2).
+// Inactive (float storage, or a bf16 unit's rows) it allocates nothing.
+class WidenedRange {
+ public:
+  WidenedRange(bool active, size_t d, size_t dv)
+      : active_(active),
+        d_(d),
+        dv_(dv),
+        d_pad_(round_up(d, VectorLanes())),
+        dv_pad_(round_up(dv, VectorLanes())),
+        k_(AllocateFloats(active ? static_cast<size_t>(kRangeKeys) * d_pad_ : 0)),
+        v_(AllocateFloats(active ? static_cast<size_t>(kRangeKeys) * dv_pad_ : 0)),
+        k_ptr_(active ? kGatherKeys : 0),
+        v_ptr_(active ? kGatherKeys : 0) {}
+
+  bool active() const { return active_; }
+
+  // Keys [begin, end), end − begin ≤ kRangeKeys; k_row(j) / v_row(j) the stored rows of key j.
+  template <class KeyRow, class ValueRow>
+  void Widen(int64_t begin, int64_t end, const KeyRow& k_row, const ValueRow& v_row) {
+    begin_ = begin;
+    for (int64_t j = begin; j < end; ++j) {
+      const auto at = static_cast<size_t>(j - begin);
+      WidenRows(k_row(j), 0, 1, d_, k_.get() + at * d_pad_, d_pad_);
+      WidenRows(v_row(j), 0, 1, dv_, v_.get() + at * dv_pad_, dv_pad_);
+    }
+  }
+
+  // keys[0, n) of the widened range, padded to `padded` with the last.
+  void Point(const int32_t* keys, size_t n, size_t padded) {
+    for (size_t j = 0; j < padded; ++j) {
+      const auto at = static_cast<size_t>(keys[std::min(j, n - 1)] - begin_);
+      k_ptr_[j] = k_.get() + at * d_pad_;
+      v_ptr_[j] = v_.get() + at * dv_pad_;
+    }
+  }
+
+  template <class F>
+  void Visit(F&& f) const {
+    f(k_ptr_.data(), v_ptr_.data(), d_pad_, dv_pad_, Ahead<float>{}, Ahead<float>{});
+  }
+
+ private:
+  bool active_;
+  size_t d_, dv_, d_pad_, dv_pad_;
+  hwy::AlignedFreeUniquePtr<float[]> k_, v_;
+  int64_t begin_ = 0;
+  std::vector<const float*> k_ptr_, v_ptr_;
+};
+
 }  // namespace qkv::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
