@@ -10,7 +10,12 @@ downloaded) and generates greedily twice:
 The prompt goes through the same call as the decode steps (Nq = prompt length,
 bottom-right causal). Prints both token lists and whether they are the same.
 
-    python3 examples/mla_absorbed.py [--tokens 8] [--paged] [--cache-dtype bfloat16]
+With --fused, each layer's step is one qkv.BatchPlan call that also writes the new tokens'
+rows, as a serving engine runs it: the unrotated c_kv and k_pe go in with the rotary
+tables, qkv rotates k_pe and q_pe (DeepSeek's pairs: the tables' angles repeated pairwise),
+writes both pools and attends (FlashInfer's append_paged_mla_kv_cache and MLA run in one).
+
+    python3 examples/mla_absorbed.py [--tokens 8] [--paged] [--cache-dtype bfloat16] [--fused]
 """
 
 from __future__ import annotations
@@ -67,7 +72,17 @@ class LatentCache:
         self.length += ckv.shape[1]
 
 
-def absorbed_forward(attn, cache: LatentCache):
+def rotary_tables(cos, sin, interleave):
+    """transformers' cos/sin [B, T, rope] (cat(freqs, freqs)) as qkv's per-token tables
+    [B·T, rope]: DeepSeek's interleave rotates pairs (2i, 2i+1) by angle i, qkv's pairs
+    read repeat_interleave(freqs, 2); otherwise NeoX order, the tables as they are."""
+    if interleave:
+        half = cos.shape[-1] // 2
+        cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+    return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+
+
+def absorbed_forward(attn, cache: LatentCache, fused: bool = False):
     """A forward for DeepseekV3Attention `attn` over `cache` (the model's own cache unused)."""
     heads, nope, rope, v_dim, rank = (attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim,
                                       attn.v_head_dim, attn.kv_lora_rank)
@@ -84,6 +99,20 @@ def absorbed_forward(attn, cache: LatentCache):
         ckv, k_rot = compressed[..., :rank], compressed[..., rank:]
         ckv = attn.kv_a_layernorm(ckv)
         cos, sin = position_embeddings
+        if fused:  # one call: rotate, write both pools, attend
+            q_latent = torch.einsum("bthn,hnr->bthr", q_pass, w_uk)
+            lengths = [cache.length + seq] * batch
+            plan = qkv.BatchPlan([seq * b for b in range(batch + 1)], lengths, num_heads=heads, num_kv_heads=1,
+                                 head_dim=rank + rope, v_dim=rank, block_table=cache.table,
+                                 block_size=cache.block_size or None, scale=attn.scaling)
+            table_cos, table_sin = rotary_tables(cos, sin, attn.config.rope_interleave)
+            out = plan.run(torch.cat([q_latent, q_rot], -1).reshape(batch * seq, heads, rank + rope), cache.ckv, None,
+                           k_rope_cache=cache.kpe, k_new=ckv.reshape(batch * seq, rank),
+                           k_rope_new=k_rot.reshape(batch * seq, rope), rotary_cos=table_cos, rotary_sin=table_sin,
+                           rotary_interleaved=bool(attn.config.rope_interleave))
+            cache.length += seq
+            out = torch.einsum("bthr,hvr->bthv", out.view(batch, seq, heads, rank), w_uv)
+            return attn.o_proj(out.reshape(batch, seq, heads * v_dim)), None
         rotate = m.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else m.apply_rotary_pos_emb
         # [B, H, T, rope] and [B, 1, T, rope], as transformers rotates them.
         q_rot, k_rot = rotate(q_rot.transpose(1, 2), k_rot.view(batch, 1, seq, rope), cos, sin)
@@ -99,13 +128,13 @@ def absorbed_forward(attn, cache: LatentCache):
 
 
 @torch.no_grad()
-def generate_absorbed(model, prompt, tokens, cache_dtype, block_size):
+def generate_absorbed(model, prompt, tokens, cache_dtype, block_size, fused=False):
     config = model.config
     caches = []
     for layer in model.model.layers:
         cache = LatentCache(prompt.shape[0], prompt.shape[1] + tokens, config.kv_lora_rank, config.qk_rope_head_dim,
                             cache_dtype, block_size)
-        layer.self_attn.forward = absorbed_forward(layer.self_attn, cache)
+        layer.self_attn.forward = absorbed_forward(layer.self_attn, cache, fused)
         caches.append(cache)
     ids, new = prompt, prompt
     for _ in range(tokens):
@@ -124,13 +153,15 @@ def main(argv=None) -> int:
     parser.add_argument("--paged", action="store_true", help="paged latent pools (block size 4, shuffled blocks)")
     parser.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fused", action="store_true",
+                        help="one qkv.BatchPlan call a layer that rotates, writes the pools and attends")
     args = parser.parse_args(argv)
     model = tiny_deepseek(args.seed)
     prompt = torch.randint(3, model.config.vocab_size, (args.batch, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         eager = model.generate(prompt, max_new_tokens=args.tokens, do_sample=False, min_new_tokens=args.tokens)
     absorbed = generate_absorbed(model, prompt, args.tokens, getattr(torch, args.cache_dtype),
-                                 4 if args.paged else 0)
+                                 4 if args.paged else 0, args.fused)
     print("eager:   ", eager[:, prompt.shape[1]:].tolist())
     print("absorbed:", absorbed[:, prompt.shape[1]:].tolist())
     same = torch.equal(eager, absorbed)
