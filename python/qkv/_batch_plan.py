@@ -23,7 +23,8 @@ import sys
 import numpy as np
 
 from . import _exit, _float8, _qkv
-from ._decode_eager import _cache_array, _float32_packed, _int_array, _is_torch, _storage_name, refuse_grad
+from ._decode_eager import (_cache_array, _float32_packed, _int_array, _is_torch, _storage_name, records_array,
+                            refuse_grad)
 from ._options import make_options
 from ._arrays import Error, NumPy, Torch
 from ._decode import KVCache
@@ -49,15 +50,6 @@ def _tree_mask(mask, function: str):
     if array.dtype != np.bool_ and array.dtype != np.uint8:
         raise TypeError(f"{function}: tree_mask: expected dtype bool or uint8, got {array.dtype}")
     return np.ascontiguousarray(array.reshape(-1))
-
-
-def records_array(records, function: str):
-    """FlashMLA's records as the array the binding reads in place (a CPU tensor's own memory)."""
-    if _is_torch(records):
-        if records.device.type != "cpu":
-            raise TypeError(f"{function}: k_cache: expected a CPU tensor, got device {records.device}")
-        return records.detach().numpy()
-    return records
 
 
 class BatchPlan:

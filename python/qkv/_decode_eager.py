@@ -183,6 +183,15 @@ def _torch_cache_views():
 _TORCH_CACHE_VIEWS = None
 
 
+def records_array(records, function: str):
+    """FlashMLA's records as the array the binding reads in place (a CPU tensor's own memory)."""
+    if _is_torch(records):
+        if records.device.type != "cpu":
+            raise TypeError(f"{function}: k_cache: expected a CPU tensor, got device {records.device}")
+        return records.detach().numpy()
+    return records
+
+
 def _cache_array(x, name: str, function: str):
     """(array the library reads in place, bits_as): torch bfloat16 goes over as int16 bits,
     float8 (torch or ml_dtypes) as uint8 bytes (qkv/_float8.py)."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _qkv
 from ._arrays import Error
-from ._decode_eager import _cache_array, _float32_packed, _int_array, _is_torch, key_lists
+from ._decode_eager import _cache_array, _float32_packed, _int_array, _is_torch, key_lists, records_array
 
 _FUNCTION = "qkv.BatchPlan.run"
 
@@ -163,8 +163,6 @@ def run_records(plan, q, records, *, return_lse, indices, k_new, k_rope_new, rot
             handle, q, records, k_new, k_rope_new, rotary_cos, rotary_sin, positions, bool(rotary_interleaved),
             rotary_dim, bool(power_of_two_scales), indices)
         return (out, lse) if return_lse else out
-    from ._batch_plan import records_array
-
     fn = _FUNCTION
     indices = key_lists(indices)
     q_lib = _float32_packed(q, "q", fn)
