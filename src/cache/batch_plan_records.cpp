@@ -81,7 +81,8 @@ void BatchPlan::run(const BatchRecordArgs& a) const {
 // Order, so that a refused call writes nothing: run()'s checks on the caller's q, the new
 // rows' and the Rotary's, the writes' overlaps, k_new's values and the key lists; then
 // q rotated into scratch and the step's records packed into scratch (qkv::pack_mla_records,
-// which can no longer refuse them); then the records stored and the step run.
+// which can no longer refuse them); then the kernel's workspace allocated, the records
+// stored and the step run.
 void BatchPlan::run_appending(const BatchRecordAppendArgs& a) const {
   const State& s = *state_;
   const Checker check("qkv::BatchPlan::run");
@@ -140,22 +141,25 @@ void BatchPlan::run_appending(const BatchRecordAppendArgs& a) const {
                    a.scales);
 
   // Each sequence's new records into its last n_b slots: (pool block, row) through the
-  // plan's table, or (sequence, key).
-  const detail::Sequences& seq = s.problem.mask.sequences;
-  for (int64_t b = 0; b < e.batch; ++b) {
-    const int64_t first = seq.cu_q[b], count = seq.cu_q[b + 1] - first,
-                  length = s.cache_lengths[static_cast<std::size_t>(b)];
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t key = length - count + t;
-      const int64_t outer = s.paged() ? s.block_table[static_cast<std::size_t>(b * s.max_blocks + key / s.block_size)] : b;
-      const int64_t inner = s.paged() ? key % s.block_size : key;
-      std::memcpy(&a.records(outer, inner, 0), &packed[static_cast<std::size_t>((first + t) * bytes)],
-                  static_cast<std::size_t>(bytes));
+  // plan's table, or (sequence, key) — stored by the kernel once its workspace is allocated.
+  const auto store = [&] {
+    const detail::Sequences& seq = s.problem.mask.sequences;
+    for (int64_t b = 0; b < e.batch; ++b) {
+      const int64_t first = seq.cu_q[b], count = seq.cu_q[b + 1] - first,
+                    length = s.cache_lengths[static_cast<std::size_t>(b)];
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t key = length - count + t;
+        const int64_t outer =
+            s.paged() ? s.block_table[static_cast<std::size_t>(b * s.max_blocks + key / s.block_size)] : b;
+        const int64_t inner = s.paged() ? key % s.block_size : key;
+        std::memcpy(&a.records(outer, inner, 0), &packed[static_cast<std::size_t>((first + t) * bytes)],
+                    static_cast<std::size_t>(bytes));
+      }
     }
-  }
+  };
   const detail::ForwardProblem<float> p = records_problem(check, s, q, a.records, a.out, a.lse);
   detail::run_records(check, p, a.indices, a.records, dc, dr, s.paged() ? s.read_table() : nullptr, s.max_blocks,
-                      s.backend);
+                      s.backend, store);
 }
 
 }  // namespace qkv

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache/decode_source.hpp"
@@ -37,8 +38,10 @@ double stored_value(const detail::LatentRecords& rec, const std::uint8_t* record
 }
 
 // backend reference: each row's softmax in double over the stored values (the value of
-// a record as the kernel reads it: e4m3 · scale rounded to float32 once).
+// a record as the kernel reads it: e4m3 · scale rounded to float32 once). A test backend:
+// it allocates as it goes, after before_reading.
 void reference_records(const detail::RecordsProblem& problem) {
+  if (problem.before_reading) problem.before_reading();
   const auto& p = *problem.dense;
   const auto& rec = problem.records;
   const detail::Extents& e = p.extents;
@@ -123,13 +126,14 @@ void mla_decode(const MlaRecordArgs& a, const AttentionOptions& options) {
 
 void detail::run_records(const Checker& check, const ForwardProblem<float>& p, const KeyIndices& indices,
                          View3<const std::uint8_t> records, int64_t dc, int64_t dr, const int32_t* block_table,
-                         int64_t table_stride, Backend backend) {
+                         int64_t table_stride, Backend backend, std::function<void()> before_reading) {
   KeySelection selection;
   if (!indices.empty()) {
     check_key_lists(check, p, indices);
     selection = {indices, 1, indices.is_int64() ? indices.int64_view().shape[3] : indices.int32_view().shape[3]};
   }
   RecordsProblem problem;
+  problem.before_reading = std::move(before_reading);
   problem.dense = &p;
   problem.keys = indices.empty() ? nullptr : &selection;
   LatentRecords& rec = problem.records;

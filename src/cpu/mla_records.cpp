@@ -324,7 +324,10 @@ void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
       keys.query.push_back(i);
     }
   const auto row_count = static_cast<int64_t>(keys.sequence.size());
-  if (row_count == 0) return;
+  if (row_count == 0) {
+    if (problem.before_reading) problem.before_reading();
+    return;
+  }
   keys.count.resize(static_cast<std::size_t>(row_count));
   if (problem.keys != nullptr) {
     keys.topk = problem.keys->topk;
@@ -353,7 +356,8 @@ void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
     first_slot[static_cast<std::size_t>(row + 1)] = static_cast<int64_t>(tasks.size());
   }
 
-  // Workspace before the parallel region (a failed allocation throws here, not in a thread).
+  // Workspace before the parallel region (a failed allocation throws here, not in a thread,
+  // and before before_reading).
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(dense.threads, static_cast<int64_t>(tasks.size()))));
   std::vector<float> part_out(tasks.size() * static_cast<std::size_t>(heads * dc));
   std::vector<float> part_lse(tasks.size() * static_cast<std::size_t>(heads));
@@ -362,6 +366,8 @@ void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
   for (int t = 0; t < threads; ++t)
     scratch.emplace_back(static_cast<size_t>(heads), static_cast<size_t>(e.head_dim), static_cast<size_t>(dc),
                          latent_unit, spans);
+  std::vector<float> merged_rows(static_cast<std::size_t>(threads * dc));  // one row per thread, for the merge
+  if (problem.before_reading) problem.before_reading();
   const auto task_count = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t t = 0; t < task_count; ++t) {
@@ -374,7 +380,6 @@ void RecordsDecodeImpl(const detail::RecordsProblem& problem) {
   const auto rows = dense.rows();
   const auto& sinks = dense.modifiers.sinks;
   const bool want_lse = !dense.args.lse.empty();
-  std::vector<float> merged_rows(static_cast<std::size_t>(threads * dc));  // one row per thread
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t row = 0; row < row_count; ++row) {
     const int64_t b = keys.sequence[static_cast<std::size_t>(row)], i = keys.query[static_cast<std::size_t>(row)];

@@ -6,6 +6,7 @@
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 
 #include "check/checker.hpp"
 #include "core/key_selection.hpp"
@@ -50,16 +51,21 @@ struct RecordsProblem {
   const ForwardProblem<float>* dense = nullptr;
   LatentRecords records;
   const KeySelection* keys = nullptr;
+  // Called once, after the run's workspace is allocated and before its first record is
+  // read: BatchPlan::run_appending stores the step's new records here, so that a failed
+  // allocation leaves the pool as it was. Empty: nothing to do.
+  std::function<void()> before_reading;
 };
 
 // The call over `records` ([B | blocks, capacity | block_size, R]; block_table null:
 // contiguous) for the checked problem `p` (its queries [q_nope | q_pe], outputs, mask
 // rule, options): key lists checked against p, then run on `backend` — cpu
 // (cpu/mla_records.cpp), or reference, attention in double over the stored values.
-// Defined in cache/mla_records.cpp; qkv::mla_decode and BatchPlan::run call it.
+// `before_reading` as RecordsProblem's. Defined in cache/mla_records.cpp; qkv::mla_decode
+// and BatchPlan::run call it.
 void run_records(const Checker& check, const ForwardProblem<float>& p, const KeyIndices& indices,
                  View3<const std::uint8_t> records, int64_t dc, int64_t dr, const int32_t* block_table,
-                 int64_t table_stride, Backend backend);
+                 int64_t table_stride, Backend backend, std::function<void()> before_reading = {});
 
 }  // namespace qkv::detail
 
