@@ -58,6 +58,7 @@
 #include "cpu/blocking.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/dot_products.hpp"
+#include "cpu/prefetch_policy.hpp"
 #include "cpu/decode.hpp"
 #include "cpu/work_order.hpp"
 #endif
@@ -88,11 +89,12 @@ struct ForwardScratch {
   // `amx`: the products on the AMX tiles (amx_dot.hpp), else on vdpbf16ps.
   bool dots, amx;
   std::vector<uint32_t> q_pairs, p_pairs, v_pairs;
+  bool prefetch;  // the next K/V block requested ahead (cpu::prefetch_next_key_block)
 
   template <class T>
-  // `unit`: bf16_unit, decided once before the parallel region (it may throw, and an
-  // exception must not leave an OpenMP region).
-  ForwardScratch(const detail::ForwardProblem<T>& p, size_t lanes, Bf16Unit unit)
+  // `unit`: bf16_unit, and `prefetch`, decided once before the parallel region (they may
+  // throw, and an exception must not leave an OpenMP region).
+  ForwardScratch(const detail::ForwardProblem<T>& p, size_t lanes, Bf16Unit unit, bool prefetch_next)
       : width(round_up(kBlockQueries, lanes)),
         dv_ld(round_up(static_cast<size_t>(p.extents.v_dim), lanes)),
         qt(AllocateFloats(static_cast<size_t>(p.extents.head_dim) * width)),
@@ -114,7 +116,8 @@ struct ForwardScratch {
         amx(unit == Bf16Unit::amx),
         q_pairs(dots ? (static_cast<size_t>(p.extents.head_dim) + 1) / 2 * bf16dot::pair_ld(kBlockQueries) : 0),
         p_pairs(dots ? kBlockKeys / 2 * bf16dot::pair_ld(kBlockQueries) : 0),
-        v_pairs(dots ? kBlockKeys / 2 * bf16dot::pair_ld(static_cast<size_t>(p.extents.v_dim)) : 0) {}
+        v_pairs(dots ? kBlockKeys / 2 * bf16dot::pair_ld(static_cast<size_t>(p.extents.v_dim)) : 0),
+        prefetch(prefetch_next) {}
 };
 
 // Attention health of a block's rows from the online softmax's own sums (see
@@ -222,7 +225,8 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
     }
 
     // The next block's K and V, every line, requested ahead where measurement showed the
-    // hardware prefetcher falling behind (thread CPU time, N = 4096, 8 heads): rows that
+    // hardware prefetcher falling behind (Zen 4; Intel's does not: cpu/prefetch_policy.cpp)
+    // (thread CPU time, N = 4096, 8 heads): rows that
     // are not adjacent ([B, N, H, d]: a row every H·d floats; d = 64: 70% → 73% of the
     // FMA peak), and long rows (d = 128, [B, H, N, d]: 77% → 84%). Adjacent rows of 64
     // floats gained nothing (83% either way), so they are left to the hardware.
@@ -230,7 +234,7 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
     // dot products): requesting them anyway stalled on the miss buffers, ~15% of the
     // block's own time outside the tiles (Zen 4, bf16, d 128, N 4096).
     const bool adjacent = k_row == static_cast<int64_t>(d) && v_row == static_cast<int64_t>(dv);
-    if (k_block < last_block && (!adjacent || d + dv >= 256)) {
+    if (s.prefetch && k_block < last_block && (!adjacent || d + dv >= 256)) {
       const size_t next = static_cast<size_t>(std::min(kBlockKeys, k_len - first_key - kBlockKeys));
       PrefetchRows(rows_of.k(b, first_key + kBlockKeys, kv_head), k_row, next, d);
       if (!(s.dots && packed_values.active()))
@@ -353,6 +357,7 @@ void ForwardImpl(const detail::ForwardProblem<T>& p) {
   const SharedMaskTiles shared(p.mask, p.extents, plan);
   const int threads = threads_for(p.threads, tasks.size(), forward_flops(tasks, p.extents));
   const Bf16Unit unit = std::is_same_v<T, bfloat16> ? bf16_unit(p.precision) : Bf16Unit::fp32_fma;  // may throw: here
+  const bool prefetch = prefetch_next_key_block();  // may throw too
   const bool rows_fit = RowKernelFits(p, unit);
   const PackedBlocks<T> packed_values(p, PackedKind::values, unit != Bf16Unit::fp32_fma);
   const PackedBlocks<T> packed_keys(p, PackedKind::keys, rows_fit);
@@ -371,7 +376,7 @@ void ForwardImpl(const detail::ForwardProblem<T>& p) {
     // The mask tiles shared by every head, once per call.
 #pragma omp for schedule(dynamic, 4)
     for (size_t t = 0; t < shared.size(); ++t) shared.build(p.mask, plan, t);
-    ForwardScratch scratch(p, VectorLanes(), unit);
+    ForwardScratch scratch(p, VectorLanes(), unit, prefetch);
     std::unique_ptr<RowScratch> rows_scratch(row_kernel ? new RowScratch(p.extents) : nullptr);
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < tasks.size(); ++t) {
