@@ -225,8 +225,8 @@ void ForwardBlock(const detail::ForwardProblem<T>& p, const detail::TilePlan& pl
     }
 
     // The next block's K and V, every line, requested ahead where measurement showed the
-    // hardware prefetcher falling behind (Zen 4; Intel's does not: cpu/prefetch_policy.cpp)
-    // (thread CPU time, N = 4096, 8 heads): rows that
+    // hardware prefetcher falling behind (Zen 4, thread CPU time, N = 4096, 8 heads; on
+    // Intel it does not, and s.prefetch is off: cpu/prefetch_policy.cpp): rows that
     // are not adjacent ([B, N, H, d]: a row every H·d floats; d = 64: 70% → 73% of the
     // FMA peak), and long rows (d = 128, [B, H, N, d]: 77% → 84%). Adjacent rows of 64
     // floats gained nothing (83% either way), so they are left to the hardware.

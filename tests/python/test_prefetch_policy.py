@@ -2,7 +2,9 @@
 block's K and V ahead is a speed choice only. Forced on and off (each in its own process:
 the variable is read once), the forward gives the same bits, in float32, bfloat16 and
 float16, on [B, H, N, d] and [B, N, H, d] rows with d + dv >= 256 (where the request is
-made); another word is a qkv.Error naming the variable and the words it takes."""
+made), on the native SIMD target and AVX2 forced through Highway, with the bf16 dot
+products on (where the CPU has them) and off; another word is a qkv.Error naming the
+variable and the words it takes."""
 from __future__ import annotations
 
 import os
@@ -26,15 +28,33 @@ print(digest.hexdigest())
 """
 
 
-def run_with(word, script=DIGEST):
-    env = dict(os.environ, QKV_PREFETCH=word)
+def run_with(word, script=DIGEST, **paths):
+    env = dict(os.environ, QKV_PREFETCH=word, **paths)
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
 
 
-def test_prefetching_changes_no_bit():
+def cpu_has(flag):
+    with open("/proc/cpuinfo") as cpuinfo:
+        return f" {flag}" in cpuinfo.read()
+
+
+PATHS = {
+    "native": {},
+    "avx2_forced": {"QKV_SIMD_TARGET": "AVX2"},
+    "dot_products_off": {"QKV_DOT_PRODUCTS": "off"},
+    "vdpbf16ps": {"QKV_DOT_PRODUCTS": "on", "QKV_AMX": "off"},
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_prefetching_changes_no_bit(path):
+    if path == "avx2_forced" and not (cpu_has("avx2") and cpu_has("fma")):
+        pytest.skip("no AVX2 on this CPU")
+    if path == "vdpbf16ps" and not cpu_has("avx512_bf16"):
+        pytest.skip("no AVX512-BF16 on this CPU")
     digests = {}
     for word in ("on", "off", "auto"):
-        run = run_with(word)
+        run = run_with(word, **PATHS[path])
         assert run.returncode == 0, run.stderr
         digests[word] = run.stdout.strip()
     assert len(digests["on"]) == 64
