@@ -4,6 +4,7 @@ attention-dropout keep mask qkv's kernels apply for a seed."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import numbers
 
@@ -119,6 +120,42 @@ def attention(q, k, v, *, causal=None, mask=None, scale=None, key_lengths=None,
     if stats is not None:
         result += (stats,)
     return result if len(result) > 1 else out
+
+
+# Options of plain_torch_forward's calls, by (causal, scale, threads): a model's layers
+# share a handful. Let go at exit, as _exit.py explains (else nanobind reports them).
+_PLAIN_OPTIONS: dict = {}
+atexit.register(_PLAIN_OPTIONS.clear)
+
+
+def plain_torch_forward(q, k, v, *, causal, scale, layout):
+    """qkv.attention(q, k, v, causal=causal, scale=scale, layout=layout,
+    threads=torch.get_num_threads()) for the call an inference step makes most — eager,
+    plain CPU tensors of one dtype, no mask, variant, statistics or gradient — or None
+    when the call is not that one (the caller then makes the full call, which checks
+    and refuses what it must). The same library call with the same Options, made once
+    per (causal, scale, threads) instead of per call: in a decode step, whose other
+    layers evict the caches between attention calls, qkv.attention's argument handling
+    costs a small call more than its arithmetic (bench/RESULTS.md §6c)."""
+    import torch
+
+    Tensor = torch.Tensor
+    if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor
+            or not (q.is_cpu and k.is_cpu and v.is_cpu) or q.ndim != 4 or k.ndim != 4
+            or v.ndim != 4 or not (q.dtype == k.dtype == v.dtype)
+            or q.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        return None
+    threads = torch.get_num_threads()
+    key = (causal, scale, threads)
+    options = _PLAIN_OPTIONS.get(key)
+    if options is None:
+        options = make_options("qkv.attention", Torch, causal=causal, scale=scale, threads=threads)
+        if len(_PLAIN_OPTIONS) >= 64:
+            _PLAIN_OPTIONS.clear()
+        _PLAIN_OPTIONS[key] = options
+    return _core.forward(Torch, q, k, v, layout=layout, options=options, want_lse=False)[0]
 
 
 def _traced(fn, q, k, v, *, causal, mask, scale, key_lengths, return_lse, stats, layout,

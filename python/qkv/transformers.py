@@ -74,6 +74,7 @@ from transformers.masking_utils import sdpa_mask
 from . import _torch_ops, _torch_stats
 from . import torch as _qkv_torch  # noqa: F401  (registers every torch.ops.qkv operator)
 from ._attention import attention as _qkv_attention
+from ._attention import plain_torch_forward as _plain_torch_forward
 
 NAME = "qkv"
 
@@ -136,6 +137,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         row_stats, threshold = _torch_stats.settings(collectors)
         stats_kwargs = dict(return_stats=True, return_row_stats=row_stats,
                             saturation_threshold=threshold)
+
+    if mask is None and key_lengths is None and not variants and not collectors:
+        # A decode step's usual call: its Options made once, not per layer (same result).
+        out = _plain_torch_forward(query.transpose(1, 2), key.transpose(1, 2),
+                                   value.transpose(1, 2), causal=causal, scale=scaling,
+                                   layout="bshd")
+        if out is not None:
+            return out.to(dtype), None
 
     # threads: torch.get_num_threads() when the call runs (TORCH_THREADS), which
     # torch.compile could not trace here (it returns no tensor). [B, H, N, d] tensors

@@ -105,17 +105,26 @@ def _padding_mask(lengths, seq, left=False):
 
 
 class _Calls:
-    """Records what qkv.transformers passes to qkv.attention (the routed mask)."""
+    """Records what qkv.transformers passes to qkv.attention (the routed mask), or to its
+    short path for plain calls (no mask, key lengths or window: test_transformers_plain_call.py)."""
 
     def __init__(self, monkeypatch):
         self.calls = []
         original = qkv.transformers._qkv_attention
+        original_plain = qkv.transformers._plain_torch_forward
 
         def spy(*args, **kwargs):
             self.calls.append({k: kwargs.get(k) for k in ("causal", "mask", "key_lengths", "window")})
             return original(*args, **kwargs)
 
+        def plain_spy(*args, **kwargs):
+            out = original_plain(*args, **kwargs)
+            if out is not None:  # taken (else the full call follows, and spy records it)
+                self.calls.append({"causal": kwargs["causal"], "mask": None, "key_lengths": None, "window": None})
+            return out
+
         monkeypatch.setattr(qkv.transformers, "_qkv_attention", spy)
+        monkeypatch.setattr(qkv.transformers, "_plain_torch_forward", plain_spy)
 
 
 def test_registered_and_chosen_by_from_pretrained(tmp_path, monkeypatch):
