@@ -15,4 +15,5 @@
 #include "qkv/softmax.hpp"
 #include "qkv/sparse.hpp"
 #include "qkv/tensor.hpp"
+#include "qkv/threads.hpp"
 #include "qkv/version.hpp"

@@ -48,6 +48,9 @@ try:
 finally:
     _threads.after_load(_passive)
 del _passive
+from ._qkv import set_idle_workers_spin as _set_idle_workers_spin
+
+_set_idle_workers_spin(_threads.workers_spin())  # sizes small decode calls' threads
 from ._attention import attention, attention_backward, attention_weights, available_backends
 from ._decode import KVCache, decode, mla_decode
 from ._batch_plan import BatchPlan

@@ -59,3 +59,34 @@ def before_load() -> bool:
 def after_load(was_set: bool) -> None:
     if was_set:
         os.environ.pop("OMP_WAIT_POLICY", None)
+
+
+# GOMP_SPINCOUNT from which idle workers count as spinning: libgomp's own count with no
+# policy set is 300 000 (milliseconds), enough to span a model step's other operators
+# between two attention calls; far fewer spins end before the next call comes.
+_SPINNING_COUNT = 100_000
+
+
+def _spin_count(text: str) -> float:
+    """GOMP_SPINCOUNT as libgomp reads it: a count with an optional k/M/G/T suffix
+    (powers of 1000), or "infinite"/"infinity"; ValueError for what libgomp ignores."""
+    text = text.strip().lower()
+    if text in ("infinite", "infinity"):
+        return float("inf")
+    factor = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}.get(text[-1:])
+    return int(text[:-1] if factor else text) * (factor or 1)
+
+
+def workers_spin() -> bool:
+    """Whether libgomp's idle workers spin between parallel regions rather than sleep,
+    as far as the environment tells (libgomp read it when it loaded): qkv's small decode
+    calls use a second thread only when it is awake (qkv/threads.hpp)."""
+    if decision == "passive":
+        return False
+    count = os.environ.get("GOMP_SPINCOUNT")
+    if count is not None:  # it overrides the policy's count (a bad value: ignored)
+        try:
+            return _spin_count(count) >= _SPINNING_COUNT
+        except ValueError:
+            pass
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() != "passive"

@@ -16,6 +16,7 @@
 #include "qkv/attention.hpp"
 #include "stats.hpp"
 #include "qkv/error.hpp"
+#include "qkv/threads.hpp"
 
 namespace qkv::python {
 namespace {
@@ -184,6 +185,10 @@ void bind_attention(nanobind::module_& m) {
 
   m.def("backend_available", &backend_available, nb::arg("backend"),
         "Whether this build runs the named backend ('auto', 'reference' or 'cpu').");
+  m.def("set_idle_workers_spin", &qkv::set_idle_workers_spin, nb::arg("spin"),
+        "qkv::set_idle_workers_spin: whether OpenMP's idle workers spin (qkv/threads.hpp); "
+        "set at import from the policy libgomp was loaded with (qkv/_threads.py).");
+  m.def("idle_workers_spin", &qkv::idle_workers_spin, "qkv::idle_workers_spin()");
 }
 
 }  // namespace qkv::python

@@ -5,8 +5,9 @@
 // large G with 16-bit caches the FMA peak, sets its pace. The kernel therefore
 //   - reads each K/V head once for all the query heads of its GQA group and all the
 //     queries of a tile (up to 16): the rows r = (head of the group, query) share a pass;
-//   - walks the keys of a sequence in chunks; a task is (sequence, query tile, chunk) and
-//     walks its keys in units of (block of keys, kv head), heads inner, so it streams
+//   - walks the keys of a sequence in chunks; a task is (sequence, query tile, chunk[,
+//     part of the kv heads in calls of few chunks]) and walks its keys in units of (block
+//     of keys, kv head), heads inner, so it streams
 //     through the cache roughly in memory order with few pages live at a time; the rows
 //     of the unit two ahead are prefetched, key by key, while the current one computes;
 //   - reads K and V in place (contiguous or paged: a block is a list of row pointers),
@@ -85,7 +86,6 @@ template <class T>
 int8dot::Prefetch ToPrefetch(const Ahead<T>& ahead) {
   return {reinterpret_cast<const void* const*>(ahead.rows), ahead.count, ahead.bytes, ahead.lines, ahead.line_count};
 }
-
 
 // The rows of one kv head's query group in a chunk of a task, and their softmax state.
 struct GroupRows {
@@ -278,11 +278,11 @@ void BlockStep(const Problem& p, const KvSource& kv, const DecodePlan& plan, con
   }
 }
 
-// One chunk of one task: every kv head over the keys [task.first_key, task.end_key), head
+// One chunk of one task: its kv heads over the keys [task.first_key, task.end_key), head
 // after head, so that each head is one stream through the cache, prefetched a block
 // ahead. Per block: BlockStep over the block's stored keys, then (a cache with a float
-// window) over its keys in the window. Writes the chunk's (m, l, acc) of every row of the
-// tile into its state in `states`.
+// window) over its keys in the window. Writes the chunk's (m, l, acc) of its heads' rows
+// of the tile into the chunk's state in `states`.
 template <class T>
 void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, const DecodeTask& task,
                  DecodeScratch<T>& s, float* states) {
@@ -326,9 +326,13 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
   if constexpr (kLatentStorage<T>) {
     if (s.latent) PackLatentQueries(rows, task.batch, task.first_query, tile, static_cast<size_t>(e.q_heads), d, s.lat);
   }
-  std::fill(chunk.m, chunk.m + all_rows, kMinusInf);
-  std::fill(chunk.l, chunk.l + all_rows, 0.0f);
-  std::fill(chunk.acc, chunk.acc + all_rows * dv_pad, 0.0f);
+  // This task's kv heads (a part of them, DecodePlan::split_by_heads): its rows of the state.
+  const int64_t first_head = task.first_kv_head, end_head = task.end_kv_head;
+  const size_t first_row = static_cast<size_t>(first_head) * group_rows;
+  const size_t end_row = static_cast<size_t>(end_head) * group_rows;
+  std::fill(chunk.m + first_row, chunk.m + end_row, kMinusInf);
+  std::fill(chunk.l + first_row, chunk.l + end_row, 0.0f);
+  std::fill(chunk.acc + first_row * dv_pad, chunk.acc + end_row * dv_pad, 0.0f);
 
   const size_t block = task.block_keys;  // the sequence's block (≤ plan.block_keys)
   const size_t slot_rows = plan.block_keys;  // rows of a ring slot
@@ -343,10 +347,10 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
   const auto unit_keys = [&](int64_t first) {
     return static_cast<size_t>(std::clamp<int64_t>(std::min(end, stored_end) - first, 0, static_cast<int64_t>(block)));
   };
-  // The unit after (first, g): the next head of the block, or the next block's head 0.
+  // The unit after (first, g): the next head of the block, or the next block's first head.
   const auto following = [&](int64_t& first, int64_t& g) {
-    if (++g == e.kv_heads) {
-      g = 0;
+    if (++g == end_head) {
+      g = first_head;
       first += static_cast<int64_t>(block);
     }
   };
@@ -367,14 +371,14 @@ void DecodeChunk(const Problem& p, const KvSource& kv, const DecodePlan& plan, c
                      kv.split_keys() ? s.rope_ring.data() + u * slot_rows : nullptr);
   };
   // Fill the ring: units 0 .. kUnitsAhead.
-  int64_t ahead_first = task.first_key, ahead_g = 0;
+  int64_t ahead_first = task.first_key, ahead_g = first_head;
   for (size_t u = 0; u < slots; ++u) {
     fill_slot(u, ahead_first, ahead_g);
     if (u + 1 < slots) following(ahead_first, ahead_g);
   }
   size_t unit = 0;
   for (int64_t first = task.first_key; first < end; first += static_cast<int64_t>(block)) {
-    for (int64_t g = 0; g < e.kv_heads; ++g, ++unit) {
+    for (int64_t g = first_head; g < end_head; ++g, ++unit) {
       const size_t row0 = static_cast<size_t>(g) * group_rows;  // first row of the group
       const GroupRows gr{.head = g, .count = group_rows, .tile = tile, .queries = s.queries.get() + row0 * d_pad,
                          .quantized = s.vnni ? s.quantized_queries().rows_from(row0) : int8dot::Queries{},
@@ -464,7 +468,7 @@ void MergeChunks(const Problem& p, const DecodePlan& plan, const DecodeUnit& uni
   const size_t tile = static_cast<size_t>(unit.queries);
   const detail::ScoreModifiers& mods = p.modifiers;
   const auto rows = p.rows();  // varlen queries: through the sequence offsets
-  const auto state_of = [&](int64_t c) { return plan.chunk_state(states, plan.tasks[unit.first_task + static_cast<size_t>(c)]); };
+  const auto state_of = [&](int64_t c) { return plan.chunk_state(states, plan.chunk_task(unit, c)); };
   for (int64_t h = 0; h < p.extents.q_heads; ++h)
     for (size_t i = 0; i < tile; ++i) {
       const size_t r = static_cast<size_t>(h) * tile + i;

@@ -15,6 +15,7 @@
 #include "cpu/dot_products.hpp"
 #include "core/problem.hpp"
 #include "qkv/half.hpp"
+#include "qkv/threads.hpp"
 
 namespace qkv::cpu {
 
@@ -62,9 +63,13 @@ inline std::size_t latent_block_keys(std::size_t q_heads) {
   return q_heads <= 32 ? 48 : q_heads <= 64 ? 64 : 96;
 }
 
-// Below these a thread is not worth waking (see threads_for in work_order.hpp).
+// Below these a thread is not worth waking (see threads_for in work_order.hpp). Bytes:
+// ~40 µs of DRAM streaming; over spinning workers (qkv/threads.hpp), which start at
+// once, 128 KiB (Emerald Rapids, a [1,9,1,64] call against 540 keys of 3 kv heads, caches
+// flushed, 2 threads: 170 → 120 µs spinning; passive 202 → 324 µs: each wake-up ~100+ µs).
 inline constexpr double kDecodeMinFlopsPerThread = 4e6;
-inline constexpr double kDecodeMinBytesPerThread = 1 << 20;  // ~40 µs of DRAM streaming
+inline constexpr double kDecodeMinBytesPerThread = 1 << 20;
+inline constexpr double kDecodeMinBytesPerSpinningThread = 1 << 17;
 
 // execution.fixed_key_split (qkv/options.hpp): keys are split on a grid fixed by the key
 // index alone — chunks of kFixedChunkKeys from key 0, blocks as for a full 16-query tile
@@ -72,7 +77,14 @@ inline constexpr double kDecodeMinBytesPerThread = 1 << 20;  // ~40 µs of DRAM 
 // its tile or call (a decode step reproduces the same row of a prefill chunk).
 inline constexpr int64_t kFixedChunkKeys = 1024;
 
-// One chunk of keys of one (sequence, query tile): the unit a thread runs.
+// A call with fewer tasks than this splits each chunk by kv heads (DecodePlan::
+// split_by_heads), so that a single short sequence (a small model's decode step: one
+// chunk or two) can use more than one core. Heads are independent rows: the split
+// changes no bits, only gives each part its own pass over the queries.
+inline constexpr std::size_t kDecodeMinTasks = 8;
+
+// One chunk of keys of one (sequence, query tile), for kv heads [first_kv_head,
+// end_kv_head): the unit a thread runs.
 struct DecodeTask {
   int64_t batch = 0;
   int64_t first_query = 0;
@@ -81,16 +93,21 @@ struct DecodeTask {
   int64_t end_key = 0;
   std::size_t block_keys = 0;    // keys per block of this sequence
   std::size_t index = 0;         // position in DecodePlan::tasks
-  std::size_t state_offset = 0;  // where its partial state starts (floats)
+  std::size_t state_offset = 0;  // where its chunk's partial state starts (floats)
+  int64_t first_kv_head = 0;
+  int64_t end_kv_head = 0;
 };
 
-// One (sequence, query tile) and its chunks, tasks [first_task, first_task + chunks).
+// One (sequence, query tile) and its chunks: chunk c is tasks first_task + c·head_parts
+// onwards, one per part of the kv heads (sharing the chunk's state, each writing its own
+// heads' rows).
 struct DecodeUnit {
   int64_t batch = 0;
   int64_t first_query = 0;
   int64_t queries = 0;
   std::size_t first_task = 0;
   int64_t chunks = 0;
+  int64_t head_parts = 1;
 };
 
 // Partial softmax state of a chunk: per row (h, i) of the tile, row index h·tile + i:
@@ -219,7 +236,7 @@ struct DecodePlan {
         }
         for (int64_t key = begin; key < end; key += chunk) {
           const int64_t chunk_end = std::min(key + chunk, end);
-          tasks.push_back({b, first, unit.queries, key, chunk_end, block, tasks.size(), state_floats});
+          tasks.push_back({b, first, unit.queries, key, chunk_end, block, tasks.size(), state_floats, 0, p.kv_heads});
           state_floats += q_heads * static_cast<std::size_t>(unit.queries) * (dv_pad + 2);
           ++unit.chunks;
           const auto keys = static_cast<double>(chunk_end - key);
@@ -235,9 +252,43 @@ struct DecodePlan {
         units.push_back(unit);
       }
     }
+    if (!tasks.empty() && tasks.size() < kDecodeMinTasks && p.kv_heads > 1) split_by_heads(p.kv_heads);
     order.resize(tasks.size());
     std::iota(order.begin(), order.end(), std::size_t{0});
     std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return cost[x] > cost[y]; });
+  }
+
+  // Each chunk's task as `parts` tasks over consecutive kv heads (as even as they divide),
+  // costed by their share of the heads.
+  void split_by_heads(int64_t kv_heads) {
+    const auto wanted = static_cast<int64_t>((kDecodeMinTasks + tasks.size() - 1) / tasks.size());
+    const int64_t parts = std::min(kv_heads, wanted);
+    std::vector<DecodeTask> split;
+    std::vector<double> split_cost;
+    for (DecodeUnit& unit : units) {
+      const std::size_t first = unit.first_task;
+      unit.first_task = split.size();
+      unit.head_parts = parts;
+      for (int64_t c = 0; c < unit.chunks; ++c) {
+        const std::size_t t = first + static_cast<std::size_t>(c);
+        for (int64_t part = 0; part < parts; ++part) {
+          DecodeTask task = tasks[t];
+          task.first_kv_head = part * kv_heads / parts;
+          task.end_kv_head = (part + 1) * kv_heads / parts;
+          task.index = split.size();
+          split.push_back(task);
+          split_cost.push_back(cost[t] * static_cast<double>(task.end_kv_head - task.first_kv_head) /
+                               static_cast<double>(kv_heads));
+        }
+      }
+    }
+    tasks = std::move(split);
+    cost = std::move(split_cost);
+  }
+
+  // The first task of chunk c of `unit` (its state is the chunk's).
+  const DecodeTask& chunk_task(const DecodeUnit& unit, int64_t c) const {
+    return tasks[unit.first_task + static_cast<std::size_t>(c * unit.head_parts)];
   }
 
   // Keys per block for tiles of `tile_queries`: the score tile (group rows × block) within
@@ -260,8 +311,8 @@ struct DecodePlan {
   // Threads worth starting: no more than asked, than tasks, or than the work pays for.
   // Changes speed only, never results.
   int threads(int requested) const {
-    const double by_work = std::max({1.0, flops / kDecodeMinFlopsPerThread,
-                                     bytes / kDecodeMinBytesPerThread});
+    const double min_bytes = idle_workers_spin() ? kDecodeMinBytesPerSpinningThread : kDecodeMinBytesPerThread;
+    const double by_work = std::max({1.0, flops / kDecodeMinFlopsPerThread, bytes / min_bytes});
     return static_cast<int>(std::min({static_cast<double>(requested),
                                       static_cast<double>(tasks.size()), by_work}));
   }

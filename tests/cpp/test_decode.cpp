@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <qkv/decode.hpp>
+#include <qkv/threads.hpp>
 
 #include <algorithm>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include <random>
 #include <string>
 
+#include "cpu/decode_plan.hpp"  // DecodePlan: the split by kv heads
 #include "decode_case.hpp"
 #include "plain_fp32.hpp"
 #include "simd_targets.hpp"
@@ -151,6 +153,48 @@ TEST(Decode, BitwiseIdenticalForAnyThreadCount) {
   s.type = StorageType::bfloat16;
   s.block_size = 0;
   expect_thread_count_invariant<bfloat16>(s);
+}
+
+// A call of few chunks (a small model's decode step) is split by kv heads into parts that
+// share each chunk's state: every part's rows are its own, so the bits are those of any
+// thread count, and with spinning workers (qkv/threads.hpp) such calls do use threads.
+TEST(Decode, FewChunksSplitByKvHeadsWithTheSameBits) {
+  detail::Extents e{.batch = 1, .q_len = 1, .k_len = 540, .q_heads = 9, .kv_heads = 3, .head_dim = 64, .v_dim = 64};
+  detail::MaskRule mask;
+  mask.causal = Causal::bottom_right;
+  mask.sequences = {.count = 1, .dense_q_len = 1, .dense_k_len = 540};
+  const cpu::DecodePlan plan(e, mask, StorageType::float32, 16);
+  ASSERT_EQ(plan.units.size(), 1u);
+  EXPECT_EQ(plan.units[0].chunks, 2);  // keys [0, 512) and [512, 540)
+  EXPECT_EQ(plan.units[0].head_parts, 3);
+  ASSERT_EQ(plan.tasks.size(), 6u);
+  for (std::size_t t = 0; t < plan.tasks.size(); ++t) {
+    EXPECT_EQ(plan.tasks[t].first_kv_head, static_cast<int64_t>(t % 3));
+    EXPECT_EQ(plan.tasks[t].end_kv_head, static_cast<int64_t>(t % 3 + 1));
+    EXPECT_EQ(plan.tasks[t].state_offset, plan.chunk_task(plan.units[0], static_cast<int64_t>(t / 3)).state_offset);
+  }
+  EXPECT_EQ(plan.threads(2), 1);  // 830 KB: not worth waking a sleeping worker
+  set_idle_workers_spin(true);
+  EXPECT_EQ(plan.threads(2), 2);  // worth a spinning one
+  // Many sequences: enough tasks, no split.
+  e.batch = 8;
+  mask.sequences.count = 8;
+  const cpu::DecodePlan batch_plan(e, mask, StorageType::float32, 16);
+  EXPECT_EQ(batch_plan.tasks.size(), 16u);
+  EXPECT_EQ(batch_plan.units[0].head_parts, 1);
+
+  for (const DecodeSpec& s : {DecodeSpec{.name = "smollm", .batch = 1, .q_len = 1, .capacity = 540, .q_heads = 9,
+                                          .kv_heads = 3},
+                              DecodeSpec{.name = "ragged", .batch = 2, .q_len = 3, .capacity = 1500, .q_heads = 8,
+                                          .kv_heads = 4, .lengths = {1500, 700}, .block_size = 16}}) {
+    check_any(s);
+    expect_thread_count_invariant<float>(s);
+    DecodeSpec half = s;
+    half.type = StorageType::bfloat16;
+    check_any(half);
+    expect_thread_count_invariant<bfloat16>(half);
+  }
+  set_idle_workers_spin(false);
 }
 
 // attention_forward picks the decode kernel for few queries (no elementwise mask): same

@@ -113,3 +113,20 @@ def test_workers_wait_passively_when_qkv_loads_libgomp():
     # ... and a libgomp loaded before qkv (torch's) keeps the policy it was loaded with.
     torch_first = "import torch, os, qkv; print(qkv._threads.decision, os.environ.get('OMP_WAIT_POLICY'))"
     assert _import_decision(torch_first) == "already loaded None"
+
+
+def test_small_decode_calls_know_whether_idle_workers_spin():
+    """qkv tells its library whether libgomp's idle workers spin (they then start a region
+    at once, and a small decode call takes a second thread from 128 KiB of cache instead of
+    1 MiB: qkv/threads.hpp), from the policy libgomp was loaded with."""
+    report = "import qkv; print(qkv._qkv.idle_workers_spin())"
+    torch_first = "import torch, qkv; print(qkv._qkv.idle_workers_spin())"
+    assert _import_decision(report) == "False"  # qkv chose passive
+    assert _import_decision(torch_first) == "True"  # libgomp's default: spin 300 000 times
+    assert _import_decision(torch_first, OMP_WAIT_POLICY="passive") == "False"
+    assert _import_decision(report, OMP_WAIT_POLICY="ACTIVE") == "True"
+    assert _import_decision(report, GOMP_SPINCOUNT="1000") == "False"
+    assert _import_decision(report, OMP_WAIT_POLICY="passive", GOMP_SPINCOUNT="300k") == "True"
+    assert _import_decision(report, GOMP_SPINCOUNT="infinite") == "True"
+    assert _import_decision(torch_first, GOMP_SPINCOUNT="lots") == "True"  # ignored, as libgomp does
+    assert _import_decision(torch_first, OMP_WAIT_POLICY="passive", GOMP_SPINCOUNT="lots") == "False"
