@@ -183,17 +183,23 @@ TEST(Decode, FewChunksSplitByKvHeadsWithTheSameBits) {
   EXPECT_EQ(batch_plan.tasks.size(), 16u);
   EXPECT_EQ(batch_plan.units[0].head_parts, 1);
 
-  for (const DecodeSpec& s : {DecodeSpec{.name = "smollm", .batch = 1, .q_len = 1, .capacity = 540, .q_heads = 9,
-                                          .kv_heads = 3},
-                              DecodeSpec{.name = "ragged", .batch = 2, .q_len = 3, .capacity = 1500, .q_heads = 8,
-                                          .kv_heads = 4, .lengths = {1500, 700}, .block_size = 16}}) {
-    check_any(s);
-    expect_thread_count_invariant<float>(s);
-    DecodeSpec half = s;
-    half.type = StorageType::bfloat16;
-    check_any(half);
-    expect_thread_count_invariant<bfloat16>(half);
-  }
+  // On every compiled target; fp32, bf16 (widened in the loads) and int8 (VNNI where present).
+  test::for_each_simd_target([&](int64_t) {
+    for (const DecodeSpec& s : {DecodeSpec{.name = "smollm", .batch = 1, .q_len = 1, .capacity = 540, .q_heads = 9,
+                                            .kv_heads = 3},
+                                DecodeSpec{.name = "ragged", .batch = 2, .q_len = 3, .capacity = 1500, .q_heads = 8,
+                                            .kv_heads = 4, .lengths = {1500, 700}, .block_size = 16}}) {
+      check_any(s);
+      expect_thread_count_invariant<float>(s);
+      DecodeSpec other = s;
+      other.type = StorageType::bfloat16;
+      check_any(other);
+      expect_thread_count_invariant<bfloat16>(other);
+      other.type = StorageType::int8;
+      check_any(other);
+      expect_thread_count_invariant<std::int8_t>(other);
+    }
+  });
   set_idle_workers_spin(false);
 }
 
