@@ -186,6 +186,34 @@ TEST(BatchPlanLatent, TwoPoolsGiveTheCombinedPoolsBitsOnEveryTarget) {
   });
 }
 
+// The float step reads latent values from the keys it has widened (the same values, d_pad
+// apart, instead of the cache rows' power-of-two stride); values held apart — a copy of the
+// c_kv pool — are read in place. Both give the same bits: 16 and 128 query heads (rows
+// below and above the float step's own value packing), contiguous and paged, every target.
+TEST(BatchPlanLatent, ValuesApartGiveTheBitsOfValuesInTheKeys) {
+  test::for_each_simd_target([&](int64_t) {
+    for (int64_t heads : {16, 128})
+      for (int64_t block : {0, 16}) {
+        SCOPED_TRACE(testing::Message() << heads << " heads, block " << block);
+        LatentSpec s;
+        s.heads = heads;
+        s.dc = 64;
+        s.block_size = block;
+        s.queries = {1, 2, 0, 1};
+        s.lengths = {300, 140, 50, 77};
+        const LatentStep<float> step(s);
+        const Tensor<float, 4> values_apart = step.ckv;  // a copy: v_rows no longer the keys' rows
+        StepResult apart{Tensor<float, 3>({step.cu.back(), heads, s.dc}), Tensor<float, 2>({heads, step.cu.back()})};
+        BatchArgs<float> a = step.args(true, apart.out, apart.lse);
+        a.v_cache = values_apart.cview();
+        BatchPlan(step.layout(), options()).run(a);
+        const StepResult in_keys = run(step, true, options());
+        EXPECT_TRUE(same_bits(in_keys, apart));
+        EXPECT_TRUE(same_bits(in_keys, run(step, false, options())));
+      }
+  });
+}
+
 // AVX512-BF16 forced on, one kv head of 16 query heads, Precision::fast: the latent step
 // runs on the two pools (its bits differ from exact's) and gives the combined pool's bits.
 TEST(BatchPlanLatent, TwoPoolsTakeTheBf16LatentStep) {
