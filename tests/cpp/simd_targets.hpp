@@ -11,20 +11,27 @@
 
 namespace qkv::test {
 
-// Puts the real CPU's targets back when it goes out of scope, so a failed ASSERT (which
-// returns early) cannot leave later tests on a forced target.
+// Puts back the targets in force when it was made — the real CPU's, or the one
+// QKV_SIMD_TARGET forced — when it goes out of scope, so a failed ASSERT (which returns
+// early) cannot leave later tests on another target.
 class RestoreSimdTargets {
  public:
-  RestoreSimdTargets() = default;
+  RestoreSimdTargets() : before_(hwy::SupportedTargets()) {}
   RestoreSimdTargets(const RestoreSimdTargets&) = delete;
   RestoreSimdTargets& operator=(const RestoreSimdTargets&) = delete;
-  ~RestoreSimdTargets() { hwy::SetSupportedTargetsForTest(0); }
+  ~RestoreSimdTargets() { hwy::SetSupportedTargetsForTest(before_); }
+
+ private:
+  int64_t before_;
 };
 
 // body(target) once per compiled target, forced through hwy::SetSupportedTargetsForTest,
-// with the target's name in every failure message.
+// with the target's name in every failure message. Under QKV_SIMD_TARGET only that target:
+// the override is applied first (the library applies it at its first call, which inside
+// the loop would find only the loop's target supported and refuse the name).
 template <class Body>
 void for_each_simd_target(Body&& body) {
+  cpu::apply_simd_target_override();
   const std::vector<int64_t> targets = cpu::compiled_simd_targets();
   ASSERT_FALSE(targets.empty());
   const RestoreSimdTargets restore;

@@ -19,8 +19,9 @@ using cpu::scratch_allocate;
 using cpu::scratch_cached_bytes;
 using cpu::scratch_free;
 
-// (An odd size: other tests' calls in the same process may have left blocks in the cache,
-// and the best fit is the smallest block that holds the request.)
+// (Other tests' calls in the same process — the whole binary run at once — may have left
+// blocks in the cache: the request may then be served by one of them, up to 2× its size,
+// which is what the cache holds again once it is freed.)
 TEST(ScratchCache, ALargeBlockIsReusedByTheNextRequestItFits) {
   const std::size_t bytes = 3 * kCachedBytes + 4242;
   void* first = scratch_allocate(nullptr, bytes);
@@ -28,7 +29,8 @@ TEST(ScratchCache, ALargeBlockIsReusedByTheNextRequestItFits) {
   std::memset(first, 1, bytes);  // usable in full
   const std::size_t before = scratch_cached_bytes();
   scratch_free(nullptr, first);
-  EXPECT_EQ(scratch_cached_bytes(), before + bytes);
+  EXPECT_GE(scratch_cached_bytes(), before + bytes);
+  EXPECT_LE(scratch_cached_bytes(), before + 2 * bytes);
   void* again = scratch_allocate(nullptr, bytes);
   EXPECT_EQ(again, first);
   EXPECT_EQ(scratch_cached_bytes(), before);
