@@ -107,7 +107,7 @@ struct Scratch {
         dots(unit == Bf16Unit::fp32_fma
                  ? SparseDotScratch()
                  : SparseDotScratch(rows, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim))),
-        range(unit == Bf16Unit::fp32_fma && !std::is_same_v<T, float>, static_cast<size_t>(e.head_dim),
+        range(unit == Bf16Unit::fp32_fma, static_cast<size_t>(e.head_dim),
               static_cast<size_t>(e.v_dim)) {}
 
   std::vector<uint64_t> marks;  // attended_keys's bit set
@@ -121,7 +121,7 @@ struct Scratch {
   std::vector<const float*> head_q, head_dout;  // pass D: the group's scale·q and dO rows
   std::vector<float*> dk_rows, dv_rows;         // pass D: the listed keys' rows of dk, dv
   SparseDotScratch dots;  // on a bf16 unit (sparse_dot_unit, sparse.hpp)
-  // The float step over 16-bit storage: a range's K and V rows widened once — pass C's
+  // The float step: a range's K and V rows copied (widened) once — pass C's
   // for the tile's rows (SweepTile's on_range), pass D's for its key block's rows.
   WidenedRange range;
 };

@@ -74,8 +74,7 @@ struct ForwardScratch {
         v_rows(latent ? kGatherKeys : 0),
         k_next(latent ? kGatherKeys : 0),
         marks(selection.marks_for(e.k_len)),
-        block(static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
-        range(!latent && !std::is_same_v<T, float>, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
+        range(!latent, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
         scores(AllocateFloats(static_cast<size_t>(e.group()) * kGatherKeys)),
         alpha(static_cast<size_t>(e.group())),
         rows(kTileRows) {
@@ -84,8 +83,8 @@ struct ForwardScratch {
       row.keys.resize(static_cast<size_t>(selection.topk));
       row.m.resize(group);
       row.l.resize(group);
-      row.acc = AllocateFloats(group * block.dv_pad());
-      row.queries = AllocateFloats(latent ? 0 : group * block.d_pad());
+      row.acc = AllocateFloats(group * range.dv_pad());
+      row.queries = AllocateFloats(latent ? 0 : group * range.d_pad());
       row.q_pairs.resize(latent ? lat.q_pairs.size() : 0);
     }
   }
@@ -94,9 +93,8 @@ struct ForwardScratch {
   LatentScratch lat;
   std::vector<const T*> k_rows, v_rows, k_next;
   std::vector<uint64_t> marks;   // attended_keys's bit set
-  GatheredBlock<T> block;        // one block of its K/V rows
-  // The float step over 16-bit storage: each range's K and V rows of the unit's kv head
-  // widened to float once for every row of the tile (ForwardTile's on_range).
+  // The float step: each range's K and V rows of the unit's kv head copied (widened) to
+  // float once for every row of the tile (ForwardTile's on_range).
   WidenedRange range;
   hwy::AlignedFreeUniquePtr<float[]> scores;  // G × 64
   std::vector<float> alpha;      // one block's rescaling per head
@@ -115,7 +113,7 @@ void BeginRow(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t
       problem.keys.attended_keys(dense.mask, b, problem.keys.list_of(g), i, row.keys.data(), s.marks));
   std::fill(row.m.begin(), row.m.end(), kMinusInf);
   std::fill(row.l.begin(), row.l.end(), 0.0f);
-  std::fill(row.acc.get(), row.acc.get() + group * s.block.dv_pad(), 0.0f);
+  std::fill(row.acc.get(), row.acc.get() + group * s.range.dv_pad(), 0.0f);
   if (s.latent) {  // the group's query rows (bf16 already) paired once
     if constexpr (std::is_same_v<T, bfloat16>) {
       for (size_t r = 0; r < group; ++r)
@@ -127,8 +125,8 @@ void BeginRow(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t
   }
   const float scale = static_cast<float>(dense.scale);
   for (size_t r = 0; r < group; ++r)
-    ScaledRow(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, s.block.d_pad(), scale,
-              row.queries.get() + r * s.block.d_pad());
+    ScaledRow(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, s.range.d_pad(), scale,
+              row.queries.get() + r * s.range.d_pad());
 }
 
 // The latent step's block (sparse_dot_unit): keys[0, n) of row i, the next block's keys
@@ -140,7 +138,7 @@ inline void LatentRowBlock(const detail::SparseForwardProblem<bfloat16>& problem
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
   const size_t group = static_cast<size_t>(e.group());
-  const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim), dv_pad = s.block.dv_pad();
+  const size_t d = static_cast<size_t>(e.head_dim), dv = static_cast<size_t>(e.v_dim), dv_pad = s.range.dv_pad();
   for (size_t j = 0; j < n; ++j) {
     s.k_rows[j] = rows.k(b, keys[j], g);
     s.v_rows[j] = rows.v(b, keys[j], g);
@@ -153,20 +151,17 @@ inline void LatentRowBlock(const detail::SparseForwardProblem<bfloat16>& problem
   std::swap(s.lat.q_pairs, row.q_pairs);
 }
 
-// The float step's block: keys[0, n) of row i, the next block's keys (next[0, ahead))
-// prefetched.
+// The float step's block: keys[0, n) of row i, read from the tile's copied range.
 template <class T>
 void FloatRowBlock(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g,
-                   ForwardScratch<T>& s, TileRow& row, const int32_t* keys, size_t n, const int32_t* next,
-                   size_t ahead) {
+                   ForwardScratch<T>& s, TileRow& row, const int32_t* keys, size_t n) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
-  const auto rows = dense.rows();
   const size_t group = static_cast<size_t>(e.group());
   const size_t lanes = VectorLanes(), padded = round_up(n, lanes);
   const auto step = [&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
     for (size_t j = 0; j < padded; j += lanes)
-      ScoreKeys(group, row.queries.get(), s.block.d_pad(), k_rows + j, k_dim, k_ahead.offset(j), s.scores.get() + j,
+      ScoreKeys(group, row.queries.get(), s.range.d_pad(), k_rows + j, k_dim, k_ahead.offset(j), s.scores.get() + j,
                 kGatherKeys);
     // The score pipeline per head; its mask stage removes the padding past the block.
     for (size_t r = 0; r < group; ++r)
@@ -178,17 +173,10 @@ void FloatRowBlock(const detail::SparseForwardProblem<T>& problem, int64_t b, in
                     .s = s.scores.get() + r * kGatherKeys});
     SoftmaxRows(group, padded, s.scores.get(), kGatherKeys, row.m.data(), row.l.data(), s.alpha.data());
     ValueBlock(group, s.scores.get(), kGatherKeys, n, v_rows, v_dim, v_ahead, s.alpha.data(), row.acc.get(),
-               s.block.dv_pad());
+               s.range.dv_pad());
   };
-  if (s.range.active()) {  // the rows widened once for the tile (ForwardTile), in L2
-    s.range.Point(keys, n, padded);
-    return s.range.Visit(step);
-  }
-  s.block.Gather(n, padded, [&](size_t j) { return rows.k(b, keys[j], g); },
-                 [&](size_t j) { return rows.v(b, keys[j], g); });
-  s.block.GatherNext(ahead, [&](size_t j) { return rows.k(b, next[j], g); },
-                     [&](size_t j) { return rows.v(b, next[j], g); });
-  s.block.Visit(step);
+  s.range.Point(keys, n, padded);  // the rows copied once for the tile (ForwardTile), in L2
+  s.range.Visit(step);
 }
 
 // The row's outputs from its softmax state (m, l, acc): out and lse of the group's heads.
@@ -198,7 +186,7 @@ void FinishRow(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
-  const size_t group = static_cast<size_t>(e.group()), dv = static_cast<size_t>(e.v_dim), dv_pad = s.block.dv_pad();
+  const size_t group = static_cast<size_t>(e.group()), dv = static_cast<size_t>(e.v_dim), dv_pad = s.range.dv_pad();
   const auto& sinks = dense.modifiers.sinks;
   for (size_t r = 0; r < group; ++r) {
     const int64_t h = g * e.group() + static_cast<int64_t>(r);
@@ -229,7 +217,7 @@ void ForwardTile(const detail::SparseForwardProblem<T>& problem, int64_t b, int6
         if constexpr (std::is_same_v<T, bfloat16>) {
           if (s.latent) return LatentRowBlock(problem, b, g, s, s.rows[t], keys, n, next, ahead);
         }
-        FloatRowBlock(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t], keys, n, next, ahead);
+        FloatRowBlock(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t], keys, n);
       },
       [&](int64_t begin, int64_t end) {
         if (!s.range.active()) return;
