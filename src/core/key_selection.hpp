@@ -35,6 +35,21 @@ struct KeySelection {
                               : static_cast<int64_t>(indices.int32_view()(b, list, i, t));
   }
 
+  // f(j) for the topk entries of row (b, list, i) in order: the row's address and stride
+  // found once, not per entry (a row of 2048 entries is read for each kv head).
+  template <class F>
+  void for_each_listed(int64_t b, int64_t list, int64_t i, const F& f) const {
+    const auto row = [&](const auto& view) {
+      const auto* entry = &view(b, list, i, 0);
+      // Locals: f's stores (attended_keys's bit words, uint64_t) may alias this object's
+      // int64_t members, which the loop would otherwise reload at every entry.
+      const int64_t step = view.strides[3], count = topk;
+      for (int64_t t = 0; t < count; ++t) f(static_cast<int64_t>(entry[t * step]));
+    };
+    if (indices.is_int64()) row(indices.int64_view());
+    else row(indices.int32_view());
+  }
+
   // Writes A(b, list, i) into keys[0, count) and returns count (≤ topk). Indices were
   // validated to lie in [−1, Nk). `marks`: the caller's scratch of ⌈Nk/64⌉ zero words,
   // left zero. Sorting topk keys costs ~topk·log2(topk) steps (~45 µs for 2048, a third
@@ -52,17 +67,16 @@ struct KeySelection {
     const int64_t words = (end + 63) / 64;
     if (words > 4 * topk || static_cast<int64_t>(marks.size()) < words) {
       int64_t count = 0;
-      for (int64_t t = 0; t < topk; ++t) {
-        const int64_t j = listed(b, list, i, t);
+      for_each_listed(b, list, i, [&](int64_t j) {
         if (j >= 0 && j < end) keys[count++] = static_cast<int32_t>(j);
-      }
+      });
       std::sort(keys, keys + count);
       return std::unique(keys, keys + count) - keys;
     }
-    for (int64_t t = 0; t < topk; ++t) {
-      const int64_t j = listed(b, list, i, t);
-      if (j >= 0 && j < end) marks[static_cast<std::size_t>(j >> 6)] |= uint64_t{1} << (j & 63);
-    }
+    uint64_t* words_of = marks.data();
+    for_each_listed(b, list, i, [&](int64_t j) {
+      if (j >= 0 && j < end) words_of[j >> 6] |= uint64_t{1} << (j & 63);
+    });
     int64_t count = 0;
     for (int64_t w = 0; w < words; ++w) {
       uint64_t word = marks[static_cast<std::size_t>(w)];

@@ -339,6 +339,42 @@ TEST(Sparse, Int32ListsAndBhsdViewsGiveTheSameBits) {
   EXPECT_EQ(0, std::memcmp(expected.lse.data(), lse.data(), lse.size() * sizeof(float)));
 }
 
+// Lists read through any strides: entries 3 apart inside a wider buffer (whose other
+// entries hold out-of-range values that must never be read) and a [B, topk, Nq] buffer
+// seen as [B, Nq, topk], in int32 and int64, give the bits of contiguous lists.
+TEST(Sparse, StridedListsGiveTheBitsOfContiguousOnes) {
+  SparseSpec s{.name = "strided", .batch = 2, .q_len = 40, .k_len = 300, .q_heads = 4, .kv_heads = 2,
+               .head_dim = 16, .v_dim = 8, .topk = 70, .causal = Causal::bottom_right};
+  const auto in = sparse_inputs<float>(s, 83);
+  const auto expected = run_sparse(s, in, Backend::cpu, 2, false);
+  const auto run_with = [&](auto view) {
+    Tensor<float, 4> out({s.batch, s.q_len, s.q_heads, s.v_dim});
+    Tensor<float, 3> lse({s.batch, s.q_heads, s.q_len});
+    sparse_attention_forward(SparseForwardArgs<float>{.q = in.q.view(), .k = in.k.view(), .v = in.v.view(),
+                                                      .indices = view, .out = out.view(), .lse = lse.view()},
+                             sparse_options(s, {}, Backend::cpu));
+    EXPECT_EQ(0, std::memcmp(expected.out.data(), out.data(), out.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(expected.lse.data(), lse.data(), lse.size() * sizeof(float)));
+  };
+  const auto check = [&](auto type_tag) {
+    using I = decltype(type_tag);
+    const int64_t B = s.batch, N = s.q_len, K = s.topk;
+    std::vector<I> wide(static_cast<std::size_t>(B * N * K * 3), static_cast<I>(s.k_len + 1000));
+    std::vector<I> swapped(static_cast<std::size_t>(B * K * N));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < N; ++i)
+        for (int64_t t = 0; t < K; ++t) {
+          const auto j = static_cast<I>(in.lists(b, 0, i, t));
+          wide[static_cast<std::size_t>(((b * N + i) * K + t) * 3)] = j;
+          swapped[static_cast<std::size_t>((b * K + t) * N + i)] = j;
+        }
+    run_with(TensorView<const I, 3>(wide.data(), {B, N, K}, {N * K * 3, K * 3, 3}));
+    run_with(TensorView<const I, 3>(swapped.data(), {B, N, K}, {K * N, 1, N}));
+  };
+  check(int32_t{});
+  check(int64_t{});
+}
+
 // Latent attention's values are its keys' first dv channels: v given as a view of k (as
 // DeepSeek's MLA cache is read) takes the backward's shortcut of gathering the rows once
 // (sparse_backward.cpp's BlockOnDots); the same values in their own tensor do not. Both
