@@ -1,6 +1,6 @@
 // Sparse attention forward on the cpu backend.
 //
-// A unit of work is (batch entry b, a tile of kTileRows consecutive query rows, kv head
+// A unit of work is (batch entry b, a tile of consecutive query rows, kv head
 // g). Each row's G = Hq/Hkv query heads share one attended set A (in the [B, Nq, topk]
 // mode every kv head's units read the same list) and so one gathered copy of those K/V
 // rows: the G heads are the rows of the decode schedule's register tiles
@@ -18,7 +18,7 @@
 // and without one m_f = m, l_f = l. A row with no attended key and no sink: out 0, lse −inf.
 // Each unit writes its own rows of out and lse, computed the same way on any thread: the
 // results do not depend on the thread count. Nothing Nq × Nk exists: per thread, one
-// tile's sets (kTileRows × topk), queries and softmax states (kTileRows × G × (d + dv))
+// tile's sets (tile rows × topk), queries and softmax states (tile rows × G × (d + dv))
 // and one score block (G × 64).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/sparse_forward.cpp"
@@ -50,7 +50,7 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
 namespace {
 
-// One query row of a tile (kTileRows, sparse_gather-inl.h): its attended set, its softmax
+// One query row of a tile (ForwardTileRows, sparse_gather-inl.h): its attended set, its softmax
 // state (m, l and acc per head of the group) and its queries (the float step's scaled
 // rows or the bf16 unit's pairs).
 struct TileRow {
@@ -64,7 +64,8 @@ struct TileRow {
 // One thread's scratch, reused by its units.
 template <class T>
 struct ForwardScratch {
-  ForwardScratch(const detail::Extents& e, const detail::KeySelection& selection, Bf16Unit latent_unit)
+  ForwardScratch(const detail::Extents& e, const detail::KeySelection& selection, Bf16Unit latent_unit,
+                 size_t tile_rows)
       : latent(latent_unit != Bf16Unit::fp32_fma),
         lat(latent ? LatentScratch(static_cast<size_t>(e.group()), static_cast<size_t>(e.group()), kGatherKeys,
                                    static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim),
@@ -77,7 +78,7 @@ struct ForwardScratch {
         range(!latent, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
         scores(AllocateFloats(static_cast<size_t>(e.group()) * kGatherKeys)),
         alpha(static_cast<size_t>(e.group())),
-        rows(kTileRows) {
+        rows(tile_rows) {
     const size_t group = static_cast<size_t>(e.group());
     for (TileRow& row : rows) {
       row.keys.resize(static_cast<size_t>(selection.topk));
@@ -237,7 +238,9 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   // 16+ heads' accumulators, 50 KiB a row at the MLA shape, loaded and stored by the tiles)
   // made the forward 1.35× slower there (9.2–9.7 → 12.1–13.8 s, 2 threads, Emerald Rapids),
   // where the GQA shape's float step, 2 KiB a row, still gained (18.3 → 15.0 s).
-  const int64_t kTile = latent_unit != Bf16Unit::fp32_fma ? 1 : static_cast<int64_t>(kTileRows);
+  const int64_t kTile = latent_unit != Bf16Unit::fp32_fma
+                            ? 1
+                            : static_cast<int64_t>(ForwardTileRows(e.k_len, problem.keys.topk));
   const int64_t tiles = (e.q_len + kTile - 1) / kTile;
   const int64_t units = e.batch * tiles * e.kv_heads;
   // Scratch allocated before the parallel region: a workspace the system cannot give is
@@ -250,7 +253,7 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   // weight P is rounded to bfloat16 once for P·V (the bf16 contract, docs/numerics.md).
   std::vector<ForwardScratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, latent_unit);
+  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, latent_unit, static_cast<size_t>(kTile));
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t u = 0; u < units; ++u) {
     // Tiles innermost: consecutive units read one kv head's K and V, which then stay in

@@ -44,6 +44,22 @@ inline constexpr size_t kGatherKeys = 64;
 // 1 thread) 1.52–1.65 → 1.40–1.45 s.
 inline constexpr size_t kTileRows = 32;
 inline constexpr int64_t kRangeKeys = 256;
+inline constexpr size_t kMaxTileRows = 128;
+
+// The forward's tile rows for keys [0, k_len) and lists of topk: enough that the tile
+// lists each of a range's keys ~16 times (a row lists about topk / k_len of them), so
+// that the range's copy (WidenedRange) serves as many rows as at N 8192 — 32 rows at N 4096
+// and below, 64 at 8192, 128 from 16384. A row's results do not depend on its tile: the
+// same bits at any size. Measured (Emerald Rapids without AMX, causal top-2048 lists, 2
+// threads, interleaved pairs, the host's speed moving ±20%): the MLA shape (16 heads, d
+// 576) at N 32768 19.6–19.7 s in tiles of 32, 16.2–18.2 s of 64, 15.0–16.6 s of 128; at
+// 8192 tiles of 64 against 32 faster in 10 of 11 pairs (MLA, GQA fp32 and bf16; e.g. MLA
+// 2.66–3.06 s against 3.01–4.78 s); N 4096 (1 thread) the same either way.
+inline size_t ForwardTileRows(int64_t k_len, int64_t topk) {
+  size_t rows = kTileRows;
+  while (rows < kMaxTileRows && static_cast<int64_t>(rows) * std::max<int64_t>(topk, 1) < 16 * k_len) rows *= 2;
+  return rows;
+}
 
 // The blocks of a tile's rows in sweep order: for each range of kRangeKeys keys, for each
 // row t < tile in turn, its sorted keys in the range in blocks of ≤ kGatherKeys:
@@ -61,7 +77,7 @@ inline constexpr int64_t kWholeRange = int64_t{1} << 40;
 template <class SetOf, class Block, class OnRange = NoRangeStep>
 HWY_INLINE void SweepTile(size_t tile, int64_t range_keys, const SetOf& set_of, const Block& block,
                           const OnRange& on_range = {}) {
-  size_t cursor[kTileRows] = {};
+  size_t cursor[kMaxTileRows] = {};
   int32_t last = -1;
   for (size_t t = 0; t < tile; ++t) {
     const auto [keys, count] = set_of(t);

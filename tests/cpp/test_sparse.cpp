@@ -43,10 +43,14 @@ const SparseSpec kCases[] = {
     // Many rows listing keys of each 64-key block of the backward's per-block pass.
     {.name = "many_rows_three_key_blocks", .batch = 1, .q_len = 70, .k_len = 150, .q_heads = 8, .kv_heads = 2,
      .head_dim = 32, .v_dim = 16, .topk = 40, .causal = Causal::bottom_right},
-    // Rows in two tiles of the forward's sweep (16 rows), lists over three of its key
-    // ranges (256 keys), several blocks of one row inside a range.
+    // Rows in two tiles of the forward's sweep (32 rows: topk ≥ k_len / 2, ForwardTileRows),
+    // lists over three of its key ranges (256 keys), several blocks of one row inside a range.
     {.name = "tiles_and_ranges", .batch = 2, .q_len = 37, .k_len = 700, .q_heads = 4, .kv_heads = 2,
-     .head_dim = 16, .v_dim = 8, .topk = 300, .shared = false, .causal = Causal::bottom_right},
+     .head_dim = 16, .v_dim = 8, .topk = 350, .shared = false, .causal = Causal::bottom_right},
+    // Short lists over many keys: the forward's tiles of 128 rows (ForwardTileRows), two of
+    // them, over five key ranges.
+    {.name = "large_tiles_short_lists", .batch = 1, .q_len = 150, .k_len = 1200, .q_heads = 4, .kv_heads = 2,
+     .head_dim = 16, .v_dim = 16, .topk = 40, .causal = Causal::bottom_right},
     {.name = "per_head_sinks_top_left", .batch = 2, .q_len = 8, .k_len = 8, .q_heads = 4, .kv_heads = 4,
      .head_dim = 16, .v_dim = 8, .topk = 4, .shared = false, .causal = Causal::top_left, .sinks = true},
 };
