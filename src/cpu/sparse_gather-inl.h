@@ -48,13 +48,13 @@ inline constexpr size_t kMaxTileRows = 128;
 
 // The forward's tile rows for keys [0, k_len) and lists of topk: enough that the tile
 // lists each of a range's keys ~16 times (a row lists about topk / k_len of them), so
-// that the range's copy (WidenedRange) serves as many rows as at N 8192 — 32 rows at N 4096
-// and below, 64 at 8192, 128 from 16384. A row's results do not depend on its tile: the
+// that each range's copy (WidenedRange) serves many rows: with topk 2048, 32 rows at N ≤
+// 4096, 64 at 8192, 128 from 16384. A row's results do not depend on its tile: the
 // same bits at any size. Measured (Emerald Rapids without AMX, causal top-2048 lists, 2
-// threads, interleaved pairs, the host's speed moving ±20%): the MLA shape (16 heads, d
-// 576) at N 32768 19.6–19.7 s in tiles of 32, 16.2–18.2 s of 64, 15.0–16.6 s of 128; at
-// 8192 tiles of 64 against 32 faster in 10 of 11 pairs (MLA, GQA fp32 and bf16; e.g. MLA
-// 2.66–3.06 s against 3.01–4.78 s); N 4096 (1 thread) the same either way.
+// threads, one process taking tiles of 32, 64 and 128 rows in turn, best of each): at N
+// 8192 the MLA shape (16 heads, d 576, dv 512) 3.32 / 2.59 / 3.04 s, GQA 32/8 d 128 fp32
+// 1.98 / 1.90 / 1.99 s, bf16 1.93 / 1.70 / 1.91 s; at N 32768 the MLA shape 17.6 / 14.6 /
+// 13.8 s. At N 4096 (1 thread) 32 and 64 rows measured the same.
 inline size_t ForwardTileRows(int64_t k_len, int64_t topk) {
   size_t rows = kTileRows;
   while (rows < kMaxTileRows && static_cast<int64_t>(rows) * std::max<int64_t>(topk, 1) < 16 * k_len) rows *= 2;
