@@ -41,7 +41,8 @@ inline constexpr size_t kGatherKeys = 64;
 // (the forward, bf16, causal top-2048 lists, N 8192, 2 threads, interleaved runs): GQA
 // 32/8 d 128 3.18–3.41 s row by row, 2.36–2.66 s in tiles of 32 rows (16 rows: 2.49–3.30;
 // ranges of 128 or 512 keys no better); the MLA shape (16 heads on the AMX tiles, N 4096,
-// 1 thread) 1.52–1.65 → 1.40–1.45 s.
+// 1 thread) 1.52–1.65 → 1.40–1.45 s. kTileRows is the backward's dQ tile and the
+// forward's smallest (ForwardTileRows below sizes the forward's to the lists).
 inline constexpr size_t kTileRows = 32;
 inline constexpr int64_t kRangeKeys = 256;
 inline constexpr size_t kMaxTileRows = 128;
