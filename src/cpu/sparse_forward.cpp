@@ -2,7 +2,8 @@
 //
 // A unit of work is (batch entry b, a tile of consecutive query rows, kv head
 // g). Each row's G = Hq/Hkv query heads share one attended set A (in the [B, Nq, topk]
-// mode every kv head's units read the same list) and so one gathered copy of those K/V
+// mode every kv head's units read the same list, and the set is computed once for all of
+// them, a wave of tiles at a time: SharedSets) and so one gathered copy of those K/V
 // rows: the G heads are the rows of the decode schedule's register tiles
 // (decode_tiles-inl.h), or of the bf16 unit's products (sparse_dot_unit), so each
 // gathered K and V vector is loaded once for all G heads. The tile's rows sweep the keys
@@ -55,6 +56,7 @@ namespace {
 // rows or the bf16 unit's pairs).
 struct TileRow {
   std::vector<int32_t> keys;
+  const int32_t* set = nullptr;  // the attended set: keys, or the wave's (SharedSets)
   size_t count = 0;
   std::vector<float> m, l;
   hwy::AlignedFreeUniquePtr<float[]> acc, queries;
@@ -78,8 +80,8 @@ struct ForwardScratch {
         range(!latent, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
         scores(AllocateFloats(static_cast<size_t>(e.group()) * kGatherKeys)),
         alpha(static_cast<size_t>(e.group())),
-        rows(tile_rows) {
-    const size_t group = static_cast<size_t>(e.group());
+        rows(tile_rows),
+        group(static_cast<size_t>(e.group())) {
     for (TileRow& row : rows) {
       row.keys.resize(static_cast<size_t>(selection.topk));
       row.m.resize(group);
@@ -100,18 +102,43 @@ struct ForwardScratch {
   hwy::AlignedFreeUniquePtr<float[]> scores;  // G × 64
   std::vector<float> alpha;      // one block's rescaling per head
   std::vector<TileRow> rows;     // the unit's query rows
+  size_t group;                  // query heads per kv head
+  bool plain_scores = false;     // no soft-cap, ALiBi or score_mod (SparseForwardImpl sets it)
 };
 
-// Row i's set, zero state and queries.
+// The attended sets of a wave of tiles, computed once for every kv head where they share
+// one list per query ([B, Nq, topk] with Hkv > 1): each kv head's unit computed its rows'
+// sets again (GQA 32/8, N 8192: attended_keys 5.6% of the forward, each row's 2048 keys
+// marked and read back 8 times). A wave holds a bounded number of tiles, so the sets take
+// at most ~64 MiB, not Nq × topk.
+struct SharedSets {
+  int64_t first_tile = 0;  // the wave's first (batch entry, tile), as b·tiles + tile
+  size_t tile_rows = 0, topk = 0;
+  std::vector<int32_t> keys;  // per row of the wave: topk entries
+  std::vector<size_t> counts;
+
+  const int32_t* row(int64_t bt, size_t t) const {
+    return keys.data() + (static_cast<size_t>(bt - first_tile) * tile_rows + t) * topk;
+  }
+  size_t count(int64_t bt, size_t t) const { return counts[static_cast<size_t>(bt - first_tile) * tile_rows + t]; }
+};
+
+// Row i's set (shared: the wave's, computed already), zero state and queries.
 template <class T>
 void BeginRow(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g, ForwardScratch<T>& s,
-              TileRow& row) {
+              TileRow& row, const int32_t* shared = nullptr, size_t shared_count = 0) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
   const size_t group = static_cast<size_t>(e.group()), d = static_cast<size_t>(e.head_dim);
-  row.count = static_cast<size_t>(
-      problem.keys.attended_keys(dense.mask, b, problem.keys.list_of(g), i, row.keys.data(), s.marks));
+  if (shared != nullptr) {
+    row.set = shared;
+    row.count = shared_count;
+  } else {
+    row.set = row.keys.data();
+    row.count = static_cast<size_t>(
+        problem.keys.attended_keys(dense.mask, b, problem.keys.list_of(g), i, row.keys.data(), s.marks));
+  }
   std::fill(row.m.begin(), row.m.end(), kMinusInf);
   std::fill(row.l.begin(), row.l.end(), 0.0f);
   std::fill(row.acc.get(), row.acc.get() + group * s.range.dv_pad(), 0.0f);
@@ -157,21 +184,28 @@ template <class T>
 void FloatRowBlock(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g,
                    ForwardScratch<T>& s, TileRow& row, const int32_t* keys, size_t n) {
   const auto& dense = problem.dense;
-  const detail::Extents& e = dense.extents;
-  const size_t group = static_cast<size_t>(e.group());
+  const size_t group = s.group;  // (Extents::group() divides: once per call, not per block)
   const size_t lanes = VectorLanes(), padded = round_up(n, lanes);
   const auto step = [&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
+    // (The copied range's rows are in L2: nothing to prefetch. An empty Ahead is passed as
+    // is: building a fresh one for each call stalled the copy that passes it, 2% of the call.)
+    static_assert(std::is_same_v<decltype(k_ahead), Ahead<float>>);
     for (size_t j = 0; j < padded; j += lanes)
-      ScoreKeys(group, row.queries.get(), s.range.d_pad(), k_rows + j, k_dim, k_ahead.offset(j), s.scores.get() + j,
+      ScoreKeys(group, row.queries.get(), s.range.d_pad(), k_rows + j, k_dim, k_ahead, s.scores.get() + j,
                 kGatherKeys);
-    // The score pipeline per head; its mask stage removes the padding past the block.
-    for (size_t r = 0; r < group; ++r)
-      detail::apply_score_pipeline(
-          dense.modifiers,
-          RowStages{.rule = dense.mask, .mods = dense.modifiers, .batch = b,
-                    .head = g * e.group() + static_cast<int64_t>(r), .query = i, .first_key = 0, .keys = n,
-                    .padded = padded, .key_begin = 0, .key_end = static_cast<int64_t>(n),
-                    .s = s.scores.get() + r * kGatherKeys});
+    if (s.plain_scores && !dense.mask.tree.has(b)) {
+      // No modifier: the pipeline's one stage, the mask, only hides the padding.
+      for (size_t r = 0; r < group; ++r)
+        std::fill(s.scores.get() + r * kGatherKeys + n, s.scores.get() + r * kGatherKeys + padded, kMinusInf);
+    } else {  // the score pipeline per head; its mask stage removes the padding past the block
+      for (size_t r = 0; r < group; ++r)
+        detail::apply_score_pipeline(
+            dense.modifiers,
+            RowStages{.rule = dense.mask, .mods = dense.modifiers, .batch = b,
+                      .head = g * static_cast<int64_t>(group) + static_cast<int64_t>(r), .query = i, .first_key = 0,
+                      .keys = n, .padded = padded, .key_begin = 0, .key_end = static_cast<int64_t>(n),
+                      .s = s.scores.get() + r * kGatherKeys});
+    }
     SoftmaxRows(group, padded, s.scores.get(), kGatherKeys, row.m.data(), row.l.data(), s.alpha.data());
     ValueBlock(group, s.scores.get(), kGatherKeys, n, v_rows, v_dim, v_ahead, s.alpha.data(), row.acc.get(),
                s.range.dv_pad());
@@ -207,13 +241,16 @@ void FinishRow(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_
 }
 
 // Query rows [i0, i0 + tile) of batch entry b, kv head g, swept together (SweepTile).
+// sets: the wave's (the tile is its tile bt), or null: each row's computed here.
 template <class T>
 void ForwardTile(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i0, size_t tile, int64_t g,
-                 ForwardScratch<T>& s) {
-  for (size_t t = 0; t < tile; ++t) BeginRow(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t]);
+                 ForwardScratch<T>& s, const SharedSets* sets = nullptr, int64_t bt = 0) {
+  for (size_t t = 0; t < tile; ++t)
+    BeginRow(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t], sets != nullptr ? sets->row(bt, t) : nullptr,
+             sets != nullptr ? sets->count(bt, t) : 0);
   const amx::TileScope tile_scope(s.latent && s.lat.amx);  // one configuration for the unit's blocks (no hook runs)
   SweepTile(
-      tile, s.latent ? kWholeRange : kRangeKeys, [&](size_t t) { return std::pair{static_cast<const int32_t*>(s.rows[t].keys.data()), s.rows[t].count}; },
+      tile, s.latent ? kWholeRange : kRangeKeys, [&](size_t t) { return std::pair{s.rows[t].set, s.rows[t].count}; },
       [&](size_t t, const int32_t* keys, size_t n, const int32_t* next, size_t ahead) {
         if constexpr (std::is_same_v<T, bfloat16>) {
           if (s.latent) return LatentRowBlock(problem, b, g, s, s.rows[t], keys, n, next, ahead);
@@ -253,15 +290,53 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   // weight P is rounded to bfloat16 once for P·V (the bf16 contract, docs/numerics.md).
   std::vector<ForwardScratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, latent_unit, static_cast<size_t>(kTile));
+  const auto& mods = problem.dense.modifiers;
+  for (int t = 0; t < threads; ++t) {
+    scratch.emplace_back(e, problem.keys, latent_unit, static_cast<size_t>(kTile));
+    scratch.back().plain_scores = mods.softcap == 0.0f && !mods.has_alibi() && !mods.has_score_mod();
+  }
+  const auto rows_of = [&](int64_t tile) { return static_cast<size_t>(std::min(kTile, e.q_len - tile * kTile)); };
+  if (problem.keys.lists != 1 || e.kv_heads == 1) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t u = 0; u < units; ++u) {
-    // Tiles innermost: consecutive units read one kv head's K and V, which then stay in
-    // the last-level cache (all kv heads' rows at 8192 keys are 64 MiB in float at d 128).
-    const int64_t tile = u % tiles, g = (u / tiles) % e.kv_heads, b = u / (e.kv_heads * tiles);
-    const int64_t i0 = tile * kTile;
-    ForwardTile(problem, b, i0, static_cast<size_t>(std::min(kTile, e.q_len - i0)), g,
-                scratch[static_cast<size_t>(omp_get_thread_num())]);
+    for (int64_t u = 0; u < units; ++u) {
+      // Tiles innermost: consecutive units read one kv head's K and V, which then stay in
+      // the last-level cache (all kv heads' rows at 8192 keys are 64 MiB in float at d 128).
+      const int64_t tile = u % tiles, g = (u / tiles) % e.kv_heads, b = u / (e.kv_heads * tiles);
+      ForwardTile(problem, b, tile * kTile, rows_of(tile), g, scratch[static_cast<size_t>(omp_get_thread_num())]);
+    }
+    return;
+  }
+  // One list per query for every kv head: waves of tiles, each wave's sets computed once,
+  // then its units (tiles innermost, as above).
+  SharedSets sets;
+  sets.tile_rows = static_cast<size_t>(kTile);
+  sets.topk = static_cast<size_t>(problem.keys.topk);
+  const int64_t tile_bytes = kTile * std::max<int64_t>(problem.keys.topk, 1) * 4;
+  const int64_t wave = std::min(std::max<int64_t>(4 * threads, 16),
+                                std::max<int64_t>(threads, (int64_t{64} << 20) / tile_bytes));
+  const int64_t all_tiles = e.batch * tiles;
+  sets.keys.resize(static_cast<size_t>(std::min(wave, all_tiles) * kTile) * sets.topk);
+  sets.counts.resize(static_cast<size_t>(std::min(wave, all_tiles) * kTile));
+#pragma omp parallel num_threads(threads)
+  {
+    ForwardScratch<T>& s = scratch[static_cast<size_t>(omp_get_thread_num())];
+    for (int64_t first = 0; first < all_tiles; first += wave) {
+      const int64_t count = std::min(wave, all_tiles - first);
+#pragma omp single
+      sets.first_tile = first;
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < count * kTile; ++r) {
+        const int64_t bt = first + r / kTile, b = bt / tiles, i = (bt % tiles) * kTile + r % kTile;
+        if (i < e.q_len)
+          sets.counts[static_cast<size_t>(r)] = static_cast<size_t>(problem.keys.attended_keys(
+              problem.dense.mask, b, 0, i, sets.keys.data() + static_cast<size_t>(r) * sets.topk, s.marks));
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < count * e.kv_heads; ++u) {
+        const int64_t bt = first + u % count, g = u / count, b = bt / tiles, tile = bt % tiles;
+        ForwardTile(problem, b, tile * kTile, rows_of(tile), g, s, &sets, bt);
+      }
+    }
   }
 }
 

@@ -231,10 +231,18 @@ class WidenedRange {
 
   // keys[0, n) of the widened range, padded to `padded` with the last.
   void Point(const int32_t* keys, size_t n, size_t padded) {
-    for (size_t j = 0; j < padded; ++j) {
-      const auto at = static_cast<size_t>(keys[std::min(j, n - 1)] - begin_);
-      k_ptr_[j] = k_.get() + at * d_pad_;
-      v_ptr_[j] = v_.get() + at * dv_pad_;
+    const float* k = k_.get();
+    const float* v = v_.get();
+    const float** HWY_RESTRICT k_ptr = k_ptr_.data();
+    const float** HWY_RESTRICT v_ptr = v_ptr_.data();
+    for (size_t j = 0; j < n; ++j) {  // (the padding apart: this loop vectorizes)
+      const auto at = static_cast<size_t>(keys[j] - begin_);
+      k_ptr[j] = k + at * d_pad_;
+      v_ptr[j] = v + at * dv_pad_;
+    }
+    for (size_t j = n; j < padded; ++j) {
+      k_ptr[j] = k_ptr[n - 1];
+      v_ptr[j] = v_ptr[n - 1];
     }
   }
 

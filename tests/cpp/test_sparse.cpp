@@ -51,6 +51,11 @@ const SparseSpec kCases[] = {
     // them, over five key ranges.
     {.name = "large_tiles_short_lists", .batch = 1, .q_len = 150, .k_len = 1200, .q_heads = 4, .kv_heads = 2,
      .head_dim = 16, .v_dim = 16, .topk = 40, .causal = Causal::bottom_right},
+    // One list per query for two kv heads over 38 tiles of 32 rows: the forward's sets
+    // computed once per wave of 16+ tiles (SharedSets), a wave across the batch entries,
+    // a last tile of 24 rows.
+    {.name = "waves_of_shared_sets", .batch = 2, .q_len = 600, .k_len = 700, .q_heads = 4, .kv_heads = 2,
+     .head_dim = 16, .v_dim = 8, .topk = 350, .causal = Causal::bottom_right},
     {.name = "per_head_sinks_top_left", .batch = 2, .q_len = 8, .k_len = 8, .q_heads = 4, .kv_heads = 4,
      .head_dim = 16, .v_dim = 8, .topk = 4, .shared = false, .causal = Causal::top_left, .sinks = true},
 };
@@ -377,6 +382,29 @@ TEST(Sparse, StridedListsGiveTheBitsOfContiguousOnes) {
   };
   check(int32_t{});
   check(int64_t{});
+}
+
+// A list shared by every kv head ([B, Nq, topk]: the forward computes each row's set once
+// for all kv heads, SharedSets) gives the bits of the same list given to each kv head
+// ([B, Hkv, Nq, topk]: each kv head's unit computes it), at any thread count.
+TEST(Sparse, SharedListsGiveTheBitsOfTheListPerKvHead) {
+  SparseSpec shared{.name = "shared", .batch = 3, .q_len = 300, .k_len = 520, .q_heads = 6, .kv_heads = 3,
+                    .head_dim = 16, .v_dim = 16, .topk = 270, .causal = Causal::bottom_right};
+  const auto in = sparse_inputs<float>(shared, 29);
+  SparseSpec per_head = shared;
+  per_head.shared = false;
+  auto copied = in;
+  copied.lists = Tensor<int64_t, 4>({shared.batch, shared.kv_heads, shared.q_len, shared.topk});
+  for (int64_t b = 0; b < shared.batch; ++b)
+    for (int64_t g = 0; g < shared.kv_heads; ++g)
+      for (int64_t i = 0; i < shared.q_len; ++i)
+        for (int64_t t = 0; t < shared.topk; ++t) copied.lists(b, g, i, t) = in.lists(b, 0, i, t);
+  const auto expected = run_sparse(per_head, copied, Backend::cpu, 1, false);
+  for (int threads : {1, 2, 5}) {
+    const auto got = run_sparse(shared, in, Backend::cpu, threads, false);
+    EXPECT_EQ(0, std::memcmp(expected.out.data(), got.out.data(), got.out.size() * sizeof(float))) << threads;
+    EXPECT_EQ(0, std::memcmp(expected.lse.data(), got.lse.data(), got.lse.size() * sizeof(float))) << threads;
+  }
 }
 
 // Latent attention's values are its keys' first dv channels: v given as a view of k (as
