@@ -458,5 +458,35 @@ TEST(Sparse, ValuesAsAViewOfTheKeysGiveTheSameBits) {
   }
 }
 
+// The same in float32 (the float step's range copy, WidenedRange, then copies the keys
+// alone and reads the values from them), over tiles of 32 rows and three key ranges.
+TEST(Sparse, FloatValuesAsAViewOfTheKeysGiveTheSameBits) {
+  const SparseSpec s{.name = "latent_fp32", .batch = 1, .q_len = 40, .k_len = 700, .q_heads = 16, .kv_heads = 1,
+                     .head_dim = 48, .v_dim = 32, .topk = 350, .causal = Causal::bottom_right};
+  const auto in = sparse_inputs<float>(s, 61);
+  auto copied = in;
+  for (int64_t j = 0; j < s.k_len; ++j)
+    for (int64_t x = 0; x < s.v_dim; ++x) copied.v(0, j, 0, x) = in.k(0, j, 0, x);
+  const auto expected = run_sparse(s, copied, Backend::cpu, 2, true);
+  SparseResults<float> got = sparse_results<float>(s);
+  const auto k = in.k.cview();
+  const View4<const float> v(k.data, {s.batch, s.k_len, s.kv_heads, s.v_dim}, k.strides);
+  const AttentionOptions options = sparse_options(s, {}, Backend::cpu);
+  const KeyIndices indices = indices_of(s, in.lists);
+  sparse_attention_forward(SparseForwardArgs<float>{.q = in.q.cview(), .k = k, .v = v, .indices = indices,
+                                                    .out = got.out.view(), .lse = got.lse.view()},
+                           options);
+  sparse_attention_backward(SparseBackwardArgs<float>{.q = in.q.cview(), .k = k, .v = v, .indices = indices,
+                                                      .out = got.out.cview(), .lse = got.lse.cview(),
+                                                      .dout = in.dout.cview(), .dq = got.dq.view(),
+                                                      .dk = got.dk.view(), .dv = got.dv.view(), .dsinks = got.dsinks},
+                            options);
+  EXPECT_EQ(0, std::memcmp(expected.out.data(), got.out.data(), got.out.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(expected.lse.data(), got.lse.data(), got.lse.size() * sizeof(float)));
+  for (const auto& [a, b] :
+       {std::pair{&expected.dq, &got.dq}, std::pair{&expected.dk, &got.dk}, std::pair{&expected.dv, &got.dv}})
+    EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->size() * sizeof(float)));
+}
+
 }  // namespace
 }  // namespace qkv::test
