@@ -7,7 +7,7 @@
 // rows: the G heads are the rows of the decode schedule's register tiles
 // (decode_tiles-inl.h), or of the bf16 unit's products (sparse_dot_unit), so each
 // gathered K and V vector is loaded once for all G heads. The tile's rows sweep the keys
-// together, range by range (kRangeKeys), so that rows listed by several of them are read
+// together, range by range (ForwardRangeKeys), so that rows listed by several of them are read
 // from memory once (ForwardTile). Over blocks of ≤ kGatherKeys attended keys, in key
 // order, online softmax per head r:
 //   S[r][t] = (scale·q_r)·k_(A_t)  → soft-cap      (the dense score pipeline, RowStages)
@@ -67,7 +67,7 @@ struct TileRow {
 template <class T>
 struct ForwardScratch {
   ForwardScratch(const detail::Extents& e, const detail::KeySelection& selection, Bf16Unit latent_unit,
-                 size_t tile_rows)
+                 size_t tile_rows, int64_t range_keys_of_call)
       : latent(latent_unit != Bf16Unit::fp32_fma),
         lat(latent ? LatentScratch(static_cast<size_t>(e.group()), static_cast<size_t>(e.group()), kGatherKeys,
                                    static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim),
@@ -77,7 +77,8 @@ struct ForwardScratch {
         v_rows(latent ? kGatherKeys : 0),
         k_next(latent ? kGatherKeys : 0),
         marks(selection.marks_for(e.k_len)),
-        range(!latent, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
+        range_keys(range_keys_of_call),
+        range(!latent, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim), range_keys_of_call),
         scores(AllocateFloats(static_cast<size_t>(e.group()) * kGatherKeys)),
         alpha(static_cast<size_t>(e.group())),
         rows(tile_rows),
@@ -96,6 +97,7 @@ struct ForwardScratch {
   LatentScratch lat;
   std::vector<const T*> k_rows, v_rows, k_next;
   std::vector<uint64_t> marks;   // attended_keys's bit set
+  int64_t range_keys;            // the sweep's key range (ForwardRangeKeys; the latent step: one)
   // The float step: each range's K and V rows of the unit's kv head copied (widened) to
   // float once for every row of the tile (ForwardTile's on_range).
   WidenedRange range;
@@ -250,7 +252,7 @@ void ForwardTile(const detail::SparseForwardProblem<T>& problem, int64_t b, int6
              sets != nullptr ? sets->count(bt, t) : 0);
   const amx::TileScope tile_scope(s.latent && s.lat.amx);  // one configuration for the unit's blocks (no hook runs)
   SweepTile(
-      tile, s.latent ? kWholeRange : kRangeKeys, [&](size_t t) { return std::pair{s.rows[t].set, s.rows[t].count}; },
+      tile, s.range_keys, [&](size_t t) { return std::pair{s.rows[t].set, s.rows[t].count}; },
       [&](size_t t, const int32_t* keys, size_t n, const int32_t* next, size_t ahead) {
         if constexpr (std::is_same_v<T, bfloat16>) {
           if (s.latent) return LatentRowBlock(problem, b, g, s, s.rows[t], keys, n, next, ahead);
@@ -291,8 +293,16 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   std::vector<ForwardScratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
   const auto& mods = problem.dense.modifiers;
+  const size_t lanes = VectorLanes();
+  const bool values_in_keys = e.k_len > 0 && e.v_dim <= e.head_dim &&
+                              problem.dense.rows().v(0, 0, 0) == problem.dense.rows().k(0, 0, 0);  // v = k[..., :dv]
+  const int64_t range_keys =
+      latent_unit != Bf16Unit::fp32_fma
+          ? kWholeRange
+          : ForwardRangeKeys(round_up(static_cast<size_t>(e.head_dim), lanes), round_up(static_cast<size_t>(e.v_dim), lanes),
+                             values_in_keys);
   for (int t = 0; t < threads; ++t) {
-    scratch.emplace_back(e, problem.keys, latent_unit, static_cast<size_t>(kTile));
+    scratch.emplace_back(e, problem.keys, latent_unit, static_cast<size_t>(kTile), range_keys);
     scratch.back().plain_scores = mods.softcap == 0.0f && !mods.has_alibi() && !mods.has_score_mod();
   }
   const auto rows_of = [&](int64_t tile) { return static_cast<size_t>(std::min(kTile, e.q_len - tile * kTile)); };

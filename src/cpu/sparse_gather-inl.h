@@ -47,6 +47,20 @@ inline constexpr size_t kTileRows = 32;
 inline constexpr int64_t kRangeKeys = 256;
 inline constexpr size_t kMaxTileRows = 128;
 
+// The forward's key range: 512 keys where their copy (WidenedRange: floats of d_pad, and
+// of dv_pad unless the values are the keys' first channels) stays within 1.25 MiB, else
+// kRangeKeys. A row then lists twice the keys a range, so each row's per-range work (its
+// softmax state read and written back: 68 KiB at the MLA shape's 16 heads; the block's
+// softmax and padding) is spread over twice the products. Measured (Emerald Rapids without
+// AMX, causal top-2048 lists, fp32, 2 threads, one build switching the range): MLA with
+// v = k[..., :512] (1.2 MiB at 512 keys) N 32768 11.9–12.0 s at 256 keys, 10.6–10.7 at
+// 512, 10.4–10.7 at 1024; GQA 32/8 d 128 (512 KiB) N 16384 3.91–4.03 / 3.48–3.65 /
+// 4.57–4.65 s, N 32768 9.5–14.0 / 8.9–11.3 / 11.1–11.7 s, N 8192 the same at each.
+inline int64_t ForwardRangeKeys(size_t d_pad, size_t dv_pad, bool values_in_keys) {
+  const size_t key_bytes = sizeof(float) * (d_pad + (values_in_keys ? 0 : dv_pad));
+  return 2 * static_cast<size_t>(kRangeKeys) * key_bytes <= (size_t{5} << 18) ? 2 * kRangeKeys : kRangeKeys;
+}
+
 // The forward's tile rows for keys [0, k_len) and lists of topk: enough that the tile
 // lists each of a range's keys ~16 times (a row lists about topk / k_len of them), so
 // that each range's copy (WidenedRange) serves many rows: with topk 2048, 32 rows at N ≤
@@ -203,14 +217,15 @@ class GatheredBlock {
 // rows) it allocates nothing.
 class WidenedRange {
  public:
-  WidenedRange(bool active, size_t d, size_t dv)
+  // range_keys: the most keys a range holds (kRangeKeys, or the forward's ForwardRangeKeys).
+  WidenedRange(bool active, size_t d, size_t dv, int64_t range_keys = kRangeKeys)
       : active_(active),
         d_(d),
         dv_(dv),
         d_pad_(round_up(d, VectorLanes())),
         dv_pad_(round_up(dv, VectorLanes())),
-        k_(AllocateFloats(active ? static_cast<size_t>(kRangeKeys) * d_pad_ : 0)),
-        v_(AllocateFloats(active ? static_cast<size_t>(kRangeKeys) * dv_pad_ : 0)),
+        k_(AllocateFloats(active ? static_cast<size_t>(range_keys) * d_pad_ : 0)),
+        v_(AllocateFloats(active ? static_cast<size_t>(range_keys) * dv_pad_ : 0)),
         k_ptr_(active ? kGatherKeys : 0),
         v_ptr_(active ? kGatherKeys : 0) {}
 
@@ -218,7 +233,7 @@ class WidenedRange {
   size_t d_pad() const { return d_pad_; }
   size_t dv_pad() const { return dv_pad_; }
 
-  // Keys [begin, end), end − begin ≤ kRangeKeys; k_row(j) / v_row(j) the stored rows of key j.
+  // Keys [begin, end), end − begin ≤ range_keys; k_row(j) / v_row(j) the stored rows of key j.
   // Latent attention's values are its keys' first dv channels (v a view of k, as
   // DeepSeek's MLA cache is read): then only the keys are copied and the values read from
   // their rows — the same floats, half the copy and of the range's L2 footprint (MLA: 2.3

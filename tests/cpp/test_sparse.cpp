@@ -44,13 +44,17 @@ const SparseSpec kCases[] = {
     {.name = "many_rows_three_key_blocks", .batch = 1, .q_len = 70, .k_len = 150, .q_heads = 8, .kv_heads = 2,
      .head_dim = 32, .v_dim = 16, .topk = 40, .causal = Causal::bottom_right},
     // Rows in two tiles of the forward's sweep (32 rows: topk ≥ k_len / 2, ForwardTileRows),
-    // lists over three of its key ranges (256 keys), several blocks of one row inside a range.
+    // lists over two of its key ranges (512 keys: ForwardRangeKeys), several blocks of one
+    // row inside a range.
     {.name = "tiles_and_ranges", .batch = 2, .q_len = 37, .k_len = 700, .q_heads = 4, .kv_heads = 2,
      .head_dim = 16, .v_dim = 8, .topk = 350, .shared = false, .causal = Causal::bottom_right},
     // Short lists over many keys: the forward's tiles of 128 rows (ForwardTileRows), two of
-    // them, over five key ranges.
+    // them, over three key ranges of 512.
     {.name = "large_tiles_short_lists", .batch = 1, .q_len = 150, .k_len = 1200, .q_heads = 4, .kv_heads = 2,
      .head_dim = 16, .v_dim = 16, .topk = 40, .causal = Causal::bottom_right},
+    // Rows too wide for ranges of 512 (ForwardRangeKeys: 2.5 KiB a key): three of 256.
+    {.name = "wide_rows_ranges_of_256", .batch = 1, .q_len = 40, .k_len = 600, .q_heads = 2, .kv_heads = 1,
+     .head_dim = 320, .v_dim = 320, .topk = 300, .causal = Causal::bottom_right},
     // One list per query for two kv heads over 38 tiles of 32 rows: the forward's sets
     // computed once per wave of 16+ tiles (SharedSets), a wave across the batch entries,
     // a last tile of 24 rows.
