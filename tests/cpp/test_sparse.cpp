@@ -411,43 +411,47 @@ TEST(Sparse, SharedListsGiveTheBitsOfTheListPerKvHead) {
   }
 }
 
-// Latent attention's values are its keys' first dv channels: v given as a view of k (as
-// DeepSeek's MLA cache is read) takes the backward's shortcut of gathering the rows once
-// (sparse_backward.cpp's BlockOnDots); the same values in their own tensor do not. Both
-// give the same bits, forward and backward, on each bf16 unit and on the float step.
-TEST(Sparse, ValuesAsAViewOfTheKeysGiveTheSameBits) {
-  const SparseSpec s{.name = "latent", .batch = 2, .q_len = 7, .k_len = 90, .q_heads = 16, .kv_heads = 1,
-                     .head_dim = 48, .v_dim = 32, .topk = 40, .causal = Causal::bottom_right};
-  const auto in = sparse_inputs<bfloat16>(s, 83);
+// The sparse call, forward then backward, with v given as a view of k's first dv
+// channels (as DeepSeek's MLA cache is read), expected to give the bits of the same values
+// copied into their own tensor.
+template <class T>
+void ExpectValuesInKeysGiveTheBitsOfACopy(const SparseSpec& s, std::uint64_t seed) {
+  const auto in = sparse_inputs<T>(s, seed);
   auto copied = in;
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t j = 0; j < s.k_len; ++j)
       for (int64_t x = 0; x < s.v_dim; ++x) copied.v(b, j, 0, x) = in.k(b, j, 0, x);
-  auto run_on_the_view = [&] {
-    SparseResults<bfloat16> r = sparse_results<bfloat16>(s);
-    const auto k = in.k.cview();
-    const View4<const bfloat16> v(k.data, {s.batch, s.k_len, s.kv_heads, s.v_dim}, k.strides);
-    const AttentionOptions options = sparse_options(s, {}, Backend::cpu);
-    const KeyIndices indices = indices_of(s, in.lists);
-    sparse_attention_forward(SparseForwardArgs<bfloat16>{.q = in.q.cview(), .k = k, .v = v, .indices = indices,
-                                                         .out = r.out.view(), .lse = r.lse.view()},
-                             options);
-    sparse_attention_backward(
-        SparseBackwardArgs<bfloat16>{.q = in.q.cview(), .k = k, .v = v, .indices = indices, .out = r.out.cview(),
-                                     .lse = r.lse.cview(), .dout = in.dout.cview(), .dq = r.dq.view(),
-                                     .dk = r.dk.view(), .dv = r.dv.view(), .dsinks = r.dsinks},
-        options);
-    return r;
-  };
+  const auto expected = run_sparse(s, copied, Backend::cpu, 2, true);
+  SparseResults<T> got = sparse_results<T>(s);
+  const auto k = in.k.cview();
+  const View4<const T> v(k.data, {s.batch, s.k_len, s.kv_heads, s.v_dim}, k.strides);
+  const AttentionOptions options = sparse_options(s, {}, Backend::cpu);
+  const KeyIndices indices = indices_of(s, in.lists);
+  sparse_attention_forward(SparseForwardArgs<T>{.q = in.q.cview(), .k = k, .v = v, .indices = indices,
+                                                .out = got.out.view(), .lse = got.lse.view()},
+                           options);
+  sparse_attention_backward(SparseBackwardArgs<T>{.q = in.q.cview(), .k = k, .v = v, .indices = indices,
+                                                  .out = got.out.cview(), .lse = got.lse.cview(),
+                                                  .dout = in.dout.cview(), .dq = got.dq.view(), .dk = got.dk.view(),
+                                                  .dv = got.dv.view(), .dsinks = got.dsinks},
+                            options);
+  EXPECT_EQ(0, std::memcmp(expected.out.data(), got.out.data(), got.out.size() * sizeof(T)));
+  EXPECT_EQ(0, std::memcmp(expected.lse.data(), got.lse.data(), got.lse.size() * sizeof(float)));
+  for (const auto& [a, b] :
+       {std::pair{&expected.dq, &got.dq}, std::pair{&expected.dk, &got.dk}, std::pair{&expected.dv, &got.dv}})
+    EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->size() * sizeof(T)));
+}
+
+// Latent attention's values are its keys' first dv channels: given as a view of k they
+// take the backward's shortcut of gathering the rows once (sparse_backward.cpp's
+// BlockOnDots); the same values in their own tensor do not. Both give the same bits,
+// forward and backward, on each bf16 unit and on the float step.
+TEST(Sparse, ValuesAsAViewOfTheKeysGiveTheSameBits) {
+  const SparseSpec s{.name = "latent", .batch = 2, .q_len = 7, .k_len = 90, .q_heads = 16, .kv_heads = 1,
+                     .head_dim = 48, .v_dim = 32, .topk = 40, .causal = Causal::bottom_right};
   auto expect_same = [&](const char* unit) {
     SCOPED_TRACE(unit);
-    const auto expected = run_sparse(s, copied, Backend::cpu, 2, true);
-    const auto got = run_on_the_view();
-    EXPECT_EQ(0, std::memcmp(expected.out.data(), got.out.data(), got.out.size() * sizeof(bfloat16)));
-    EXPECT_EQ(0, std::memcmp(expected.lse.data(), got.lse.data(), got.lse.size() * sizeof(float)));
-    for (const auto& [a, b] : {std::pair{&expected.dq, &got.dq}, std::pair{&expected.dk, &got.dk},
-                               std::pair{&expected.dv, &got.dv}})
-      EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->size() * sizeof(bfloat16)));
+    ExpectValuesInKeysGiveTheBitsOfACopy<bfloat16>(s, 83);
   };
   cpu::set_dot_products_for_test(false);
   expect_same("float step");
@@ -463,33 +467,12 @@ TEST(Sparse, ValuesAsAViewOfTheKeysGiveTheSameBits) {
 }
 
 // The same in float32 (the float step's range copy, WidenedRange, then copies the keys
-// alone and reads the values from them), over tiles of 32 rows and three key ranges.
+// alone and reads the values from them), over tiles of 32 rows and two key ranges.
 TEST(Sparse, FloatValuesAsAViewOfTheKeysGiveTheSameBits) {
-  const SparseSpec s{.name = "latent_fp32", .batch = 1, .q_len = 40, .k_len = 700, .q_heads = 16, .kv_heads = 1,
-                     .head_dim = 48, .v_dim = 32, .topk = 350, .causal = Causal::bottom_right};
-  const auto in = sparse_inputs<float>(s, 61);
-  auto copied = in;
-  for (int64_t j = 0; j < s.k_len; ++j)
-    for (int64_t x = 0; x < s.v_dim; ++x) copied.v(0, j, 0, x) = in.k(0, j, 0, x);
-  const auto expected = run_sparse(s, copied, Backend::cpu, 2, true);
-  SparseResults<float> got = sparse_results<float>(s);
-  const auto k = in.k.cview();
-  const View4<const float> v(k.data, {s.batch, s.k_len, s.kv_heads, s.v_dim}, k.strides);
-  const AttentionOptions options = sparse_options(s, {}, Backend::cpu);
-  const KeyIndices indices = indices_of(s, in.lists);
-  sparse_attention_forward(SparseForwardArgs<float>{.q = in.q.cview(), .k = k, .v = v, .indices = indices,
-                                                    .out = got.out.view(), .lse = got.lse.view()},
-                           options);
-  sparse_attention_backward(SparseBackwardArgs<float>{.q = in.q.cview(), .k = k, .v = v, .indices = indices,
-                                                      .out = got.out.cview(), .lse = got.lse.cview(),
-                                                      .dout = in.dout.cview(), .dq = got.dq.view(),
-                                                      .dk = got.dk.view(), .dv = got.dv.view(), .dsinks = got.dsinks},
-                            options);
-  EXPECT_EQ(0, std::memcmp(expected.out.data(), got.out.data(), got.out.size() * sizeof(float)));
-  EXPECT_EQ(0, std::memcmp(expected.lse.data(), got.lse.data(), got.lse.size() * sizeof(float)));
-  for (const auto& [a, b] :
-       {std::pair{&expected.dq, &got.dq}, std::pair{&expected.dk, &got.dk}, std::pair{&expected.dv, &got.dv}})
-    EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->size() * sizeof(float)));
+  ExpectValuesInKeysGiveTheBitsOfACopy<float>(
+      {.name = "latent_fp32", .batch = 1, .q_len = 40, .k_len = 700, .q_heads = 16, .kv_heads = 1, .head_dim = 48,
+       .v_dim = 32, .topk = 350, .causal = Causal::bottom_right},
+      61);
 }
 
 }  // namespace
