@@ -189,8 +189,8 @@ void FloatRowBlock(const detail::SparseForwardProblem<T>& problem, int64_t b, in
   const size_t group = s.group;  // (Extents::group() divides: once per call, not per block)
   const size_t lanes = VectorLanes(), padded = round_up(n, lanes);
   const auto step = [&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
-    // (The copied range's rows are in L2: nothing to prefetch. An empty Ahead is passed as
-    // is: building a fresh one for each call stalled the copy that passes it, 2% of the call.)
+    // (The copied range's rows are in L2: nothing to prefetch, so the range's empty Ahead
+    // is passed unshifted.)
     static_assert(std::is_same_v<decltype(k_ahead), Ahead<float>>);
     for (size_t j = 0; j < padded; j += lanes)
       ScoreKeys(group, row.queries.get(), s.range.d_pad(), k_rows + j, k_dim, k_ahead, s.scores.get() + j,
