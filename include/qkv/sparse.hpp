@@ -17,8 +17,9 @@
 //     [B, Hkv, Nq, topk]   one list per (query, key/value head): query head h reads kv head h / (Hq/Hkv)
 //
 // Options used: scale, causal (top_left / bottom_right as AttentionOptions defines them),
-// softcap, sinks, execution (backend, threads, check_finite). precision is accepted and
-// changes nothing: 16-bit storage is always widened exactly (Precision::exact). The rest
+// softcap, sinks, execution (backend, threads, check_finite), precision (bfloat16 with
+// groups of 16+ query heads per kv head takes the bf16 dot unit under Precision::fast, P
+// rounded to bfloat16 once; every other call is float32 arithmetic either way). The rest
 // (mask, key_lengths, window, alibi_slopes, dropout, modifiers) is refused by name: a
 // qkv::Error, never ignored. A row with no key taking part: out 0, lse −inf, zero
 // gradients (with sinks the sink takes the row's whole weight: out 0, lse = sink).
