@@ -364,7 +364,7 @@ void HeadGradients(const detail::SparseBackwardProblem<T>& problem, const Worksp
   const int64_t k_len = problem.dense.extents.k_len, q_len = problem.dense.extents.q_len;
   std::fill(sums.dk, sums.dk + static_cast<size_t>(k_len) * w.d_pad, 0.0f);
   std::fill(sums.dv, sums.dv + static_cast<size_t>(k_len) * w.dv_pad, 0.0f);
-  const auto tile_rows = static_cast<int64_t>(kTileRows);
+  const auto tile_rows = static_cast<int64_t>(SweepTileRows(problem.dense.extents, w.topk));
   for (int64_t i0 = 0; i0 < q_len; i0 += tile_rows)
     QueryTileGradients(problem, w, b, i0, static_cast<size_t>(std::min(tile_rows, q_len - i0)), g, sums, s);
   StoreKeyGradients(problem, w, b, g, 0, k_len, sums);
@@ -437,7 +437,7 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
     return;
   }
   // The bf16 unit's rows keep their own blocks, one row a unit, as in the forward.
-  const int64_t kTile = w.unit != Bf16Unit::fp32_fma ? 1 : static_cast<int64_t>(kTileRows);
+  const int64_t kTile = w.unit != Bf16Unit::fp32_fma ? 1 : static_cast<int64_t>(SweepTileRows(e, w.topk));
   const int64_t tiles = (e.q_len + kTile - 1) / kTile;
   const int64_t query_units = e.batch * tiles * e.kv_heads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)

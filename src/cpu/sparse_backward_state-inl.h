@@ -67,7 +67,7 @@ struct Scratch {
         slope(AllocateFloats(rows * kGatherKeys)),
         weights_t(AllocateFloats(kGatherKeys * rows)),
         d_weights_t(AllocateFloats(kGatherKeys * rows)),
-        acc(AllocateFloats(kTileRows * rows * block.d_pad())),
+        acc(AllocateFloats(SweepTileRows(e, selection.topk) * rows * block.d_pad())),
         dk(AllocateFloats(static_cast<size_t>(kKeyBlock) * block.d_pad())),
         dv(AllocateFloats(static_cast<size_t>(kKeyBlock) * block.dv_pad())),
         lse(kGatherKeys),

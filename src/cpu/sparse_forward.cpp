@@ -51,7 +51,7 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::cpu::HWY_NAMESPACE {
 namespace {
 
-// One query row of a tile (ForwardTileRows, sparse_gather-inl.h): its attended set, its softmax
+// One query row of a tile (SweepTileRows, sparse_gather-inl.h): its attended set, its softmax
 // state (m, l and acc per head of the group) and its queries (the float step's scaled
 // rows or the bf16 unit's pairs).
 struct TileRow {
@@ -279,7 +279,7 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   // where the GQA shape's float step, 2 KiB a row, still gained (18.3 → 15.0 s).
   const int64_t kTile = latent_unit != Bf16Unit::fp32_fma
                             ? 1
-                            : static_cast<int64_t>(ForwardTileRows(e.k_len, problem.keys.topk));
+                            : static_cast<int64_t>(SweepTileRows(e, problem.keys.topk));
   const int64_t tiles = (e.q_len + kTile - 1) / kTile;
   const int64_t units = e.batch * tiles * e.kv_heads;
   // Scratch allocated before the parallel region: a workspace the system cannot give is

@@ -41,11 +41,11 @@ inline constexpr size_t kGatherKeys = 64;
 // (the forward, bf16, causal top-2048 lists, N 8192, 2 threads, interleaved runs): GQA
 // 32/8 d 128 3.18–3.41 s row by row, 2.36–2.66 s in tiles of 32 rows (16 rows: 2.49–3.30;
 // ranges of 128 or 512 keys no better); the MLA shape (16 heads on the AMX tiles, N 4096,
-// 1 thread) 1.52–1.65 → 1.40–1.45 s. kTileRows is the backward's dQ tile and the
-// forward's smallest (ForwardTileRows below sizes the forward's to the lists).
+// 1 thread) 1.52–1.65 → 1.40–1.45 s. kTileRows is both passes' smallest tile
+// (SweepTileRows below sizes them to the lists).
 inline constexpr size_t kTileRows = 32;
 inline constexpr int64_t kRangeKeys = 256;
-inline constexpr size_t kMaxTileRows = 128;
+inline constexpr size_t kMaxTileRows = 256;
 
 // The forward's key range: 512 keys where their copy (WidenedRange: floats of d_pad, and
 // of dv_pad unless the values are the keys' first channels) stays within 1.25 MiB, else
@@ -61,18 +61,26 @@ inline int64_t ForwardRangeKeys(size_t d_pad, size_t dv_pad, bool values_in_keys
   return 2 * static_cast<size_t>(kRangeKeys) * key_bytes <= (size_t{5} << 18) ? 2 * kRangeKeys : kRangeKeys;
 }
 
-// The forward's tile rows for keys [0, k_len) and lists of topk: enough that the tile
-// lists each of a range's keys ~16 times (a row lists about topk / k_len of them), so
-// that each range's copy (WidenedRange) serves many rows: with topk 2048, 32 rows at N ≤
-// 4096, 64 at 8192, 128 from 16384. A row's results do not depend on its tile: the
-// same bits at any size. Measured (Emerald Rapids without AMX, causal top-2048 lists, 2
-// threads, one process taking tiles of 32, 64 and 128 rows in turn, best of each): at N
-// 8192 the MLA shape (16 heads, d 576, dv 512) 3.32 / 2.59 / 3.04 s, GQA 32/8 d 128 fp32
-// 1.98 / 1.90 / 1.99 s, bf16 1.93 / 1.70 / 1.91 s; at N 32768 the MLA shape 17.6 / 14.6 /
-// 13.8 s. At N 4096 (1 thread) 32 and 64 rows measured the same.
-inline size_t ForwardTileRows(int64_t k_len, int64_t topk) {
+// The tile rows of both passes (the forward's, the backward's dQ tiles) for keys [0,
+// k_len) and lists of topk: enough that the tile lists each of a range's keys ~16 times
+// (a row lists about topk / k_len of them), so that each range's copy (WidenedRange)
+// serves many rows: with topk 2048, 32 rows at N ≤ 4096, 64 at 8192, 128 at 16384, 256
+// from 32768 — but 128 at most where a row's state (its heads' accumulators, group ·
+// max(d, dv) floats) would make 256 rows' more than 1 MiB. A row's results do not depend
+// on its tile: the same bits at any size. Measured (Emerald Rapids without AMX, causal
+// top-2048 lists, 2 threads, one process taking tiles of 32, 64 and 128 rows in turn,
+// best of each): at N 8192 the MLA shape (16 heads, d 576, dv 512) 3.32 / 2.59 / 3.04 s,
+// GQA 32/8 d 128 fp32 1.98 / 1.90 / 1.99 s, bf16 1.93 / 1.70 / 1.91 s; at N 32768 the
+// MLA shape 17.6 / 14.6 / 13.8 s. On a Zen 5 (2026-12-07, 2 threads, builds alternating):
+// GQA fp32 at N 32768, 256 rows against 128: forward 5.03–5.10 against 5.65–5.71 s,
+// backward 16.2–17.0 against 17.3–18.1 s (32 rows: 27.0–29.1 s); the MLA shape's forward
+// at 256 rows 11.6–12.4 against 8.6–9.8 s at 128 (36 KiB a row), hence the cap.
+template <class Extents>
+size_t SweepTileRows(const Extents& e, int64_t topk) {
+  const auto row_bytes = static_cast<size_t>(e.group() * std::max(e.head_dim, e.v_dim)) * sizeof(float);
+  const size_t most = row_bytes * kMaxTileRows <= (size_t{1} << 20) ? kMaxTileRows : kMaxTileRows / 2;
   size_t rows = kTileRows;
-  while (rows < kMaxTileRows && static_cast<int64_t>(rows) * std::max<int64_t>(topk, 1) < 16 * k_len) rows *= 2;
+  while (rows < most && static_cast<int64_t>(rows) * std::max<int64_t>(topk, 1) < 16 * e.k_len) rows *= 2;
   return rows;
 }
 

@@ -43,14 +43,14 @@ const SparseSpec kCases[] = {
     // Many rows listing keys of each 64-key block of the backward's per-block pass.
     {.name = "many_rows_three_key_blocks", .batch = 1, .q_len = 70, .k_len = 150, .q_heads = 8, .kv_heads = 2,
      .head_dim = 32, .v_dim = 16, .topk = 40, .causal = Causal::bottom_right},
-    // Rows in two tiles of the forward's sweep (32 rows: topk ≥ k_len / 2, ForwardTileRows),
+    // Rows in two tiles of the forward's sweep (32 rows: topk ≥ k_len / 2, SweepTileRows),
     // lists over two of its key ranges (512 keys: ForwardRangeKeys), several blocks of one
     // row inside a range.
     {.name = "tiles_and_ranges", .batch = 2, .q_len = 37, .k_len = 700, .q_heads = 4, .kv_heads = 2,
      .head_dim = 16, .v_dim = 8, .topk = 350, .shared = false, .causal = Causal::bottom_right},
-    // Short lists over many keys: the forward's tiles of 128 rows (ForwardTileRows), two of
-    // them, over three key ranges of 512.
-    {.name = "large_tiles_short_lists", .batch = 1, .q_len = 150, .k_len = 1200, .q_heads = 4, .kv_heads = 2,
+    // Short lists over many keys: tiles of 256 rows (SweepTileRows: 2 heads of 16 floats a
+    // row), two of them, over three key ranges of 512.
+    {.name = "large_tiles_short_lists", .batch = 1, .q_len = 300, .k_len = 1200, .q_heads = 4, .kv_heads = 2,
      .head_dim = 16, .v_dim = 16, .topk = 40, .causal = Causal::bottom_right},
     // Rows too wide for ranges of 512 (ForwardRangeKeys: 2.5 KiB a key): three of 256.
     {.name = "wide_rows_ranges_of_256", .batch = 1, .q_len = 40, .k_len = 600, .q_heads = 2, .kv_heads = 1,
