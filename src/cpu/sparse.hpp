@@ -3,7 +3,8 @@
 // tiles compute (cpu/decode_tiles-inl.h), the query heads of a GQA group sharing each
 // gathered block. fp32 arithmetic; storage float, bfloat16 or float16 (widened exactly,
 // rounded once on store); bfloat16 groups of 16+ heads take a bf16 unit in both passes
-// (sparse_dot_unit). Results are bitwise identical for every thread count.
+// (sparse_dot_unit), smaller groups vdpbf16ps in the forward where it pays
+// (sparse_pair_step). Results are bitwise identical for every thread count.
 #pragma once
 
 #include <type_traits>
@@ -29,6 +30,23 @@ Bf16Unit sparse_dot_unit(const detail::Extents& e, const detail::ScoreModifiers&
   } else {
     const bool eligible = e.group() % 16 == 0 && mods.softcap == 0.0f && !mods.has_alibi() && !mods.has_score_mod();
     return eligible ? bf16_unit(precision) : Bf16Unit::fp32_fma;
+  }
+}
+
+// The forward's pair step (bf16_group_block.hpp) for the bfloat16 calls sparse_dot_unit
+// leaves on the float step (GQA groups of fewer than 16 heads, or a soft-cap), on
+// vdpbf16ps where the call's precision picks it — not where it picks the AMX tiles (a
+// group of 4 heads would fill 4 of a tile's 16 rows) — with d and dv whole 32-value
+// chunks. Its logits are the float step's up to the order of float32 sums (the backward
+// recomputes them on the float step); P is rounded to bfloat16 once for P·V, the
+// Precision::fast contract. May throw as sparse_dot_unit does.
+template <class T>
+bool sparse_pair_step(const detail::Extents& e, const detail::ScoreModifiers& mods, Precision precision) {
+  if constexpr (!std::is_same_v<T, bfloat16>) {
+    return false;
+  } else {
+    return sparse_dot_unit<T>(e, mods, precision) == Bf16Unit::fp32_fma && e.head_dim % 32 == 0 &&
+           e.v_dim % 32 == 0 && bf16_unit(precision) == Bf16Unit::avx512_bf16;
   }
 }
 

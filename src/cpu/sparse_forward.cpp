@@ -5,7 +5,8 @@
 // mode every kv head's units read the same list, and the set is computed once for all of
 // them, a wave of tiles at a time: SharedSets) and so one gathered copy of those K/V
 // rows: the G heads are the rows of the decode schedule's register tiles
-// (decode_tiles-inl.h), or of the bf16 unit's products (sparse_dot_unit), so each
+// (decode_tiles-inl.h), or of the bf16 unit's products (sparse_dot_unit, or the pair
+// step's on vdpbf16ps for smaller groups: sparse_pair_step), so each
 // gathered K and V vector is loaded once for all G heads. The tile's rows sweep the keys
 // together, range by range (ForwardRangeKeys), so that rows listed by several of them are read
 // from memory once (ForwardTile). Over blocks of ≤ kGatherKeys attended keys, in key
@@ -43,6 +44,7 @@
 #include <vector>
 
 #include "core/score_pipeline.hpp"
+#include "cpu/bf16_group_block.hpp"
 #include "cpu/dot_products.hpp"
 #include "cpu/sparse.hpp"
 #endif
@@ -53,7 +55,8 @@ namespace {
 
 // One query row of a tile (SweepTileRows, sparse_gather-inl.h): its attended set, its softmax
 // state (m, l and acc per head of the group) and its queries (the float step's scaled
-// rows or the bf16 unit's pairs).
+// rows, the bf16 unit's pairs, or the pair step's stored rows).
+template <class T>
 struct TileRow {
   std::vector<int32_t> keys;
   const int32_t* set = nullptr;  // the attended set: keys, or the wave's (SharedSets)
@@ -61,14 +64,16 @@ struct TileRow {
   std::vector<float> m, l;
   hwy::AlignedFreeUniquePtr<float[]> acc, queries;
   std::vector<std::uint32_t> q_pairs;
+  std::vector<T> q_rows;  // the pair step: the group's query rows as stored, G × d
 };
 
 // One thread's scratch, reused by its units.
 template <class T>
 struct ForwardScratch {
   ForwardScratch(const detail::Extents& e, const detail::KeySelection& selection, Bf16Unit latent_unit,
-                 size_t tile_rows, int64_t range_keys_of_call)
+                 bool pair_step, size_t tile_rows, int64_t range_keys_of_call)
       : latent(latent_unit != Bf16Unit::fp32_fma),
+        pairs(pair_step),
         lat(latent ? LatentScratch(static_cast<size_t>(e.group()), static_cast<size_t>(e.group()), kGatherKeys,
                                    static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim),
                                    latent_unit == Bf16Unit::amx)
@@ -78,22 +83,26 @@ struct ForwardScratch {
         k_next(latent ? kGatherKeys : 0),
         marks(selection.marks_for(e.k_len)),
         range_keys(range_keys_of_call),
-        range(!latent, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim), range_keys_of_call),
+        range(!latent && !pairs, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim), range_keys_of_call),
+        stored(pairs, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim), range_keys_of_call),
+        value_words(pairs ? bf16dot::group_value_words(static_cast<size_t>(e.group()), kGatherKeys) : 0),
         scores(AllocateFloats(static_cast<size_t>(e.group()) * kGatherKeys)),
         alpha(static_cast<size_t>(e.group())),
         rows(tile_rows),
         group(static_cast<size_t>(e.group())) {
-    for (TileRow& row : rows) {
+    for (TileRow<T>& row : rows) {
       row.keys.resize(static_cast<size_t>(selection.topk));
       row.m.resize(group);
       row.l.resize(group);
       row.acc = AllocateFloats(group * range.dv_pad());
-      row.queries = AllocateFloats(latent ? 0 : group * range.d_pad());
+      row.queries = AllocateFloats(latent || pairs ? 0 : group * range.d_pad());
       row.q_pairs.resize(latent ? lat.q_pairs.size() : 0);
+      row.q_rows.resize(pairs ? group * static_cast<size_t>(e.head_dim) : 0);
     }
   }
 
   bool latent;                   // sparse_dot_unit: the latent step, its scratch and row pointers
+  bool pairs;                    // sparse_pair_step: the pair step
   LatentScratch lat;
   std::vector<const T*> k_rows, v_rows, k_next;
   std::vector<uint64_t> marks;   // attended_keys's bit set
@@ -101,9 +110,11 @@ struct ForwardScratch {
   // The float step: each range's K and V rows of the unit's kv head copied (widened) to
   // float once for every row of the tile (ForwardTile's on_range).
   WidenedRange range;
+  StoredRange<T> stored;         // the pair step's copy of the range, as stored
+  std::vector<std::uint32_t> value_words;  // the pair step's weights in bf16 pairs
   hwy::AlignedFreeUniquePtr<float[]> scores;  // G × 64
   std::vector<float> alpha;      // one block's rescaling per head
-  std::vector<TileRow> rows;     // the unit's query rows
+  std::vector<TileRow<T>> rows;  // the unit's query rows
   size_t group;                  // query heads per kv head
   bool plain_scores = false;     // no soft-cap, ALiBi or score_mod (SparseForwardImpl sets it)
 };
@@ -128,7 +139,7 @@ struct SharedSets {
 // Row i's set (shared: the wave's, computed already), zero state and queries.
 template <class T>
 void BeginRow(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g, ForwardScratch<T>& s,
-              TileRow& row, const int32_t* shared = nullptr, size_t shared_count = 0) {
+              TileRow<T>& row, const int32_t* shared = nullptr, size_t shared_count = 0) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
@@ -153,6 +164,11 @@ void BeginRow(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t
     }
     return;
   }
+  if (s.pairs) {  // the stored rows: their products are exact, the scale applied to the sums
+    for (size_t r = 0; r < group; ++r)
+      std::copy_n(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, row.q_rows.data() + r * d);
+    return;
+  }
   const float scale = static_cast<float>(dense.scale);
   for (size_t r = 0; r < group; ++r)
     ScaledRow(rows.q(b, i, g * e.group() + static_cast<int64_t>(r)), d, s.range.d_pad(), scale,
@@ -162,7 +178,7 @@ void BeginRow(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t
 // The latent step's block (sparse_dot_unit): keys[0, n) of row i, the next block's keys
 // (next[0, ahead)) prefetched.
 inline void LatentRowBlock(const detail::SparseForwardProblem<bfloat16>& problem, int64_t b, int64_t g,
-                           ForwardScratch<bfloat16>& s, TileRow& row, const int32_t* keys, size_t n,
+                           ForwardScratch<bfloat16>& s, TileRow<bfloat16>& row, const int32_t* keys, size_t n,
                            const int32_t* next, size_t ahead) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
@@ -181,11 +197,48 @@ inline void LatentRowBlock(const detail::SparseForwardProblem<bfloat16>& problem
   std::swap(s.lat.q_pairs, row.q_pairs);
 }
 
+// A block's scaled logits (G × padded in s.scores) through the score pipeline, then the
+// online softmax: P in s.scores, the rescaling in s.alpha.
+template <class T>
+void SoftmaxBlock(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g,
+                  ForwardScratch<T>& s, TileRow<T>& row, size_t n, size_t padded) {
+  const auto& dense = problem.dense;
+  const size_t group = s.group;
+  if (s.plain_scores && !dense.mask.tree.has(b)) {
+    // No modifier: the pipeline's one stage, the mask, only hides the padding.
+    for (size_t r = 0; r < group; ++r)
+      std::fill(s.scores.get() + r * kGatherKeys + n, s.scores.get() + r * kGatherKeys + padded, kMinusInf);
+  } else {  // the score pipeline per head; its mask stage removes the padding past the block
+    for (size_t r = 0; r < group; ++r)
+      detail::apply_score_pipeline(
+          dense.modifiers,
+          RowStages{.rule = dense.mask, .mods = dense.modifiers, .batch = b,
+                    .head = g * static_cast<int64_t>(group) + static_cast<int64_t>(r), .query = i, .first_key = 0,
+                    .keys = n, .padded = padded, .key_begin = 0, .key_end = static_cast<int64_t>(n),
+                    .s = s.scores.get() + r * kGatherKeys});
+  }
+  SoftmaxRows(group, padded, s.scores.get(), kGatherKeys, row.m.data(), row.l.data(), s.alpha.data());
+}
+
+// The pair step's block (sparse_pair_step): keys[0, n) of row i from the tile's stored
+// copy of the range, the products on vdpbf16ps (bf16_group_block.hpp). The scores are
+// padded to whole vectors of 16 keys (the kernel's tree), whatever the target's lanes.
+inline void PairRowBlock(const detail::SparseForwardProblem<bfloat16>& problem, int64_t b, int64_t i, int64_t g,
+                         ForwardScratch<bfloat16>& s, TileRow<bfloat16>& row, const int32_t* keys, size_t n) {
+  const detail::Extents& e = problem.dense.extents;
+  const size_t padded = round_up(n, size_t{16});
+  s.stored.Point(keys, n, padded);
+  bf16dot::GroupScores(row.q_rows.data(), s.group, s.stored.k_rows(), padded, static_cast<size_t>(e.head_dim),
+                       static_cast<float>(problem.dense.scale), s.scores.get(), kGatherKeys);
+  SoftmaxBlock(problem, b, i, g, s, row, n, padded);
+  bf16dot::GroupValues(s.scores.get(), kGatherKeys, s.group, n, s.stored.v_rows(), static_cast<size_t>(e.v_dim),
+                       s.value_words.data(), row.acc.get(), s.range.dv_pad(), s.alpha.data());
+}
+
 // The float step's block: keys[0, n) of row i, read from the tile's copied range.
 template <class T>
 void FloatRowBlock(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g,
-                   ForwardScratch<T>& s, TileRow& row, const int32_t* keys, size_t n) {
-  const auto& dense = problem.dense;
+                   ForwardScratch<T>& s, TileRow<T>& row, const int32_t* keys, size_t n) {
   const size_t group = s.group;  // (Extents::group() divides: once per call, not per block)
   const size_t lanes = VectorLanes(), padded = round_up(n, lanes);
   const auto step = [&](auto k_rows, auto v_rows, size_t k_dim, size_t v_dim, auto k_ahead, auto v_ahead) {
@@ -195,20 +248,7 @@ void FloatRowBlock(const detail::SparseForwardProblem<T>& problem, int64_t b, in
     for (size_t j = 0; j < padded; j += lanes)
       ScoreKeys(group, row.queries.get(), s.range.d_pad(), k_rows + j, k_dim, k_ahead, s.scores.get() + j,
                 kGatherKeys);
-    if (s.plain_scores && !dense.mask.tree.has(b)) {
-      // No modifier: the pipeline's one stage, the mask, only hides the padding.
-      for (size_t r = 0; r < group; ++r)
-        std::fill(s.scores.get() + r * kGatherKeys + n, s.scores.get() + r * kGatherKeys + padded, kMinusInf);
-    } else {  // the score pipeline per head; its mask stage removes the padding past the block
-      for (size_t r = 0; r < group; ++r)
-        detail::apply_score_pipeline(
-            dense.modifiers,
-            RowStages{.rule = dense.mask, .mods = dense.modifiers, .batch = b,
-                      .head = g * static_cast<int64_t>(group) + static_cast<int64_t>(r), .query = i, .first_key = 0,
-                      .keys = n, .padded = padded, .key_begin = 0, .key_end = static_cast<int64_t>(n),
-                      .s = s.scores.get() + r * kGatherKeys});
-    }
-    SoftmaxRows(group, padded, s.scores.get(), kGatherKeys, row.m.data(), row.l.data(), s.alpha.data());
+    SoftmaxBlock(problem, b, i, g, s, row, n, padded);
     ValueBlock(group, s.scores.get(), kGatherKeys, n, v_rows, v_dim, v_ahead, s.alpha.data(), row.acc.get(),
                s.range.dv_pad());
   };
@@ -219,7 +259,7 @@ void FloatRowBlock(const detail::SparseForwardProblem<T>& problem, int64_t b, in
 // The row's outputs from its softmax state (m, l, acc): out and lse of the group's heads.
 template <class T>
 void FinishRow(const detail::SparseForwardProblem<T>& problem, int64_t b, int64_t i, int64_t g,
-               const ForwardScratch<T>& s, const TileRow& row) {
+               const ForwardScratch<T>& s, const TileRow<T>& row) {
   const auto& dense = problem.dense;
   const detail::Extents& e = dense.extents;
   const auto rows = dense.rows();
@@ -256,12 +296,15 @@ void ForwardTile(const detail::SparseForwardProblem<T>& problem, int64_t b, int6
       [&](size_t t, const int32_t* keys, size_t n, const int32_t* next, size_t ahead) {
         if constexpr (std::is_same_v<T, bfloat16>) {
           if (s.latent) return LatentRowBlock(problem, b, g, s, s.rows[t], keys, n, next, ahead);
+          if (s.pairs) return PairRowBlock(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t], keys, n);
         }
         FloatRowBlock(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t], keys, n);
       },
       [&](int64_t begin, int64_t end) {
-        if (!s.range.active()) return;
         const auto rows = problem.dense.rows();
+        if (s.stored.active())
+          s.stored.Copy(begin, end, [&](int64_t j) { return rows.k(b, j, g); }, [&](int64_t j) { return rows.v(b, j, g); });
+        if (!s.range.active()) return;
         s.range.Widen(begin, end, [&](int64_t j) { return rows.k(b, j, g); }, [&](int64_t j) { return rows.v(b, j, g); });
       });
   for (size_t t = 0; t < tile; ++t) FinishRow(problem, b, i0 + static_cast<int64_t>(t), g, s, s.rows[t]);
@@ -272,6 +315,7 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   const detail::Extents& e = problem.dense.extents;
   if (e.batch * e.q_len * e.kv_heads == 0) return;
   const Bf16Unit latent_unit = sparse_dot_unit<T>(e, problem.dense.modifiers, problem.dense.precision);
+  const bool pair_step = sparse_pair_step<T>(e, problem.dense.modifiers, problem.dense.precision);
   // The bf16 unit's rows keep their own blocks of 64 listed keys, one row a unit: split at
   // the ranges, a row of N 32768 lists ~16 keys a range, and the unit's per-block cost (the
   // 16+ heads' accumulators, 50 KiB a row at the MLA shape, loaded and stored by the tiles)
@@ -302,7 +346,7 @@ void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
           : ForwardRangeKeys(round_up(static_cast<size_t>(e.head_dim), lanes), round_up(static_cast<size_t>(e.v_dim), lanes),
                              values_in_keys);
   for (int t = 0; t < threads; ++t) {
-    scratch.emplace_back(e, problem.keys, latent_unit, static_cast<size_t>(kTile), range_keys);
+    scratch.emplace_back(e, problem.keys, latent_unit, pair_step, static_cast<size_t>(kTile), range_keys);
     scratch.back().plain_scores = mods.softcap == 0.0f && !mods.has_alibi() && !mods.has_score_mod();
   }
   const auto rows_of = [&](int64_t tile) { return static_cast<size_t>(std::min(kTile, e.q_len - tile * kTile)); };

@@ -210,6 +210,23 @@ class GatheredBlock {
   size_t next_count_ = 0;
 };
 
+// A range copy's rows of keys[0, n) (k row `at` at k + at·k_ld, v likewise, `at` = key −
+// begin), padded to `padded` with the last (its scores are masked, its weights unused).
+template <class E>
+HWY_INLINE void PointRows(const int32_t* HWY_RESTRICT keys, size_t n, size_t padded, int64_t begin, const E* k,
+                          size_t k_ld, const E* v, size_t v_ld, const E** HWY_RESTRICT k_ptr,
+                          const E** HWY_RESTRICT v_ptr) {
+  for (size_t j = 0; j < n; ++j) {  // (the padding apart: this loop vectorizes)
+    const auto at = static_cast<size_t>(keys[j] - begin);
+    k_ptr[j] = k + at * k_ld;
+    v_ptr[j] = v + at * v_ld;
+  }
+  for (size_t j = n; j < padded; ++j) {
+    k_ptr[j] = k_ptr[n - 1];
+    v_ptr[j] = v_ptr[n - 1];
+  }
+}
+
 // The float step (the forward's and both backward passes'): a key range's K and V rows of
 // one kv head copied — widened, for 16-bit storage — to float once (kRangeKeys × d_pad,
 // × dv_pad, zero-padded) for every row of the tile that lists them, instead of each row
@@ -225,6 +242,8 @@ class GatheredBlock {
 // rows) it allocates nothing.
 class WidenedRange {
  public:
+  static constexpr int64_t kCopyAhead = 8;  // keys ahead whose rows the copy prefetches
+
   // range_keys: the most keys a range holds (kRangeKeys, or the forward's ForwardRangeKeys).
   WidenedRange(bool active, size_t d, size_t dv, int64_t range_keys = kRangeKeys)
       : active_(active),
@@ -253,6 +272,10 @@ class WidenedRange {
     for (int64_t j = begin; j < end && values_in_keys_; ++j) values_in_keys_ = v_row(j) == k_row(j);
     for (int64_t j = begin; j < end; ++j) {
       const auto at = static_cast<size_t>(j - begin);
+      if (j + kCopyAhead < end) {
+        PrefetchRow(k_row(j + kCopyAhead), d_ * sizeof(*k_row(j)));
+        if (!values_in_keys_) PrefetchRow(v_row(j + kCopyAhead), dv_ * sizeof(*v_row(j)));
+      }
       WidenRows(k_row(j), 0, 1, d_, k_.get() + at * d_pad_, d_pad_);
       if (!values_in_keys_) WidenRows(v_row(j), 0, 1, dv_, v_.get() + at * dv_pad_, dv_pad_);
     }
@@ -260,20 +283,8 @@ class WidenedRange {
 
   // keys[0, n) of the widened range, padded to `padded` with the last.
   void Point(const int32_t* keys, size_t n, size_t padded) {
-    const float* k = k_.get();
-    const float* v = values_in_keys_ ? k : v_.get();
-    const size_t v_ld = values_in_keys_ ? d_pad_ : dv_pad_;
-    const float** HWY_RESTRICT k_ptr = k_ptr_.data();
-    const float** HWY_RESTRICT v_ptr = v_ptr_.data();
-    for (size_t j = 0; j < n; ++j) {  // (the padding apart: this loop vectorizes)
-      const auto at = static_cast<size_t>(keys[j] - begin_);
-      k_ptr[j] = k + at * d_pad_;
-      v_ptr[j] = v + at * v_ld;
-    }
-    for (size_t j = n; j < padded; ++j) {
-      k_ptr[j] = k_ptr[n - 1];
-      v_ptr[j] = v_ptr[n - 1];
-    }
+    PointRows(keys, n, padded, begin_, k_.get(), d_pad_, values_in_keys_ ? k_.get() : v_.get(),
+              values_in_keys_ ? d_pad_ : dv_pad_, k_ptr_.data(), v_ptr_.data());
   }
 
   template <class F>
@@ -288,6 +299,61 @@ class WidenedRange {
   int64_t begin_ = 0;
   bool values_in_keys_ = false;  // the range's values are its keys' first dv channels
   std::vector<const float*> k_ptr_, v_ptr_;
+};
+
+// The pair step's range (sparse_forward.cpp, bf16_group_block.hpp): a key range's K and V
+// rows of one kv head copied as stored (bfloat16, each row d or dv consecutive values)
+// once for every row of the tile, as WidenedRange copies them to float for the float
+// step, for the same reason: one head's stored rows are Hkv·d values apart (2 KiB at 8 kv
+// heads of 128), so the range's rows would share few L1 and L2 sets. Values that are the
+// keys' first channels (v a view of k) are read from the keys' copy.
+template <class T>
+class StoredRange {
+ public:
+  StoredRange(bool active, size_t d, size_t dv, int64_t range_keys)
+      : active_(active),
+        d_(d),
+        dv_(dv),
+        k_(active ? static_cast<size_t>(range_keys) * d : 0),
+        v_(active ? static_cast<size_t>(range_keys) * dv : 0),
+        k_ptr_(active ? kGatherKeys : 0),
+        v_ptr_(active ? kGatherKeys : 0) {}
+
+  bool active() const { return active_; }
+
+  // Keys [begin, end); k_row(j) / v_row(j) the stored rows of key j.
+  template <class KeyRow, class ValueRow>
+  void Copy(int64_t begin, int64_t end, const KeyRow& k_row, const ValueRow& v_row) {
+    begin_ = begin;
+    values_in_keys_ = dv_ <= d_;
+    for (int64_t j = begin; j < end && values_in_keys_; ++j) values_in_keys_ = v_row(j) == k_row(j);
+    for (int64_t j = begin; j < end; ++j) {
+      const auto at = static_cast<size_t>(j - begin);
+      if (j + WidenedRange::kCopyAhead < end) {
+        PrefetchRow(k_row(j + WidenedRange::kCopyAhead), d_ * sizeof(T));
+        if (!values_in_keys_) PrefetchRow(v_row(j + WidenedRange::kCopyAhead), dv_ * sizeof(T));
+      }
+      std::copy_n(k_row(j), d_, k_.data() + at * d_);
+      if (!values_in_keys_) std::copy_n(v_row(j), dv_, v_.data() + at * dv_);
+    }
+  }
+
+  // keys[0, n) of the copied range, padded to `padded` with the last.
+  void Point(const int32_t* keys, size_t n, size_t padded) {
+    PointRows(keys, n, padded, begin_, k_.data(), d_, values_in_keys_ ? k_.data() : v_.data(),
+              values_in_keys_ ? d_ : dv_, k_ptr_.data(), v_ptr_.data());
+  }
+
+  const T* const* k_rows() const { return k_ptr_.data(); }
+  const T* const* v_rows() const { return v_ptr_.data(); }
+
+ private:
+  bool active_;
+  size_t d_, dv_;
+  std::vector<T> k_, v_;
+  int64_t begin_ = 0;
+  bool values_in_keys_ = false;
+  std::vector<const T*> k_ptr_, v_ptr_;
 };
 
 }  // namespace qkv::cpu::HWY_NAMESPACE

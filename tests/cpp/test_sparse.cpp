@@ -157,18 +157,25 @@ TEST_P(SparseCases, CpuBackwardIsBitwiseTheSameForAnyThreadCount) {
   expect_same_bits_for_any_thread_count<float16>(GetParam());
 }
 
-// 16-bit storage: widened exactly, fp32 arithmetic, rounded once on store; against the
-// reference on the same (16-bit) inputs, the bound is the output's own rounding
-// (2^-9 relative for bfloat16, 2^-12 for float16) plus the fp32 error.
+// 16-bit storage with Precision::exact: widened exactly, fp32 arithmetic, rounded once on
+// store; against the reference on the same (16-bit) inputs, the bound is the output's own
+// rounding (2^-9 relative for bfloat16, 2^-12 for float16) plus the fp32 error. With
+// Precision::fast a bfloat16 call may take a bf16 unit (on AVX512-BF16, the pair step for
+// these small groups), whose P rounded to bfloat16 once moves out by up to u·max|v|: out
+// is held to that bound (Bfloat16SmallGroupsOnVdpbf16psWithinTheBf16Contract explains it).
 template <class T>
 void expect_half_close(const SparseSpec& s, double rounding) {
   const auto in = sparse_inputs<T>(s, 41);
-  const auto ref = run_sparse(s, convert<double>(in), Backend::reference, 1, false);
-  const auto cpu = run_sparse(s, in, Backend::cpu, 2, false);
+  const auto exact_in = convert<double>(in);
+  const auto ref = run_sparse(s, exact_in, Backend::reference, 1, false);
+  const auto cpu = run_sparse(s, in, Backend::cpu, 2, false, Precision::exact);
   const double scale = std::max(1.0, max_abs(ref.out));
   EXPECT_LE(max_error(cpu.out, ref.out), 2.0 * rounding * scale + fp32_tolerance(scale));
   EXPECT_LE(max_error(cpu.lse, ref.lse), fp32_tolerance(max_abs(ref.lse)));
-  const auto cpu_grad = run_sparse(s, in, Backend::cpu, 2, true);
+  const auto on_unit = run_sparse(s, in, Backend::cpu, 2, false);
+  EXPECT_LE(max_error(on_unit.out, ref.out), rounding * (max_abs(exact_in.v) + scale) + fp32_tolerance(scale));
+  EXPECT_LE(max_error(on_unit.lse, ref.lse), fp32_tolerance(max_abs(ref.lse)));
+  const auto cpu_grad = run_sparse(s, in, Backend::cpu, 2, true, Precision::exact);
   const auto ref_grad = run_sparse(s, convert<double>(in), Backend::reference, 1, true);
   // The backward's D = ⟨dO, O⟩ reads the stored O, rounded to T (as any 16-bit backward
   // does): that rounding enters every dS of the row a second time, hence 4 roundings.
@@ -286,6 +293,46 @@ TEST(Sparse, Bfloat16GroupsOf16OnTheAmxTilesWithinTheBf16Contract) {
   const test::ForcedAmx forced;
   const std::vector<float> on_tiles = expect_groups_of_16_within_the_bf16_contract();
   EXPECT_NE(0, std::memcmp(on_tiles.data(), on_vdpbf16ps.data(), on_tiles.size() * sizeof(float)));
+}
+
+// bfloat16 groups of fewer than 16 heads on vdpbf16ps (forced; sparse_pair_step): the
+// forward's pair step (bf16_group_block.hpp). Its logits are exact products summed in
+// float32, so lse keeps the fp32 bound; each P is rounded to bfloat16 once for P·V, which
+// moves out by at most u·Σ_j P_j·|v_j| ≤ u·max|v|, and the stored out rounds once more
+// (u·|out|) — the bound of the groups of 16 above. Shapes: GQA 32/8's groups of 4 at
+// d 128 with dv 96 (a 64-column panel and a 32-column one), groups of 3 (a partial row
+// tile) with sinks and a soft-cap (the score pipeline between the products), groups of 2
+// per kv head; blocks of every length (topk 150: 64 + 64 + 22 keys, odd and even). The
+// step did run (fast differs from exact), on every SIMD target of the float code around it
+// (the softmax), and its bits do not depend on the thread count. Gradients: the backward runs the float
+// step on the pair step's out and lse, held to 2× PyTorch's bf16 error in
+// tests/python/test_sparse.py.
+TEST(Sparse, Bfloat16SmallGroupsOnVdpbf16psWithinTheBf16Contract) {
+  if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  const test::ForcedVdpbf16ps forced;
+  const double u = std::ldexp(1.0, -9);
+  const SparseSpec specs[] = {
+      {.name = "groups_of_4", .batch = 2, .q_len = 37, .k_len = 300, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+       .v_dim = 96, .topk = 150, .causal = Causal::bottom_right},
+      {.name = "groups_of_3_sinks_softcap", .batch = 1, .q_len = 29, .k_len = 200, .q_heads = 6, .kv_heads = 2,
+       .head_dim = 64, .v_dim = 64, .topk = 90, .causal = Causal::top_left, .sinks = true, .softcap = 5.0f},
+      {.name = "groups_of_2_per_kv_head", .batch = 1, .q_len = 21, .k_len = 130, .q_heads = 4, .kv_heads = 2,
+       .head_dim = 32, .v_dim = 32, .topk = 70, .shared = false, .causal = Causal::bottom_right}};
+  for (const SparseSpec& s : specs) {
+    SCOPED_TRACE(s.name);
+    const auto in = sparse_inputs<bfloat16>(s, 91);
+    const auto exact_in = convert<double>(in);
+    const auto ref = run_sparse(s, exact_in, Backend::reference, 1, false);
+    const double scale = std::max(1.0, max_abs(ref.out));
+    test::for_each_simd_target([&](int64_t) {
+      const auto fast = run_sparse(s, in, Backend::cpu, 2, false);
+      EXPECT_LE(max_error(fast.out, ref.out), u * (max_abs(exact_in.v) + scale) + fp32_tolerance(scale));
+      EXPECT_LE(max_error(fast.lse, ref.lse), fp32_tolerance(max_abs(ref.lse)));
+      EXPECT_FALSE(same_bits(fast.out, run_sparse(s, in, Backend::cpu, 2, false, Precision::exact).out));
+      const auto one = run_sparse(s, in, Backend::cpu, 1, false), three = run_sparse(s, in, Backend::cpu, 3, false);
+      EXPECT_TRUE(same_bits(one.out, three.out) && same_bits(one.lse, three.lse));
+    });
+  }
 }
 
 // A row that lists nothing, or whose listed keys causality removes: out 0, lse −inf,

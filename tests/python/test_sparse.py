@@ -16,6 +16,9 @@ inputs (FlashAttention's rule, the README's for 16-bit storage).
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -94,6 +97,10 @@ CASES = [
 # mode), which on a CPU with a bf16 unit (vdpbf16ps or AMX) take it in both passes.
 BF16_CASES = CASES[:2] + [
     dict(name="mqa_16_heads", b=1, hq=32, hkv=2, nq=40, nk=150, d=64, dv=64, topk=90, shared=True,
+         causal="bottom_right"),
+    # GQA 32/8's groups of 4 at d 128: on vdpbf16ps (AMD's AVX512-BF16) the forward's pair
+    # step (cpu/bf16_group_block.hpp), P rounded to bf16 once; blocks of 64 + 64 + 2 keys.
+    dict(name="gqa_groups_of_4", b=1, hq=8, hkv=2, nq=50, nk=260, d=128, dv=96, topk=130, shared=True,
          causal="bottom_right"),
 ]
 
@@ -179,6 +186,40 @@ def test_bfloat16_within_twice_sdpa(case):
         ours_error, theirs_error = max_error(a, e), max_error(b, e)
         assert ours_error <= 2 * theirs_error + floor_of(e), (
             f"{name}: qkv's bf16 error {ours_error:.3e} > 2 × SDPA's {theirs_error:.3e}")
+
+
+FORCED_PAIR_STEP = """
+import os, sys, torch, qkv
+sys.path.insert(0, os.getcwd())
+from test_sparse import BF16_CASES, make, sdpa, torch_sparse, with_grads, floor_of
+from attention_math import max_error
+case = next(c for c in BF16_CASES if c["name"] == "gqa_groups_of_4")
+q, k, v, dout, idx = make(case, dtype=torch.bfloat16)
+run = lambda precision: with_grads(lambda *x: qkv.sparse_attention(*x, idx, causal=case["causal"], return_lse=True,
+                                                                 precision=precision), q, k, v, dout)
+fast, exact = run("fast"), run("exact")
+assert not torch.equal(fast[0], exact[0]), "the pair step never ran"
+theirs, _, their_grads = with_grads(lambda *x: sdpa(*x, idx, case["causal"]), q, k, v, dout)
+ref, _, ref_grads = with_grads(lambda *x: torch_sparse(*x, idx, causal=case["causal"]),
+                               q.double(), k.double(), v.double(), dout.double())
+for name, a, b, e in zip(("out", "dq", "dk", "dv"), (fast[0], *fast[2]), (theirs, *their_grads), (ref, *ref_grads)):
+    assert max_error(a, e) <= 2 * max_error(b, e) + floor_of(e), (name, max_error(a, e), max_error(b, e))
+print("ok")
+"""
+
+
+def test_forced_pair_step_within_twice_sdpa():
+    """GQA groups of 4 forced onto vdpbf16ps (QKV_DOT_PRODUCTS=on, QKV_AMX=off: on an AMX
+    Xeon "fast" takes the tiles, which leave groups under 16 heads on the float step):
+    the forward's pair step ran (fast differs from exact), and out and every gradient
+    are within 2× PyTorch's bf16 error."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        if "avx512_bf16" not in cpuinfo.read():
+            pytest.skip("no AVX512-BF16 on this CPU")
+    env = dict(os.environ, QKV_DOT_PRODUCTS="on", QKV_AMX="off")
+    run = subprocess.run([sys.executable, "-c", FORCED_PAIR_STEP], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
 
 
 def test_empty_and_masked_rows_give_zero_out_minus_inf_lse_and_zero_grads():
