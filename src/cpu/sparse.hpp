@@ -3,7 +3,7 @@
 // tiles compute (cpu/decode_tiles-inl.h), the query heads of a GQA group sharing each
 // gathered block. fp32 arithmetic; storage float, bfloat16 or float16 (widened exactly,
 // rounded once on store); bfloat16 groups of 16+ heads take a bf16 unit in both passes
-// (sparse_dot_unit), smaller groups vdpbf16ps in the forward where it pays
+// (sparse_dot_unit), and on vdpbf16ps the forward of any group its pair step
 // (sparse_pair_step). Results are bitwise identical for every thread count.
 #pragma once
 
@@ -20,7 +20,9 @@ namespace qkv::cpu {
 // heads (≥ 16: DeepSeek's MQA/MLA mode, where each gathered key feeds enough rows to make
 // the dot products pay) without a modifier the transposed scores skip (soft-cap, ALiBi,
 // score_mod). One rule for the forward and the backward, so that the backward's logits
-// are the forward's. May throw (QKV_DOT_PRODUCTS=on without the unit): call it before a
+// are the forward's — where the forward takes it (on vdpbf16ps it takes sparse_pair_step
+// when the shape allows, whose logits differ from the unit's in the order of float32
+// sums only). May throw (QKV_DOT_PRODUCTS=on without the unit): call it before a
 // parallel region.
 // T: the storage type (any but bfloat16 takes none).
 template <class T>
@@ -33,20 +35,22 @@ Bf16Unit sparse_dot_unit(const detail::Extents& e, const detail::ScoreModifiers&
   }
 }
 
-// The forward's pair step (bf16_group_block.hpp) for the bfloat16 calls sparse_dot_unit
-// leaves on the float step (GQA groups of fewer than 16 heads, or a soft-cap), on
-// vdpbf16ps where the call's precision picks it — not where it picks the AMX tiles (a
-// group of 4 heads would fill 4 of a tile's 16 rows) — with d and dv whole 32-value
-// chunks. Its logits are the float step's up to the order of float32 sums (the backward
-// recomputes them on the float step); P is rounded to bfloat16 once for P·V, the
-// Precision::fast contract. May throw as sparse_dot_unit does.
+// The forward's pair step (bf16_group_block.hpp) for bfloat16 on vdpbf16ps, where the
+// call's precision picks that unit (AMD's AVX512-BF16; not the AMX tiles, where groups of
+// 16+ take sparse_dot_unit's tiles and smaller ones the float step: a group of 4 would
+// fill 4 of a tile's 16 rows), any group size, d and dv whole 32-value chunks. It takes
+// the forward from sparse_dot_unit's column step there: its rows sweep the tile's ranges
+// like the float step's (the MLA shape at N 8192, 2 threads, a Zen 5: 1.45–1.50 →
+// 1.09–1.22 s; at 32768 8.9 → 5.7 s). Its logits are exact products summed in float32,
+// the backward's (float step or unit) the same up to the order of the sums; P is
+// rounded to bfloat16 once for P·V, the Precision::fast contract. May throw as
+// sparse_dot_unit does.
 template <class T>
-bool sparse_pair_step(const detail::Extents& e, const detail::ScoreModifiers& mods, Precision precision) {
+bool sparse_pair_step(const detail::Extents& e, Precision precision) {
   if constexpr (!std::is_same_v<T, bfloat16>) {
     return false;
   } else {
-    return sparse_dot_unit<T>(e, mods, precision) == Bf16Unit::fp32_fma && e.head_dim % 32 == 0 &&
-           e.v_dim % 32 == 0 && bf16_unit(precision) == Bf16Unit::avx512_bf16;
+    return e.head_dim % 32 == 0 && e.v_dim % 32 == 0 && bf16_unit(precision) == Bf16Unit::avx512_bf16;
   }
 }
 

@@ -393,7 +393,8 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
   // The bf16 unit of the call's products (sparse_dot_unit's rule, the forward's: for
   // bfloat16 storage, groups of whole vectors of heads, the unit the precision picks).
   // Then S and dP of every block are products of bf16 values on that unit, exact, summed in
-  // float32 — S bit for bit the forward's latent step's, whose lse P divides by — and dQ =
+  // float32 — S the forward's up to the order of those sums (its latent step's bit for
+  // bit on the AMX tiles; its pair step's on vdpbf16ps), whose lse P divides by — and dQ =
   // dS·K rounds each dS to bfloat16 once (the fast contract, as the dense backward's tiles
   // do). dK and dV stay float32 products of the float P and dS (keys × group: 16+ heads of
   // one row, too short a sum for the tiles) with the float rows of the workspace. May

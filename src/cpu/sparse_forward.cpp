@@ -5,8 +5,8 @@
 // mode every kv head's units read the same list, and the set is computed once for all of
 // them, a wave of tiles at a time: SharedSets) and so one gathered copy of those K/V
 // rows: the G heads are the rows of the decode schedule's register tiles
-// (decode_tiles-inl.h), or of the bf16 unit's products (sparse_dot_unit, or the pair
-// step's on vdpbf16ps for smaller groups: sparse_pair_step), so each
+// (decode_tiles-inl.h), or of the bf16 unit's products (the pair step's on vdpbf16ps:
+// sparse_pair_step; latent decode's column step on the AMX tiles: sparse_dot_unit), so each
 // gathered K and V vector is loaded once for all G heads. The tile's rows sweep the keys
 // together, range by range (ForwardRangeKeys), so that rows listed by several of them are read
 // from memory once (ForwardTile). Over blocks of ≤ kGatherKeys attended keys, in key
@@ -314,8 +314,9 @@ template <class T>
 void SparseForwardImpl(const detail::SparseForwardProblem<T>& problem) {
   const detail::Extents& e = problem.dense.extents;
   if (e.batch * e.q_len * e.kv_heads == 0) return;
-  const Bf16Unit latent_unit = sparse_dot_unit<T>(e, problem.dense.modifiers, problem.dense.precision);
-  const bool pair_step = sparse_pair_step<T>(e, problem.dense.modifiers, problem.dense.precision);
+  const bool pair_step = sparse_pair_step<T>(e, problem.dense.precision);
+  const Bf16Unit latent_unit =
+      pair_step ? Bf16Unit::fp32_fma : sparse_dot_unit<T>(e, problem.dense.modifiers, problem.dense.precision);
   // The bf16 unit's rows keep their own blocks of 64 listed keys, one row a unit: split at
   // the ranges, a row of N 32768 lists ~16 keys a range, and the unit's per-block cost (the
   // 16+ heads' accumulators, 50 KiB a row at the MLA shape, loaded and stored by the tiles)
