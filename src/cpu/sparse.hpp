@@ -2,9 +2,9 @@
 // (core/key_selection.hpp) gathered into blocks that the split-K schedule's register
 // tiles compute (cpu/decode_tiles-inl.h), the query heads of a GQA group sharing each
 // gathered block. fp32 arithmetic; storage float, bfloat16 or float16 (widened exactly,
-// rounded once on store); bfloat16 groups of 16+ heads take a bf16 unit in both passes
-// (sparse_dot_unit), and on vdpbf16ps the forward of any group its pair step
-// (sparse_pair_step). Results are bitwise identical for every thread count.
+// rounded once on store); bfloat16 on vdpbf16ps takes the pair step in both passes, any
+// group (sparse_pair_step), and groups of 16+ heads on the AMX tiles their column step
+// (sparse_dot_unit). Results are bitwise identical for every thread count.
 #pragma once
 
 #include <type_traits>
@@ -20,9 +20,7 @@ namespace qkv::cpu {
 // heads (≥ 16: DeepSeek's MQA/MLA mode, where each gathered key feeds enough rows to make
 // the dot products pay) without a modifier the transposed scores skip (soft-cap, ALiBi,
 // score_mod). One rule for the forward and the backward, so that the backward's logits
-// are the forward's — where the forward takes it (on vdpbf16ps it takes sparse_pair_step
-// when the shape allows, whose logits differ from the unit's in the order of float32
-// sums only). May throw (QKV_DOT_PRODUCTS=on without the unit): call it before a
+// are the forward's (both take sparse_pair_step instead where it applies). May throw (QKV_DOT_PRODUCTS=on without the unit): call it before a
 // parallel region.
 // T: the storage type (any but bfloat16 takes none).
 template <class T>
@@ -41,10 +39,10 @@ Bf16Unit sparse_dot_unit(const detail::Extents& e, const detail::ScoreModifiers&
 // fill 4 of a tile's 16 rows), any group size, d and dv whole 32-value chunks. It takes
 // the forward from sparse_dot_unit's column step there: its rows sweep the tile's ranges
 // like the float step's (the MLA shape at N 8192, 2 threads, a Zen 5: 1.45–1.50 →
-// 1.09–1.22 s; at 32768 8.9 → 5.7 s). Its logits are exact products summed in float32,
-// the backward's (float step or unit) the same up to the order of the sums; P is
-// rounded to bfloat16 once for P·V, the Precision::fast contract. May throw as
-// sparse_dot_unit does.
+// 1.09–1.22 s; at 32768 8.9 → 5.7 s). The backward takes it too (S, dP and dQ's product;
+// dK and dV float32), so its logits are the forward's bit for bit: exact products summed
+// in float32. P is rounded to bfloat16 once for P·V and dS once for dQ, the
+// Precision::fast contract. May throw as sparse_dot_unit does.
 template <class T>
 bool sparse_pair_step(const detail::Extents& e, Precision precision) {
   if constexpr (!std::is_same_v<T, bfloat16>) {

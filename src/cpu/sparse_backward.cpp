@@ -27,8 +27,9 @@
 // passes (five products a block, not seven; GQA 32/8 d 128 at 8k keys, causal top-2048:
 // the backward 1.2× faster), with the same bits as the two passes.
 //
-// bfloat16 groups of 16+ heads take the call's bf16 unit (vdpbf16ps or the AMX tiles):
-// S, dP and dQ's product there, in both passes (sparse_dot_unit, sparse.hpp).
+// bfloat16 on vdpbf16ps takes the forward's pair step (any group; sparse_pair_step,
+// sparse.hpp), groups of 16+ heads on the AMX tiles the tiles (sparse_dot_unit): S, dP
+// and dQ's product there, in both passes; dK and dV stay float32.
 //
 // Workspace, per call: the sets (B·lists·Nq·topk int32, the size of the lists), scale·q
 // and dO widened to float, D, and on a bf16 unit q and dO paired; nothing Nq × Nk.
@@ -91,6 +92,21 @@ inline void BlockOnDots(const detail::SparseBackwardProblem<bfloat16>& problem, 
   WeightsAndGradientsTransposed(n, group, x.ld, x.lse.data(), x.delta.data(), x.st.get(), x.dpt.get());
 }
 
+// The pair step (sparse_pair_step): P and dS of row i over keys[0, n) of kv head g into
+// s.scores / s.d_scores, S and dP on vdpbf16ps from the row's stored q and dO and the
+// range's stored rows (s.stored) — S bit for bit the forward's pair step's.
+inline void PairWeights(const detail::SparseBackwardProblem<bfloat16>& problem, const Workspace& w, int64_t b,
+                        int64_t i, int64_t g, const int32_t* keys, size_t n, Scratch<bfloat16>& s) {
+  const detail::Extents& e = problem.dense.extents;
+  const size_t group = static_cast<size_t>(e.group()), padded = round_up(n, size_t{16});  // the kernel's 16 keys
+  s.stored.Point(keys, n, padded);
+  bf16dot::GroupScores(w.q16_row(b, i, g * e.group()), group, s.stored.k_rows(), padded, w.d,
+                       static_cast<float>(problem.dense.scale), s.scores.get(), kGatherKeys);
+  bf16dot::GroupScores(w.dout16_row(b, i, g * e.group()), group, s.stored.v_rows(), padded, w.dv, 1.0f,
+                       s.d_scores.get(), kGatherKeys);
+  GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
+}
+
 // The group's lse and D of row i into s.dots.
 template <class T>
 void GroupRowStatistics(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t i,
@@ -126,6 +142,11 @@ void PrepareRow(const detail::SparseBackwardProblem<T>& problem, Workspace& w, i
     w.delta[static_cast<size_t>(w.head_row(b, i, h))] = static_cast<float>(delta);
   }
   if constexpr (std::is_same_v<T, bfloat16>) {
+    if (w.pairs)
+      for (int64_t h = 0; h < e.q_heads; ++h) {
+        std::copy_n(rows.q(b, i, h), w.d, w.q16.data() + w.head_row(b, i, h) * w.d);
+        std::copy_n(rows.dout(b, i, h), w.dv, w.dout16.data() + w.head_row(b, i, h) * w.dv);
+      }
     if (w.unit == Bf16Unit::fp32_fma) return;
     const auto group = static_cast<size_t>(e.group());
     for (int64_t g = 0; g < e.kv_heads; ++g) {
@@ -173,6 +194,18 @@ void QueryBlock(const detail::SparseBackwardProblem<T>& problem, const Workspace
       (w.unit == Bf16Unit::amx ? amx::RescaleAddWeighted : bf16dot::RescaleAddWeighted)(
           s.dots.dpt.get(), s.dots.ld, group, n, s.dots.keys.data(), static_cast<std::int64_t>(d), d,
           {s.dots.p_pairs.data(), s.dots.k_pairs.data()}, acc, w.d_pad, s.ones.data());
+      return;
+    }
+    if (w.pairs) {
+      PairWeights(problem, w, b, i, g, keys, n, s);
+      // dQ_r += Σ_j dS_rj·k_j, dS rounded to bfloat16 once (as on the unit above).
+      bf16dot::GroupValues(s.d_scores.get(), kGatherKeys, group, n, s.stored.k_rows(), w.d, s.value_words.data(), acc,
+                           w.d_pad, nullptr);
+      if (key_sums.active()) {  // the fused schedule, as below
+        TransposeWeights(n, group, s);
+        AddRowToKeys(w, w.q_row(b, i, g * e.group()), w.dout_row(b, i, g * e.group()), keys, n, group,
+                     s.weights_t.get(), s.d_weights_t.get(), key_sums, s);
+      }
       return;
     }
   }
@@ -229,8 +262,10 @@ void QueryTileGradients(const detail::SparseBackwardProblem<T>& problem, const W
         QueryBlock(problem, w, b, i0 + static_cast<int64_t>(t), g, keys, n, next, ahead, s.acc.get() + t * sums, key_sums, s);
       },
       [&](int64_t begin, int64_t end) {
-        if (!s.range.active()) return;
         const auto rows = problem.dense.rows();
+        if (s.stored.active())
+          s.stored.Copy(begin, end, [&](int64_t j) { return rows.k(b, j, g); }, [&](int64_t j) { return rows.v(b, j, g); });
+        if (!s.range.active()) return;
         s.range.Widen(begin, end, [&](int64_t j) { return rows.k(b, j, g); }, [&](int64_t j) { return rows.v(b, j, g); });
       });
   for (size_t t = 0; t < tile; ++t)
@@ -244,6 +279,13 @@ template <class T>
 bool DotWeights(const detail::SparseBackwardProblem<T>& problem, const Workspace& w, int64_t b, int64_t i, int64_t g,
                 const int32_t* keys, size_t n, Scratch<T>& s, const float*& weights_t, const float*& d_weights_t) {
   if constexpr (std::is_same_v<T, bfloat16>) {
+    if (w.pairs) {
+      PairWeights(problem, w, b, i, g, keys, n, s);
+      TransposeWeights(n, static_cast<size_t>(problem.dense.extents.group()), s);
+      weights_t = s.weights_t.get();
+      d_weights_t = s.d_weights_t.get();
+      return true;
+    }
     if (w.unit == Bf16Unit::fp32_fma) return false;
     GroupRowStatistics(problem, w, b, i, g, s);
     BlockOnDots(problem, w, b, i, g, keys, n, s);
@@ -289,6 +331,8 @@ void KeyBlockGradients(const detail::SparseBackwardProblem<T>& problem, const Wo
   std::fill(s.dv.get(), s.dv.get() + static_cast<size_t>(last - first) * w.dv_pad, 0.0f);
   if (s.range.active())  // the block's rows widened once for every row that lists them
     s.range.Widen(first, last, [&](int64_t j) { return rows.k(b, j, g); }, [&](int64_t j) { return rows.v(b, j, g); });
+  if (s.stored.active())  // (the pair step's: copied as stored)
+    s.stored.Copy(first, last, [&](int64_t j) { return rows.k(b, j, g); }, [&](int64_t j) { return rows.v(b, j, g); });
   for (int64_t i = 0; i < w.q_len; ++i) {
     const int64_t at = w.row(b, list, i);
     const int32_t* set = w.sets.data() + at * w.topk;
@@ -393,13 +437,20 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
   // The bf16 unit of the call's products (sparse_dot_unit's rule, the forward's: for
   // bfloat16 storage, groups of whole vectors of heads, the unit the precision picks).
   // Then S and dP of every block are products of bf16 values on that unit, exact, summed in
-  // float32 — S the forward's up to the order of those sums (its latent step's bit for
-  // bit on the AMX tiles; its pair step's on vdpbf16ps), whose lse P divides by — and dQ =
+  // float32 — S bit for bit the forward's latent step's, whose lse P divides by — and dQ =
   // dS·K rounds each dS to bfloat16 once (the fast contract, as the dense backward's tiles
   // do). dK and dV stay float32 products of the float P and dS (keys × group: 16+ heads of
   // one row, too short a sum for the tiles) with the float rows of the workspace. May
   // throw: called before the parallel regions.
-  w.unit = sparse_dot_unit<T>(e, dense.modifiers, dense.precision);
+  // On vdpbf16ps the pair step instead, as the forward (S bit for bit its logits).
+  w.pairs = sparse_pair_step<T>(e, dense.precision);
+  w.unit = w.pairs ? Bf16Unit::fp32_fma : sparse_dot_unit<T>(e, dense.modifiers, dense.precision);
+  if (w.pairs) {
+    w.d = static_cast<size_t>(e.head_dim);
+    w.dv = static_cast<size_t>(e.v_dim);
+    w.q16.resize(head_rows * w.d);
+    w.dout16.resize(head_rows * w.dv);
+  }
   if (w.unit != Bf16Unit::fp32_fma) {
     const auto units = static_cast<size_t>(e.batch * e.q_len * e.kv_heads);
     w.pair_ld = bf16dot::pair_ld(static_cast<size_t>(e.group()));
@@ -411,7 +462,7 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
   const int threads = std::max(dense.threads, 1);
   std::vector<Scratch<T>> scratch;
   scratch.reserve(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, w.unit);
+  for (int t = 0; t < threads; ++t) scratch.emplace_back(e, problem.keys, w.unit, w.pairs);
 
   const int64_t query_rows = e.batch * e.q_len;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)

@@ -18,6 +18,7 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "core/key_selection.hpp"
+#include "cpu/bf16_group_block.hpp"
 #include "cpu/block_ops-inl.h"
 #include "cpu/decode_tiles-inl.h"
 #include "cpu/dot_products.hpp"
@@ -47,18 +48,25 @@ struct Workspace {
   Bf16Unit unit = Bf16Unit::fp32_fma;
   size_t pair_ld = 0, q_words = 0, dout_words = 0;
   std::vector<std::uint32_t> q_pairs, dout_pairs;
+  // The pair step (sparse_pair_step, sparse.hpp): S, dP and dQ's product on vdpbf16ps from
+  // each row's stored q and dO ([B, Nq, Hq, d] and [.., dv], a group's heads consecutive).
+  bool pairs = false;
+  size_t d = 0, dv = 0;
+  std::vector<bfloat16> q16, dout16;
 
   int64_t row(int64_t b, int64_t list, int64_t i) const { return (b * lists + list) * q_len + i; }
   int64_t head_row(int64_t b, int64_t i, int64_t h) const { return (b * q_len + i) * q_heads + h; }
   const float* q_row(int64_t b, int64_t i, int64_t h) const { return scaled_q.get() + head_row(b, i, h) * d_pad; }
   const float* dout_row(int64_t b, int64_t i, int64_t h) const { return dout.get() + head_row(b, i, h) * dv_pad; }
   int64_t unit_of(int64_t b, int64_t i, int64_t g, int64_t kv_heads) const { return (b * q_len + i) * kv_heads + g; }
+  const bfloat16* q16_row(int64_t b, int64_t i, int64_t h) const { return q16.data() + head_row(b, i, h) * d; }
+  const bfloat16* dout16_row(int64_t b, int64_t i, int64_t h) const { return dout16.data() + head_row(b, i, h) * dv; }
 };
 
 // One thread's scratch for passes C and D.
 template <class T>
 struct Scratch {
-  Scratch(const detail::Extents& e, const detail::KeySelection& selection, Bf16Unit unit)
+  Scratch(const detail::Extents& e, const detail::KeySelection& selection, Bf16Unit unit, bool pairs)
       : marks(selection.marks_for(e.k_len)),
         block(static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim)),
         rows(std::max<size_t>(static_cast<size_t>(e.group()), 1)),
@@ -80,8 +88,10 @@ struct Scratch {
         dots(unit == Bf16Unit::fp32_fma
                  ? SparseDotScratch()
                  : SparseDotScratch(rows, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim))),
-        range(unit == Bf16Unit::fp32_fma, static_cast<size_t>(e.head_dim),
-              static_cast<size_t>(e.v_dim)) {}
+        range(unit == Bf16Unit::fp32_fma && !pairs, static_cast<size_t>(e.head_dim),
+              static_cast<size_t>(e.v_dim)),
+        stored(pairs, static_cast<size_t>(e.head_dim), static_cast<size_t>(e.v_dim), kRangeKeys),
+        value_words(pairs ? bf16dot::group_value_words(rows, kGatherKeys) : 0) {}
 
   std::vector<uint64_t> marks;  // attended_keys's bit set
   GatheredBlock<T> block;
@@ -97,6 +107,9 @@ struct Scratch {
   // The float step: a range's K and V rows copied (widened) once — pass C's
   // for the tile's rows (SweepTile's on_range), pass D's for its key block's rows.
   WidenedRange range;
+  // The pair step: the range's rows copied as stored, and dQ's weights in bf16 pairs.
+  StoredRange<T> stored;
+  std::vector<std::uint32_t> value_words;
 };
 
 // Over `padded` entries of one row of scores s (already through the soft-cap) and dP:

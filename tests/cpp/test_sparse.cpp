@@ -295,17 +295,18 @@ TEST(Sparse, Bfloat16GroupsOf16OnTheAmxTilesWithinTheBf16Contract) {
   EXPECT_NE(0, std::memcmp(on_tiles.data(), on_vdpbf16ps.data(), on_tiles.size() * sizeof(float)));
 }
 
-// bfloat16 groups of fewer than 16 heads on vdpbf16ps (forced; sparse_pair_step): the
-// forward's pair step (bf16_group_block.hpp). Its logits are exact products summed in
-// float32, so lse keeps the fp32 bound; each P is rounded to bfloat16 once for P·V, which
-// moves out by at most u·Σ_j P_j·|v_j| ≤ u·max|v|, and the stored out rounds once more
-// (u·|out|) — the bound of the groups of 16 above. Shapes: GQA 32/8's groups of 4 at
-// d 128 with dv 96 (a 64-column panel and a 32-column one), groups of 3 (a partial row
-// tile) with sinks and a soft-cap (the score pipeline between the products), groups of 2
-// per kv head; blocks of every length (topk 150: 64 + 64 + 22 keys, odd and even). The
-// step did run (fast differs from exact), on every SIMD target of the float code around it
-// (the softmax), and its bits do not depend on the thread count. Gradients: the backward runs the float
-// step on the pair step's out and lse, held to 2× PyTorch's bf16 error in
+// bfloat16 groups of fewer than 16 heads on vdpbf16ps (forced; sparse_pair_step): both
+// passes take the pair step (bf16_group_block.hpp), as groups of 16 do there. The logits
+// are exact products summed in float32, so lse keeps the fp32 bound; each P is rounded to
+// bfloat16 once for P·V, which moves out by at most u·Σ_j P_j·|v_j| ≤ u·max|v|, and the
+// stored out rounds once more (u·|out|); dQ = dS·K rounds each dS to bfloat16 once
+// (dq_weight_rounding), dK and dV take the float P and dS — the bounds of the groups of 16
+// above. Shapes: GQA 32/8's groups of 4 at d 128 with dv 96 (a 64-column panel and a
+// 32-column one), groups of 3 (a partial row tile) with sinks and a soft-cap, groups of
+// 2 per kv head; blocks of every length (topk 150: 64 + 64 + 22 keys, odd and even). The
+// step did run (fast differs from exact), on every SIMD target of the float code around
+// it (the softmax, the dK/dV sums), and its bits do not depend on the thread count (1
+// thread takes the fused schedule, 3 the two passes). PyTorch's 2× rule:
 // tests/python/test_sparse.py.
 TEST(Sparse, Bfloat16SmallGroupsOnVdpbf16psWithinTheBf16Contract) {
   if (!cpu::cpu_has_bf16_dot()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
@@ -322,15 +323,24 @@ TEST(Sparse, Bfloat16SmallGroupsOnVdpbf16psWithinTheBf16Contract) {
     SCOPED_TRACE(s.name);
     const auto in = sparse_inputs<bfloat16>(s, 91);
     const auto exact_in = convert<double>(in);
-    const auto ref = run_sparse(s, exact_in, Backend::reference, 1, false);
-    const double scale = std::max(1.0, max_abs(ref.out));
+    const auto ref = run_sparse(s, exact_in, Backend::reference, 1, true);
+    const double scale = std::max(1.0, max_abs(ref.out)), dq_rounding = u * dq_weight_rounding(s, exact_in, ref);
     test::for_each_simd_target([&](int64_t) {
-      const auto fast = run_sparse(s, in, Backend::cpu, 2, false);
+      const auto fast = run_sparse(s, in, Backend::cpu, 2, true);
       EXPECT_LE(max_error(fast.out, ref.out), u * (max_abs(exact_in.v) + scale) + fp32_tolerance(scale));
       EXPECT_LE(max_error(fast.lse, ref.lse), fp32_tolerance(max_abs(ref.lse)));
-      EXPECT_FALSE(same_bits(fast.out, run_sparse(s, in, Backend::cpu, 2, false, Precision::exact).out));
-      const auto one = run_sparse(s, in, Backend::cpu, 1, false), three = run_sparse(s, in, Backend::cpu, 3, false);
+      for (const auto& [got, want, extra] : {std::tuple{&fast.dq, &ref.dq, dq_rounding},
+                                             std::tuple{&fast.dk, &ref.dk, 0.0}, std::tuple{&fast.dv, &ref.dv, 0.0}}) {
+        const double grad_scale = std::max(1.0, max_abs(*want));
+        EXPECT_LE(max_error(*got, *want), 4.0 * u * grad_scale + extra + fp32_tolerance(grad_scale));
+      }
+      const auto exact = run_sparse(s, in, Backend::cpu, 2, true, Precision::exact);
+      EXPECT_FALSE(same_bits(fast.out, exact.out));
+      EXPECT_FALSE(same_bits(fast.dq, exact.dq));
+      const auto one = run_sparse(s, in, Backend::cpu, 1, true), three = run_sparse(s, in, Backend::cpu, 3, true);
       EXPECT_TRUE(same_bits(one.out, three.out) && same_bits(one.lse, three.lse));
+      EXPECT_TRUE(same_bits(one.dq, three.dq) && same_bits(one.dk, three.dk) && same_bits(one.dv, three.dv));
+      EXPECT_EQ(one.dsinks, three.dsinks);
     });
   }
 }
