@@ -217,7 +217,9 @@ double dq_weight_rounding(const SparseSpec& s, const SparseInputs<double>& in, c
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t h = 0; h < s.q_heads; ++h)
       for (int64_t i = 0; i < s.q_len; ++i) {
-        const int64_t limit = s.causal == Causal::bottom_right ? i + s.k_len - s.q_len : s.k_len - 1;
+        const int64_t limit = s.causal == Causal::bottom_right ? i + s.k_len - s.q_len
+                              : s.causal == Causal::top_left   ? i
+                                                               : s.k_len - 1;
         double delta = 0.0;
         for (int64_t x = 0; x < s.v_dim; ++x) delta += in.dout(b, i, h, x) * ref.out(b, i, h, x);
         std::vector<double> sum(static_cast<std::size_t>(s.head_dim), 0.0);
