@@ -320,7 +320,10 @@ TEST(Sparse, Bfloat16SmallGroupsOnVdpbf16psWithinTheBf16Contract) {
       {.name = "groups_of_3_sinks_softcap", .batch = 1, .q_len = 29, .k_len = 200, .q_heads = 6, .kv_heads = 2,
        .head_dim = 64, .v_dim = 64, .topk = 90, .causal = Causal::top_left, .sinks = true, .softcap = 5.0f},
       {.name = "groups_of_2_per_kv_head", .batch = 1, .q_len = 21, .k_len = 130, .q_heads = 4, .kv_heads = 2,
-       .head_dim = 32, .v_dim = 32, .topk = 70, .shared = false, .causal = Causal::bottom_right}};
+       .head_dim = 32, .v_dim = 32, .topk = 70, .shared = false, .causal = Causal::bottom_right},
+      // a tile of 4 rows, then 3 (the kernels' remainder rows after a full tile)
+      {.name = "groups_of_7", .batch = 1, .q_len = 23, .k_len = 170, .q_heads = 7, .kv_heads = 1, .head_dim = 96,
+       .v_dim = 64, .topk = 80, .causal = Causal::bottom_right}};
   for (const SparseSpec& s : specs) {
     SCOPED_TRACE(s.name);
     const auto in = sparse_inputs<bfloat16>(s, 91);
