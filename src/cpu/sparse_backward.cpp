@@ -99,11 +99,13 @@ inline void PairWeights(const detail::SparseBackwardProblem<bfloat16>& problem, 
                         int64_t i, int64_t g, const int32_t* keys, size_t n, Scratch<bfloat16>& s) {
   const detail::Extents& e = problem.dense.extents;
   const size_t group = static_cast<size_t>(e.group()), padded = round_up(n, size_t{16});  // the kernel's 16 keys
+  const auto rows = problem.dense.rows();
+  const int64_t h = g * e.group();
   s.stored.Point(keys, n, padded);
-  bf16dot::GroupScores(w.q16_row(b, i, g * e.group()), group, s.stored.k_rows(), padded, w.d,
+  bf16dot::GroupScores(w.q_in_place ? rows.q(b, i, h) : w.q16_row(b, i, h), group, s.stored.k_rows(), padded, w.d,
                        static_cast<float>(problem.dense.scale), s.scores.get(), kGatherKeys);
-  bf16dot::GroupScores(w.dout16_row(b, i, g * e.group()), group, s.stored.v_rows(), padded, w.dv, 1.0f,
-                       s.d_scores.get(), kGatherKeys);
+  bf16dot::GroupScores(w.dout_in_place ? rows.dout(b, i, h) : w.dout16_row(b, i, h), group, s.stored.v_rows(),
+                       padded, w.dv, 1.0f, s.d_scores.get(), kGatherKeys);
   GroupWeightsAndGradients(problem, w, b, i, g, n, padded, s);
 }
 
@@ -144,8 +146,8 @@ void PrepareRow(const detail::SparseBackwardProblem<T>& problem, Workspace& w, i
   if constexpr (std::is_same_v<T, bfloat16>) {
     if (w.pairs)
       for (int64_t h = 0; h < e.q_heads; ++h) {
-        std::copy_n(rows.q(b, i, h), w.d, w.q16.data() + w.head_row(b, i, h) * w.d);
-        std::copy_n(rows.dout(b, i, h), w.dv, w.dout16.data() + w.head_row(b, i, h) * w.dv);
+        if (!w.q_in_place) std::copy_n(rows.q(b, i, h), w.d, w.q16.data() + w.head_row(b, i, h) * w.d);
+        if (!w.dout_in_place) std::copy_n(rows.dout(b, i, h), w.dv, w.dout16.data() + w.head_row(b, i, h) * w.dv);
       }
     if (w.unit == Bf16Unit::fp32_fma) return;
     const auto group = static_cast<size_t>(e.group());
@@ -448,8 +450,10 @@ void SparseBackwardImpl(const detail::SparseBackwardProblem<T>& problem) {
   if (w.pairs) {
     w.d = static_cast<size_t>(e.head_dim);
     w.dv = static_cast<size_t>(e.v_dim);
-    w.q16.resize(head_rows * w.d);
-    w.dout16.resize(head_rows * w.dv);
+    w.q_in_place = dense.args.q.strides[2] == e.head_dim;
+    w.dout_in_place = dense.args.dout.strides[2] == e.v_dim;
+    w.q16.resize(w.q_in_place ? 0 : head_rows * w.d);
+    w.dout16.resize(w.dout_in_place ? 0 : head_rows * w.dv);
   }
   if (w.unit != Bf16Unit::fp32_fma) {
     const auto units = static_cast<size_t>(e.batch * e.q_len * e.kv_heads);

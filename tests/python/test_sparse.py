@@ -258,6 +258,19 @@ def test_bshd_layout_is_the_same_call():
     torch.testing.assert_close(got.transpose(1, 2), expected, rtol=0, atol=0)
 
 
+def test_bshd_bfloat16_gradients_are_the_bhsd_ones():
+    """Contiguous bshd rows (a row's heads consecutive, which the pair step's backward reads
+    in place instead of copying) give the bhsd call's out and gradients bit for bit."""
+    case = next(c for c in BF16_CASES if c["name"] == "gqa_groups_of_4")
+    q, k, v, dout, idx = make(case, dtype=torch.bfloat16)
+    out, _, grads = with_grads(lambda *x: (qkv.sparse_attention(*x, idx, causal=case["causal"]), None), q, k, v, dout)
+    bshd = [x.transpose(1, 2).contiguous() for x in (q, k, v, dout)]
+    out_s, _, grads_s = with_grads(
+        lambda *x: (qkv.sparse_attention(*x, idx, causal=case["causal"], layout="bshd"), None), *bshd)
+    for a, b in zip((out, *grads), (out_s, *grads_s)):
+        assert torch.equal(a, b.transpose(1, 2))
+
+
 def test_bad_index_names_the_row_and_writes_nothing():
     q, k, v = (torch.randn(2, 2, 3, 8) for _ in range(3))
     idx = torch.zeros(2, 3, 2, dtype=torch.int64)
