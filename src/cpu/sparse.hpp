@@ -20,8 +20,8 @@ namespace qkv::cpu {
 // heads (≥ 16: DeepSeek's MQA/MLA mode, where each gathered key feeds enough rows to make
 // the dot products pay) without a modifier the transposed scores skip (soft-cap, ALiBi,
 // score_mod). One rule for the forward and the backward, so that the backward's logits
-// are the forward's (both take sparse_pair_step instead where it applies). May throw (QKV_DOT_PRODUCTS=on without the unit): call it before a
-// parallel region.
+// are the forward's (both take sparse_pair_step instead where it applies). May throw
+// (QKV_DOT_PRODUCTS=on without the unit): call it before a parallel region.
 // T: the storage type (any but bfloat16 takes none).
 template <class T>
 Bf16Unit sparse_dot_unit(const detail::Extents& e, const detail::ScoreModifiers& mods, Precision precision) {
